@@ -1,0 +1,1 @@
+"""MaxText-style LLM training in pure Python/JAX."""

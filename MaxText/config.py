@@ -1,0 +1,270 @@
+"""Configuration: base.yml (+ `base_config:` inheritance) + model preset + key=value + M_<KEY>.
+
+The result is a frozen `Config` passed explicitly to every function; loading it has no side effects
+(no directories made, no JAX calls). Every key is declared in configs/base.yml; anything else is an
+error with a did-you-mean suggestion.
+"""
+
+from __future__ import annotations
+
+import datetime
+import difflib
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import yaml
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+ENV_PREFIX = "M_"
+
+# Keys whose value must be one of a fixed set; checked at load.
+CHOICES = {
+  "dtype": ("bfloat16", "float32", "float16"),
+  "weight_dtype": ("float32", "bfloat16"),
+  "attention": ("autoselected", "dot_product"),
+  "remat_policy": ("full", "minimal", "save_dot_except_mlp", "save_qkv_proj", "none"),
+  "dataset_type": ("synthetic", "text"),
+  "hardware": ("auto", "cpu", "gpu", "tpu"),
+  "profiler": ("", "xplane"),
+}
+
+# Keys derived at load time; users may not set them.
+DERIVED = (
+  "emb_dim",
+  "num_query_heads",
+  "num_kv_heads",
+  "mlp_dim",
+  "num_decoder_layers",
+  "run_dir",
+  "checkpoint_dir",
+  "tensorboard_dir",
+  "tokenizer_dir",
+  "learning_rate_schedule_steps_resolved",
+)
+
+
+class ConfigError(ValueError):
+  """A configuration that cannot be run; the message says what to change."""
+
+
+class Config:
+  """Immutable attribute access to the resolved configuration."""
+
+  __slots__ = ("_values",)
+
+  def __init__(self, values: Mapping[str, Any]):
+    object.__setattr__(self, "_values", dict(values))
+
+  def __getattr__(self, key: str) -> Any:
+    try:
+      return self._values[key]
+    except KeyError:
+      raise AttributeError(f"Config has no key {key!r}{_suggest(key, self._values)}") from None
+
+  def __setattr__(self, key: str, value: Any) -> None:
+    raise AttributeError("Config is frozen; use Config.replace(**changes) for a modified copy")
+
+  def __getitem__(self, key: str) -> Any:
+    return self.__getattr__(key)
+
+  def __contains__(self, key: str) -> bool:
+    return key in self._values
+
+  def __reduce__(self):
+    return (Config, (self._values,))
+
+  def to_dict(self) -> dict[str, Any]:
+    return dict(self._values)
+
+  def replace(self, **changes: Any) -> Config:
+    """A copy with `changes` applied (keys must exist); derived values are recomputed."""
+    raw = {k: v for k, v in self._values.items() if k not in DERIVED}
+    for key, value in changes.items():
+      if key not in raw:
+        raise ConfigError(f"Unknown config key {key!r}{_suggest(key, raw)}")
+      raw[key] = value
+    return Config(_finalize(raw))
+
+  def __repr__(self) -> str:
+    return "\n".join(f"{k}: {v!r}" for k, v in sorted(self._values.items()))
+
+
+def _suggest(key: str, known: Mapping[str, Any] | Sequence[str]) -> str:
+  close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+  return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+  """Read a YAML file, following `base_config:` (relative to the file, then to configs/)."""
+  if not os.path.isfile(path):
+    raise ConfigError(f"Config file {path!r} does not exist")
+  with open(path) as f:
+    values = yaml.safe_load(f) or {}
+  if not isinstance(values, dict):
+    raise ConfigError(f"Config file {path!r} must hold a mapping of key: value")
+  parent = values.pop("base_config", None)
+  if parent is None:
+    return values
+  for candidate in (os.path.join(os.path.dirname(path), parent), os.path.join(CONFIG_DIR, parent)):
+    if os.path.isfile(candidate):
+      return {**_read_yaml(candidate), **values}
+  raise ConfigError(f"{path!r}: base_config {parent!r} not found next to it or in {CONFIG_DIR}")
+
+
+def _coerce(key: str, value: Any, default: Any) -> Any:
+  """Parse `value` (a string from argv/env, or a YAML value) to the type of `default`."""
+  if isinstance(value, str) and not isinstance(default, str):
+    try:
+      value = yaml.safe_load(value)
+    except yaml.YAMLError as e:
+      raise ConfigError(f"{key}={value!r} is not valid YAML: {e}") from None
+  if isinstance(default, bool):
+    if not isinstance(value, bool):
+      raise ConfigError(f"{key} must be true or false, got {value!r}")
+    return value
+  if isinstance(default, int):
+    if isinstance(value, float) and value.is_integer():
+      value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+      raise ConfigError(f"{key} must be an integer, got {value!r}")
+    return value
+  if isinstance(default, float):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      raise ConfigError(f"{key} must be a number, got {value!r}")
+    return float(value)
+  if isinstance(default, str):
+    return "" if value is None else str(value)
+  if isinstance(default, list):
+    if not isinstance(value, list):
+      raise ConfigError(f"{key} must be a list, got {value!r}")
+    return value
+  return value
+
+
+def _parse_overrides(argv: Sequence[str]) -> dict[str, str]:
+  overrides = {}
+  for arg in argv:
+    if "=" not in arg:
+      raise ConfigError(f"Command-line argument {arg!r} is not of the form key=value")
+    key, value = arg.split("=", 1)
+    overrides[key.strip()] = value
+  return overrides
+
+
+def _apply(values: dict[str, Any], updates: Mapping[str, Any], defaults: Mapping[str, Any], where: str):
+  for key, value in updates.items():
+    if key in DERIVED:
+      raise ConfigError(f"{key} is derived ({where}); set its base_* key or global_parameter_scale")
+    if key not in defaults:
+      raise ConfigError(f"Unknown config key {key!r} ({where}){_suggest(key, defaults)}")
+    values[key] = _coerce(key, value, defaults[key])
+
+
+def load(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Config:
+  """Build the Config from `argv = [config.yml, key=value, ...]` and `M_<KEY>` variables."""
+  if not argv or "=" in argv[0]:
+    raise ConfigError("Usage: <entry point> path/to/config.yml [key=value ...]")
+  environ = os.environ if environ is None else environ
+  defaults = _read_yaml(os.path.join(CONFIG_DIR, "base.yml"))
+  values = dict(defaults)
+  _apply(values, _read_yaml(argv[0]), defaults, argv[0])
+
+  cli = _parse_overrides(argv[1:])
+  env = {k[len(ENV_PREFIX) :].lower(): v for k, v in environ.items() if k.startswith(ENV_PREFIX)}
+  env = {k: v for k, v in env.items() if k in defaults or k in DERIVED}  # M_ is a common prefix
+  user = {**cli, **env}
+  model_name = _coerce("model_name", user.get("model_name", values["model_name"]), "")
+  override = _coerce("override_model_config", user.get("override_model_config", values["override_model_config"]), False)
+  preset = _load_preset(model_name, defaults)
+  _apply(values, preset, defaults, f"models/{model_name}.yml")
+  before = dict(values)
+  _apply(values, cli, defaults, "command line")
+  _apply(values, env, defaults, "environment")
+  if not override:
+    clashes = [k for k in preset if values[k] != before[k]]
+    if clashes:
+      raise ConfigError(
+        f"{', '.join(clashes)} set by model preset {model_name!r} and overridden; "
+        "pass override_model_config=true to allow it"
+      )
+  return Config(_finalize(values))
+
+
+def _load_preset(model_name: str, defaults: Mapping[str, Any]) -> dict[str, Any]:
+  path = os.path.join(CONFIG_DIR, "models", f"{model_name}.yml")
+  if not os.path.isfile(path):
+    names = sorted(f[:-4] for f in os.listdir(os.path.join(CONFIG_DIR, "models")) if f.endswith(".yml"))
+    raise ConfigError(f"Unknown model_name {model_name!r}{_suggest(model_name, names)}; presets: {', '.join(names)}")
+  return _read_yaml(path)
+
+
+def individual_scales(scale: int) -> tuple[int, int, int, int]:
+  """log2 multipliers (emb, heads, mlp, layers) for global_parameter_scale, cycling heads/mlp, emb, layers."""
+  log2 = int(math.log2(scale)) if scale > 0 else -1
+  if scale <= 0 or 2**log2 != scale:
+    raise ConfigError(f"global_parameter_scale must be a power of 2, got {scale}")
+  base, rem = divmod(log2, 3)
+  heads = base + int(rem > 0)
+  return base + int(rem > 1), heads, heads, base
+
+
+def _finalize(values: dict[str, Any]) -> dict[str, Any]:
+  """Validate and add derived values. Pure: the same input always gives the same Config."""
+  for key, choices in CHOICES.items():
+    if values[key] not in choices:
+      raise ConfigError(f"{key}={values[key]!r} is not one of {', '.join(map(repr, choices))}")
+  emb, heads, mlp, layers = individual_scales(values["global_parameter_scale"])
+  out = dict(values)
+  out["emb_dim"] = values["base_emb_dim"] * 2**emb
+  out["num_query_heads"] = values["base_num_query_heads"] * 2**heads
+  out["num_kv_heads"] = values["base_num_kv_heads"] * 2**heads
+  out["mlp_dim"] = values["base_mlp_dim"] * 2**mlp
+  out["num_decoder_layers"] = values["base_num_decoder_layers"] * 2**layers
+  if not out["run_name"]:
+    out["run_name"] = datetime.datetime.now().strftime("run_%Y%m%d_%H%M%S")
+  out["run_dir"] = os.path.join(values["base_output_directory"], out["run_name"])
+  out["checkpoint_dir"] = os.path.join(out["run_dir"], "checkpoints")
+  out["tensorboard_dir"] = os.path.join(out["run_dir"], "tensorboard")
+  out["tokenizer_dir"] = os.path.join(out["run_dir"], "tokenizer")
+  if not values["metrics_file"]:
+    out["metrics_file"] = os.path.join(out["run_dir"], "metrics.jsonl")
+  sched = values["learning_rate_schedule_steps"]
+  out["learning_rate_schedule_steps_resolved"] = values["steps"] if sched == -1 else sched
+  _validate(out)
+  return out
+
+
+def _validate(c: dict[str, Any]) -> None:
+  """Checks that need no devices; device-dependent ones (mesh, batch) live in sharding.py."""
+
+  def positive(*keys):
+    for k in keys:
+      if c[k] <= 0:
+        raise ConfigError(f"{k} must be > 0, got {c[k]}")
+
+  positive("base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim")
+  positive("base_num_decoder_layers", "head_dim", "vocab_size", "max_target_length", "steps")
+  positive("per_device_batch_size", "log_period", "gradient_accumulation_steps", "checkpoint_period")
+  if c["num_query_heads"] % c["num_kv_heads"]:
+    raise ConfigError(
+      f"num_query_heads ({c['num_query_heads']}) must be a multiple of num_kv_heads ({c['num_kv_heads']})"
+    )
+  if len(c["mlp_activations"]) not in (1, 2):
+    raise ConfigError(f"mlp_activations takes one or two activations, got {c['mlp_activations']}")
+  if not 0.0 <= c["dropout_rate"] < 1.0:
+    raise ConfigError(f"dropout_rate must be in [0, 1), got {c['dropout_rate']}")
+  if not 0.0 <= c["warmup_steps_fraction"] <= 1.0:
+    raise ConfigError(f"warmup_steps_fraction must be in [0, 1], got {c['warmup_steps_fraction']}")
+  if c["load_parameters_path"] and c["load_full_state_path"]:
+    raise ConfigError("Set at most one of load_parameters_path and load_full_state_path")
+  for key in ("load_parameters_path", "load_full_state_path", "tokenizer_path"):
+    if c[key] and not c[key].startswith("gs://") and not os.path.exists(c[key]):
+      raise ConfigError(f"{key}={c[key]!r} does not exist")
+  if c["eval_interval"] > 0 and c["eval_steps"] <= 0:
+    raise ConfigError(f"eval_steps must be > 0 when eval_interval is set, got {c['eval_steps']}")
+  if c["dataset_type"] == "text" and not 0.0 <= c["eval_fraction"] < 1.0:
+    raise ConfigError(f"eval_fraction must be in [0, 1), got {c['eval_fraction']}")
+  if c["max_num_checkpoints_to_keep"] == 0 or c["max_num_checkpoints_to_keep"] < -1:
+    raise ConfigError("max_num_checkpoints_to_keep must be -1 (keep all) or a positive number")

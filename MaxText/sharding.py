@@ -1,0 +1,139 @@
+"""Device mesh from the ici_*/dcn_* keys, and logical axis names -> mesh shardings.
+
+Model code names logical axes (`embed`, `mlp`, `activation_batch`, ...); `logical_axis_rules` in
+base.yml maps them to the mesh axes built here. Nothing in layers/ or models/ names a mesh axis.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from MaxText.config import Config, ConfigError
+
+# mesh axis -> the suffix of its ici_/dcn_ keys (MaxText calls the `stage` axis "pipeline").
+AXIS_KEY = {
+  "data": "data",
+  "stage": "pipeline",
+  "fsdp": "fsdp",
+  "fsdp_transpose": "fsdp_transpose",
+  "sequence": "sequence",
+  "tensor": "tensor",
+  "expert": "expert",
+  "autoregressive": "autoregressive",
+}
+
+
+def _fill(prefix: str, config: Config, total: int, what: str) -> list[int]:
+  """Parallelism per mesh axis for `prefix` (ici|dcn), with one -1 filled so the product is total."""
+  keys = [f"{prefix}_{AXIS_KEY[a]}_parallelism" for a in config.mesh_axes]
+  sizes = [config[k] for k in keys]
+  unknown = [k for k, s in zip(keys, sizes) if s == -1]
+  if len(unknown) > 1:
+    raise ConfigError(f"At most one {prefix}_* parallelism may be -1; got {', '.join(unknown)}")
+  if any(s == 0 or s < -1 for s in sizes):
+    raise ConfigError(f"{prefix}_* parallelism values must be positive or -1: {dict(zip(keys, sizes))}")
+  known = math.prod(s for s in sizes if s != -1)
+  named = " * ".join(f"{k}({s})" for k, s in zip(keys, sizes) if s not in (1, -1)) or f"all {prefix}_* = 1"
+  if unknown:
+    if total % known:
+      raise ConfigError(f"{named} = {known} does not divide the {total} {what}; {unknown[0]} cannot be filled")
+    sizes[keys.index(unknown[0])] = total // known
+  elif known != total:
+    raise ConfigError(f"{named} = {known} != {total} {what}")
+  return sizes
+
+
+def num_slices(config: Config, devices: Sequence[Any]) -> int:
+  if config.num_slices > 0:
+    return config.num_slices
+  return 1 + max(getattr(d, "slice_index", 0) or 0 for d in devices)
+
+
+def create_mesh(config: Config, devices: Sequence[Any] | None = None) -> Mesh:
+  """The device mesh: ici_* within a slice, dcn_* across slices (hybrid mesh)."""
+  devices = list(jax.devices() if devices is None else devices)
+  slices = num_slices(config, devices)
+  if len(devices) % slices:
+    raise ConfigError(f"{len(devices)} devices do not split into num_slices={slices} equal slices")
+  ici = _fill("ici", config, len(devices) // slices, "devices per slice")
+  dcn = _fill("dcn", config, slices, "slices (num_slices)")
+  if slices == 1:
+    try:
+      grid = mesh_utils.create_device_mesh(ici, devices)
+    except (NotImplementedError, ValueError, AssertionError):
+      # Devices without a physical topology (CPU, GPU across processes) take the plain order.
+      grid = np.array(devices).reshape(ici)
+  else:
+    dcn_full = [d * i for d, i in zip(dcn, ici)]
+    if all(hasattr(d, "slice_index") for d in devices):
+      grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
+    else:  # processes stand in for slices: process-major order keeps each slice's devices together
+      ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+      grid = np.array(ordered).reshape(dcn + ici).transpose(_interleave(len(ici))).reshape(dcn_full)
+  return Mesh(grid, tuple(config.mesh_axes))
+
+
+def _interleave(n: int) -> list[int]:
+  """Axis order that turns a [dcn..., ici...] array into [dcn_0, ici_0, dcn_1, ici_1, ...]."""
+  return [axis for pair in zip(range(n), range(n, 2 * n)) for axis in pair]
+
+
+def axis_rules(config: Config) -> tuple[tuple[str, Any], ...]:
+  """logical_axis_rules from the config as flax expects them: (name, mesh axes | axis | None)."""
+  rules = []
+  for name, target in config.logical_axis_rules:
+    if isinstance(target, (list, tuple)):
+      target = tuple(target) or None
+    rules.append((name, target))
+  return tuple(rules)
+
+
+def logical_to_mesh(spec_tree: Any, mesh: Mesh, rules: Sequence[tuple[str, Any]]) -> Any:
+  """Map a tree of logical PartitionSpecs to NamedShardings on `mesh`."""
+  return jax.tree.map(
+    lambda spec: NamedSharding(mesh, nn.logical_to_mesh_axes(tuple(spec), rules)),
+    spec_tree,
+    is_leaf=lambda x: isinstance(x, PartitionSpec),
+  )
+
+
+def data_axes(config: Config) -> tuple[str, ...]:
+  return tuple(a for group in config.data_sharding for a in group)
+
+
+def input_sharding(config: Config, mesh: Mesh) -> NamedSharding:
+  """Sharding of a [batch, length] input array: the batch over the data_sharding mesh axes."""
+  return NamedSharding(mesh, PartitionSpec(data_axes(config), None))
+
+
+def global_batch_size(config: Config, mesh: Mesh, per_device: float | None = None) -> int:
+  """per_device_batch_size x devices, checked to be whole and to split over the batch axes."""
+  per_device = config.per_device_batch_size if per_device is None else per_device
+  exact = per_device * mesh.size
+  if abs(exact - round(exact)) > 1e-6 or round(exact) == 0:
+    raise ConfigError(
+      f"per_device_batch_size({per_device}) * {mesh.size} devices = {exact:g} is not a positive whole "
+      "global batch; choose a per_device_batch_size that gives one"
+    )
+  batch = round(exact)
+  shards = math.prod(mesh.shape[a] for a in data_axes(config))
+  if batch % shards:
+    raise ConfigError(
+      f"global batch {batch} does not split over the {shards} devices of the batch axes "
+      f"{data_axes(config)}; raise per_device_batch_size or change the mesh"
+    )
+  micro = config.gradient_accumulation_steps
+  if batch % micro or (batch // micro) % shards:
+    raise ConfigError(
+      f"global batch {batch} does not split into gradient_accumulation_steps={micro} micro-batches "
+      f"that each split over {shards} batch shards"
+    )
+  return batch

@@ -1,0 +1,6 @@
+"""Tests run on 8 fake CPU devices; XLA_FLAGS must be set before jax is imported."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")

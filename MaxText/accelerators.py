@@ -1,0 +1,115 @@
+"""Peak dense bf16 FLOP/s and HBM bytes per device, keyed by `jax.Device.device_kind`.
+
+MFU divides the model FLOP/s a device achieves by its peak from this table. Figures are the
+vendors' published dense (not 2:4 sparse) bf16 numbers. A "device" is what JAX calls one: a whole
+chip on TPU v4/v5p (megacore) and on v5e/v6e/GPUs, but one TensorCore of the two on a TPU v2/v3
+chip, so those entries are half the per-chip figure.
+
+Lookup rule: the lower-cased device_kind is tested against each entry's patterns in table order;
+the first entry with a pattern that is a substring wins. More specific entries come first ("v5
+lite" before "tpu v5", "gh200" before "h200", "l40s" before "l4").
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+GiB = 2**30
+
+
+class DeviceSpec(NamedTuple):
+  """Published figures for one device kind."""
+
+  name: str
+  patterns: tuple[str, ...]  # lower-case substrings of device_kind, any of which selects this entry
+  peak_flops: float  # dense bf16 FLOP/s per JAX device
+  hbm_bytes: int  # HBM per JAX device
+
+
+# fmt: off
+DEVICE_SPECS: tuple[DeviceSpec, ...] = (
+  # TPUs (cloud.google.com/tpu/docs/system-architecture-tpu-vm and the per-version pages).
+  DeviceSpec("TPU v2", ("tpu v2",), 22.5e12, 8 * GiB),  # 45 TFLOP/s, 16 GiB per chip; 2 cores per chip
+  DeviceSpec("TPU v3", ("tpu v3",), 61.5e12, 16 * GiB),  # 123 TFLOP/s, 32 GiB per chip; 2 cores per chip
+  DeviceSpec("TPU v4 lite", ("tpu v4 lite", "v4i"), 138e12, 8 * GiB),  # v4i inference chip: 138 TFLOP/s, 8 GiB
+  DeviceSpec("TPU v4", ("tpu v4",), 275e12, 32 * GiB),  # 275 TFLOP/s bf16, 32 GiB HBM2 per chip
+  DeviceSpec("TPU v5e", ("v5 lite", "v5e", "v5litepod"), 197e12, 16 * GiB),  # 197 TFLOP/s bf16, 16 GiB HBM2
+  DeviceSpec("TPU v5p", ("v5p", "tpu v5"), 459e12, 95 * GiB),  # 459 TFLOP/s bf16, 95 GiB HBM2e
+  DeviceSpec("TPU v6e", ("v6 lite", "v6e", "trillium"), 918e12, 32 * GiB),  # Trillium: 918 TFLOP/s, 32 GiB
+  # NVIDIA (datasheets; "dense" is half the headline with-sparsity figure).
+  DeviceSpec("B200", ("b200",), 2.25e15, 180 * GiB),  # HGX B200: 4.5 PFLOP/s sparse bf16, 180 GB HBM3e
+  DeviceSpec("GH200 144GB", ("gh200 144g",), 989e12, 144 * GiB),  # GH200: H100-class 989 TFLOP/s, 144 GB HBM3e
+  DeviceSpec("GH200", ("gh200",), 989e12, 96 * GiB),  # GH200 480GB: 989 TFLOP/s dense bf16, 96 GB HBM3
+  DeviceSpec("H200", ("h200",), 989e12, 141 * GiB),  # H200 SXM: 1,979 TFLOP/s sparse bf16, 141 GB HBM3e
+  DeviceSpec("H100 PCIe", ("h100 pcie",), 756e12, 80 * GiB),  # H100 PCIe: 1,513 TFLOP/s sparse, 80 GB HBM2e
+  DeviceSpec("H100 NVL", ("h100 nvl",), 835e12, 94 * GiB),  # H100 NVL: 1,671 TFLOP/s sparse, 94 GB HBM3
+  DeviceSpec("H100 SXM", ("h100",), 989e12, 80 * GiB),  # "NVIDIA H100 80GB HBM3": 1,979 sparse, 80 GB HBM3
+  DeviceSpec("A100 80GB", ("a100-sxm4-80gb", "a100 80gb"), 312e12, 80 * GiB),  # A100: 312 TFLOP/s dense bf16
+  DeviceSpec("A100 40GB", ("a100",), 312e12, 40 * GiB),  # A100 40GB (SXM4/PCIe): 312 TFLOP/s, 40 GB HBM2
+  DeviceSpec("L40S", ("nvidia l40s",), 362e12, 48 * GiB),  # L40S: 733 TFLOP/s sparse bf16, 48 GB GDDR6
+  DeviceSpec("L40", ("nvidia l40",), 181e12, 48 * GiB),  # L40: 362 TFLOP/s sparse bf16, 48 GB GDDR6
+  DeviceSpec("L4", ("nvidia l4",), 121e12, 24 * GiB),  # L4: 242 TFLOP/s sparse bf16, 24 GB GDDR6
+)
+# fmt: on
+
+
+def device_spec(device_kind: str) -> DeviceSpec | None:
+  """The table entry for a device_kind string (see the module docstring for the rule), or None."""
+  kind = device_kind.lower()
+  for spec in DEVICE_SPECS:
+    if any(p in kind for p in spec.patterns):
+      return spec
+  return None
+
+
+def _default_device(device: Any | None) -> Any:
+  return jax.devices()[0] if device is None else device
+
+
+def peak_flops_per_device(device: Any | None = None) -> float:
+  """Peak FLOP/s of `device` (default: the first JAX device), from DEVICE_SPECS.
+
+  On CPU (or a kind not in the table) there is no published figure, so the peak is a matmul
+  measured once per process and cached; MFU on CPU is then relative to this measured peak. The
+  CPU devices of one process (e.g. --xla_force_host_platform_device_count=8) share the host's
+  cores, so each gets an equal share of the host's measured peak.
+  """
+  device = _default_device(device)
+  spec = device_spec(device.device_kind)
+  if spec is not None:
+    return spec.peak_flops
+  if device.platform == "cpu":
+    return _measured_peak_flops("cpu") / max(1, len(jax.local_devices(backend="cpu")))
+  return _measured_peak_flops(device.platform)
+
+
+def hbm_bytes_per_device(device: Any | None = None) -> int | None:
+  """HBM bytes of `device` from DEVICE_SPECS; None on CPU or for a kind not in the table."""
+  spec = device_spec(_default_device(device).device_kind)
+  return None if spec is None else spec.hbm_bytes
+
+
+@functools.cache
+def _measured_peak_flops(platform: str) -> float:
+  """Best FLOP/s of a square matmul on the first device of `platform`, after a warm-up.
+
+  float32 on CPU (its native fast path); bf16 and a larger size elsewhere, to match the table's
+  bf16 peaks. Runs at least 3 times and until ~0.1 s of timed work, so a total of ~0.1-0.3 s.
+  """
+  n, dtype = (1024, jnp.float32) if platform == "cpu" else (8192, jnp.bfloat16)
+  device = jax.local_devices(backend=platform)[0]
+  a = jax.device_put(jnp.ones((n, n), dtype), device)
+  matmul = jax.jit(jnp.matmul)
+  matmul(a, a).block_until_ready()  # compile and warm up outside the timing
+  best, spent, runs = float("inf"), 0.0, 0
+  while runs < 3 or (spent < 0.1 and runs < 50):
+    start = time.perf_counter()
+    matmul(a, a).block_until_ready()
+    elapsed = time.perf_counter() - start
+    best, spent, runs = min(best, elapsed), spent + elapsed, runs + 1
+  return 2.0 * n**3 / best

@@ -131,6 +131,11 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
       raise ConfigError(f"{key} must be an integer, got {value!r}")
     return value
   if isinstance(default, float):
+    if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+      try:
+        value = float(value)
+      except ValueError:
+        pass
     if isinstance(value, bool) or not isinstance(value, (int, float)):
       raise ConfigError(f"{key} must be a number, got {value!r}")
     return float(value)

@@ -6,6 +6,7 @@ base.yml maps them to the mesh axes built here. Nothing in layers/ or models/ na
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -137,3 +138,10 @@ def global_batch_size(config: Config, mesh: Mesh, per_device: float | None = Non
       f"that each split over {shards} batch shards"
     )
   return batch
+
+
+@contextlib.contextmanager
+def activate(config: Config, mesh: Mesh):
+  """Mesh + logical axis rules in scope, so logical activation constraints in the model resolve."""
+  with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)):
+    yield

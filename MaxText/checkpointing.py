@@ -1,0 +1,100 @@
+"""Orbax checkpoints: resume > load_full_state_path > load_parameters_path > fresh init.
+
+Layout: <run dir>/checkpoints/<step>/{state, data}: `state` is the TrainState (params, optimizer,
+step), `data` the input iterator's JSON state. Orbax writes each step to a temporary directory and
+renames it when complete, so a crash or kill mid-save leaves the previous checkpoint intact and the
+partial one is ignored. Restores go straight into the sharded layout of the abstract state.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NamedTuple
+
+import jax
+import optax
+import orbax.checkpoint as ocp
+
+from MaxText import state as state_lib
+from MaxText.config import Config, ConfigError
+from MaxText.state import StateSpec, TrainState
+
+
+class Restored(NamedTuple):
+  state: TrainState
+  data_state: dict | None  # the iterator state saved with it (resume only)
+  source: str  # "resume from step N" | "load_full_state_path" | "load_parameters_path" | "init"
+
+
+def create_manager(config: Config) -> ocp.CheckpointManager | None:
+  if not config.enable_checkpointing:
+    return None
+  options = ocp.CheckpointManagerOptions(
+    save_interval_steps=config.checkpoint_period,
+    max_to_keep=None if config.max_num_checkpoints_to_keep == -1 else config.max_num_checkpoints_to_keep,
+    enable_async_checkpointing=config.async_checkpointing,
+    create=True,
+    cleanup_tmp_directories=True,
+  )
+  return ocp.CheckpointManager(os.path.abspath(config.checkpoint_dir), options=options, item_names=("state", "data"))
+
+
+def save(manager: ocp.CheckpointManager, step: int, state: TrainState, data_state: dict, force: bool = False) -> bool:
+  """Save if `step` is due (or `force`); returns whether a save started. Steps count completed steps."""
+  args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state))
+  return manager.save(step, args=args, force=force)
+
+
+def restore_or_init(
+  config: Config, tx: optax.GradientTransformation, spec: StateSpec, manager: ocp.CheckpointManager | None
+) -> Restored:
+  """The starting state, in order of precedence: this run's latest checkpoint, then the load_* paths."""
+  if manager is not None and manager.latest_step() is not None:
+    step = manager.latest_step()
+    restored = manager.restore(
+      step, args=ocp.args.Composite(state=ocp.args.StandardRestore(spec.abstract), data=ocp.args.JsonRestore())
+    )
+    return Restored(restored.state, restored.data, f"resume from step {step}")
+  if config.load_full_state_path:
+    return Restored(_restore_tree(config.load_full_state_path, spec.abstract), None, "load_full_state_path")
+  fresh = state_lib.init_state(config, tx, spec)
+  if config.load_parameters_path:
+    params = load_params(config.load_parameters_path, spec.abstract.params)
+    return Restored(fresh.replace(params=params), None, "load_parameters_path")
+  return Restored(fresh, None, "init")
+
+
+def _restore_tree(path: str, abstract: Any) -> Any:
+  path = os.path.abspath(path)
+  if not os.path.isdir(path):
+    raise ConfigError(f"Checkpoint {path!r} does not exist")
+  try:
+    return ocp.StandardCheckpointer().restore(path, abstract)
+  except (ValueError, KeyError, FileNotFoundError) as e:
+    raise ConfigError(f"Checkpoint {path!r} does not match this model's state: {e}") from e
+
+
+def load_params(path: str, abstract_params: Any) -> Any:
+  """Params from `path`: a params-only checkpoint, or a train-state checkpoint's `params` subtree."""
+  path = os.path.abspath(path)
+  if not os.path.isdir(path):
+    raise ConfigError(f"load_parameters_path {path!r} does not exist")
+  metadata = ocp.PyTreeCheckpointer().metadata(path)
+  tree = metadata.item_metadata.tree if hasattr(metadata, "item_metadata") else metadata
+  item = {"params": abstract_params} if isinstance(tree, dict) and "params" in tree else abstract_params
+  restore_args = ocp.checkpoint_utils.construct_restore_args(item)
+  try:
+    restored = ocp.PyTreeCheckpointer().restore(
+      path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+    )
+  except (ValueError, KeyError, FileNotFoundError) as e:
+    raise ConfigError(f"load_parameters_path {path!r} does not match this model's parameters: {e}") from e
+  return restored["params"] if item is not abstract_params else restored
+
+
+def save_params(path: str, params: Any) -> None:
+  """Write a params-only checkpoint usable as load_parameters_path."""
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(os.path.abspath(path), {"params": params})
+  checkpointer.wait_until_finished()
+  jax.effects_barrier()

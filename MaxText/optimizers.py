@@ -1,0 +1,37 @@
+"""AdamW with gradient clipping and a warm-up + cosine learning-rate schedule, from the config."""
+
+from __future__ import annotations
+
+import optax
+
+from MaxText.config import Config
+
+
+def learning_rate_schedule(config: Config) -> optax.Schedule:
+  """Linear warm-up from 0 to learning_rate over warmup_steps_fraction of the schedule, then cosine
+  decay to cosine_learning_rate_final_fraction x learning_rate at learning_rate_schedule_steps, then
+  constant at that value."""
+  total = config.learning_rate_schedule_steps_resolved
+  warmup = int(config.warmup_steps_fraction * total)
+  peak, final = config.learning_rate, config.learning_rate * config.cosine_learning_rate_final_fraction
+  parts = [optax.linear_schedule(0.0, peak, warmup)] if warmup else []
+  parts.append(optax.cosine_decay_schedule(peak, max(total - warmup, 1), alpha=final / peak if peak else 0.0))
+  parts.append(optax.constant_schedule(final))
+  boundaries = [warmup, total] if warmup else [total]
+  return optax.join_schedules(parts, boundaries)
+
+
+def build(config: Config) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """The optimizer (clip -> AdamW) and its schedule. Gradient accumulation lives in the train step."""
+  schedule = learning_rate_schedule(config)
+  adamw = optax.adamw(
+    schedule,
+    b1=config.adam_b1,
+    b2=config.adam_b2,
+    eps=config.adam_eps,
+    eps_root=config.adam_eps_root,
+    weight_decay=config.adam_weight_decay,
+  )
+  if config.gradient_clipping_threshold > 0:
+    return optax.chain(optax.clip_by_global_norm(config.gradient_clipping_threshold), adamw), schedule
+  return adamw, schedule

@@ -1,0 +1,174 @@
+"""Train a decoder-only LM: config -> mesh -> state -> loop (metrics, eval, checkpoints).
+
+python3 MaxText/train.py MaxText/configs/base.yml run_name=NAME key=value ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: import the package from the repository root
+  sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+import jax
+import yaml
+
+from MaxText import accelerators, checkpointing, metrics, optimizers, sharding
+from MaxText import config as config_lib
+from MaxText import data as data_lib
+from MaxText import state as state_lib
+from MaxText import train_step as steps
+from MaxText.config import Config, ConfigError
+
+
+class NonFiniteLossError(RuntimeError):
+  """The loss went NaN/inf; nothing from that step was checkpointed."""
+
+
+def check_hardware(config: Config) -> None:
+  backend = jax.default_backend()
+  if config.hardware != "auto" and backend != config.hardware:
+    raise ConfigError(f"hardware={config.hardware} but JAX found {backend} devices; set hardware=auto or {backend}")
+
+
+def write_config(config: Config) -> None:
+  """Record the resolved config next to the run's outputs (writer process only)."""
+  if jax.process_index() != 0:
+    return
+  os.makedirs(config.run_dir, exist_ok=True)
+  with open(os.path.join(config.run_dir, "config.yml"), "w") as f:
+    yaml.safe_dump(config.to_dict(), f, sort_keys=True)
+
+
+def evaluate(config: Config, eval_fn: Any, params: Any, eval_factory: Any) -> dict[str, float]:
+  """eval_steps batches of the eval split: token-weighted mean loss."""
+  totals = {"nll": 0.0, "tokens": 0.0}
+  batches = eval_factory()
+  for _ in range(config.eval_steps):
+    sums = jax.device_get(eval_fn(params, next(batches)))
+    totals = {k: totals[k] + float(sums[k]) for k in totals}
+  return {"eval_loss": totals["nll"] / max(totals["tokens"], 1.0), "eval_tokens": totals["tokens"]}
+
+
+@contextlib.contextmanager
+def profile(config: Config, step: int, start: int):
+  """Capture an xplane trace of profiler_steps steps after skip_first_n_steps_for_profiler."""
+  first = start + config.skip_first_n_steps_for_profiler
+  if config.profiler and step == first:
+    jax.profiler.start_trace(config.tensorboard_dir)
+  try:
+    yield
+  finally:
+    if config.profiler and step == first + config.profiler_steps - 1:
+      jax.profiler.stop_trace()
+
+
+@contextlib.contextmanager
+def stack_traces(config: Config):
+  """Periodic Python stack traces (for hangs) through cloud-tpu-diagnostics, when enabled."""
+  if not config.collect_stack_trace:
+    yield
+    return
+  from cloud_tpu_diagnostics import diagnostic
+  from cloud_tpu_diagnostics.configuration import (
+    debug_configuration,
+    diagnostic_configuration,
+    stack_trace_configuration,
+  )
+
+  trace = stack_trace_configuration.StackTraceConfig(
+    collect_stack_trace=True,
+    stack_trace_to_cloud=config.stack_trace_to_cloud,
+    stack_trace_interval_seconds=config.stack_trace_interval_seconds,
+  )
+  debug = debug_configuration.DebugConfig(stack_trace_config=trace)
+  with diagnostic.diagnose(diagnostic_configuration.DiagnosticConfig(debug_config=debug)):
+    yield
+
+
+def run(config: Config, devices: Sequence[Any] | None = None) -> dict[str, Any]:
+  """Train to config.steps on `devices` (default: all); returns the metrics summary."""
+  check_hardware(config)
+  mesh = sharding.create_mesh(config, devices)
+  global_batch = sharding.global_batch_size(config, mesh)  # fails early on a batch that cannot split
+  tx, _ = optimizers.build(config)
+  peak_flops = accelerators.peak_flops_per_device()  # on CPU a measured matmul: outside the mesh context
+  with sharding.activate(config, mesh), stack_traces(config):
+    spec = state_lib.state_spec(config, tx, mesh)
+    data = data_lib.make_iterators(config, mesh)
+    manager = checkpointing.create_manager(config)
+    restored = checkpointing.restore_or_init(config, tx, spec, manager)
+    if restored.data_state is not None:
+      data.train.set_state(restored.data_state)
+    write_config(config)
+    summary = train_loop(config, mesh, tx, spec, restored, data, manager, global_batch, peak_flops)
+  return summary
+
+
+def train_loop(config, mesh, tx, spec, restored, data, manager, global_batch, peak_flops) -> dict[str, Any]:
+  state, start = restored.state, int(restored.state.step)
+  is_writer = jax.process_index() == 0
+  if is_writer:
+    print(
+      f"{spec.num_params:,} parameters | global batch {global_batch} x {config.max_target_length} tokens | "
+      f"mesh {dict(mesh.shape)} | start: {restored.source} (step {start})",
+      flush=True,
+    )
+  step_fn = steps.jit_train_step(config, mesh, tx, spec)
+  eval_fn = steps.jit_eval_step(config, mesh, spec) if data.eval_factory and config.eval_interval > 0 else None
+  tokens_per_step = global_batch * config.max_target_length
+  logger = metrics.MetricLogger(
+    config,
+    num_devices=mesh.size,
+    tokens_per_step=tokens_per_step,
+    flops_per_step=metrics.training_flops_per_token(config).total * tokens_per_step,
+    peak_flops_per_device=peak_flops,
+    start_step=start,
+    is_writer=is_writer,
+  )
+  dropout_key = jax.random.key(config.dropout_seed)
+  with logger:
+    for step in range(start, config.steps):
+      with profile(config, step, start):
+        t0 = time.perf_counter()
+        state, step_metrics = step_fn(state, next(data.train), jax.random.fold_in(dropout_key, step))
+        scalars = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+        logger.log(step, scalars, time.perf_counter() - t0)
+      if config.nan_check and not math.isfinite(scalars["loss"]):
+        raise NonFiniteLossError(
+          f"loss is {scalars['loss']} at step {step}; nothing from this step was checkpointed. "
+          "Lower learning_rate, raise warmup_steps_fraction, set gradient_clipping_threshold, or use "
+          "dtype=float32; the run resumes from its last checkpoint."
+        )
+      done = step + 1
+      if eval_fn is not None and (done % config.eval_interval == 0 or done == config.steps):
+        logger.log_eval(step, evaluate(config, eval_fn, state.params, data.eval_factory))
+      if manager is not None:
+        checkpointing.save(manager, done, state, data.train.get_state(), force=done == config.steps)
+    if manager is not None:
+      manager.wait_until_finished()
+    summary = logger.close()
+  return summary
+
+
+def main(argv: Sequence[str]) -> None:
+  try:
+    config = config_lib.load(argv[1:])
+  except ConfigError as e:
+    sys.exit(f"Config error: {e}")
+  if config.log_config and jax.process_index() == 0:
+    print(config, flush=True)
+  try:
+    run(config)
+  except ConfigError as e:
+    sys.exit(f"Config error: {e}")
+
+
+if __name__ == "__main__":
+  main(sys.argv)

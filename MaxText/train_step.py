@@ -1,0 +1,122 @@
+"""The jitted steps: pure, module-level `(state, batch, rng) -> (state, metrics)` once their static
+arguments (graphdef, optimizer, config) are bound with functools.partial. train.py, train_compile.py,
+tests and benchmarks all use these same functions.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from MaxText import optimizers, sharding
+from MaxText.config import Config
+from MaxText.state import StateSpec, TrainState
+
+Batch = dict[str, jax.Array]  # int32 [B, T]: inputs, targets, *_segmentation, inputs_position
+
+
+def loss_sums(graphdef: nnx.GraphDef, config: Config, params: nnx.State, batch: Batch, rng: jax.Array | None):
+  """Summed (not averaged) losses over the non-padding target tokens of `batch`.
+
+  Returns (objective, aux): objective = sum(nll + z_loss) over tokens whose targets_segmentation is
+  not 0; aux = {nll, z_loss, tokens} sums. Averaging happens once over the whole global batch, so
+  gradient accumulation and sharding give the same loss as one big batch.
+  """
+  model = nnx.merge(graphdef, params)
+  logits = model(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"], rng)
+  logits = logits.astype(jnp.float32)  # [B, T, V]
+  lse = jax.nn.logsumexp(logits, axis=-1)  # [B, T]
+  target_logit = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
+  mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
+  nll = (lse - target_logit) * mask
+  z_loss = config.z_loss_multiplier * jnp.square(lse) * mask
+  aux = {"nll": nll.sum(), "z_loss": z_loss.sum(), "tokens": mask.sum()}
+  return nll.sum() + z_loss.sum(), aux
+
+
+def _grads(graphdef, config, params, batch, rng, data_axes):
+  """Summed gradients and loss sums, over gradient_accumulation_steps micro-batches."""
+  grad_fn = jax.grad(functools.partial(loss_sums, graphdef, config), has_aux=True)
+  micro = config.gradient_accumulation_steps
+  if micro == 1:
+    return grad_fn(params, batch, rng)
+
+  # Micro-batch i takes rows i, i+micro, ... so that every device holds a share of each micro-batch.
+  def split(x):
+    x = x.reshape(-1, micro, *x.shape[1:]).swapaxes(0, 1)  # [micro, B/micro, T]
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(None, data_axes, None))
+
+  def body(acc, inputs):
+    micro_batch, index = inputs
+    micro_rng = None if rng is None else jax.random.fold_in(rng, index)
+    grads, aux = grad_fn(params, micro_batch, micro_rng)
+    return jax.tree.map(jnp.add, acc, (grads, aux)), None
+
+  zeros = jax.tree.map(jnp.zeros_like, params), {"nll": 0.0, "z_loss": 0.0, "tokens": 0.0}
+  zeros = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32) if isinstance(x, float) else x, zeros)
+  acc, _ = jax.lax.scan(body, zeros, (jax.tree.map(split, batch), jnp.arange(micro)))
+  return acc
+
+
+def train_step(
+  graphdef: nnx.GraphDef,
+  tx: optax.GradientTransformation,
+  config: Config,
+  state: TrainState,
+  batch: Batch,
+  rng: jax.Array,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One optimizer step on the global batch; metrics are device scalars."""
+  data_axes = sharding.data_axes(config)
+  grads, aux = _grads(graphdef, config, state.params, batch, rng, data_axes)
+  tokens = jnp.maximum(aux["tokens"], 1.0)
+  grads = jax.tree.map(lambda g: g / tokens, grads)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = {
+    "loss": aux["nll"] / tokens,
+    "z_loss": aux["z_loss"] / tokens,
+    "grad_norm": optax.global_norm(grads),
+    "param_norm": optax.global_norm(params),
+    "learning_rate": optimizers.learning_rate_schedule(config)(state.step),
+    "tokens": aux["tokens"],
+  }
+  return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def eval_step(graphdef: nnx.GraphDef, config: Config, params: nnx.State, batch: Batch) -> dict[str, jax.Array]:
+  """Loss sums on one eval batch (no dropout); the caller averages over all eval batches."""
+  _, aux = loss_sums(graphdef, config, params, batch, None)
+  return aux
+
+
+def batch_shardings(config: Config, mesh: Mesh) -> dict[str, NamedSharding]:
+  data = sharding.input_sharding(config, mesh)
+  keys = ("inputs", "targets", "inputs_segmentation", "targets_segmentation", "inputs_position")
+  return {k: data for k in keys}
+
+
+def jit_train_step(config: Config, mesh: Mesh, tx: optax.GradientTransformation, spec: StateSpec) -> Any:
+  """train_step bound to its static arguments and jitted with shardings; the state is donated."""
+  replicated = NamedSharding(mesh, PartitionSpec())
+  return jax.jit(
+    functools.partial(train_step, spec.graphdef, tx, config),
+    in_shardings=(spec.shardings, batch_shardings(config, mesh), replicated),
+    out_shardings=(spec.shardings, replicated),
+    donate_argnums=0,
+  )
+
+
+def jit_eval_step(config: Config, mesh: Mesh, spec: StateSpec) -> Any:
+  replicated = NamedSharding(mesh, PartitionSpec())
+  return jax.jit(
+    functools.partial(eval_step, spec.graphdef, config),
+    in_shardings=(spec.shardings.params, batch_shardings(config, mesh)),
+    out_shardings=replicated,
+  )

@@ -1,0 +1,27 @@
+"""Input pipeline: `make_iterators(config, mesh)` -> endless iterators of global, sharded batches.
+
+A batch is a dict of int32 jax.Arrays [global_batch, max_target_length] placed with
+`sharding.input_sharding(config, mesh)`; keys in `batches.FIELDS`. Iterators have `get_state()` (JSON)
+and `set_state(state)`, which replays exactly the batches that followed `get_state()`.
+"""
+
+from __future__ import annotations
+
+from jax.sharding import Mesh
+
+from MaxText.config import Config
+from MaxText.data import synthetic, text
+from MaxText.data.batches import FIELDS, BatchIterator, Iterators
+from MaxText.data.tokenizer import Tokenizer
+
+__all__ = ["FIELDS", "BACKENDS", "BatchIterator", "Iterators", "Tokenizer", "make_iterators"]
+
+# dataset_type -> backend; each takes (config, mesh) and returns Iterators.
+BACKENDS = {"synthetic": synthetic.make_iterators, "text": text.make_iterators}
+
+
+def make_iterators(config: Config, mesh: Mesh) -> Iterators:
+  """Train iterator (endless), eval factory (fresh iterator per call; None without eval data), tokenizer."""
+  if config.dataset_type not in BACKENDS:
+    raise ValueError(f"dataset_type={config.dataset_type!r} is not one of {', '.join(sorted(BACKENDS))}")
+  return BACKENDS[config.dataset_type](config, mesh)

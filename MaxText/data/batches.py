@@ -1,0 +1,103 @@
+"""Rows -> training batches: targets and masks from segment ids, this process's rows, global jax.Arrays.
+
+Every backend describes its data as an endless sequence of rows indexed by a global row number
+n = 0, 1, 2, ...; batch k is rows [k * global_batch, (k + 1) * global_batch). A row is a pure function
+of n (and the seed), so the global batch is the same whatever the number of processes, each process
+builds only the rows its devices hold, and the iterator state is just the next row number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+import jax
+import numpy as np
+from jax.sharding import Sharding
+
+if TYPE_CHECKING:
+  from MaxText.data.tokenizer import Tokenizer
+
+FIELDS = ("inputs", "targets", "inputs_segmentation", "targets_segmentation", "inputs_position")
+
+
+class RowSource(Protocol):
+  """Rows of one data stream, addressed by global row number."""
+
+  def rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, segmentation, positions), each int32 [len(indices), length]; segment 0 is padding."""
+    ...
+
+  def state(self, next_row: int) -> dict[str, Any]:
+    """JSON-serialisable position of the stream just before row `next_row`."""
+    ...
+
+  def next_row(self, state: dict[str, Any]) -> int:
+    """Inverse of `state`; raises ValueError when `state` does not belong to this stream."""
+    ...
+
+
+def complete_rows(tokens: np.ndarray, segmentation: np.ndarray, positions: np.ndarray) -> dict[str, np.ndarray]:
+  """The batch dict of [rows, length] int32 arrays from token rows and their segment ids.
+
+  targets[b, i] = tokens[b, i + 1] when position i + 1 belongs to the same segment; otherwise (the last
+  token of a document piece, of the row, or padding) the target is 0 and targets_segmentation is 0.
+  """
+  tokens, segmentation = tokens.astype(np.int32), segmentation.astype(np.int32)
+  same = np.zeros(tokens.shape, dtype=bool)
+  same[:, :-1] = (segmentation[:, 1:] == segmentation[:, :-1]) & (segmentation[:, :-1] != 0)
+  targets = np.zeros_like(tokens)
+  targets[:, :-1] = tokens[:, 1:]
+  return {
+    "inputs": tokens,
+    "targets": np.where(same, targets, 0),
+    "inputs_segmentation": segmentation,
+    "targets_segmentation": np.where(same, segmentation, 0),
+    "inputs_position": positions.astype(np.int32),
+  }
+
+
+def process_rows(sharding: Sharding, global_shape: tuple[int, int]) -> np.ndarray:
+  """Sorted global row numbers (within a batch) held by this process's devices.
+
+  This is the local data layout `jax.make_array_from_process_local_data` expects: usually the block
+  [p * local, (p + 1) * local); all rows when the batch dimension is not split across processes.
+  """
+  rows = set()
+  for index in sharding.addressable_devices_indices_map(global_shape).values():
+    rows.update(range(global_shape[0])[index[0]])
+  return np.array(sorted(rows), dtype=np.int64)
+
+
+class BatchIterator:
+  """Endless iterator of global batches: dicts of int32 jax.Arrays [global_batch, length] on `sharding`."""
+
+  def __init__(self, source: RowSource, sharding: Sharding, global_batch: int, length: int):
+    self._source = source
+    self._sharding = sharding
+    self._shape = (global_batch, length)
+    self._local_rows = process_rows(sharding, self._shape)
+    self._next_row = 0
+
+  def __iter__(self) -> BatchIterator:
+    return self
+
+  def __next__(self) -> dict[str, jax.Array]:
+    local = complete_rows(*self._source.rows(self._next_row + self._local_rows))
+    self._next_row += self._shape[0]
+    return {k: jax.make_array_from_process_local_data(self._sharding, local[k], self._shape) for k in FIELDS}
+
+  def get_state(self) -> dict[str, Any]:
+    """Position before the next batch; `set_state` of it replays exactly the batches that follow."""
+    return self._source.state(self._next_row)
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    self._next_row = self._source.next_row(state)
+
+
+class Iterators(NamedTuple):
+  """What `MaxText.data.make_iterators` returns."""
+
+  train: BatchIterator  # endless (cycles epochs)
+  eval_factory: Callable[[], BatchIterator] | None  # each call: a fresh iterator at the start of the eval split
+  tokenizer: Tokenizer | None  # None for synthetic data

@@ -1,0 +1,232 @@
+"""dataset_type=text: local files (a glob, or the Python standard library's sources) -> packed batches.
+
+Cold start: list the files, train a tokenizer on the training documents (unless tokenizer_path is set),
+tokenize every document once and cache the tokens as .npy files in tokenizer_dir. Warm start: load the
+cached tokenizer and memory-map the cached tokens. After that a batch is numpy indexing (packing.py).
+Only process 0 trains and writes; the others wait for it and read the files.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import hashlib
+import itertools
+import json
+import logging
+import os
+import sysconfig
+import time
+import tokenize
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from MaxText import sharding
+from MaxText.config import Config
+from MaxText.data import tokenizer as tokenizers
+from MaxText.data.batches import BatchIterator, Iterators
+from MaxText.data.packing import DocumentRows
+
+log = logging.getLogger(__name__)
+CACHE_FORMAT = 1  # bump when the cached token layout changes
+ENCODE_CHUNK = 256  # documents per tokenizer call: bounds the memory held in Python lists
+
+
+class Documents(NamedTuple):
+  paths: list[str]  # sorted absolute paths
+  root: str  # the eval split hashes paths relative to this, so it survives moving the corpus
+  strict: bool  # raise on undecodable files (user corpora); False skips them (the stdlib has a few on purpose)
+
+
+def list_documents(config: Config) -> Documents:
+  """The files of the corpus: `dataset_path` (glob, `**` recursive) or the stdlib's *.py files."""
+  if config.dataset_path:
+    pattern = os.path.expanduser(config.dataset_path)
+    root = _glob_root(pattern)
+    paths = sorted(os.path.abspath(p) for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+    if not paths:
+      raise ValueError(f"dataset_path={config.dataset_path!r} matches no files (for a directory, use 'dir/**/*.txt')")
+    docs = Documents(paths, root, strict=True)
+  else:
+    root = sysconfig.get_paths()["stdlib"]
+    docs = Documents(_stdlib_sources(root), root, strict=False)
+  if config.text_max_documents > 0:
+    docs = docs._replace(paths=docs.paths[: config.text_max_documents])
+  return docs
+
+
+def _glob_root(pattern: str) -> str:
+  parts = pattern.split(os.sep)
+  fixed = list(itertools.takewhile(lambda part: not any(c in part for c in "*?["), parts))
+  root = os.sep.join(fixed) if len(fixed) < len(parts) else os.path.dirname(pattern)
+  return os.path.abspath(root or ".")
+
+
+def _stdlib_sources(root: str) -> list[str]:
+  paths = []
+  for directory, subdirs, files in os.walk(root):
+    subdirs[:] = [d for d in subdirs if d not in ("site-packages", "dist-packages", "__pycache__")]
+    paths.extend(os.path.join(directory, f) for f in files if f.endswith(".py"))
+  return sorted(paths)
+
+
+def read_document(path: str, strict: bool) -> str:
+  """Text of `path`: UTF-8, or a .py file's PEP 263 coding; "" for an undecodable file when not strict."""
+  try:
+    with open(path, "rb") as f:
+      data = f.read()
+  except OSError as e:
+    raise ValueError(f"Cannot read document {path!r}: {e}") from None
+  try:
+    if path.endswith(".py"):
+      encoding, _ = tokenize.detect_encoding(iter(data.splitlines(keepends=True)).__next__)
+      return data.decode(encoding)
+    return data.decode("utf-8")
+  except (UnicodeDecodeError, SyntaxError, LookupError) as e:
+    if strict:
+      raise ValueError(f"Cannot decode document {path!r} as text: {e}") from None
+    log.info("Skipping undecodable document %s: %s", path, e)
+    return ""
+
+
+def split_documents(docs: Documents, nonempty: np.ndarray, eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+  """(train ids, eval ids) among the non-empty documents; raises ValueError when there is no training data.
+
+  The eval documents are the round(eval_fraction * n) (at least one when eval_fraction > 0 and n > 1)
+  with the smallest hash of their path relative to `docs.root`: fixed by the corpus, not by order or seed.
+  """
+  ids = np.flatnonzero(nonempty)
+  if len(ids) == 0:
+    raise ValueError(f"The corpus is empty: all {len(docs.paths)} documents under {docs.root!r} have no text")
+  n_eval = min(len(ids) - 1, max(int(eval_fraction > 0), round(eval_fraction * len(ids))))
+  rank = sorted(ids, key=lambda i: hashlib.sha256(os.path.relpath(docs.paths[i], docs.root).encode()).digest())
+  eval_ids = np.array(sorted(rank[:n_eval]), dtype=np.int64)
+  return np.setdiff1d(ids, eval_ids), eval_ids
+
+
+def _sync(name: str) -> None:
+  """Barrier across processes (a no-op for one process)."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)
+
+
+def get_tokenizer(config: Config, train_texts: Callable[[], Sequence[str]]) -> tokenizers.Tokenizer:
+  """tokenizer_path, or the one cached in tokenizer_dir, or (process 0) one trained on `train_texts()`."""
+  if config.tokenizer_path:
+    tok = tokenizers.load_tokenizer(config.tokenizer_path)
+  else:
+    path = os.path.join(config.tokenizer_dir, tokenizers.MODEL_FILE)
+    if jax.process_index() == 0 and not os.path.isfile(path):
+      start = time.perf_counter()
+      tokenizers.train_sentencepiece(train_texts(), config.vocab_size, config.tokenizer_dir, config.data_shuffle_seed)
+      seconds = time.perf_counter() - start
+      log.info("Trained a tokenizer (vocab_size=%d) in %.1f s: %s", config.vocab_size, seconds, path)
+    _sync("maxtext_data_tokenizer")
+    if not os.path.isfile(path):
+      raise ValueError(
+        f"Process {jax.process_index()} cannot see the tokenizer {path!r} that process 0 trained: put "
+        "base_output_directory on a filesystem all hosts share, or set tokenizer_path"
+      )
+    tok = tokenizers.load_tokenizer(path)
+  _check_tokenizer(config, tok)
+  return tok
+
+
+def _check_tokenizer(config: Config, tok: tokenizers.Tokenizer) -> None:
+  if tok.vocab_size > config.vocab_size:
+    raise ValueError(
+      f"Tokenizer {tok.path!r} has {tok.vocab_size} pieces but vocab_size={config.vocab_size}: "
+      f"raise vocab_size to at least {tok.vocab_size}"
+    )
+  for flag, piece_id in (("add_bos", tok.bos_id), ("add_eos", tok.eos_id)):
+    if config[flag] and piece_id < 0:
+      raise ValueError(f"Tokenizer {tok.path!r} has no {flag[4:].upper()} piece; set {flag}=false")
+
+
+class Corpus(NamedTuple):
+  tokens: np.ndarray  # [total] every document's tokens back to back (with BOS/EOS); uint16 or int32
+  offsets: np.ndarray  # [documents + 1] int64; document d is tokens[offsets[d]:offsets[d + 1]], empty if no text
+
+
+def _cache_prefix(config: Config, docs: Documents, tok: tokenizers.Tokenizer) -> str:
+  """Cache file prefix keyed by everything the tokens depend on (files by path, size and mtime)."""
+  with open(tok.path, "rb") as f:
+    key = [CACHE_FORMAT, hashlib.sha256(f.read()).hexdigest(), config.add_bos, config.add_eos, docs.strict]
+  for path in docs.paths:
+    stat = os.stat(path)
+    key.append([path, stat.st_size, stat.st_mtime_ns])
+  digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:20]
+  return os.path.join(config.tokenizer_dir, f"corpus-{digest}")
+
+
+def tokenize_documents(config: Config, tok: tokenizers.Tokenizer, texts: Sequence[str]) -> Corpus:
+  """Encode each text (+ BOS/EOS per config); whitespace-only texts become empty documents."""
+  dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.int32
+  bos, eos = [tok.bos_id] * config.add_bos, [tok.eos_id] * config.add_eos
+  parts, lengths = [], []
+  for i in range(0, len(texts), ENCODE_CHUNK):
+    chunk = texts[i : i + ENCODE_CHUNK]
+    encoded = tok.encode_batch([t if t.strip() else "" for t in chunk])
+    encoded = [bos + ids + eos if ids else [] for ids in encoded]
+    lengths.extend(map(len, encoded))
+    parts.append(np.fromiter(itertools.chain.from_iterable(encoded), dtype, sum(map(len, encoded))))
+  offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+  return Corpus(np.concatenate(parts) if parts else np.zeros(0, dtype), offsets)
+
+
+def load_corpus(
+  config: Config, docs: Documents, tok: tokenizers.Tokenizer, texts: Callable[[], Sequence[str]]
+) -> Corpus:
+  """The tokenized corpus, from the cache in tokenizer_dir or tokenized (by process 0) and cached."""
+  prefix = _cache_prefix(config, docs, tok)
+  if jax.process_index() == 0 and not os.path.isfile(prefix + ".offsets.npy"):
+    start = time.perf_counter()
+    corpus = tokenize_documents(config, tok, texts())
+    _save(prefix, corpus)
+    seconds = time.perf_counter() - start
+    log.info("Tokenized %d documents (%d tokens) in %.1f s", len(docs.paths), len(corpus.tokens), seconds)
+  _sync("maxtext_data_corpus")
+  if not os.path.isfile(prefix + ".offsets.npy"):  # hosts without a shared filesystem tokenize for themselves
+    return tokenize_documents(config, tok, texts())
+  return Corpus(np.load(prefix + ".tokens.npy", mmap_mode="r"), np.load(prefix + ".offsets.npy"))
+
+
+def _save(prefix: str, corpus: Corpus) -> None:
+  """Write tokens, then offsets (their presence marks a complete cache), each atomically."""
+  os.makedirs(os.path.dirname(prefix), exist_ok=True)
+  for name, array in (("tokens", corpus.tokens), ("offsets", corpus.offsets)):
+    tmp = f"{prefix}.{os.getpid()}.tmp.npy"
+    np.save(tmp, array)
+    os.replace(tmp, f"{prefix}.{name}.npy")
+
+
+def make_iterators(config: Config, mesh: Mesh) -> Iterators:
+  """Train (shuffled per epoch) and eval (fixed order) iterators over the corpus, and its tokenizer."""
+  docs = list_documents(config)
+  # Read only if a tokenizer or the token cache must be built, and then only once.
+  texts = functools.cache(lambda: [read_document(p, docs.strict) for p in docs.paths])
+
+  def train_texts() -> list[str]:
+    all_texts = texts()
+    train_ids, _ = split_documents(docs, np.array([bool(t.strip()) for t in all_texts]), config.eval_fraction)
+    return [all_texts[i] for i in train_ids]
+
+  tok = get_tokenizer(config, train_texts)
+  corpus = load_corpus(config, docs, tok, texts)
+  train_ids, eval_ids = split_documents(docs, np.diff(corpus.offsets) > 0, config.eval_fraction)
+  spec, length = sharding.input_sharding(config, mesh), config.max_target_length
+
+  def iterator(ids: np.ndarray, seed: int | None, batch: int) -> BatchIterator:
+    rows = DocumentRows(corpus.tokens, corpus.offsets, ids, length, config.packing, seed)
+    return BatchIterator(rows, spec, batch, length)
+
+  train = iterator(train_ids, config.data_shuffle_seed, sharding.global_batch_size(config, mesh))
+  eval_batch = sharding.global_batch_size(config, mesh, config.eval_per_device_batch_size or None)
+  eval_factory = (lambda: iterator(eval_ids, None, eval_batch)) if len(eval_ids) else None
+  return Iterators(train, eval_factory, tok)

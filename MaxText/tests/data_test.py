@@ -1,0 +1,299 @@
+"""Input pipeline (MaxText/data): synthetic and text backends, packing, resume, errors."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from MaxText import config, sharding
+from MaxText.data import FIELDS, make_iterators, text
+from MaxText.data import tokenizer as tokenizers
+from MaxText.data.batches import process_rows
+from MaxText.data.packing import DocumentRows
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
+
+
+def _document(i: int) -> str:
+  """Document i: a few (i even) or many (i odd) pseudo-random words, so rows hold both short and long ones."""
+  rng = np.random.default_rng(i)
+  words = rng.choice(WORDS, size=4 + (i % 2) * 60 + i)
+  return f"Doc {i}: " + " ".join(words) + ".\n"
+
+
+DOCS = [_document(i) for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  """(docs glob, tokenizer path) shared by the tests, so each trains no tokenizer of its own."""
+  root = tmp_path_factory.mktemp("corpus")
+  os.makedirs(root / "docs")
+  for i, doc in enumerate(DOCS):
+    (root / "docs" / f"{i:02d}.txt").write_text(doc)
+  model = tokenizers.train_sentencepiece(DOCS, 512, str(root / "tok"))
+  return f"{root}/docs/*.txt", model
+
+
+def _argv(tmp_path, *overrides):
+  base = [os.path.join(config.CONFIG_DIR, "base.yml"), "run_name=t", f"base_output_directory={tmp_path}"]
+  return [*base, "vocab_size=512", "max_target_length=32", "per_device_batch_size=1", "eval_fraction=0", *overrides]
+
+
+def _config(tmp_path, *overrides):
+  return config.load(_argv(tmp_path, *overrides), environ={})
+
+
+def _text_config(tmp_path, corpus, *overrides):
+  glob, model = corpus
+  return _config(tmp_path, "dataset_type=text", f"dataset_path={glob}", f"tokenizer_path={model}", *overrides)
+
+
+def _mesh(cfg, devices):
+  return sharding.create_mesh(cfg, devices=jax.devices()[:devices])
+
+
+def _numpy(batch):
+  return {k: np.asarray(v) for k, v in batch.items()}
+
+
+def _take(iterator, n):
+  return [_numpy(next(iterator)) for _ in range(n)]
+
+
+def _assert_same(batches_a, batches_b):
+  assert len(batches_a) == len(batches_b)
+  for a, b in zip(batches_a, batches_b):
+    for k in FIELDS:
+      np.testing.assert_array_equal(a[k], b[k])
+
+
+def _check_batch(batch, cfg, mesh, global_batch):
+  assert set(batch) == set(FIELDS)
+  for k, v in batch.items():
+    assert v.shape == (global_batch, cfg.max_target_length) and v.dtype == np.int32, k
+    assert v.sharding == sharding.input_sharding(cfg, mesh), k
+  b = _numpy(batch)
+  has_target = b["targets_segmentation"] != 0
+  # A target is the next token of the same segment; the mask never covers padding.
+  np.testing.assert_array_equal(b["targets"][:, :-1][has_target[:, :-1]], b["inputs"][:, 1:][has_target[:, :-1]])
+  assert not has_target[:, -1].any() and not has_target[b["inputs_segmentation"] == 0].any()
+  assert ((b["inputs_segmentation"] == 0) <= (b["inputs"] == 0)).all()
+  return b
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+def test_synthetic_batches(tmp_path, devices):
+  cfg = _config(tmp_path, "dataset_type=synthetic", "per_device_batch_size=2", "eval_per_device_batch_size=1")
+  mesh = _mesh(cfg, devices)
+  its = make_iterators(cfg, mesh)
+  assert its.tokenizer is None
+  b = _check_batch(next(its.train), cfg, mesh, 2 * devices)
+  assert ((b["inputs"] >= 1) & (b["inputs"] < cfg.vocab_size)).all()
+  assert (b["inputs_segmentation"] == 1).all() and (b["inputs_position"] == np.arange(32)).all()
+  assert (b["targets_segmentation"][:, :-1] == 1).all()
+  e = _check_batch(next(its.eval_factory()), cfg, mesh, devices)
+  assert not np.array_equal(e["inputs"], b["inputs"][:devices])
+
+
+def test_synthetic_batch_does_not_depend_on_the_mesh(tmp_path):
+  one = _config(tmp_path, "dataset_type=synthetic", "per_device_batch_size=8")
+  eight = _config(tmp_path, "dataset_type=synthetic", "per_device_batch_size=1")
+  expected = _take(make_iterators(one, _mesh(one, 1)).train, 2)
+  _assert_same(_take(make_iterators(eight, _mesh(eight, 8)).train, 2), expected)
+
+
+def test_synthetic_resume(tmp_path):
+  cfg = _config(tmp_path, "dataset_type=synthetic")
+  mesh = _mesh(cfg, 8)
+  train = make_iterators(cfg, mesh).train
+  _take(train, 3)
+  state = json.loads(json.dumps(train.get_state()))  # as a checkpoint stores it
+  assert state == {"step": 3}
+  expected = _take(train, 2)
+  resumed = make_iterators(cfg, mesh).train
+  resumed.set_state(state)
+  _assert_same(_take(resumed, 2), expected)
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+def test_text_batches(tmp_path, corpus, devices):
+  cfg = _text_config(tmp_path, corpus, "eval_fraction=0.2", "eval_per_device_batch_size=2")
+  mesh = _mesh(cfg, devices)
+  its = make_iterators(cfg, mesh)
+  assert its.tokenizer.vocab_size <= cfg.vocab_size
+  _check_batch(next(its.train), cfg, mesh, devices)
+  _check_batch(next(its.eval_factory()), cfg, mesh, 2 * devices)
+
+
+def _segments(b, tok):
+  """(decoded text, first token, last token, whether the last has a target) of every document piece."""
+  for row in range(len(b["inputs"])):
+    for seg in np.unique(b["inputs_segmentation"][row][b["inputs_segmentation"][row] > 0]):
+      where = b["inputs_segmentation"][row] == seg
+      ids = b["inputs"][row][where]
+      np.testing.assert_array_equal(b["inputs_position"][row][where], np.arange(len(ids)))
+      yield tok.decode(ids), ids[0], ids[-1], b["targets_segmentation"][row][where][-1] != 0
+
+
+def test_text_packing_keeps_documents_and_masks_their_ends(tmp_path, corpus):
+  cfg = _text_config(tmp_path, corpus)
+  its = make_iterators(cfg, _mesh(cfg, 8))
+  batches = _take(its.train, 4)
+  pieces = [p for b in batches for p in _segments(b, its.tokenizer)]
+  assert all(any(piece in doc for doc in DOCS) for piece, *_ in pieces)
+  assert max(np.max(b["inputs_segmentation"]) for b in batches) >= 3  # several documents share a row
+  assert its.tokenizer.bos_id in [first for _, first, _, _ in pieces]
+  assert its.tokenizer.eos_id in [last for _, _, last, _ in pieces]
+  assert not any(has_target for *_, has_target in pieces)  # no target across documents or rows
+
+
+def test_text_without_packing_one_document_per_row(tmp_path, corpus):
+  cfg = _text_config(tmp_path, corpus, "packing=false", "max_target_length=64")
+  its = make_iterators(cfg, _mesh(cfg, 8))
+  b = _take(its.train, 1)[0]
+  seg = b["inputs_segmentation"]
+  assert set(np.unique(seg)) <= {0, 1} and (seg == 0).any()
+  assert (np.diff(seg, axis=1) <= 0).all()  # the document, then only padding
+  for piece, first, last, _ in _segments(b, its.tokenizer):
+    assert first == its.tokenizer.bos_id
+    # Short documents fit whole (BOS .. EOS); long ones are truncated to their start.
+    assert piece in DOCS if last == its.tokenizer.eos_id else any(d.startswith(piece) for d in DOCS)
+
+
+def test_packed_epochs_cover_every_token_once_and_reshuffle():
+  lengths = np.array([5, 1, 9, 3, 7])
+  offsets = np.concatenate([[0], np.cumsum(lengths)])
+  tokens = np.arange(1, offsets[-1] + 1)
+  rows = DocumentRows(tokens, offsets, np.arange(5), length=4, packing=True, seed=0)
+  assert rows.rows_per_epoch == 7  # ceil(25 / 4)
+  epochs = []
+  for epoch in range(3):
+    toks, seg, _ = rows.rows(np.arange(epoch * 7, epoch * 7 + 7))
+    epochs.append(toks[seg > 0])
+    assert sorted(epochs[-1]) == list(tokens)
+  assert not np.array_equal(epochs[0], epochs[1])
+
+
+def test_text_resume_across_epochs(tmp_path, corpus):
+  cfg = _text_config(tmp_path, corpus)
+  mesh = _mesh(cfg, 8)
+  train = make_iterators(cfg, mesh).train
+  rows_per_epoch = train.get_state()["rows_per_epoch"]
+  _take(train, -(-rows_per_epoch // 8))  # into the second epoch
+  state = json.loads(json.dumps(train.get_state()))
+  assert state["epoch"] == 1 and state["row"] < 8
+  expected = _take(train, 3)
+  resumed = make_iterators(cfg, mesh).train
+  resumed.set_state(state)
+  _assert_same(_take(resumed, 3), expected)
+  with pytest.raises(ValueError, match="cannot\\s+resume exactly"):
+    resumed.set_state({**state, "rows_per_epoch": rows_per_epoch + 1})
+
+
+def test_eval_split_is_disjoint_and_restarts(tmp_path, corpus):
+  cfg = _text_config(tmp_path, corpus, "eval_fraction=0.25", "packing=false", "max_target_length=128")
+  docs = text.list_documents(cfg)
+  train_ids, eval_ids = text.split_documents(docs, np.ones(len(DOCS), bool), cfg.eval_fraction)
+  assert len(eval_ids) == 3 and not set(train_ids) & set(eval_ids)
+  its = make_iterators(cfg, _mesh(cfg, 8))
+  first, again = next(its.eval_factory()), next(its.eval_factory())
+  _assert_same([_numpy(first)], [_numpy(again)])
+  eval_texts = {its.tokenizer.decode(row) for row in np.asarray(first["inputs"])}
+  assert eval_texts == {DOCS[i] for i in eval_ids}  # 8 rows cycle over the 3 eval documents
+  assert make_iterators(_text_config(tmp_path, corpus), _mesh(cfg, 8)).eval_factory is None
+
+
+def test_tokenizer_is_trained_once_and_cached(tmp_path, corpus, monkeypatch):
+  cfg = _config(tmp_path, "dataset_type=text", f"dataset_path={corpus[0]}")
+  mesh = _mesh(cfg, 1)
+  first = make_iterators(cfg, mesh)
+  assert first.tokenizer.path == os.path.join(cfg.tokenizer_dir, "tokenizer.model")
+  assert any(f.startswith("corpus-") for f in os.listdir(cfg.tokenizer_dir))
+
+  def fail(*args, **kwargs):
+    raise AssertionError("the cached tokenizer should be reused")
+
+  monkeypatch.setattr(tokenizers, "train_sentencepiece", fail)
+  monkeypatch.setattr(text, "tokenize_documents", fail)  # the tokens are cached too
+  _assert_same(_take(make_iterators(cfg, mesh).train, 2), _take(first.train, 2))
+
+
+def test_vocab_smaller_than_tokenizer_is_an_error(tmp_path, corpus):
+  cfg = _text_config(tmp_path, corpus, "vocab_size=300")
+  with pytest.raises(ValueError, match="raise vocab_size to at least"):
+    make_iterators(cfg, _mesh(cfg, 1))
+
+
+def test_corpus_errors(tmp_path, corpus):
+  cfg = _text_config(tmp_path, corpus, f"dataset_path={tmp_path}/nothing/**/*.txt")
+  with pytest.raises(ValueError, match="matches no files"):
+    make_iterators(cfg, _mesh(cfg, 1))
+  (tmp_path / "empty").mkdir()
+  (tmp_path / "empty" / "a.txt").write_text("")
+  (tmp_path / "empty" / "b.txt").write_text(" \n\n")
+  cfg = _text_config(tmp_path, corpus, f"dataset_path={tmp_path}/empty/*.txt")
+  with pytest.raises(ValueError, match="corpus is empty"):
+    make_iterators(cfg, _mesh(cfg, 1))
+  (tmp_path / "empty" / "c.txt").write_bytes(b"caf\xe9")
+  with pytest.raises(ValueError, match="Cannot decode document .*c.txt"):
+    make_iterators(cfg, _mesh(cfg, 1))
+
+
+def test_process_rows_follow_the_sharding():
+  class Sharding:  # what a process holding devices for rows 4-5 and 0-1 of 8 sees
+    def addressable_devices_indices_map(self, shape):
+      return {"d0": (slice(4, 6), slice(None)), "d1": (slice(0, 2), slice(None))}
+
+  assert list(process_rows(Sharding(), (8, 16))) == [0, 1, 4, 5]
+
+
+def _process_main(process_id: int, port: int, out: str, *argv: str) -> None:
+  """One of two processes (4 CPU devices each): save the shards of a few text and synthetic batches."""
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
+  assert jax.process_count() == 2 and jax.local_device_count() == 4
+  shards = {}
+  for dataset_type in ("text", "synthetic"):
+    cfg = config.load([*argv, f"dataset_type={dataset_type}"], environ={})
+    train = make_iterators(cfg, sharding.create_mesh(cfg)).train
+    for step in range(3):
+      for shard in next(train).get("inputs").addressable_shards:
+        shards[f"{dataset_type}/{step}/{shard.index[0].start}"] = np.asarray(shard.data)
+  np.savez(os.path.join(out, f"{process_id}.npz"), **shards)
+  jax.distributed.shutdown()
+
+
+def test_two_processes_build_the_single_process_batches(tmp_path, corpus):
+  import socket
+  import subprocess
+  import sys
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  # The tokenizer is trained (by process 0 only) in the processes' shared run directory.
+  argv = _argv(tmp_path, f"dataset_path={corpus[0]}")
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+  code = "import sys; from MaxText.tests.data_test import _process_main as m; m(int(sys.argv[1]), *sys.argv[2:])"
+  procs = [
+    subprocess.Popen([sys.executable, "-c", code, str(p), str(port), str(tmp_path), *argv], env=env, cwd=root)
+    for p in range(2)
+  ]
+  try:
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+  finally:
+    for p in procs:
+      p.kill()  # only if one hung: the other would wait for it forever
+  shards = {**np.load(tmp_path / "0.npz"), **np.load(tmp_path / "1.npz")}
+  for dataset_type in ("text", "synthetic"):
+    model = os.path.join(tmp_path, "t", "tokenizer", "tokenizer.model")
+    cfg = config.load([*argv, f"dataset_type={dataset_type}", f"tokenizer_path={model}"], environ={})
+    expected = _take(make_iterators(cfg, _mesh(cfg, 8)).train, 3)
+    for step in range(3):
+      got = np.concatenate([shards[f"{dataset_type}/{step}/{row}"] for row in range(8)])
+      np.testing.assert_array_equal(got, expected[step]["inputs"])

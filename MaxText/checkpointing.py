@@ -30,7 +30,7 @@ def create_manager(config: Config) -> ocp.CheckpointManager | None:
   if not config.enable_checkpointing:
     return None
   options = ocp.CheckpointManagerOptions(
-    save_interval_steps=config.checkpoint_period,
+    save_interval_steps=1,  # the train loop decides which steps are due (checkpoint_period, last step)
     max_to_keep=None if config.max_num_checkpoints_to_keep == -1 else config.max_num_checkpoints_to_keep,
     enable_async_checkpointing=config.async_checkpointing,
     create=True,
@@ -39,10 +39,10 @@ def create_manager(config: Config) -> ocp.CheckpointManager | None:
   return ocp.CheckpointManager(os.path.abspath(config.checkpoint_dir), options=options, item_names=("state", "data"))
 
 
-def save(manager: ocp.CheckpointManager, step: int, state: TrainState, data_state: dict, force: bool = False) -> bool:
-  """Save if `step` is due (or `force`); returns whether a save started. Steps count completed steps."""
+def save(manager: ocp.CheckpointManager, step: int, state: TrainState, data_state: dict) -> None:
+  """Save `state` after `step` completed steps with the iterator state that follows it."""
   args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state))
-  return manager.save(step, args=args, force=force)
+  manager.save(step, args=args, force=True)
 
 
 def restore_or_init(

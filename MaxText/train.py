@@ -107,8 +107,12 @@ def run(config: Config, devices: Sequence[Any] | None = None) -> dict[str, Any]:
     if restored.data_state is not None:
       data.train.set_state(restored.data_state)
     write_config(config)
-    summary = train_loop(config, mesh, tx, spec, restored, data, manager, global_batch, peak_flops)
-  return summary
+    try:
+      return train_loop(config, mesh, tx, spec, restored, data, manager, global_batch, peak_flops)
+    finally:  # on success or error, let in-flight (async) checkpoints of good steps complete
+      if manager is not None:
+        manager.wait_until_finished()
+        manager.close()
 
 
 def train_loop(config, mesh, tx, spec, restored, data, manager, global_batch, peak_flops) -> dict[str, Any]:
@@ -149,12 +153,9 @@ def train_loop(config, mesh, tx, spec, restored, data, manager, global_batch, pe
       done = step + 1
       if eval_fn is not None and (done % config.eval_interval == 0 or done == config.steps):
         logger.log_eval(step, evaluate(config, eval_fn, state.params, data.eval_factory))
-      if manager is not None:
-        checkpointing.save(manager, done, state, data.train.get_state(), force=done == config.steps)
-    if manager is not None:
-      manager.wait_until_finished()
-    summary = logger.close()
-  return summary
+      if manager is not None and (done % config.checkpoint_period == 0 or done == config.steps):
+        checkpointing.save(manager, done, state, data.train.get_state())
+  return logger.summary()
 
 
 def main(argv: Sequence[str]) -> None:

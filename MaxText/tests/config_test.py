@@ -1,0 +1,104 @@
+"""Config loading: layering, types, unknown keys, presets, derived values, immutability."""
+
+import glob
+import os
+
+import pytest
+
+from MaxText import config
+from MaxText.config import ConfigError
+
+BASE = os.path.join(config.CONFIG_DIR, "base.yml")
+
+
+def load(*overrides, environ=None):
+  return config.load([BASE, "run_name=t", *overrides], environ or {})
+
+
+def test_overrides_are_parsed_to_the_default_type():
+  c = load("steps=7", "learning_rate=1e-3", "scan_layers=false", "dtype=float32", "per_device_batch_size=2")
+  assert (c.steps, c.learning_rate, c.scan_layers, c.dtype) == (7, 1e-3, False, "float32")
+  assert isinstance(c.per_device_batch_size, float)
+
+
+@pytest.mark.parametrize("arg", ["steps=abc", "scan_layers=maybe", "learning_rate=fast", "mlp_activations=silu"])
+def test_bad_types_fail(arg):
+  with pytest.raises(ConfigError, match=arg.split("=")[0]):
+    load(arg)
+
+
+def test_unknown_key_suggests_the_right_one():
+  with pytest.raises(ConfigError, match="did you mean 'ici_fsdp_parallelism'"):
+    load("ici_fsdp_parallelizm=2")
+
+
+def test_bad_choice_lists_the_choices():
+  with pytest.raises(ConfigError, match="remat_policy='fast' is not one of"):
+    load("remat_policy=fast")
+
+
+def test_environment_overrides_after_command_line():
+  c = load("steps=5", environ={"M_STEPS": "9", "M_UNRELATED_THING": "x"})
+  assert c.steps == 9
+
+
+def test_model_preset_and_conflicts():
+  c = load("model_name=llama2-70b")
+  assert (c.emb_dim, c.num_kv_heads, c.num_decoder_layers) == (8192, 8, 80)
+  with pytest.raises(ConfigError, match="override_model_config=true"):
+    load("model_name=llama2-7b", "base_emb_dim=1024")
+  assert load("model_name=llama2-7b", "base_emb_dim=1024", "override_model_config=true").emb_dim == 1024
+  assert load("model_name=llama2-7b", "base_emb_dim=4096").emb_dim == 4096  # same value: no conflict
+  with pytest.raises(ConfigError, match="llama2-7b"):
+    load("model_name=llama2-7c")
+
+
+def test_global_parameter_scale_derives_dims():
+  c = load("global_parameter_scale=16")
+  assert (c.emb_dim, c.num_query_heads, c.mlp_dim, c.num_decoder_layers) == (4096, 64, 28672, 32)
+  with pytest.raises(ConfigError, match="power of 2"):
+    load("global_parameter_scale=3")
+  with pytest.raises(ConfigError, match="derived"):
+    load("emb_dim=3")
+
+
+def test_output_paths_are_derived(tmp_path):
+  c = load(f"base_output_directory={tmp_path}")
+  assert c.run_dir == os.path.join(str(tmp_path), "t")
+  assert c.metrics_file == os.path.join(c.run_dir, "metrics.jsonl")
+  assert c.checkpoint_dir == os.path.join(c.run_dir, "checkpoints")
+  assert not os.path.exists(c.run_dir), "loading a config must not create directories"
+
+
+def test_config_is_frozen_and_replace_recomputes():
+  c = load()
+  with pytest.raises(AttributeError, match="frozen"):
+    c.steps = 3
+  d = c.replace(base_emb_dim=512)
+  assert (c.emb_dim, d.emb_dim) == (2048, 512)
+
+
+def test_base_config_inheritance(tmp_path):
+  child = tmp_path / "child.yml"
+  child.write_text("base_config: base.yml\nsteps: 11\n")  # not next to the file: found in configs/
+  assert config.load([str(child)], {}).steps == 11
+  (tmp_path / "mid.yml").write_text("base_config: base.yml\nsteps: 12\nlog_period: 3\n")
+  (tmp_path / "leaf.yml").write_text("base_config: mid.yml\nsteps: 13\n")  # relative to the file
+  c = config.load([str(tmp_path / "leaf.yml")], {})
+  assert (c.steps, c.log_period) == (13, 3)
+
+
+def test_missing_paths_fail_early(tmp_path):
+  with pytest.raises(ConfigError, match="load_parameters_path"):
+    load(f"load_parameters_path={tmp_path}/nope")
+  with pytest.raises(ConfigError, match="does not exist"):
+    config.load([str(tmp_path / "missing.yml")], {})
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(config.CONFIG_DIR, "**", "*.yml"), recursive=True)))
+def test_every_yaml_loads(path):
+  if os.path.dirname(path).endswith("models"):
+    c = load(f"model_name={os.path.basename(path)[:-4]}")
+  else:
+    c = config.load([path], {})
+  assert c.emb_dim > 0

@@ -1,0 +1,204 @@
+"""The real train loop on tiny models: sharding exactness, scan/remat equivalence, checkpoints
+(resume, kill, load paths), NaN handling and early errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from MaxText import config, train
+from MaxText import train_step as steps
+from MaxText.config import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BASE = os.path.join(ROOT, "MaxText", "configs", "base.yml")
+TINY = [
+  "dataset_type=synthetic",
+  "base_emb_dim=64",
+  "base_num_query_heads=4",
+  "base_num_kv_heads=2",
+  "base_mlp_dim=128",
+  "base_num_decoder_layers=2",
+  "head_dim=16",
+  "vocab_size=256",
+  "max_target_length=32",
+  "dtype=float32",
+  "log_config=false",
+  "log_period=1",
+  "learning_rate=1e-2",
+  "warmup_steps_fraction=0",
+  "enable_checkpointing=false",
+  "enable_tensorboard=false",
+]
+
+
+def cfg(tmp_path, name, *overrides):
+  return config.load([BASE, f"run_name={name}", f"base_output_directory={tmp_path}", *TINY, *overrides], {})
+
+
+def losses(c):
+  with open(c.metrics_file) as f:
+    return [json.loads(line)["loss"] for line in f]
+
+
+def run_losses(tmp_path, name, *overrides, devices=None):
+  c = cfg(tmp_path, name, "steps=5", *overrides)
+  train.run(c, devices)
+  return losses(c)
+
+
+def test_sharding_is_exact(tmp_path):
+  """Same global batch (16) on four meshes: per-step float32 losses equal within 1e-5 relative."""
+  ref = run_losses(tmp_path, "fsdp8", "ici_fsdp_parallelism=8", "per_device_batch_size=2")
+  others = {
+    "fsdp4_tp2": run_losses(
+      tmp_path, "tp", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", "per_device_batch_size=2"
+    ),
+    "dp2_fsdp4": run_losses(
+      tmp_path, "dp", "ici_data_parallelism=2", "ici_fsdp_parallelism=4", "per_device_batch_size=2"
+    ),
+    "one_device": run_losses(tmp_path, "one", "per_device_batch_size=16", devices=jax.devices()[:1]),
+  }
+  assert len(ref) == 5
+  for name, got in others.items():
+    np.testing.assert_allclose(got, ref, rtol=1e-5, err_msg=name)
+
+
+def test_scan_remat_and_accumulation_do_not_change_losses(tmp_path):
+  variants = [
+    ["scan_layers=false"],
+    ["remat_policy=minimal"],
+    ["remat_policy=save_dot_except_mlp"],
+    ["remat_policy=save_qkv_proj"],
+    ["remat_policy=none"],
+    ["remat_policy=none", "scan_layers=false"],
+    ["gradient_accumulation_steps=2"],
+  ]
+  ref = run_losses(tmp_path, "ref", "per_device_batch_size=2", "remat_policy=full", "scan_layers=true")
+  for i, variant in enumerate(variants):
+    got = run_losses(tmp_path, f"variant{i}", "per_device_batch_size=2", *variant)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, err_msg=str(variant))
+
+
+def test_loss_falls_and_metrics_are_complete(tmp_path):
+  c = cfg(tmp_path, "m", "steps=12", "per_device_batch_size=1", "vocab_size=16", "enable_tensorboard=true")
+  summary = train.run(c)
+  with open(c.metrics_file) as f:
+    records = [json.loads(line) for line in f]
+  assert [r["step"] for r in records] == list(range(12))
+  for key in ("loss", "perplexity", "grad_norm", "learning_rate", "step_time_s", "tokens_per_s_per_device"):
+    assert key in records[-1]
+  assert records[-1]["mfu"] > 0 and records[-1]["tflops_per_s_per_device"] > 0
+  assert records[-1]["loss"] < records[0]["loss"]
+  assert summary["steps_run"] == 12
+  assert os.listdir(c.tensorboard_dir)
+  assert os.path.isfile(os.path.join(c.run_dir, "config.yml"))
+
+
+def test_resume_is_exact(tmp_path):
+  common = ["per_device_batch_size=1", "enable_checkpointing=true", "checkpoint_period=3"]
+  common += ["learning_rate_schedule_steps=6", "async_checkpointing=false"]
+  full = cfg(tmp_path, "full", "steps=6", *common)
+  train.run(full)
+  train.run(cfg(tmp_path, "split", "steps=3", *common))
+  split = cfg(tmp_path, "split", "steps=6", *common)
+  summary = train.run(split)
+  assert sorted(os.listdir(split.checkpoint_dir)) == ["3", "6"]
+  assert summary["steps_run"] == 3
+  assert losses(split) == losses(full)  # bit-exact: same params, optimizer state and data order
+
+
+def test_load_parameters_and_full_state(tmp_path):
+  common = ["per_device_batch_size=1", "async_checkpointing=false"]
+  src = cfg(tmp_path, "src", "steps=4", "enable_checkpointing=true", *common)
+  train.run(src)
+  state_dir = os.path.join(src.checkpoint_dir, "4", "state")
+  params = cfg(tmp_path, "params", "steps=1", f"load_parameters_path={state_dir}", *common)
+  train.run(params)
+  fresh = cfg(tmp_path, "fresh", "steps=1", *common)
+  train.run(fresh)
+  assert losses(params)[0] < losses(fresh)[0]  # starts from the trained parameters, at step 0
+  full = cfg(tmp_path, "full", "steps=6", f"load_full_state_path={state_dir}", *common)
+  assert train.run(full)["steps_run"] == 2  # continues at step 4
+
+
+def test_nan_loss_stops_before_checkpointing(tmp_path, monkeypatch):
+  real = steps.jit_train_step
+
+  def poisoned(*args):
+    step_fn = real(*args)
+
+    def wrapped(state, batch, rng):
+      state, metrics = step_fn(state, batch, rng)
+      if int(state.step) >= 3:
+        metrics = {**metrics, "loss": metrics["loss"] * float("nan")}
+      return state, metrics
+
+    return wrapped
+
+  monkeypatch.setattr(steps, "jit_train_step", poisoned)
+  c = cfg(tmp_path, "nan", "steps=6", "per_device_batch_size=1", "enable_checkpointing=true", "checkpoint_period=1")
+  with pytest.raises(train.NonFiniteLossError, match="step 2"):
+    train.run(c)
+  assert sorted(os.listdir(c.checkpoint_dir)) == ["1", "2"]
+
+
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
+    (["ici_fsdp_parallelism=4", "ici_tensor_parallelism=4"], "= 16 != 8 devices per slice"),
+    (["per_device_batch_size=0.3"], "not a positive whole global batch"),
+    (["hardware=tpu"], "hardware=tpu"),
+  ],
+)
+def test_bad_setups_fail_before_compiling(tmp_path, overrides, message, monkeypatch):
+  def no_compile(*args, **kwargs):
+    raise AssertionError("reached compilation")
+
+  monkeypatch.setattr(steps, "jit_train_step", no_compile)
+  with pytest.raises(ConfigError, match=message):
+    train.run(cfg(tmp_path, "bad", "steps=2", *overrides))
+
+
+def _command(tmp_path, *overrides):
+  return [
+    sys.executable,
+    "MaxText/train.py",
+    BASE,
+    "run_name=k",
+    f"base_output_directory={tmp_path}",
+    *TINY,
+    *overrides,
+  ]
+
+
+def test_typo_in_key_exits_nonzero_naming_the_key(tmp_path):
+  result = subprocess.run(_command(tmp_path, "ici_fsdp_parallelizm=2"), cwd=ROOT, capture_output=True, text=True)
+  assert result.returncode != 0
+  assert "ici_fsdp_parallelism" in result.stderr
+
+
+def test_killed_run_resumes_from_last_checkpoint(tmp_path):
+  args = ["steps=400", "per_device_batch_size=1", "enable_checkpointing=true", "checkpoint_period=10"]
+  args += ["async_checkpointing=false", "log_period=50"]
+  ckpt = os.path.join(tmp_path, "k", "checkpoints")
+  proc = subprocess.Popen(_command(tmp_path, *args), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  deadline = time.time() + 240
+  while time.time() < deadline and proc.poll() is None:
+    if os.path.isdir(ckpt) and any(d.isdigit() and int(d) >= 20 for d in os.listdir(ckpt)):
+      break
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  saved = max(int(d) for d in os.listdir(ckpt) if d.isdigit())
+  assert 20 <= saved < 400, "the run must be killed mid-way"
+  result = subprocess.run(_command(tmp_path, *args), cwd=ROOT, capture_output=True, text=True)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert f"resume from step {saved}" in result.stdout
+  assert max(int(d) for d in os.listdir(ckpt) if d.isdigit()) == 400

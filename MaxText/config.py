@@ -25,7 +25,9 @@ CHOICES = {
   "weight_dtype": ("float32", "bfloat16"),
   "attention": ("autoselected", "dot_product"),
   "remat_policy": ("full", "minimal", "save_dot_except_mlp", "save_qkv_proj", "none"),
-  "dataset_type": ("synthetic", "text"),
+  "dataset_type": ("synthetic", "text", "grain", "tfds", "hf"),
+  "tokenizer_type": ("sentencepiece", "tiktoken", "huggingface"),
+  "grain_file_type": ("arrayrecord", "parquet"),
   "hardware": ("auto", "cpu", "gpu", "tpu"),
   "profiler": ("", "xplane"),
 }
@@ -267,8 +269,16 @@ def _validate(c: dict[str, Any]) -> None:
   for key in ("load_parameters_path", "load_full_state_path", "tokenizer_path"):
     if c[key] and not c[key].startswith("gs://") and not os.path.exists(c[key]):
       raise ConfigError(f"{key}={c[key]!r} does not exist")
-  if c["eval_interval"] > 0 and c["eval_steps"] <= 0:
-    raise ConfigError(f"eval_steps must be > 0 when eval_interval is set, got {c['eval_steps']}")
+  if c["eval_interval"] > 0 and c["eval_steps"] <= 0 and c["eval_steps"] != -1:
+    raise ConfigError(f"eval_steps must be > 0 (or -1: one epoch) when eval_interval is set, got {c['eval_steps']}")
+  if c["dataset_type"] == "grain" and not c["grain_train_files"]:
+    raise ConfigError("dataset_type=grain needs grain_train_files (a glob, or 'glob1,0.7;glob2,0.3')")
+  if c["dataset_type"] == "hf" and not c["hf_path"]:
+    raise ConfigError("dataset_type=hf needs hf_path (a Hub dataset, or parquet|json|arrow with hf_train_files)")
+  if c["dataset_type"] in ("grain", "tfds", "hf") and not c["tokenizer_path"]:
+    raise ConfigError(f"dataset_type={c['dataset_type']} needs tokenizer_path (only dataset_type=text trains one)")
+  if c["grain_worker_count"] < 0 or c["target_eval_loss"] < 0:
+    raise ConfigError("grain_worker_count and target_eval_loss must be >= 0")
   if c["dataset_type"] == "text" and not 0.0 <= c["eval_fraction"] < 1.0:
     raise ConfigError(f"eval_fraction must be in [0, 1), got {c['eval_fraction']}")
   if c["max_num_checkpoints_to_keep"] == 0 or c["max_num_checkpoints_to_keep"] < -1:

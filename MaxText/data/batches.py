@@ -70,20 +70,34 @@ def process_rows(sharding: Sharding, global_shape: tuple[int, int]) -> np.ndarra
 
 
 class BatchIterator:
-  """Endless iterator of global batches: dicts of int32 jax.Arrays [global_batch, length] on `sharding`."""
+  """Iterator of global batches: dicts of int32 jax.Arrays [global_batch, length] on `sharding`.
 
-  def __init__(self, source: RowSource, sharding: Sharding, global_batch: int, length: int):
+  Endless, or with `num_rows` it stops after rows [0, num_rows): the last batch is completed with padding
+  rows (segment 0, hence no loss), so every process runs the same ceil(num_rows / global_batch) steps.
+  """
+
+  def __init__(
+    self, source: RowSource, sharding: Sharding, global_batch: int, length: int, num_rows: int | None = None
+  ):
     self._source = source
     self._sharding = sharding
     self._shape = (global_batch, length)
     self._local_rows = process_rows(sharding, self._shape)
     self._next_row = 0
+    self._num_rows = num_rows
 
   def __iter__(self) -> BatchIterator:
     return self
 
   def __next__(self) -> dict[str, jax.Array]:
-    local = complete_rows(*self._source.rows(self._next_row + self._local_rows))
+    if self._num_rows is not None and self._next_row >= self._num_rows:
+      raise StopIteration
+    indices = self._next_row + self._local_rows
+    tokens, segmentation, positions = self._source.rows(indices)
+    if self._num_rows is not None:
+      real = (indices < self._num_rows)[:, None]
+      tokens, segmentation, positions = (np.where(real, x, 0) for x in (tokens, segmentation, positions))
+    local = complete_rows(tokens, segmentation, positions)
     self._next_row += self._shape[0]
     return {k: jax.make_array_from_process_local_data(self._sharding, local[k], self._shape) for k in FIELDS}
 

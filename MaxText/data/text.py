@@ -1,5 +1,8 @@
 """dataset_type=text: local files (a glob, or the Python standard library's sources) -> packed batches.
 
+A .txt (or any other) file is one document; each line of a .jsonl file and each row of a .parquet file is
+one document, its text in the `text_column` field.
+
 Cold start: list the files, train a tokenizer on the training documents (unless tokenizer_path is set),
 tokenize every document once and cache the tokens as .npy files in tokenizer_dir. Warm start: load the
 cached tokenizer and memory-map the cached tokens. After that a batch is numpy indexing (packing.py).
@@ -32,7 +35,7 @@ from MaxText.data.batches import BatchIterator, Iterators
 from MaxText.data.packing import DocumentRows
 
 log = logging.getLogger(__name__)
-CACHE_FORMAT = 1  # bump when the cached token layout changes
+CACHE_FORMAT = 2  # bump when the cached token layout changes
 ENCODE_CHUNK = 256  # documents per tokenizer call: bounds the memory held in Python lists
 
 
@@ -93,17 +96,71 @@ def read_document(path: str, strict: bool) -> str:
     return ""
 
 
-def split_documents(docs: Documents, nonempty: np.ndarray, eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+MULTI_DOCUMENT = (".jsonl", ".json", ".parquet")  # files holding one document per line / row
+
+
+def read_texts(path: str, strict: bool, column: str) -> list[str]:
+  """The documents of one file: .jsonl/.json (one JSON object per line) and .parquet give `column` of each
+  line/row; any other file is one document."""
+  if path.endswith((".jsonl", ".json")):
+    return _read_jsonl(path, column)
+  if path.endswith(".parquet"):
+    return read_parquet_column(path, column)
+  return [read_document(path, strict)]
+
+
+def _read_jsonl(path: str, column: str) -> list[str]:
+  texts = []
+  for number, line in enumerate(read_document(path, strict=True).splitlines(), 1):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path}:{number} is not a JSON object: {e}") from None
+    if not isinstance(record, dict) or not isinstance(record.get(column), str):
+      raise ValueError(f"{path}:{number} has no text field {column!r} (set text_column to the field holding the text)")
+    texts.append(record[column])
+  return texts
+
+
+def read_parquet_column(path: str, column: str) -> list[str]:
+  """The string column `column` of a Parquet file; ValueError naming the file or the missing column."""
+  import pyarrow.parquet as pq
+
+  try:
+    table = pq.read_table(path, columns=None)
+  except (OSError, ValueError) as e:  # pyarrow's errors subclass these
+    raise ValueError(f"Cannot read Parquet file {path!r}: {e}") from None
+  if column not in table.column_names:
+    raise ValueError(
+      f"Parquet file {path!r} has no column {column!r} (columns: {', '.join(table.column_names)}); set text_column"
+    )
+  return [t or "" for t in table.column(column).to_pylist()]
+
+
+def document_names(docs: Documents, counts: np.ndarray) -> list[str]:
+  """A stable name per document: the path relative to `docs.root`, plus `#i` inside multi-document files."""
+  names = []
+  for path, count in zip(docs.paths, counts):
+    rel = os.path.relpath(path, docs.root)
+    names.extend([rel] if not path.endswith(MULTI_DOCUMENT) else [f"{rel}#{i}" for i in range(count)])
+  return names
+
+
+def split_documents(
+  docs: Documents, names: Sequence[str], nonempty: np.ndarray, eval_fraction: float
+) -> tuple[np.ndarray, np.ndarray]:
   """(train ids, eval ids) among the non-empty documents; raises ValueError when there is no training data.
 
   The eval documents are the round(eval_fraction * n) (at least one when eval_fraction > 0 and n > 1)
-  with the smallest hash of their path relative to `docs.root`: fixed by the corpus, not by order or seed.
+  with the smallest hash of their `document_names`: fixed by the corpus, not by order or seed.
   """
   ids = np.flatnonzero(nonempty)
   if len(ids) == 0:
-    raise ValueError(f"The corpus is empty: all {len(docs.paths)} documents under {docs.root!r} have no text")
+    raise ValueError(f"The corpus is empty: all {len(names)} documents under {docs.root!r} have no text")
   n_eval = min(len(ids) - 1, max(int(eval_fraction > 0), round(eval_fraction * len(ids))))
-  rank = sorted(ids, key=lambda i: hashlib.sha256(os.path.relpath(docs.paths[i], docs.root).encode()).digest())
+  rank = sorted(ids, key=lambda i: hashlib.sha256(names[i].encode()).digest())
   eval_ids = np.array(sorted(rank[:n_eval]), dtype=np.int64)
   return np.setdiff1d(ids, eval_ids), eval_ids
 
@@ -119,45 +176,40 @@ def _sync(name: str) -> None:
 def get_tokenizer(config: Config, train_texts: Callable[[], Sequence[str]]) -> tokenizers.Tokenizer:
   """tokenizer_path, or the one cached in tokenizer_dir, or (process 0) one trained on `train_texts()`."""
   if config.tokenizer_path:
-    tok = tokenizers.load_tokenizer(config.tokenizer_path)
-  else:
-    path = os.path.join(config.tokenizer_dir, tokenizers.MODEL_FILE)
-    if jax.process_index() == 0 and not os.path.isfile(path):
-      start = time.perf_counter()
-      tokenizers.train_sentencepiece(train_texts(), config.vocab_size, config.tokenizer_dir, config.data_shuffle_seed)
-      seconds = time.perf_counter() - start
-      log.info("Trained a tokenizer (vocab_size=%d) in %.1f s: %s", config.vocab_size, seconds, path)
-    _sync("maxtext_data_tokenizer")
-    if not os.path.isfile(path):
-      raise ValueError(
-        f"Process {jax.process_index()} cannot see the tokenizer {path!r} that process 0 trained: put "
-        "base_output_directory on a filesystem all hosts share, or set tokenizer_path"
-      )
-    tok = tokenizers.load_tokenizer(path)
-  _check_tokenizer(config, tok)
-  return tok
-
-
-def _check_tokenizer(config: Config, tok: tokenizers.Tokenizer) -> None:
-  if tok.vocab_size > config.vocab_size:
+    return tokenizers.load_for_config(config)
+  path = os.path.join(config.tokenizer_dir, tokenizers.MODEL_FILE)
+  if config.tokenizer_type != "sentencepiece":
+    raise ValueError(f"tokenizer_type={config.tokenizer_type} needs tokenizer_path (only SentencePiece is trained)")
+  if jax.process_index() == 0 and not os.path.isfile(path):
+    start = time.perf_counter()
+    tokenizers.train_sentencepiece(train_texts(), config.vocab_size, config.tokenizer_dir, config.data_shuffle_seed)
+    seconds = time.perf_counter() - start
+    log.info("Trained a tokenizer (vocab_size=%d) in %.1f s: %s", config.vocab_size, seconds, path)
+  _sync("maxtext_data_tokenizer")
+  if not os.path.isfile(path):
     raise ValueError(
-      f"Tokenizer {tok.path!r} has {tok.vocab_size} pieces but vocab_size={config.vocab_size}: "
-      f"raise vocab_size to at least {tok.vocab_size}"
+      f"Process {jax.process_index()} cannot see the tokenizer {path!r} that process 0 trained: put "
+      "base_output_directory on a filesystem all hosts share, or set tokenizer_path"
     )
-  for flag, piece_id in (("add_bos", tok.bos_id), ("add_eos", tok.eos_id)):
-    if config[flag] and piece_id < 0:
-      raise ValueError(f"Tokenizer {tok.path!r} has no {flag[4:].upper()} piece; set {flag}=false")
+  return tokenizers.load_for_config(config.replace(tokenizer_path=path))
+
+
+class Texts(NamedTuple):
+  texts: list[str]  # every document of every file, in file order
+  counts: np.ndarray  # [files] int64: documents per file
 
 
 class Corpus(NamedTuple):
   tokens: np.ndarray  # [total] every document's tokens back to back (with BOS/EOS); uint16 or int32
   offsets: np.ndarray  # [documents + 1] int64; document d is tokens[offsets[d]:offsets[d + 1]], empty if no text
+  counts: np.ndarray  # [files] int64: documents per file (see document_names)
 
 
 def _cache_prefix(config: Config, docs: Documents, tok: tokenizers.Tokenizer) -> str:
   """Cache file prefix keyed by everything the tokens depend on (files by path, size and mtime)."""
   with open(tok.path, "rb") as f:
     key = [CACHE_FORMAT, hashlib.sha256(f.read()).hexdigest(), config.add_bos, config.add_eos, docs.strict]
+  key += [config.tokenizer_type, config.text_column]
   for path in docs.paths:
     stat = os.stat(path)
     key.append([path, stat.st_size, stat.st_mtime_ns])
@@ -165,24 +217,22 @@ def _cache_prefix(config: Config, docs: Documents, tok: tokenizers.Tokenizer) ->
   return os.path.join(config.tokenizer_dir, f"corpus-{digest}")
 
 
-def tokenize_documents(config: Config, tok: tokenizers.Tokenizer, texts: Sequence[str]) -> Corpus:
+def tokenize_documents(config: Config, tok: tokenizers.Tokenizer, texts: Texts) -> Corpus:
   """Encode each text (+ BOS/EOS per config); whitespace-only texts become empty documents."""
   dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.int32
   bos, eos = [tok.bos_id] * config.add_bos, [tok.eos_id] * config.add_eos
   parts, lengths = [], []
-  for i in range(0, len(texts), ENCODE_CHUNK):
-    chunk = texts[i : i + ENCODE_CHUNK]
+  for i in range(0, len(texts.texts), ENCODE_CHUNK):
+    chunk = texts.texts[i : i + ENCODE_CHUNK]
     encoded = tok.encode_batch([t if t.strip() else "" for t in chunk])
     encoded = [bos + ids + eos if ids else [] for ids in encoded]
     lengths.extend(map(len, encoded))
     parts.append(np.fromiter(itertools.chain.from_iterable(encoded), dtype, sum(map(len, encoded))))
   offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
-  return Corpus(np.concatenate(parts) if parts else np.zeros(0, dtype), offsets)
+  return Corpus(np.concatenate(parts) if parts else np.zeros(0, dtype), offsets, texts.counts)
 
 
-def load_corpus(
-  config: Config, docs: Documents, tok: tokenizers.Tokenizer, texts: Callable[[], Sequence[str]]
-) -> Corpus:
+def load_corpus(config: Config, docs: Documents, tok: tokenizers.Tokenizer, texts: Callable[[], Texts]) -> Corpus:
   """The tokenized corpus, from the cache in tokenizer_dir or tokenized (by process 0) and cached."""
   prefix = _cache_prefix(config, docs, tok)
   if jax.process_index() == 0 and not os.path.isfile(prefix + ".offsets.npy"):
@@ -190,43 +240,54 @@ def load_corpus(
     corpus = tokenize_documents(config, tok, texts())
     _save(prefix, corpus)
     seconds = time.perf_counter() - start
-    log.info("Tokenized %d documents (%d tokens) in %.1f s", len(docs.paths), len(corpus.tokens), seconds)
+    log.info("Tokenized %d documents (%d tokens) in %.1f s", len(corpus.offsets) - 1, len(corpus.tokens), seconds)
   _sync("maxtext_data_corpus")
   if not os.path.isfile(prefix + ".offsets.npy"):  # hosts without a shared filesystem tokenize for themselves
     return tokenize_documents(config, tok, texts())
-  return Corpus(np.load(prefix + ".tokens.npy", mmap_mode="r"), np.load(prefix + ".offsets.npy"))
+  loaded = {
+    name: np.load(f"{prefix}.{name}.npy", mmap_mode="r" if name == "tokens" else None) for name in Corpus._fields
+  }
+  return Corpus(**loaded)
 
 
 def _save(prefix: str, corpus: Corpus) -> None:
-  """Write tokens, then offsets (their presence marks a complete cache), each atomically."""
+  """Write tokens, counts, then offsets (their presence marks a complete cache), each atomically."""
   os.makedirs(os.path.dirname(prefix), exist_ok=True)
-  for name, array in (("tokens", corpus.tokens), ("offsets", corpus.offsets)):
+  for name in ("tokens", "counts", "offsets"):
     tmp = f"{prefix}.{os.getpid()}.tmp.npy"
-    np.save(tmp, array)
+    np.save(tmp, getattr(corpus, name))
     os.replace(tmp, f"{prefix}.{name}.npy")
+
+
+def read_all(config: Config, docs: Documents) -> Texts:
+  """Every document of the corpus; ValueError naming a file that cannot be read or lacks text_column."""
+  per_file = [read_texts(p, docs.strict, config.text_column) for p in docs.paths]
+  return Texts(list(itertools.chain.from_iterable(per_file)), np.array([len(t) for t in per_file], np.int64))
 
 
 def make_iterators(config: Config, mesh: Mesh) -> Iterators:
   """Train (shuffled per epoch) and eval (fixed order) iterators over the corpus, and its tokenizer."""
   docs = list_documents(config)
   # Read only if a tokenizer or the token cache must be built, and then only once.
-  texts = functools.cache(lambda: [read_document(p, docs.strict) for p in docs.paths])
+  texts = functools.cache(lambda: read_all(config, docs))
 
   def train_texts() -> list[str]:
     all_texts = texts()
-    train_ids, _ = split_documents(docs, np.array([bool(t.strip()) for t in all_texts]), config.eval_fraction)
-    return [all_texts[i] for i in train_ids]
+    nonempty = np.array([bool(t.strip()) for t in all_texts.texts])
+    train_ids, _ = split_documents(docs, document_names(docs, all_texts.counts), nonempty, config.eval_fraction)
+    return [all_texts.texts[i] for i in train_ids]
 
   tok = get_tokenizer(config, train_texts)
   corpus = load_corpus(config, docs, tok, texts)
-  train_ids, eval_ids = split_documents(docs, np.diff(corpus.offsets) > 0, config.eval_fraction)
+  names = document_names(docs, corpus.counts)
+  train_ids, eval_ids = split_documents(docs, names, np.diff(corpus.offsets) > 0, config.eval_fraction)
   spec, length = sharding.input_sharding(config, mesh), config.max_target_length
 
-  def iterator(ids: np.ndarray, seed: int | None, batch: int) -> BatchIterator:
+  def iterator(ids: np.ndarray, seed: int | None, batch: int, one_epoch: bool = False) -> BatchIterator:
     rows = DocumentRows(corpus.tokens, corpus.offsets, ids, length, config.packing, seed)
-    return BatchIterator(rows, spec, batch, length)
+    return BatchIterator(rows, spec, batch, length, num_rows=rows.rows_per_epoch if one_epoch else None)
 
   train = iterator(train_ids, config.data_shuffle_seed, sharding.global_batch_size(config, mesh))
   eval_batch = sharding.global_batch_size(config, mesh, config.eval_per_device_batch_size or None)
-  eval_factory = (lambda: iterator(eval_ids, None, eval_batch)) if len(eval_ids) else None
+  eval_factory = (lambda: iterator(eval_ids, None, eval_batch, config.eval_steps == -1)) if len(eval_ids) else None
   return Iterators(train, eval_factory, tok)

@@ -1,6 +1,7 @@
-"""SentencePiece tokenizers: load one, or train one on a corpus.
+"""Tokenizers (SentencePiece, tiktoken BPE, Hugging Face tokenizer.json): load one, or train a SentencePiece one.
 
-Trained tokenizers are BPE with byte fallback (any text encodes; decode(encode(x)) == x), identity
+All share one interface: vocab_size, bos_id, eos_id, pad_id (-1 when absent), encode, encode_batch, decode.
+Trained SentencePiece tokenizers are BPE with byte fallback (any text encodes; decode(encode(x)) == x), identity
 normalisation and no whitespace folding, so source code keeps its indentation and newlines. Ids: pad 0,
 bos 1, eos 2, unk 3. Padding is a control piece that encode() never emits; segment ids mark padding.
 """
@@ -23,7 +24,7 @@ MAX_SENTENCES = 200_000
 
 
 class Tokenizer:
-  """A SentencePiece model: text <-> lists of int ids."""
+  """A SentencePiece model: text <-> lists of int ids. The other tokenizers follow its interface."""
 
   def __init__(self, path: str):
     self.path = path
@@ -58,14 +59,39 @@ class Tokenizer:
     return self._sp.decode([int(i) for i in ids])
 
 
-def load_tokenizer(path: str) -> Tokenizer:
-  """The SentencePiece model at `path`; ValueError naming the path when it is missing or not a model."""
-  if not os.path.isfile(path):
-    raise ValueError(f"Tokenizer {path!r} does not exist; set tokenizer_path to a SentencePiece .model file")
+def load_tokenizer(path: str, tokenizer_type: str = "sentencepiece") -> Tokenizer:
+  """The tokenizer at `path`; ValueError naming the path when it is missing or not of `tokenizer_type`.
+
+  sentencepiece: a .model file; tiktoken: a BPE ranks file (Llama 3's tokenizer.model); huggingface: a
+  tokenizer.json file or a directory holding one.
+  """
+  if tokenizer_type not in LOADERS:
+    raise ValueError(f"tokenizer_type={tokenizer_type!r} is not one of {', '.join(LOADERS)}")
+  if not os.path.exists(path):
+    raise ValueError(f"Tokenizer {path!r} does not exist; set tokenizer_path to a {tokenizer_type} tokenizer file")
   try:
-    return Tokenizer(path)
-  except (RuntimeError, OSError) as e:
-    raise ValueError(f"Tokenizer {path!r} is not a SentencePiece model: {e}") from None
+    return LOADERS[tokenizer_type](path)
+  except Exception as e:  # each library raises its own types
+    raise ValueError(f"Tokenizer {path!r} is not a {tokenizer_type} tokenizer: {e}") from None
+
+
+def check_tokenizer(tok: Tokenizer, vocab_size: int, add_bos: bool, add_eos: bool) -> None:
+  """ValueError when the model's embedding cannot hold the tokenizer's ids, or a wanted BOS/EOS is missing."""
+  if tok.vocab_size > vocab_size:
+    raise ValueError(
+      f"Tokenizer {tok.path!r} has {tok.vocab_size} pieces but vocab_size={vocab_size}: "
+      f"raise vocab_size to at least {tok.vocab_size}"
+    )
+  for flag, wanted, piece_id in (("add_bos", add_bos, tok.bos_id), ("add_eos", add_eos, tok.eos_id)):
+    if wanted and piece_id < 0:
+      raise ValueError(f"Tokenizer {tok.path!r} has no {flag[4:].upper()} piece; set {flag}=false")
+
+
+def load_for_config(config) -> Tokenizer:
+  """config.tokenizer_path as config.tokenizer_type, checked against vocab_size, add_bos and add_eos."""
+  tok = load_tokenizer(config.tokenizer_path, config.tokenizer_type)
+  check_tokenizer(tok, config.vocab_size, config.add_bos, config.add_eos)
+  return tok
 
 
 def _sentences(texts_or_files: Iterable[str | os.PathLike]) -> Iterator[str]:
@@ -129,3 +155,168 @@ def train_sentencepiece(
   os.replace(prefix + ".vocab", os.path.join(output_dir, "tokenizer.vocab"))
   os.replace(prefix + ".model", path)
   return path
+
+
+# Llama 3's pre-tokenizer split (tiktoken format); other tiktoken files use the same in practice.
+LLAMA3_PATTERN = (
+  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+  r"\s+(?!\S)|\s+"
+)
+# Llama 3's 256 special tokens follow the BPE ranks in this order; reserved ones fill the gaps.
+LLAMA3_SPECIAL = [
+  "<|begin_of_text|>",
+  "<|end_of_text|>",
+  "<|reserved_special_token_0|>",
+  "<|reserved_special_token_1|>",
+]
+LLAMA3_SPECIAL += ["<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>", "<|end_header_id|>"]
+LLAMA3_SPECIAL += ["<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
+NUM_LLAMA3_SPECIAL = 256
+
+
+class TiktokenTokenizer(Tokenizer):
+  """A tiktoken BPE ranks file (base64 token, rank per line), Llama 3 style: 256 special tokens after the ranks.
+
+  BOS is <|begin_of_text|>, EOS <|end_of_text|>; special-token text in documents is encoded as plain text.
+  """
+
+  def __init__(self, path: str):
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+
+    self.path = path
+    ranks = load_tiktoken_bpe(path)
+    reserved = range(2, 2 + NUM_LLAMA3_SPECIAL - len(LLAMA3_SPECIAL))
+    names = LLAMA3_SPECIAL + [f"<|reserved_special_token_{i}|>" for i in reserved]
+    self._special = {name: len(ranks) + i for i, name in enumerate(names)}
+    name = os.path.basename(path)
+    self._enc = tiktoken.Encoding(name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=self._special)
+
+  @property
+  def vocab_size(self) -> int:
+    return self._enc.n_vocab
+
+  @property
+  def bos_id(self) -> int:
+    return self._special["<|begin_of_text|>"]
+
+  @property
+  def eos_id(self) -> int:
+    return self._special["<|end_of_text|>"]
+
+  @property
+  def pad_id(self) -> int:
+    return -1
+
+  def encode(self, text: str) -> list[int]:
+    return self._enc.encode(text, disallowed_special=())
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    return self._enc.encode_batch(list(texts), num_threads=os.cpu_count() or 1, disallowed_special=())
+
+  def decode(self, ids: Iterable[int] | np.ndarray) -> str:
+    specials = set(self._special.values())
+    return self._enc.decode([int(i) for i in ids if int(i) not in specials])
+
+
+# Names Hugging Face tokenizers use for their BOS/EOS tokens, tried in order without a tokenizer_config.json.
+HF_BOS = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>", "[CLS]")
+HF_EOS = ("<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>", "[SEP]")
+
+
+class HuggingFaceTokenizer(Tokenizer):
+  """A Hugging Face `tokenizers` tokenizer.json (or a directory holding it, and maybe tokenizer_config.json).
+
+  BOS/EOS come from tokenizer_config.json's bos_token/eos_token when present, else from common token names.
+  The tokenizer's own post-processor (which may add BOS) is not applied: add_bos/add_eos decide.
+  """
+
+  def __init__(self, path: str):
+    import tokenizers
+
+    self.path = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    self._tok = tokenizers.Tokenizer.from_file(self.path)
+    named = _hf_special_names(os.path.dirname(self.path))
+    self._bos = self._first_id((named.get("bos_token"), *HF_BOS))
+    self._eos = self._first_id((named.get("eos_token"), *HF_EOS))
+    self._pad = self._first_id((named.get("pad_token"), "<pad>", "[PAD]"))
+
+  def _first_id(self, names: Sequence[str | None]) -> int:
+    for name in names:
+      if name and self._tok.token_to_id(name) is not None:
+        return self._tok.token_to_id(name)
+    return -1
+
+  @property
+  def vocab_size(self) -> int:
+    return self._tok.get_vocab_size(with_added_tokens=True)
+
+  @property
+  def bos_id(self) -> int:
+    return self._bos
+
+  @property
+  def eos_id(self) -> int:
+    return self._eos
+
+  @property
+  def pad_id(self) -> int:
+    return self._pad
+
+  def encode(self, text: str) -> list[int]:
+    return self._tok.encode(text, add_special_tokens=False).ids
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+  def decode(self, ids: Iterable[int] | np.ndarray) -> str:
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def _hf_special_names(directory: str) -> dict[str, str]:
+  """bos_token/eos_token/pad_token from tokenizer_config.json (strings or {"content": ...}), if present."""
+  import json
+
+  path = os.path.join(directory, "tokenizer_config.json")
+  if not os.path.isfile(path):
+    return {}
+  with open(path) as f:
+    cfg = json.load(f)
+  names = {}
+  for key in ("bos_token", "eos_token", "pad_token"):
+    value = cfg.get(key)
+    names[key] = value.get("content") if isinstance(value, dict) else value
+  return names
+
+
+# tokenizer_type -> class taking the tokenizer path.
+LOADERS = {"sentencepiece": Tokenizer, "tiktoken": TiktokenTokenizer, "huggingface": HuggingFaceTokenizer}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+  """Train a SentencePiece tokenizer on local files (.txt, .jsonl, .parquet, ...), as dataset_type=text reads them.
+
+  python3 -m MaxText.data.tokenizer --files 'data/**/*.jsonl' --vocab_size 32000 --output_dir tok/
+  """
+  import argparse
+  import glob
+
+  from MaxText.data.text import read_texts  # text.py imports this module: import it only here
+
+  parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+  parser.add_argument("--files", required=True, help="glob of training files ('**' recurses)")
+  parser.add_argument("--vocab_size", type=int, required=True, help="at most this many pieces")
+  parser.add_argument("--output_dir", required=True, help="writes tokenizer.model and tokenizer.vocab here")
+  parser.add_argument("--text_column", default="text", help=".jsonl/.parquet field holding the text")
+  parser.add_argument("--seed", type=int, default=0, help="seed of the sentence sampling")
+  args = parser.parse_args(argv)
+  paths = sorted(p for p in glob.glob(os.path.expanduser(args.files), recursive=True) if os.path.isfile(p))
+  if not paths:
+    raise SystemExit(f"--files {args.files!r} matches no files")
+  texts = (t for p in paths for t in read_texts(p, True, args.text_column))
+  path = train_sentencepiece(texts, args.vocab_size, args.output_dir, args.seed)
+  print(f"{path}: {load_tokenizer(path).vocab_size} pieces from {len(paths)} files")
+
+
+if __name__ == "__main__":
+  main()

@@ -196,7 +196,8 @@ def test_text_resume_across_epochs(tmp_path, corpus):
 def test_eval_split_is_disjoint_and_restarts(tmp_path, corpus):
   cfg = _text_config(tmp_path, corpus, "eval_fraction=0.25", "packing=false", "max_target_length=128")
   docs = text.list_documents(cfg)
-  train_ids, eval_ids = text.split_documents(docs, np.ones(len(DOCS), bool), cfg.eval_fraction)
+  names = text.document_names(docs, np.ones(len(DOCS), np.int64))
+  train_ids, eval_ids = text.split_documents(docs, names, np.ones(len(DOCS), bool), cfg.eval_fraction)
   assert len(eval_ids) == 3 and not set(train_ids) & set(eval_ids)
   its = make_iterators(cfg, _mesh(cfg, 8))
   first, again = next(its.eval_factory()), next(its.eval_factory())
@@ -240,6 +241,42 @@ def test_corpus_errors(tmp_path, corpus):
   (tmp_path / "empty" / "c.txt").write_bytes(b"caf\xe9")
   with pytest.raises(ValueError, match="Cannot decode document .*c.txt"):
     make_iterators(cfg, _mesh(cfg, 1))
+
+
+def _write_jsonl_and_parquet(root, column="text"):
+  """DOCS split over a .jsonl file (first half, with a blank line) and a .parquet file (second half)."""
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  half = len(DOCS) // 2
+  lines = [json.dumps({column: d, "id": i}) for i, d in enumerate(DOCS[:half])]
+  (root / "a.jsonl").write_text("\n".join(lines[:2] + [""] + lines[2:]) + "\n")
+  pq.write_table(pa.table({column: DOCS[half:], "id": list(range(half, len(DOCS)))}), root / "b.parquet")
+  return f"{root}/*"
+
+
+def test_text_jsonl_and_parquet_documents(tmp_path, corpus):
+  (tmp_path / "mixed").mkdir()
+  glob = _write_jsonl_and_parquet(tmp_path / "mixed", column="body")
+  cfg = _text_config(tmp_path, corpus, f"dataset_path={glob}", "text_column=body", "packing=false")
+  cfg = cfg.replace(max_target_length=128, eval_fraction=0.25, eval_steps=-1)
+  its = make_iterators(cfg, _mesh(cfg, 4))
+  train = {its.tokenizer.decode(r) for b in _take(its.train, 3) for r in b["inputs"]}
+  evals = [its.tokenizer.decode(r) for b in its.eval_factory() for r in np.asarray(b["inputs"])]
+  assert len(evals) == 4 and evals[-1] == ""  # one epoch of 3 held-out documents, the last row padding
+  assert train | set(evals[:3]) == set(DOCS) and not train & set(evals)
+  bad = _text_config(tmp_path, corpus, f"dataset_path={glob}")  # the files have no "text" field
+  with pytest.raises(ValueError, match="a.jsonl:1 has no text field 'text'"):
+    make_iterators(bad, _mesh(bad, 1))
+  (tmp_path / "mixed" / "c.parquet").write_text("not parquet")
+  bad = _text_config(tmp_path, corpus, f"dataset_path={tmp_path}/mixed/c.parquet")
+  with pytest.raises(ValueError, match="Cannot read Parquet file .*c.parquet"):
+    make_iterators(bad, _mesh(bad, 1))
+
+
+def test_tokenizer_path_must_exist(tmp_path, corpus):
+  with pytest.raises(config.ConfigError, match="tokenizer_path=.*missing.model.* does not exist"):
+    _text_config(tmp_path, corpus, f"tokenizer_path={tmp_path}/missing.model")
 
 
 def test_process_rows_follow_the_sharding():

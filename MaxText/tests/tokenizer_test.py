@@ -55,7 +55,7 @@ def test_load_errors(tmp_path):
   with pytest.raises(ValueError, match="does not exist"):
     tokenizers.load_tokenizer(str(tmp_path / "missing.model"))
   (tmp_path / "bad.model").write_text("not a model")
-  with pytest.raises(ValueError, match="not a SentencePiece model"):
+  with pytest.raises(ValueError, match="not a sentencepiece tokenizer"):
     tokenizers.load_tokenizer(str(tmp_path / "bad.model"))
 
 
@@ -64,3 +64,60 @@ def test_training_errors(tmp_path):
     tokenizers.train_sentencepiece(TEXTS, 100, str(tmp_path))
   with pytest.raises(ValueError, match="empty"):
     tokenizers.train_sentencepiece(["", "  \n"], 400, str(tmp_path))
+
+
+def _tiktoken_file(path):
+  """A tiny Llama 3 style ranks file: the 256 bytes, then a few merges."""
+  import base64
+
+  pieces = [bytes([b]) for b in range(256)] + [b"th", b"the", b" the", b"re", b"ur", b"urn"]
+  path.write_text("".join(f"{base64.b64encode(p).decode()} {rank}\n" for rank, p in enumerate(pieces)))
+  return str(path)
+
+
+def test_tiktoken_llama3_style(tmp_path):
+  tok = tokenizers.load_tokenizer(_tiktoken_file(tmp_path / "tokenizer.model"), "tiktoken")
+  assert tok.vocab_size == 262 + 256 and (tok.bos_id, tok.eos_id) == (262, 263)
+  for text in TEXTS:
+    assert tok.decode(tok.encode(text)) == text
+  assert tok.encode("the") == [257]
+  # Special-token text inside a document is plain text; special ids decode to nothing.
+  assert tok.decode([tok.bos_id, *tok.encode("<|eot_id|> the"), tok.eos_id]) == "<|eot_id|> the"
+  assert tok.encode_batch(["the", "return"]) == [tok.encode("the"), tok.encode("return")]
+  with pytest.raises(ValueError, match="raise vocab_size to at least 518"):
+    tokenizers.check_tokenizer(tok, 512, True, True)
+
+
+def test_huggingface_tokenizer_json(tmp_path):
+  import json
+
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+  hf = Tokenizer(models.BPE())
+  hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  hf.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+    vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+  )
+  hf.train_from_iterator(TEXTS, trainer)
+  hf.save(str(tmp_path / "tokenizer.json"))
+  tok = tokenizers.load_tokenizer(str(tmp_path), "huggingface")  # a directory holding tokenizer.json
+  assert (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 1, 2) and tok.vocab_size <= 300
+  for text in TEXTS:
+    assert tok.decode(tok.encode(text)) == text
+  assert tok.decode([1, *tok.encode("x = 1"), 2, 0]) == "x = 1"
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": {"content": "</s>"}, "eos_token": "<s>"}))
+  tok = tokenizers.load_tokenizer(str(tmp_path / "tokenizer.json"), "huggingface")
+  assert (tok.bos_id, tok.eos_id) == (2, 1)
+  with pytest.raises(ValueError, match="is not a huggingface tokenizer"):
+    tokenizers.load_tokenizer(_tiktoken_file(tmp_path / "ranks.model"), "huggingface")
+
+
+def test_train_command_reads_jsonl(tmp_path):
+  import json
+
+  (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+  tokenizers.main(["--files", str(tmp_path / "*.jsonl"), "--vocab_size", "400", "--output_dir", str(tmp_path / "o")])
+  assert _pieces(str(tmp_path / "o" / "tokenizer.model")) == _pieces(
+    tokenizers.train_sentencepiece(TEXTS, 400, str(tmp_path))
+  )

@@ -6,6 +6,7 @@ python3 MaxText/train.py MaxText/configs/base.yml run_name=NAME key=value ...
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import sys
@@ -159,6 +160,11 @@ def train_loop(config, mesh, tx, spec, restored, data, manager, global_batch, pe
 
 
 def main(argv: Sequence[str]) -> None:
+  # Our own progress messages (data preparation, ...) at INFO; libraries stay at their defaults.
+  handler = logging.StreamHandler()
+  handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
+  logging.getLogger("MaxText").addHandler(handler)
+  logging.getLogger("MaxText").setLevel(logging.INFO)
   try:
     config = config_lib.load(argv[1:])
   except ConfigError as e:

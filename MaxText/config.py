@@ -30,6 +30,7 @@ CHOICES = {
   "grain_file_type": ("arrayrecord", "parquet"),
   "hardware": ("auto", "cpu", "gpu", "tpu"),
   "profiler": ("", "xplane"),
+  "rope_type": ("default", "llama3", "linear"),
 }
 
 # Keys derived at load time; users may not set them.
@@ -243,6 +244,24 @@ def _finalize(values: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
+def _validate_family_options(c: dict[str, Any]) -> None:
+  """Family options (RoPE scaling, local attention, soft-caps, MoE) that cannot work as given."""
+  for k in ("sliding_window_size", "attn_logits_soft_cap", "final_logits_soft_cap", "query_pre_attn_scalar"):
+    if c[k] < 0:
+      raise ConfigError(f"{k} must be >= 0 (0 turns it off), got {c[k]}")
+  if c["rope_type"] != "default" and c["rope_factor"] < 1.0:
+    raise ConfigError(f"rope_factor must be >= 1 with rope_type={c['rope_type']}, got {c['rope_factor']}")
+  if c["rope_type"] == "llama3" and not 0 < c["rope_low_freq_factor"] < c["rope_high_freq_factor"]:
+    raise ConfigError("rope_type=llama3 needs 0 < rope_low_freq_factor < rope_high_freq_factor")
+  if c["num_experts"] < 1 or not 1 <= c["num_experts_per_tok"] <= c["num_experts"]:
+    raise ConfigError(
+      f"need num_experts >= 1 and 1 <= num_experts_per_tok <= num_experts, got {c['num_experts']} "
+      f"and {c['num_experts_per_tok']}"
+    )
+  if c["capacity_factor"] < 0 or c["load_balance_loss_weight"] < 0:
+    raise ConfigError("capacity_factor and load_balance_loss_weight must be >= 0")
+
+
 def _validate(c: dict[str, Any]) -> None:
   """Checks that need no devices; device-dependent ones (mesh, batch) live in sharding.py."""
 
@@ -258,6 +277,7 @@ def _validate(c: dict[str, Any]) -> None:
     raise ConfigError(
       f"num_query_heads ({c['num_query_heads']}) must be a multiple of num_kv_heads ({c['num_kv_heads']})"
     )
+  _validate_family_options(c)
   if len(c["mlp_activations"]) not in (1, 2):
     raise ConfigError(f"mlp_activations takes one or two activations, got {c['mlp_activations']}")
   if not 0.0 <= c["dropout_rate"] < 1.0:

@@ -1,6 +1,12 @@
-"""Grouped-query self-attention (attention=dot_product) with packing-aware causal masks."""
+"""Grouped-query self-attention (attention=dot_product) with packing-aware causal masks.
+
+Options, all from the config or the family's layer: sliding-window (local) attention, attention-logit
+soft-capping, a query scale other than head_dim**-0.5, per-head q/k norms, a per-layer RoPE base.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -9,38 +15,64 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.config import Config
-from MaxText.layers.embeddings import apply_rope, rope_frequencies
+from MaxText.layers.embeddings import apply_rope, scaled_rope_frequencies
 from MaxText.layers.linears import DenseGeneral
+from MaxText.layers.normalizations import RMSNorm
 
 # Large finite negative instead of -inf: a fully masked row (padding) then gives a uniform softmax,
 # not NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def attention_mask(segment_ids: jax.Array) -> jax.Array:
-  """[B, T] segment ids -> [B, 1, 1, T, S] bool: causal and within the same document."""
+def attention_mask(segment_ids: jax.Array, sliding_window: int = 0) -> jax.Array:
+  """[B, T] segment ids -> [B, 1, 1, T, S] bool: causal, within the same document, and when
+  sliding_window > 0 local (query i sees keys j with i - window < j <= i)."""
   t = segment_ids.shape[1]
-  causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+  distance = jnp.arange(t)[:, None] - jnp.arange(t)[None, :]  # i - j
+  allowed = distance >= 0
+  if sliding_window:
+    allowed &= distance < sliding_window
   same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
-  return (causal[None] & same_doc)[:, None, None]
+  return (allowed[None] & same_doc)[:, None, None]
 
 
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-  """q [B, T, N, H], k/v [B, S, K, H], mask [B, 1, 1, T, S] -> [B, T, N, H]; softmax in float32."""
+def soft_cap(x: jax.Array, cap: float) -> jax.Array:
+  """cap * tanh(x / cap); identity when cap is 0."""
+  return x if not cap else cap * jnp.tanh(x / cap)
+
+
+def dot_product_attention(
+  q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, logits_soft_cap: float = 0.0
+) -> jax.Array:
+  """q [B, T, N, H] (already scaled), k/v [B, S, K, H], mask [B, 1, 1, T, S] -> [B, T, N, H];
+  softmax in float32."""
   b, t, n, h = q.shape
   kv_heads = k.shape[2]
   q = q.reshape(b, t, kv_heads, n // kv_heads, h)  # [B, T, K, G, H]
   scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
-  scores = jnp.where(mask, scores, MASK_VALUE)
+  scores = jnp.where(mask, soft_cap(scores, logits_soft_cap), MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
-  return out.reshape(b, t, n, h)
+  return out.reshape(b, t, n, v.shape[-1])
 
 
 class Attention(nnx.Module):
-  """Projections q/k/v/o, RoPE, and GQA attention over a packed batch."""
+  """Projections q/k/v/o, optional q/k norms, RoPE, and GQA attention over a packed batch.
 
-  def __init__(self, config: Config, *, rngs: nnx.Rngs):
+  `sliding_window` (0: global) and `rope_max_timescale` (None: config.rope_max_timescale) let a family
+  make local and global layers; `norm` builds the q/k norms (Gemma's 1+w or plain RMSNorm).
+  """
+
+  def __init__(
+    self,
+    config: Config,
+    *,
+    rngs: nnx.Rngs,
+    sliding_window: int = 0,
+    rope_max_timescale: float | None = None,
+    rope_type: str | None = None,
+    norm: Callable[..., nnx.Module] = RMSNorm,
+  ):
     dt, wdt = jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
     d, n, k, h = config.emb_dim, config.num_query_heads, config.num_kv_heads, config.head_dim
     dense = dict(dtype=dt, weight_dtype=wdt, rngs=rngs)
@@ -48,8 +80,15 @@ class Attention(nnx.Module):
     self.key = DenseGeneral(d, (k, h), ("embed", "kv_heads", "kv"), **dense)
     self.value = DenseGeneral(d, (k, h), ("embed", "kv_heads", "kv"), **dense)
     self.out = DenseGeneral((n, h), d, ("heads", "kv", "embed"), **dense)
-    self.rope_timescales = (config.rope_min_timescale, config.rope_max_timescale)
-    self.head_dim = h
+    self.query_norm = self.key_norm = nnx.data(None)
+    if config.use_qk_norm:
+      norm_args = dict(epsilon=config.normalization_layer_epsilon, dtype=dt, weight_dtype=wdt)
+      self.query_norm, self.key_norm = norm(h, **norm_args), norm(h, **norm_args)
+    self.config = config
+    self.sliding_window = sliding_window
+    self.rope_max_timescale = config.rope_max_timescale if rope_max_timescale is None else rope_max_timescale
+    self.rope_type = config.rope_type if rope_type is None else rope_type
+    self.query_scale = (config.query_pre_attn_scalar or h) ** -0.5
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
     """x [B, T, D], positions/segment_ids [B, T] -> [B, T, D]."""
@@ -58,10 +97,13 @@ class Attention(nnx.Module):
     v = checkpoint_name(self.value(x), "value_proj")
     q = nn.with_logical_constraint(q, ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
     k = nn.with_logical_constraint(k, ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv"))
-    inv_freq = rope_frequencies(self.head_dim, *self.rope_timescales)
-    q = apply_rope(q, positions, inv_freq) * (self.head_dim**-0.5)
+    if self.query_norm is not None:
+      q, k = self.query_norm(q), self.key_norm(k)
+    inv_freq = scaled_rope_frequencies(self.config, q.shape[-1], self.rope_max_timescale, self.rope_type)
+    q = apply_rope(q, positions, inv_freq) * self.query_scale
     k = apply_rope(k, positions, inv_freq)
-    out = dot_product_attention(q, k, v, attention_mask(segment_ids))
+    mask = attention_mask(segment_ids, self.sliding_window)
+    out = dot_product_attention(q, k, v, mask, self.config.attn_logits_soft_cap)
     out = nn.with_logical_constraint(
       out, ("activation_batch", "activation_length", "activation_heads", "activation_kv")
     )

@@ -1,10 +1,14 @@
-"""Token embeddings and rotary position embeddings."""
+"""Token embeddings and rotary position embeddings (RoPE, with Llama 3.1 and linear scaling)."""
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from MaxText.config import Config
 
 
 class Embed(nnx.Module):
@@ -28,6 +32,28 @@ def rope_frequencies(head_dim: int, min_timescale: float, max_timescale: float) 
   """Inverse timescales [H/2]: min * (max/min)^(2i/H), the Llama/RoFormer schedule."""
   fraction = 2 * jnp.arange(head_dim // 2, dtype=jnp.float32) / head_dim
   return 1.0 / (min_timescale * (max_timescale / min_timescale) ** fraction)
+
+
+def llama3_scaling(inv_freq: jax.Array, config: Config) -> jax.Array:
+  """Llama 3.1: long wavelengths divided by rope_factor, short ones kept, a smooth blend between."""
+  factor, low, high = config.rope_factor, config.rope_low_freq_factor, config.rope_high_freq_factor
+  original = config.original_max_position_embeddings
+  wavelen = 2 * math.pi / inv_freq
+  smooth = (original / wavelen - low) / (high - low)
+  blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+  scaled = jnp.where(wavelen > original / low, inv_freq / factor, inv_freq)
+  medium = (wavelen >= original / high) & (wavelen <= original / low)
+  return jnp.where(medium, blended, scaled)
+
+
+def scaled_rope_frequencies(config: Config, head_dim: int, max_timescale: float, rope_type: str) -> jax.Array:
+  """rope_frequencies with the rope_type scaling (default | llama3 | linear) applied."""
+  inv_freq = rope_frequencies(head_dim, config.rope_min_timescale, max_timescale)
+  if rope_type == "llama3":
+    return llama3_scaling(inv_freq, config)
+  if rope_type == "linear":
+    return inv_freq / config.rope_factor
+  return inv_freq
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:

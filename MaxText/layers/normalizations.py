@@ -8,13 +8,23 @@ from flax import nnx
 
 
 class RMSNorm(nnx.Module):
-  """x / rms(x) * scale, computed in float32 and returned in `dtype`."""
+  """x / rms(x) * (scale_offset + scale), computed in float32 and returned in `dtype`.
 
-  def __init__(self, dim: int, *, epsilon: float, dtype: jnp.dtype, weight_dtype: jnp.dtype):
-    self.scale = nnx.Param(jnp.ones((dim,), weight_dtype), out_sharding=("norm",))
-    self.epsilon, self.dtype = epsilon, dtype
+  scale_offset=1 is Gemma's convention (stored weights are w, the multiplier is 1 + w, initialised at 0), so
+  converted Gemma weights are stored unchanged.
+  """
+
+  def __init__(self, dim: int, *, epsilon: float, dtype: jnp.dtype, weight_dtype: jnp.dtype, scale_offset: float = 0.0):
+    init = jnp.zeros if scale_offset else jnp.ones
+    self.scale = nnx.Param(init((dim,), weight_dtype), out_sharding=("norm",))
+    self.epsilon, self.dtype, self.scale_offset = epsilon, dtype, scale_offset
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
-    return (y * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+    return (y * (self.scale_offset + self.scale[...].astype(jnp.float32))).astype(self.dtype)
+
+
+def gemma_rms_norm(dim: int, **kwargs) -> RMSNorm:
+  """Gemma's RMSNorm: multiplier 1 + w."""
+  return RMSNorm(dim, scale_offset=1.0, **kwargs)

@@ -1,20 +1,27 @@
-"""Model families: a plain dict from decoder_block to the family's decoder-layer class."""
+"""Model families: a plain dict from decoder_block to the family's description (layers/decoder.Family)."""
 
 from __future__ import annotations
 
 from flax import nnx
 
 from MaxText.config import Config, ConfigError
-from MaxText.layers.decoder import Decoder
-from MaxText.models.llama2 import Llama2DecoderLayer
+from MaxText.layers.decoder import Decoder, Family
+from MaxText.models import gemma, gemma2, gemma3, llama2
 
-REGISTRY: dict[str, type[nnx.Module]] = {
-  "default": Llama2DecoderLayer,
-  "llama2": Llama2DecoderLayer,
+# Llama 3, Mistral, Mixtral and Qwen3 differ from Llama 2 by config keys only (README, "Models").
+REGISTRY: dict[str, Family] = {
+  "default": llama2.FAMILY,
+  "llama2": llama2.FAMILY,
+  "mistral": llama2.FAMILY,
+  "mixtral": llama2.FAMILY,
+  "qwen3": llama2.FAMILY,
+  "gemma": gemma.FAMILY,
+  "gemma2": gemma2.FAMILY,
+  "gemma3": gemma3.FAMILY,
 }
 
 
-def layer_class(config: Config) -> type[nnx.Module]:
+def family(config: Config) -> Family:
   if config.decoder_block not in REGISTRY:
     raise ConfigError(f"Unknown decoder_block {config.decoder_block!r}; choose one of {', '.join(sorted(REGISTRY))}")
   return REGISTRY[config.decoder_block]
@@ -24,4 +31,4 @@ def build(config: Config, rngs: nnx.Rngs) -> Decoder:
   """The model for `config`. Parameters carry logical axis names; they are placed by the caller."""
   # Sharding is applied by the caller from the logical names (state.py), not eagerly per variable.
   with nnx.use_eager_sharding(False):
-    return Decoder(config, layer_class(config), rngs=rngs)
+    return Decoder(config, family(config), rngs=rngs)

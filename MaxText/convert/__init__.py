@@ -1,0 +1,1 @@
+"""Hugging Face <-> MaxText checkpoint conversion (safetensors <-> orbax params)."""

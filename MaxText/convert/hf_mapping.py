@@ -1,0 +1,193 @@
+"""Which Hugging Face config field and tensor corresponds to which MaxText key and parameter.
+
+Tensor rule: HF name -> (MaxText parameter path, index prefix, n_in). A HF linear weight [out, in] is
+the transpose of our kernel reshaped (n_in = how many leading kernel dims are inputs); n_in None means
+the tensor is copied as is (norms, embeddings). The index prefix selects a slice of a stacked
+parameter: the layer (scan_layers=true) and/or the expert.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+from MaxText.config import Config, ConfigError
+
+# HF model_type -> decoder_block, and back (with the HF architecture class).
+DECODER_BLOCK = {
+  "llama": "llama2",
+  "mistral": "mistral",
+  "mixtral": "mixtral",
+  "qwen3": "qwen3",
+  "gemma": "gemma",
+  "gemma2": "gemma2",
+  "gemma3_text": "gemma3",
+}
+HF_ARCH = {
+  "llama2": ("llama", "LlamaForCausalLM"),
+  "mistral": ("mistral", "MistralForCausalLM"),
+  "mixtral": ("mixtral", "MixtralForCausalLM"),
+  "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+  "gemma": ("gemma", "GemmaForCausalLM"),
+  "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+  "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+}
+# HF field -> MaxText key, the same for every family.
+COMMON = {
+  "hidden_size": "base_emb_dim",
+  "num_attention_heads": "base_num_query_heads",
+  "num_key_value_heads": "base_num_kv_heads",
+  "intermediate_size": "base_mlp_dim",
+  "num_hidden_layers": "base_num_decoder_layers",
+  "head_dim": "head_dim",
+  "vocab_size": "vocab_size",
+  "rms_norm_eps": "normalization_layer_epsilon",
+  "tie_word_embeddings": "logits_via_embedding",
+}
+ACTIVATIONS = {"silu": ["silu", "linear"], "gelu_pytorch_tanh": ["gelu", "linear"], "gelu": ["gelu_exact", "linear"]}
+GEMMA_EXTRA = {
+  "sliding_window": "sliding_window_size",
+  "query_pre_attn_scalar": "query_pre_attn_scalar",
+  "attn_logit_softcapping": "attn_logits_soft_cap",
+  "final_logit_softcapping": "final_logits_soft_cap",
+}
+EXTRA = {  # decoder_block -> {HF field: MaxText key}
+  "mistral": {"sliding_window": "sliding_window_size"},
+  "mixtral": {
+    "sliding_window": "sliding_window_size",
+    "num_local_experts": "num_experts",
+    "num_experts_per_tok": "num_experts_per_tok",
+    "router_aux_loss_coef": "load_balance_loss_weight",
+  },
+  "gemma2": GEMMA_EXTRA,
+  "gemma3": GEMMA_EXTRA,
+}
+FIXED = {  # decoder_block -> MaxText keys implied by the family
+  "qwen3": {"use_qk_norm": True},
+  "gemma2": {"use_post_attn_norm": True, "use_post_ffw_norm": True},
+  "gemma3": {"use_post_attn_norm": True, "use_post_ffw_norm": True, "use_qk_norm": True},
+}
+ROPE_SCALING = {"rope_type": "rope_type", "factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor"}
+ROPE_SCALING |= {"high_freq_factor": "rope_high_freq_factor"}
+ROPE_SCALING |= {"original_max_position_embeddings": "original_max_position_embeddings"}
+
+
+def _rope_keys(params: dict[str, Any], theta_key: str) -> dict[str, Any]:
+  out = {theta_key: params["rope_theta"]}
+  for hf, mt in ROPE_SCALING.items():
+    if hf in params:
+      out[mt] = params[hf]
+  if out.get("rope_type", "default") not in ("default", "llama3", "linear"):
+    raise ConfigError(f"rope_type {out['rope_type']!r} is not supported (default, llama3, linear)")
+  return out
+
+
+def maxtext_keys(hf: dict[str, Any]) -> dict[str, Any]:
+  """config.json -> the MaxText architecture keys; errors name what cannot be represented."""
+  model_type = hf.get("model_type")
+  if model_type not in DECODER_BLOCK:
+    raise ConfigError(f"Unsupported architecture model_type={model_type!r}; supported: {', '.join(DECODER_BLOCK)}")
+  block = DECODER_BLOCK[model_type]
+  for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
+    if hf.get(flag):
+      raise ConfigError(f"config.json {flag}=true is not supported for {model_type}")
+  out: dict[str, Any] = {"decoder_block": block, **FIXED.get(block, {})}
+  hf = {**hf, "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]}
+  for src, dst in {**COMMON, **EXTRA.get(block, {})}.items():
+    if src in hf:
+      out[dst] = hf[src] if hf[src] is not None else 0
+  act = hf.get("hidden_activation") or hf.get("hidden_act")
+  if act not in ACTIVATIONS:
+    raise ConfigError(f"config.json activation {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+  out["mlp_activations"] = ACTIVATIONS[act]
+  rope = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {})}
+  if block == "gemma3":
+    out |= _rope_keys(rope["full_attention"], "rope_max_timescale")
+    out["local_rope_max_timescale"] = rope["sliding_attention"]["rope_theta"]
+  else:
+    out |= _rope_keys(rope, "rope_max_timescale")
+  return out
+
+
+def hf_config(c: Config, dtype: str) -> dict[str, Any]:
+  """MaxText config -> config.json for the matching transformers class."""
+  if c.decoder_block not in HF_ARCH:
+    raise ConfigError(f"decoder_block {c.decoder_block!r} has no Hugging Face export; supported: {', '.join(HF_ARCH)}")
+  model_type, arch = HF_ARCH[c.decoder_block]
+  out: dict[str, Any] = {"model_type": model_type, "architectures": [arch], "dtype": dtype}
+  for src, dst in {**COMMON, **EXTRA.get(c.decoder_block, {})}.items():
+    out[src] = c[dst]
+  out["num_attention_heads"], out["num_key_value_heads"] = c.num_query_heads, c.num_kv_heads
+  out["hidden_size"], out["intermediate_size"] = c.emb_dim, c.mlp_dim
+  out["num_hidden_layers"] = c.num_decoder_layers
+  for key in ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping"):
+    if out.get(key) == 0:
+      out[key] = None
+  act_key = "hidden_activation" if c.decoder_block.startswith("gemma") else "hidden_act"
+  out[act_key] = next(k for k, v in ACTIVATIONS.items() if v == list(c.mlp_activations))
+  rope = {"rope_type": c.rope_type, "rope_theta": float(c.rope_max_timescale)}
+  if c.rope_type != "default":
+    rope |= {hf: c[mt] for hf, mt in ROPE_SCALING.items() if hf != "rope_type"}
+  if c.decoder_block == "gemma3":
+    local = {"rope_type": "default", "rope_theta": float(c.local_rope_max_timescale)}
+    rope = {"full_attention": rope, "sliding_attention": local}
+  out["rope_parameters"] = rope
+  return out
+
+
+class Rule(NamedTuple):
+  hf_name: str
+  path: tuple[Any, ...]  # path in the params pure dict
+  index: tuple[int, ...]  # slice of a stacked parameter
+  n_in: int | None  # None: copy; else a linear weight whose kernel has n_in input dims
+
+
+def _layer_rules(c: Config) -> Iterator[tuple[str, tuple[str, ...], tuple[int, ...], int | None]]:
+  """(HF suffix, path inside the layer, expert index, n_in) for one decoder layer."""
+  gemma_norms = c.decoder_block in ("gemma2", "gemma3")
+  yield "input_layernorm.weight", ("pre_self_attention_layer_norm", "scale"), (), None
+  for hf, mt in (("q", "query"), ("k", "key"), ("v", "value")):
+    yield f"self_attn.{hf}_proj.weight", ("self_attention", mt, "kernel"), (), 1
+  yield "self_attn.o_proj.weight", ("self_attention", "out", "kernel"), (), 2
+  if c.use_qk_norm:
+    yield "self_attn.q_norm.weight", ("self_attention", "query_norm", "scale"), (), None
+    yield "self_attn.k_norm.weight", ("self_attention", "key_norm", "scale"), (), None
+  if gemma_norms:
+    yield "post_attention_layernorm.weight", ("post_self_attention_norm", "scale"), (), None
+    yield "pre_feedforward_layernorm.weight", ("post_self_attention_layer_norm", "scale"), (), None
+    yield "post_feedforward_layernorm.weight", ("post_ffw_norm", "scale"), (), None
+  else:
+    yield "post_attention_layernorm.weight", ("post_self_attention_layer_norm", "scale"), (), None
+  if c.num_experts > 1:
+    yield "block_sparse_moe.gate.weight", ("mlp", "gate", "kernel"), (), 1
+    for e in range(c.num_experts):
+      for hf, mt in (("w1", "wi_0"), ("w3", "wi_1"), ("w2", "wo")):
+        yield f"block_sparse_moe.experts.{e}.{hf}.weight", ("mlp", mt), (e,), 1
+  else:
+    for hf, mt in (("gate_proj", ("wi", 0)), ("up_proj", ("wi", 1)), ("down_proj", ("wo",))):
+      yield f"mlp.{hf}.weight", ("mlp", *mt, "kernel"), (), 1
+
+
+def layer_locations(c: Config, stacks, params: dict) -> list[tuple[tuple[Any, ...], tuple[int, ...]]]:
+  """For each decoder layer i: (path prefix, index prefix) of its parameters in the pure dict."""
+  out = []
+  for stack in stacks:
+    tree = params[stack.name]
+    block = "sublayers" in (tree if c.scan_layers else tree[0])
+    for r in range(stack.repeats):
+      for j in range(stack.layers_per_unit):
+        sub = ("sublayers", j) if block else ()
+        out.append(((stack.name, *sub), (r,)) if c.scan_layers else ((stack.name, r, *sub), ()))
+  return out
+
+
+def rules(c: Config, stacks, params: dict) -> list[Rule]:
+  """Every HF tensor of the model with where it goes."""
+  out = [Rule("model.embed_tokens.weight", ("token_embedder", "embedding"), (), None)]
+  out.append(Rule("model.norm.weight", ("decoder_norm", "scale"), (), None))
+  if not c.logits_via_embedding:
+    out.append(Rule("lm_head.weight", ("logits_dense", "kernel"), (), 1))
+  for i, (prefix, index) in enumerate(layer_locations(c, stacks, params)):
+    for suffix, path, expert, n_in in _layer_rules(c):
+      out.append(Rule(f"model.layers.{i}.{suffix}", prefix + path, index + expert, n_in))
+  return out

@@ -1,0 +1,76 @@
+"""The pre-norm transformer layer most families share: norm -> attention -> (norm) -> residual, then
+norm -> MLP or MoE -> (norm) -> residual. Families vary it through the config (q/k norms, post norms,
+experts) and through constructor arguments (norm convention, local window, RoPE base)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from MaxText.config import Config
+from MaxText.layers.attention import Attention
+from MaxText.layers.mlp import MlpBlock
+from MaxText.layers.normalizations import RMSNorm
+
+ACTIVATION_AXES = ("activation_batch", "activation_length", "activation_embed")
+
+
+def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
+  """Inverted dropout; identity when rng is None (evaluation, decoding) or rate is 0."""
+  if rng is None or rate == 0.0:
+    return x
+  keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
+  return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+def feed_forward(config: Config, rngs: nnx.Rngs) -> nnx.Module:
+  """A dense MlpBlock, or a MoeBlock when num_experts > 1."""
+  if config.num_experts > 1:
+    from MaxText.layers.moe import MoeBlock  # noqa: PLC0415 (moe imports this module's helpers)
+
+    return MoeBlock(config, rngs=rngs)
+  return MlpBlock(config, rngs=rngs)
+
+
+class DecoderLayer(nnx.Module):
+  """x [B, T, D] -> [B, T, D]. `norm` builds every norm of the layer (RMSNorm or Gemma's 1 + w)."""
+
+  def __init__(
+    self,
+    config: Config,
+    *,
+    rngs: nnx.Rngs,
+    norm: Callable[..., nnx.Module] = RMSNorm,
+    sliding_window: int | None = None,
+    rope_max_timescale: float | None = None,
+    rope_type: str | None = None,
+  ):
+    args = dict(epsilon=config.normalization_layer_epsilon, dtype=jnp.dtype(config.dtype))
+    args["weight_dtype"] = jnp.dtype(config.weight_dtype)
+    d = config.emb_dim
+    window = config.sliding_window_size if sliding_window is None else sliding_window
+    self.pre_self_attention_layer_norm = norm(d, **args)
+    self.self_attention = Attention(
+      config, rngs=rngs, sliding_window=window, rope_max_timescale=rope_max_timescale, rope_type=rope_type, norm=norm
+    )
+    self.post_self_attention_norm = norm(d, **args) if config.use_post_attn_norm else nnx.data(None)
+    self.post_self_attention_layer_norm = norm(d, **args)  # the pre-MLP norm (MaxText's name)
+    self.mlp = feed_forward(config, rngs)
+    self.post_ffw_norm = norm(d, **args) if config.use_post_ffw_norm else nnx.data(None)
+    self.dropout_rate = config.dropout_rate
+
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, rng: jax.Array | None) -> jax.Array:
+    attn_rng, mlp_rng = (None, None) if rng is None else jax.random.split(rng)
+    h = self.self_attention(self.pre_self_attention_layer_norm(x), positions, segment_ids)
+    if self.post_self_attention_norm is not None:
+      h = self.post_self_attention_norm(h)
+    x = x + dropout(h, self.dropout_rate, attn_rng)
+    x = nn.with_logical_constraint(x, ACTIVATION_AXES)
+    h = self.mlp(self.post_self_attention_layer_norm(x))
+    if self.post_ffw_norm is not None:
+      h = self.post_ffw_norm(h)
+    return x + dropout(h, self.dropout_rate, mlp_rng)

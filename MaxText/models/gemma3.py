@@ -1,0 +1,28 @@
+"""Gemma 3: five local layers (sliding window, RoPE base local_rope_max_timescale, unscaled) then one
+global layer (rope_max_timescale with rope_type scaling); q/k norms and pre+post norms from the config."""
+
+from __future__ import annotations
+
+import functools
+
+from MaxText.config import Config
+from MaxText.layers.decoder import Family, Stack
+from MaxText.layers.decoder_layer import DecoderLayer
+from MaxText.layers.normalizations import gemma_rms_norm
+from MaxText.models.gemma import alternating_stacks
+
+LOCAL_PER_GLOBAL = 5
+
+
+def _local(config: Config, *, rngs):
+  return DecoderLayer(
+    config, rngs=rngs, norm=gemma_rms_norm, rope_max_timescale=config.local_rope_max_timescale, rope_type="default"
+  )
+
+
+def stacks(config: Config) -> tuple[Stack, ...]:
+  glob = functools.partial(DecoderLayer, norm=gemma_rms_norm, sliding_window=0)
+  return alternating_stacks(config, (_local,) * LOCAL_PER_GLOBAL + (glob,))
+
+
+FAMILY = Family(stacks=stacks, norm=gemma_rms_norm, scale_embeddings=True)

@@ -48,12 +48,13 @@ def write_config(config: Config) -> None:
 
 
 def evaluate(config: Config, eval_fn: Any, params: Any, eval_factory: Any) -> dict[str, float]:
-  """eval_steps batches of the eval split: token-weighted mean loss."""
+  """eval_steps batches of the eval split (-1: one epoch, padding rows not counted): token-weighted mean loss."""
   totals = {"nll": 0.0, "tokens": 0.0}
-  batches = eval_factory()
-  for _ in range(config.eval_steps):
-    sums = jax.device_get(eval_fn(params, next(batches)))
+  for done, batch in enumerate(eval_factory(), 1):  # with eval_steps=-1 the iterator ends after one epoch
+    sums = jax.device_get(eval_fn(params, batch))
     totals = {k: totals[k] + float(sums[k]) for k in totals}
+    if done == config.eval_steps:
+      break
   return {"eval_loss": totals["nll"] / max(totals["tokens"], 1.0), "eval_tokens": totals["tokens"]}
 
 
@@ -152,10 +153,17 @@ def train_loop(config, mesh, tx, spec, restored, data, manager, global_batch, pe
           "dtype=float32; the run resumes from its last checkpoint."
         )
       done = step + 1
+      reached = False  # target_eval_loss reached: checkpoint and stop early
       if eval_fn is not None and (done % config.eval_interval == 0 or done == config.steps):
-        logger.log_eval(step, evaluate(config, eval_fn, state.params, data.eval_factory))
-      if manager is not None and (done % config.checkpoint_period == 0 or done == config.steps):
+        result = evaluate(config, eval_fn, state.params, data.eval_factory)
+        logger.log_eval(step, result)
+        reached = 0 < config.target_eval_loss and result["eval_loss"] <= config.target_eval_loss
+      if manager is not None and (done % config.checkpoint_period == 0 or done == config.steps or reached):
         checkpointing.save(manager, done, state, data.train.get_state())
+      if reached:
+        if is_writer:
+          print(f"eval_loss {result['eval_loss']:.4f} <= target_eval_loss: stopping at step {done}", flush=True)
+        break
   return logger.summary()
 
 

@@ -10,14 +10,18 @@ from __future__ import annotations
 from jax.sharding import Mesh
 
 from MaxText.config import Config
-from MaxText.data import synthetic, text
+from MaxText.data import grain_data, synthetic, text
 from MaxText.data.batches import FIELDS, BatchIterator, Iterators
 from MaxText.data.tokenizer import Tokenizer
 
 __all__ = ["FIELDS", "BACKENDS", "BatchIterator", "Iterators", "Tokenizer", "make_iterators"]
 
 # dataset_type -> backend; each takes (config, mesh) and returns Iterators.
-BACKENDS = {"synthetic": synthetic.make_iterators, "text": text.make_iterators}
+BACKENDS = {
+  "synthetic": synthetic.make_iterators,
+  "text": text.make_iterators,
+  "grain": grain_data.make_iterators,
+}
 
 
 def make_iterators(config: Config, mesh: Mesh) -> Iterators:

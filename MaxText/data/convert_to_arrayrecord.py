@@ -1,0 +1,59 @@
+"""Local text corpora (.txt, .jsonl, .parquet; as dataset_type=text reads them) -> ArrayRecord files for grain.
+
+python3 -m MaxText.data.convert_to_arrayrecord --files 'corpus/**/*.jsonl' --output_dir data/ --num_shards 8
+
+Each document becomes one record: the JSON object {"text": ...}. Documents are spread round-robin over
+`num_shards` files <output_dir>/<prefix>-0000i-of-0000n.array_record (group_size 1: fast random access).
+Train with dataset_type=grain grain_train_files='data/<prefix>-*.array_record'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+from collections.abc import Iterable, Sequence
+
+
+def write_arrayrecord(texts: Iterable[str], output_dir: str, prefix: str = "data", num_shards: int = 1) -> list[str]:
+  """Write each non-blank text as a {"text": ...} record; returns the paths of the shards written."""
+  from array_record.python.array_record_module import ArrayRecordWriter
+
+  os.makedirs(output_dir, exist_ok=True)
+  paths = [os.path.join(output_dir, f"{prefix}-{i:05d}-of-{num_shards:05d}.array_record") for i in range(num_shards)]
+  writers = [ArrayRecordWriter(p, "group_size:1") for p in paths]
+  count = 0
+  try:
+    for text in texts:
+      if text.strip():
+        writers[count % num_shards].write(json.dumps({"text": text}).encode())
+        count += 1
+  finally:
+    for w in writers:
+      w.close()
+  if count == 0:
+    raise ValueError("No documents to convert: every input text is empty")
+  return paths
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+  from MaxText.data.text import read_texts
+
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--files", required=True, help="glob of input files ('**' recurses)")
+  parser.add_argument("--output_dir", required=True, help="directory for the .array_record files")
+  parser.add_argument("--prefix", default="data", help="file name prefix")
+  parser.add_argument("--num_shards", type=int, default=1, help="number of output files")
+  parser.add_argument("--text_column", default="text", help=".jsonl/.parquet field holding the text")
+  args = parser.parse_args(argv)
+  paths = sorted(p for p in glob.glob(os.path.expanduser(args.files), recursive=True) if os.path.isfile(p))
+  if not paths:
+    raise SystemExit(f"--files {args.files!r} matches no files")
+  texts = (t for p in paths for t in read_texts(p, True, args.text_column))
+  written = write_arrayrecord(texts, args.output_dir, args.prefix, args.num_shards)
+  print(f"Wrote {len(written)} ArrayRecord files: {os.path.join(args.output_dir, args.prefix)}-*.array_record")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,314 @@
+"""dataset_type=grain: ArrayRecord or Parquet files -> grain pipeline -> packed global batches, resumable exactly.
+
+Pipeline (also used by the tfds and hf backends, which only supply other random-access sources):
+  sources (one per mixture component) --shuffle(data_shuffle_seed, reshuffled per epoch)--> repeat
+  --mix(weights)--> [shard::num_shards] --tokenize--> pack (or pad/truncate) --batch(local rows)--> workers
+Each process reads only its shard: the global record order is sliced by the process's block of batch rows,
+so no two data shards share a record in an epoch, and shards holding the same rows (data replicated across
+processes) produce the same data. The iterator state is grain's, gathered from every shard, so that the
+checkpoint (written by process 0) restores every process exactly.
+
+ArrayRecord records are UTF-8 text, or a JSON object whose `text_column` field holds the text (see
+MaxText/data/convert_to_arrayrecord.py). Parquet rows give their `text_column`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import glob as globlib
+import json
+import os
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, Sharding
+
+from MaxText import sharding
+from MaxText.config import Config
+from MaxText.data import tokenizer as tokenizers
+from MaxText.data.batches import FIELDS, Iterators, complete_rows, process_rows
+
+
+class Component(NamedTuple):
+  source: Any  # random access: len() and [i] -> a record (bytes, str or dict)
+  weight: float
+
+
+def parse_mixture(spec: str) -> list[tuple[str, float]]:
+  """ "glob" or "glob1,0.7;glob2,0.3" -> [(glob, weight)], weights normalised to sum to 1."""
+  parts = []
+  for item in filter(None, (s.strip() for s in spec.split(";"))):
+    pattern, _, weight = item.rpartition(",")
+    try:
+      parts.append((pattern, float(weight)) if pattern else (item, 1.0))
+    except ValueError:
+      parts.append((item, 1.0))  # a comma inside the glob itself
+  if not parts or any(w <= 0 for _, w in parts):
+    raise ValueError(f"Cannot parse the file mixture {spec!r}: expected 'glob' or 'glob1,0.7;glob2,0.3' (weights > 0)")
+  total = sum(w for _, w in parts)
+  return [(p, w / total) for p, w in parts]
+
+
+def expand(pattern: str) -> list[str]:
+  """Sorted files matching `pattern` ('**' recurses); ValueError naming the pattern when there are none."""
+  if pattern.startswith("gs://"):
+    return [pattern]  # let the reader resolve remote paths
+  paths = sorted(p for p in globlib.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
+  if not paths:
+    raise ValueError(f"{pattern!r} matches no files")
+  return paths
+
+
+def record_text(record: Any, column: str) -> str:
+  """The text of one record: a dict's `column`, a JSON object's `column`, or the record itself as text."""
+  if isinstance(record, (bytes, np.bytes_)):
+    record = bytes(record).decode("utf-8")
+  if isinstance(record, str) and record.startswith("{"):
+    try:
+      record = json.loads(record)
+    except json.JSONDecodeError:
+      return record
+  if isinstance(record, dict):
+    if column not in record:
+      raise ValueError(f"Record has no text field {column!r} (fields: {', '.join(map(str, record))}); set text_column")
+    return record_text(record[column], column) if not isinstance(record[column], str) else record[column]
+  if not isinstance(record, str):
+    raise ValueError(f"Record of type {type(record).__name__} holds no text")
+  return record
+
+
+class ParquetSource:
+  """Random access to the rows of Parquet files: [i] -> the `column` string of row i (row groups cached)."""
+
+  def __init__(self, paths: Sequence[str], column: str):
+    import pyarrow.parquet as pq
+
+    self._paths, self._column, starts = list(paths), column, [0]
+    self._groups = []  # (file index, row group) in order
+    for i, path in enumerate(self._paths):
+      try:
+        meta = pq.ParquetFile(path).metadata
+      except (OSError, ValueError) as e:
+        raise ValueError(f"Cannot read Parquet file {path!r}: {e}") from None
+      if column not in meta.schema.names:
+        raise ValueError(
+          f"Parquet file {path!r} has no column {column!r} ({', '.join(meta.schema.names)}); set text_column"
+        )
+      for g in range(meta.num_row_groups):
+        self._groups.append((i, g))
+        starts.append(starts[-1] + meta.row_group(g).num_rows)
+    self._starts = starts
+    self._cache: tuple[int, list] = (-1, [])
+
+  def __len__(self) -> int:
+    return self._starts[-1]
+
+  def __getitem__(self, index: int) -> str:
+    group = bisect.bisect_right(self._starts, index) - 1
+    if self._cache[0] != group:
+      import pyarrow.parquet as pq
+
+      file, g = self._groups[group]
+      table = pq.ParquetFile(self._paths[file]).read_row_group(g, columns=[self._column])
+      self._cache = (group, table.column(0).to_pylist())
+    return self._cache[1][index - self._starts[group]] or ""
+
+  def __getstate__(self):  # workers re-read their row groups
+    return {**self.__dict__, "_cache": (-1, [])}
+
+
+def open_source(paths: Sequence[str], file_type: str, column: str) -> Any:
+  """A random-access source over `paths`; ValueError naming an unreadable file, an empty source, or no text."""
+  if file_type == "parquet":
+    source = ParquetSource(paths, column)
+  else:
+    from grain.sources import ArrayRecordDataSource
+
+    for path in paths:
+      if not path.startswith("gs://") and not os.access(path, os.R_OK):
+        raise ValueError(f"Cannot read ArrayRecord file {path!r}")
+    try:
+      source = ArrayRecordDataSource(list(paths))
+    except Exception as e:  # array_record raises RuntimeError/ValueError/OSError by version
+      raise ValueError(f"Cannot read ArrayRecord files {', '.join(paths)}: {e}") from None
+  return check_source(source, ", ".join(paths), column)
+
+
+def check_source(source: Any, where: str, column: str) -> Any:
+  """`source` when it is non-empty and its first record has text; else ValueError naming `where`."""
+  if len(source) == 0:
+    raise ValueError(f"The dataset {where} is empty")
+  try:
+    record_text(source[0], column)
+  except ValueError as e:
+    raise ValueError(f"{where}: {e}") from None
+  return source
+
+
+class Tokenize:
+  """Record -> {"inputs": int32 tokens (+ BOS/EOS)}, or None for an empty text. Loads its tokenizer lazily, so
+  grain worker processes unpickle a path, not a tokenizer."""
+
+  def __init__(self, config: Config):
+    self._path, self._type, self._column = config.tokenizer_path, config.tokenizer_type, config.text_column
+    self._bos, self._eos = config.add_bos, config.add_eos
+    self._tok = None
+
+  def __call__(self, record: Any) -> dict[str, np.ndarray] | None:
+    if self._tok is None:
+      self._tok = tokenizers.load_tokenizer(self._path, self._type)
+    text = record_text(record, self._column)
+    ids = self._tok.encode(text) if text.strip() else []
+    if not ids:
+      return None
+    return {"inputs": np.array([self._tok.bos_id] * self._bos + ids + [self._tok.eos_id] * self._eos, np.int32)}
+
+  def __getstate__(self):
+    return {**self.__dict__, "_tok": None}
+
+
+def pad_or_truncate(length: int):
+  """One document per row: {"inputs"} -> inputs, inputs_segment_ids (1, then 0 padding), inputs_positions."""
+
+  def fn(example: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    ids = example["inputs"][:length]
+    out = {k: np.zeros(length, np.int32) for k in ("inputs", "inputs_segment_ids", "inputs_positions")}
+    out["inputs"][: len(ids)], out["inputs_segment_ids"][: len(ids)] = ids, 1
+    out["inputs_positions"][: len(ids)] = np.arange(len(ids))
+    return out
+
+  return fn
+
+
+class DataShard(NamedTuple):
+  index: int  # which shard of the records this process reads
+  count: int  # how many shards the records are split into
+  rows: int  # batch rows this process holds
+
+
+def data_shard(spec: Sharding, global_batch: int, length: int) -> DataShard:
+  """This process's block of batch rows -> its shard; ValueError when its rows are not one aligned block."""
+  rows = process_rows(spec, (global_batch, length))
+  start, local = int(rows[0]), len(rows)
+  if not np.array_equal(rows, np.arange(start, start + local)) or start % local:
+    raise ValueError(f"Process {jax.process_index()} holds batch rows {list(rows)}: not one aligned block")
+  return DataShard(start // local, global_batch // local, local)
+
+
+def build_dataset(config: Config, components: Sequence[Component], shard: DataShard, train: bool) -> Any:
+  """The grain IterDataset of this process's local batches: dicts of int32 [shard.rows, max_target_length].
+
+  train: shuffled (reshuffled every epoch) and endless. Eval: in order; endless when eval_steps > 0, else one
+  epoch whose last batch may be short.
+  """
+  import grain
+  from grain import experimental
+
+  datasets = []
+  for c in components:
+    ds = grain.MapDataset.source(c.source)
+    ds = ds.shuffle(seed=config.data_shuffle_seed).repeat(None) if train else ds
+    datasets.append(ds.repeat(None) if not train and config.eval_steps != -1 else ds)
+  ds = datasets[0] if len(datasets) == 1 else grain.MapDataset.mix(datasets, [c.weight for c in components])
+  ds = ds[shard.index :: shard.count].map(Tokenize(config)).filter(lambda x: x is not None)
+  length = config.max_target_length
+  if config.packing:
+    ds = experimental.ConcatThenSplitIterDataset(ds.to_iter_dataset(), length_struct={"inputs": length})
+  else:
+    ds = ds.map(pad_or_truncate(length)).to_iter_dataset()
+  ds = ds.batch(shard.rows, drop_remainder=False)
+  if config.grain_worker_count > 0:
+    ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=config.grain_worker_count))
+  return ds
+
+
+def _allgather_strings(text: str) -> list[str]:
+  """`text` of every process, in process order (a collective: every process must call it)."""
+  if jax.process_count() == 1:
+    return [text]
+  from jax.experimental import multihost_utils
+
+  data = np.frombuffer(text.encode(), np.uint8)
+  sizes = multihost_utils.process_allgather(np.array([len(data)], np.int32)).reshape(-1)
+  padded = np.zeros(int(sizes.max()), np.uint8)
+  padded[: len(data)] = data
+  gathered = multihost_utils.process_allgather(padded).reshape(len(sizes), -1)
+  return [bytes(row[:n]).decode() for row, n in zip(gathered, sizes)]
+
+
+class GrainBatches:
+  """Global batches (dicts of int32 jax.Arrays [global_batch, length] on `spec`) from a grain dataset of local
+  batches. `finite`: stop once every process has run out, padding the processes that ran out first, so that
+  all run the same number of steps; padding rows have segment 0 and carry no loss."""
+
+  def __init__(self, dataset: Any, spec: Sharding, global_batch: int, length: int, shard: DataShard, finite: bool):
+    self._dataset, self._spec, self._shape = dataset, spec, (global_batch, length)
+    self._shard, self._finite = shard, finite
+    self._it = iter(dataset)
+
+  def __iter__(self) -> GrainBatches:
+    return self
+
+  def _local(self) -> dict[str, np.ndarray] | None:
+    try:
+      return next(self._it)
+    except StopIteration:
+      if not self._finite:
+        raise RuntimeError("The grain training dataset ended; it should repeat forever") from None
+      return None
+
+  def __next__(self) -> dict[str, jax.Array]:
+    local = self._local()
+    if self._finite and not any(json.loads(s) for s in _allgather_strings(json.dumps(local is not None))):
+      raise StopIteration
+    rows = (self._shard.rows, self._shape[1])
+    local = local or {"inputs": np.zeros(rows, np.int32), "inputs_segment_ids": np.zeros(rows, np.int32)}
+    local = {k: np.concatenate([v, np.zeros((rows[0] - len(v), rows[1]), v.dtype)]) for k, v in local.items()}
+    positions = local.get("inputs_positions", np.zeros(rows, np.int32))
+    batch = complete_rows(local["inputs"], local["inputs_segment_ids"], positions)
+    return {k: jax.make_array_from_process_local_data(self._spec, batch[k], self._shape) for k in FIELDS}
+
+  def get_state(self) -> dict[str, Any]:
+    """Every shard's grain state (a collective in multi-process runs: all processes call it together)."""
+    states = _allgather_strings(json.dumps(self._it.get_state()))
+    return {"num_shards": self._shard.count, "shards": [json.loads(s) for s in states]}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    if state.get("num_shards") != self._shard.count or len(state.get("shards", [])) != jax.process_count():
+      raise ValueError(
+        f"Data state for {state.get('num_shards')} shards / {len(state.get('shards', []))} processes cannot resume "
+        f"{self._shard.count} shards / {jax.process_count()} processes exactly: keep the data layout of the run"
+      )
+    self._it.set_state(state["shards"][jax.process_index()])
+
+
+def make_pipeline(
+  config: Config, mesh: Mesh, train: Sequence[Component], eval_source: Any | None, tok: tokenizers.Tokenizer
+) -> Iterators:
+  """Iterators over random-access sources through the grain pipeline (shared by grain, tfds and hf)."""
+  spec, length = sharding.input_sharding(config, mesh), config.max_target_length
+  train_batch = sharding.global_batch_size(config, mesh)
+  shard = data_shard(spec, train_batch, length)
+  train_it = GrainBatches(build_dataset(config, train, shard, True), spec, train_batch, length, shard, False)
+  if eval_source is None:
+    return Iterators(train_it, None, tok)
+  eval_batch = sharding.global_batch_size(config, mesh, config.eval_per_device_batch_size or None)
+  eval_shard = data_shard(spec, eval_batch, length)
+  eval_config = config.replace(grain_worker_count=0)  # short, restarted every evaluation: no worker start-up
+
+  def eval_factory() -> GrainBatches:
+    dataset = build_dataset(eval_config, [Component(eval_source, 1.0)], eval_shard, False)
+    return GrainBatches(dataset, spec, eval_batch, length, eval_shard, config.eval_steps == -1)
+
+  return Iterators(train_it, eval_factory, tok)
+
+
+def make_iterators(config: Config, mesh: Mesh) -> Iterators:
+  """grain_train_files (a mixture of globs) and grain_eval_files of grain_file_type; see MaxText.data."""
+  tok = tokenizers.load_for_config(config)
+  column, file_type = config.text_column, config.grain_file_type
+  train = [Component(open_source(expand(p), file_type, column), w) for p, w in parse_mixture(config.grain_train_files)]
+  eval_source = open_source(expand(config.grain_eval_files), file_type, column) if config.grain_eval_files else None
+  return make_pipeline(config, mesh, train, eval_source, tok)

@@ -25,19 +25,21 @@ def loss_sums(graphdef: nnx.GraphDef, config: Config, params: nnx.State, batch: 
   """Summed (not averaged) losses over the non-padding target tokens of `batch`.
 
   Returns (objective, aux): objective = sum(nll + z_loss) over tokens whose targets_segmentation is
-  not 0; aux = {nll, z_loss, tokens} sums. Averaging happens once over the whole global batch, so
+  not 0, plus load_balance_loss_weight * the MoE load-balancing loss per token; aux = {nll, z_loss,
+  load_balance_loss, tokens} sums. Averaging happens once over the whole global batch, so
   gradient accumulation and sharding give the same loss as one big batch.
   """
   model = nnx.merge(graphdef, params)
-  logits = model(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"], rng)
-  logits = logits.astype(jnp.float32)  # [B, T, V]
+  out = model.forward(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"], rng)
+  logits = out.logits.astype(jnp.float32)  # [B, T, V]
   lse = jax.nn.logsumexp(logits, axis=-1)  # [B, T]
   target_logit = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
   mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
   nll = (lse - target_logit) * mask
   z_loss = config.z_loss_multiplier * jnp.square(lse) * mask
-  aux = {"nll": nll.sum(), "z_loss": z_loss.sum(), "tokens": mask.sum()}
-  return nll.sum() + z_loss.sum(), aux
+  balance = out.aux_loss * mask.sum()
+  aux = {"nll": nll.sum(), "z_loss": z_loss.sum(), "load_balance_loss": balance, "tokens": mask.sum()}
+  return nll.sum() + z_loss.sum() + config.load_balance_loss_weight * balance, aux
 
 
 def _grads(graphdef, config, params, batch, rng, data_axes):
@@ -58,7 +60,7 @@ def _grads(graphdef, config, params, batch, rng, data_axes):
     grads, aux = grad_fn(params, micro_batch, micro_rng)
     return jax.tree.map(jnp.add, acc, (grads, aux)), None
 
-  zeros = jax.tree.map(jnp.zeros_like, params), {"nll": 0.0, "z_loss": 0.0, "tokens": 0.0}
+  zeros = jax.tree.map(jnp.zeros_like, params), {"nll": 0.0, "z_loss": 0.0, "load_balance_loss": 0.0, "tokens": 0.0}
   zeros = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32) if isinstance(x, float) else x, zeros)
   acc, _ = jax.lax.scan(body, zeros, (jax.tree.map(split, batch), jnp.arange(micro)))
   return acc
@@ -82,6 +84,7 @@ def train_step(
   metrics = {
     "loss": aux["nll"] / tokens,
     "z_loss": aux["z_loss"] / tokens,
+    "moe_load_balance_loss": aux["load_balance_loss"] / tokens,
     "grad_norm": optax.global_norm(grads),
     "param_norm": optax.global_norm(params),
     "learning_rate": optimizers.learning_rate_schedule(config)(state.step),

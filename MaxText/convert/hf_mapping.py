@@ -123,6 +123,8 @@ def hf_config(c: Config, dtype: str) -> dict[str, Any]:
   for key in ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping"):
     if out.get(key) == 0:
       out[key] = None
+  if "query_pre_attn_scalar" in out:  # an int in transformers' config classes
+    out["query_pre_attn_scalar"] = int(out["query_pre_attn_scalar"])
   act_key = "hidden_activation" if c.decoder_block.startswith("gemma") else "hidden_act"
   out[act_key] = next(k for k, v in ACTIVATIONS.items() if v == list(c.mlp_activations))
   rope = {"rope_type": c.rope_type, "rope_theta": float(c.rope_max_timescale)}

@@ -24,7 +24,8 @@ import numpy as np
 import yaml
 from flax import nnx
 
-from MaxText import checkpointing, config as config_lib, models
+from MaxText import checkpointing, models
+from MaxText import config as config_lib
 from MaxText.config import Config, ConfigError
 from MaxText.convert import hf_mapping
 

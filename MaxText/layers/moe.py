@@ -1,0 +1,97 @@
+"""Mixture of experts: a float32 softmax router, top-k routing, and gated expert MLPs.
+
+Dropless by default: the token->expert assignments are sorted by expert and each expert's contiguous
+group goes through jax.lax.ragged_dot. capacity_factor > 0 drops, per expert, the assignments beyond
+capacity = ceil(capacity_factor * tokens * k / experts) (earlier tokens win). The Switch-style
+load-balancing loss E * sum_e(f_e * p_e) (f_e: assignments to e per token, p_e: mean router
+probability of e) is recorded as an nnx.Intermediate, which the decoder collects into the objective.
+Einsum letters: E experts, X tokens (B*T flattened), R routed slots per token (k), A assignments (X*k).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from MaxText.config import Config
+from MaxText.layers.linears import DenseGeneral
+from MaxText.layers.mlp import ACTIVATIONS
+
+
+class Routing(NamedTuple):
+  experts: jax.Array  # [X, k] int32 expert ids
+  weights: jax.Array  # [X, k] float32 combine weights (renormalised top-k probabilities)
+  probs: jax.Array  # [X, E] float32 router probabilities
+
+
+def route(logits: jax.Array, k: int) -> Routing:
+  """logits [X, E] -> softmax in float32, top-k, weights renormalised to sum to 1 per token."""
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  weights, experts = jax.lax.top_k(probs, k)
+  return Routing(experts.astype(jnp.int32), weights / jnp.sum(weights, axis=-1, keepdims=True), probs)
+
+
+def load_balance_loss(routing: Routing, num_experts: int) -> jax.Array:
+  """E * sum_e(f_e * p_e): 1 per routed slot when perfectly balanced."""
+  counts = jnp.zeros((num_experts,), jnp.float32).at[routing.experts.reshape(-1)].add(1.0)
+  fraction = counts / routing.experts.shape[0]
+  return num_experts * jnp.sum(fraction * jnp.mean(routing.probs, axis=0))
+
+
+def capacity_mask(experts: jax.Array, num_experts: int, capacity_factor: float) -> jax.Array:
+  """[X, k] -> [X, k] bool: the assignment is within its expert's capacity (in token order)."""
+  x, k = experts.shape
+  capacity = math.ceil(capacity_factor * x * k / num_experts)
+  one_hot = jax.nn.one_hot(experts.reshape(-1), num_experts, dtype=jnp.int32)  # [A, E]
+  position = jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=-1)  # rank within its expert
+  return (position < capacity).reshape(x, k)
+
+
+class MoeBlock(nnx.Module):
+  """x [B, T, D] -> [B, T, D]: sum over the token's top-k experts of weight * wo(act(wi_0 x) * wi_1 x)."""
+
+  def __init__(self, config: Config, *, rngs: nnx.Rngs):
+    dt, wdt = jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
+    e, d, f = config.num_experts, config.emb_dim, config.mlp_dim
+    self.gate = DenseGeneral(d, e, ("embed", None), dtype=jnp.float32, weight_dtype=wdt, rngs=rngs)
+    init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=1, out_axis=2, batch_axis=0)
+    self.wi_0 = nnx.Param(init(rngs.params(), (e, d, f), wdt), out_sharding=("exp", "embed", "mlp"))
+    self.wi_1 = nnx.Param(init(rngs.params(), (e, d, f), wdt), out_sharding=("exp", "embed", "mlp"))
+    self.wo = nnx.Param(init(rngs.params(), (e, f, d), wdt), out_sharding=("exp", "mlp", "embed"))
+    self.num_experts, self.k, self.dtype = e, config.num_experts_per_tok, dt
+    self.capacity_factor = config.capacity_factor
+    self.activation = ACTIVATIONS[config.mlp_activations[0]]
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    b, t, d = x.shape
+    tokens = x.reshape(b * t, d)  # [X, D]
+    routing = route(self.gate(tokens), self.k)
+    self.load_balance_loss = nnx.Intermediate(load_balance_loss(routing, self.num_experts))
+    weights = routing.weights
+    if self.capacity_factor > 0:
+      weights = jnp.where(capacity_mask(routing.experts, self.num_experts, self.capacity_factor), weights, 0.0)
+    out = self._experts(tokens, routing.experts)  # [X, k, D]
+    out = jnp.einsum("XRD,XR->XD", out.astype(jnp.float32), weights).astype(self.dtype)
+    return nn.with_logical_constraint(
+      out.reshape(b, t, d), ("activation_batch", "activation_length", "activation_embed")
+    )
+
+  def _experts(self, tokens: jax.Array, experts: jax.Array) -> jax.Array:
+    """tokens [X, D], experts [X, k] -> each assignment's expert output [X, k, D] (dropless)."""
+    x, k = experts.shape
+    flat = experts.reshape(-1)  # [A]
+    order = jnp.argsort(flat, stable=True)
+    sorted_tokens = jnp.take(tokens, order // k, axis=0).astype(self.dtype)  # [A, D], grouped by expert
+    sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
+    wi_0, wi_1, wo = (w[...].astype(self.dtype) for w in (self.wi_0, self.wi_1, self.wo))
+    hidden = self.activation(jax.lax.ragged_dot(sorted_tokens, wi_0, sizes)) * jax.lax.ragged_dot(
+      sorted_tokens, wi_1, sizes
+    )
+    hidden = nn.with_logical_constraint(hidden, (None, "activation_mlp"))
+    out = jax.lax.ragged_dot(hidden, wo, sizes)  # [A, D]
+    return jnp.zeros_like(out).at[order].set(out).reshape(x, k, -1)

@@ -1,0 +1,139 @@
+"""Every family against Hugging Face transformers (PyTorch CPU): tiny random models (norms randomised
+too) converted to MaxText give the same float32 logits; scan true/false agree; the way back to
+Hugging Face is bit-exact; converted models train."""
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from MaxText import checkpointing, config, models, train
+from MaxText.config import ConfigError
+from MaxText.convert import hf_to_maxtext, maxtext_to_hf
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+SMALL = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+SMALL |= dict(vocab_size=64, head_dim=8, tie_word_embeddings=False)
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+LLAMA31_ROPE |= {"original_max_position_embeddings": 8, "rope_theta": 500000.0}
+GEMMA3_ROPE = {
+  "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+}
+FAMILIES = {
+  "llama2": ("LlamaConfig", {}),
+  "llama3.1": ("LlamaConfig", {"rope_parameters": LLAMA31_ROPE, "max_position_embeddings": 64}),
+  "mistral": ("MistralConfig", {"sliding_window": 4}),
+  "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+  "qwen3": ("Qwen3Config", {}),
+  "gemma": ("GemmaConfig", {"tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh"}),
+  "gemma2": (
+    "Gemma2Config",
+    {"sliding_window": 4, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0, "query_pre_attn_scalar": 6},
+  ),
+  "gemma3": (
+    "Gemma3TextConfig",
+    {"num_hidden_layers": 7, "sliding_window": 4, "rope_parameters": GEMMA3_ROPE, "query_pre_attn_scalar": 6},
+  ),
+}
+T = 12
+
+
+def hf_model(family, tmp_path):
+  """A tiny random HF model with random norm weights, saved under tmp_path/hf."""
+  cls, extra = FAMILIES[family]
+  torch.manual_seed(0)
+  cfg = getattr(transformers, cls)(**{**SMALL, **extra})
+  model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "norm" in name:
+        p.copy_(torch.randn_like(p) * 0.5 + (0.0 if "gemma" in family else 1.0))
+  path = os.path.join(tmp_path, "hf")
+  model.save_pretrained(path)
+  return model, path
+
+
+def maxtext_logits(out_dir, tokens, *overrides):
+  c = config.load([os.path.join(out_dir, "config.yml"), "run_name=t", "dtype=float32", *overrides], {})
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0))), nnx.Param)
+  model = nnx.merge(graphdef, checkpointing.load_params(os.path.join(out_dir, "params"), abstract))
+  b, t = tokens.shape
+  return np.asarray(model(jnp.asarray(tokens), jnp.broadcast_to(jnp.arange(t), (b, t)), jnp.ones((b, t), jnp.int32)))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_match_hugging_face_and_round_trip_is_exact(family, tmp_path):
+  model, hf_path = hf_model(family, tmp_path)
+  tokens = np.random.default_rng(0).integers(0, 64, (2, T))
+  with torch.no_grad():
+    ref = model(torch.tensor(tokens)).logits.numpy()
+  scanned, unrolled = os.path.join(tmp_path, "scan"), os.path.join(tmp_path, "unrolled")
+  hf_to_maxtext.convert(hf_path, scanned, scan_layers=True)
+  hf_to_maxtext.convert(hf_path, unrolled, scan_layers=False)
+  got = maxtext_logits(scanned, tokens)
+  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(maxtext_logits(unrolled, tokens), got, rtol=1e-6, atol=1e-6)  # fusion order only
+
+  back = os.path.join(tmp_path, "back")
+  c = config.load([os.path.join(scanned, "config.yml"), "run_name=t", f"load_parameters_path={scanned}/params"], {})
+  maxtext_to_hf.convert(c, back)
+  original = safetensors_torch.load_file(os.path.join(hf_path, "model.safetensors"))
+  exported = {}
+  for name in set(json.load(open(os.path.join(back, "model.safetensors.index.json")))["weight_map"].values()):
+    exported |= safetensors_torch.load_file(os.path.join(back, name))
+  assert sorted(exported) == sorted(original)
+  for name, tensor in original.items():
+    assert torch.equal(exported[name], tensor), name
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(back, attn_implementation="eager").eval()
+  with torch.no_grad():
+    np.testing.assert_array_equal(reloaded(torch.tensor(tokens)).logits.numpy(), ref)
+
+
+@pytest.mark.parametrize("family", ["llama2", "mixtral"])
+def test_converted_model_trains(family, tmp_path):
+  _, hf_path = hf_model(family, tmp_path)
+  out = os.path.join(tmp_path, "mt")
+  hf_to_maxtext.convert(hf_path, out)
+  c = config.load(
+    [os.path.join(out, "config.yml"), "run_name=train", f"base_output_directory={tmp_path}"]
+    + [f"load_parameters_path={out}/params", "dataset_type=synthetic", "steps=3", "max_target_length=16"]
+    + ["per_device_batch_size=1", "enable_checkpointing=false", "enable_tensorboard=false", "log_config=false"]
+    + ["log_period=1", "dtype=float32", "load_balance_loss_weight=0.01"],
+    {},
+  )
+  train.run(c)
+  rows = [json.loads(line) for line in open(c.metrics_file)]
+  assert len(rows) == 3 and all(np.isfinite(r["loss"]) for r in rows)
+  balance = [r["moe_load_balance_loss"] for r in rows]
+  assert all(b > 0.5 for b in balance) if family == "mixtral" else all(b == 0 for b in balance)
+
+
+def test_errors_name_the_tensor(tmp_path):
+  model, hf_path = hf_model("llama2", tmp_path)
+  cfg = json.load(open(os.path.join(hf_path, "config.json")))
+  state = safetensors_torch.load_file(os.path.join(hf_path, "model.safetensors"))
+
+  def save(tensors, conf):
+    d = os.path.join(tmp_path, f"case{len(os.listdir(tmp_path))}")
+    os.makedirs(d)
+    safetensors_torch.save_file(tensors, os.path.join(d, "model.safetensors"))
+    json.dump(conf, open(os.path.join(d, "config.json"), "w"))
+    return d
+
+  missing = {k: v for k, v in state.items() if k != "model.layers.1.mlp.up_proj.weight"}
+  with pytest.raises(ConfigError, match=r"Missing tensor model\.layers\.1\.mlp\.up_proj\.weight"):
+    hf_to_maxtext.convert(save(missing, cfg), os.path.join(tmp_path, "o1"))
+  wrong = {**state, "model.layers.0.self_attn.q_proj.weight": torch.zeros(8, 32)}
+  with pytest.raises(ConfigError, match=r"q_proj\.weight has shape \(8, 32\); config.json implies \(32, 32\)"):
+    hf_to_maxtext.convert(save(wrong, cfg), os.path.join(tmp_path, "o2"))
+  with pytest.raises(ConfigError, match=r"model\.layers\.1\..* does not fit"):
+    hf_to_maxtext.convert(save(state, {**cfg, "num_hidden_layers": 1}), os.path.join(tmp_path, "o3"))
+  with pytest.raises(ConfigError, match="Unsupported architecture model_type='bert'"):
+    hf_to_maxtext.convert(save(state, {**cfg, "model_type": "bert"}), os.path.join(tmp_path, "o4"))

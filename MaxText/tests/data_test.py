@@ -288,19 +288,31 @@ def test_process_rows_follow_the_sharding():
 
 
 def _process_main(process_id: int, port: int, out: str, *argv: str) -> None:
-  """One of two processes (4 CPU devices each): save the shards of a few text and synthetic batches."""
+  """One of two processes (4 CPU devices each): save the shards of a few text, synthetic and grain batches."""
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
   assert jax.process_count() == 2 and jax.local_device_count() == 4
   shards = {}
-  for dataset_type in ("text", "synthetic"):
-    cfg = config.load([*argv, f"dataset_type={dataset_type}"], environ={})
+  for dataset_type in ("text", "synthetic", "grain"):
+    cfg = config.load([*argv, *_two_process_overrides(dataset_type, out)], environ={})
     train = make_iterators(cfg, sharding.create_mesh(cfg)).train
     for step in range(3):
       for shard in next(train).get("inputs").addressable_shards:
         shards[f"{dataset_type}/{step}/{shard.index[0].start}"] = np.asarray(shard.data)
+    state = train.get_state()  # a collective for grain: every shard's state reaches every process
+    if dataset_type == "grain":
+      assert len(state["shards"]) == 2 and state["num_shards"] == 2
   np.savez(os.path.join(out, f"{process_id}.npz"), **shards)
   jax.distributed.shutdown()
+
+
+def _two_process_overrides(dataset_type: str, out: str) -> list[str]:
+  """grain reads DOCS from ArrayRecord files with the tokenizer the text run trained, one document per row."""
+  if dataset_type != "grain":
+    return [f"dataset_type={dataset_type}"]
+  model = os.path.join(out, "t", "tokenizer", "tokenizer.model")
+  grain = ["dataset_type=grain", f"grain_train_files={out}/records/*", f"tokenizer_path={model}", "packing=false"]
+  return [*grain, "grain_worker_count=0"]
 
 
 def test_two_processes_build_the_single_process_batches(tmp_path, corpus):
@@ -311,6 +323,9 @@ def test_two_processes_build_the_single_process_batches(tmp_path, corpus):
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
+  from MaxText.data.convert_to_arrayrecord import write_arrayrecord
+
+  write_arrayrecord(DOCS, str(tmp_path / "records"), num_shards=3)
   # The tokenizer is trained (by process 0 only) in the processes' shared run directory.
   argv = _argv(tmp_path, f"dataset_path={corpus[0]}")
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
@@ -327,10 +342,15 @@ def test_two_processes_build_the_single_process_batches(tmp_path, corpus):
     for p in procs:
       p.kill()  # only if one hung: the other would wait for it forever
   shards = {**np.load(tmp_path / "0.npz"), **np.load(tmp_path / "1.npz")}
-  for dataset_type in ("text", "synthetic"):
-    model = os.path.join(tmp_path, "t", "tokenizer", "tokenizer.model")
-    cfg = config.load([*argv, f"dataset_type={dataset_type}", f"tokenizer_path={model}"], environ={})
+  model = os.path.join(tmp_path, "t", "tokenizer", "tokenizer.model")
+  for dataset_type in ("text", "synthetic", "grain"):
+    cfg = config.load([*argv, *_two_process_overrides(dataset_type, str(tmp_path)), f"tokenizer_path={model}"], {})
     expected = _take(make_iterators(cfg, _mesh(cfg, 8)).train, 3)
     for step in range(3):
       got = np.concatenate([shards[f"{dataset_type}/{step}/{row}"] for row in range(8)])
-      np.testing.assert_array_equal(got, expected[step]["inputs"])
+      if dataset_type != "grain":
+        np.testing.assert_array_equal(got, expected[step]["inputs"])
+        continue
+      # grain: process p reads records p, p + 2, ... of the global order: disjoint halves of the same batch.
+      assert not {tuple(r) for r in got[:4]} & {tuple(r) for r in got[4:]}
+      assert sorted(map(tuple, got)) == sorted(map(tuple, expected[step]["inputs"]))

@@ -1,0 +1,55 @@
+"""Every preset in configs/models/ loads, builds abstractly (jax.eval_shape, nothing allocated) and
+has the published parameter count within 1%."""
+
+import os
+
+import jax
+import pytest
+from flax import nnx
+
+from MaxText import config, models
+
+BASE = os.path.join(config.CONFIG_DIR, "base.yml")
+PUBLISHED = {  # billions of parameters, as published by the model authors (text decoder only)
+  "llama2-7b": 6.74,
+  "llama2-13b": 13.0,
+  "llama2-70b": 69.0,
+  "llama3-8b": 8.03,
+  "llama3-70b": 70.6,
+  "llama3.1-8b": 8.03,
+  "llama3.1-70b": 70.6,
+  "llama3.1-405b": 405.9,
+  "mistral-7b": 7.24,
+  "mixtral-8x7b": 46.7,
+  "mixtral-8x22b": 140.6,
+  "gemma-2b": 2.51,
+  "gemma-7b": 8.54,
+  "gemma2-2b": 2.61,
+  "gemma2-9b": 9.24,
+  "gemma2-27b": 27.2,
+  "gemma3-4b": 3.88,
+  "gemma3-12b": 11.8,
+  "gemma3-27b": 27.0,
+  "qwen3-0.6b": 0.60,
+  "qwen3-4b": 4.02,
+  "qwen3-8b": 8.19,
+  "qwen3-14b": 14.8,
+  "qwen3-32b": 32.8,
+  "qwen3-30b-a3b": 30.5,
+}
+
+
+def num_params(name: str) -> int:
+  c = config.load([BASE, "run_name=t", f"model_name={name}"], {})
+  model = nnx.eval_shape(lambda: models.build(c, nnx.Rngs(params=0)))
+  return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def test_every_preset_has_a_published_count():
+  names = {f[:-4] for f in os.listdir(os.path.join(config.CONFIG_DIR, "models")) if f.endswith(".yml")}
+  assert names - {"default"} == set(PUBLISHED)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_parameter_count(name):
+  assert num_params(name) / 1e9 == pytest.approx(PUBLISHED[name], rel=0.01)

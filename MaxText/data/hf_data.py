@@ -1,0 +1,52 @@
+"""dataset_type=hf: Hugging Face `datasets` -> the grain pipeline (grain_data.py) -> packed global batches.
+
+`datasets.load_dataset(hf_path, hf_name, data_dir=hf_data_dir, data_files=hf_train_files, split=train_split)`
+gives a memory-mapped Arrow table with random access, so shuffling, per-process shards and resume are the
+grain pipeline's: exact. Local files work offline: hf_path=parquet | json | arrow (or csv, text) with
+hf_train_files (a glob). Hub names download into the Hugging Face cache when a network exists; streaming
+(IterableDataset) is not used, so a Hub dataset must fit the local disk.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax.sharding import Mesh
+
+from MaxText.config import Config
+from MaxText.data import tokenizer as tokenizers
+from MaxText.data.batches import Iterators
+from MaxText.data.grain_data import Component, check_source, expand, make_pipeline
+
+
+def load_split(config: Config, split: str, files: str) -> Any:
+  """One split as a random-access `datasets.Dataset`; ValueError naming hf_path / the files on failure."""
+  import datasets
+
+  data_files = None
+  if files:
+    data_files = {split: [p for pattern in files.split(",") for p in expand(pattern.strip())]}
+  where = f"hf_path={config.hf_path!r}" + (f" files {files!r}" if files else "") + f" split {split!r}"
+  try:
+    return datasets.load_dataset(
+      config.hf_path,
+      name=config.hf_name or None,
+      data_dir=config.hf_data_dir or None,
+      data_files=data_files,
+      split=split,
+    )
+  except Exception as e:  # datasets raises many types (FileNotFoundError, DatasetNotFoundError, ValueError...)
+    raise ValueError(f"Cannot load the Hugging Face dataset {where}: {type(e).__name__}: {e}") from None
+
+
+def make_iterators(config: Config, mesh: Mesh) -> Iterators:
+  """train_split (of hf_train_files, if set) and hf_eval_split or hf_eval_files; see MaxText.data."""
+  tok = tokenizers.load_for_config(config)
+  train = load_split(config, config.train_split, config.hf_train_files)
+  train = check_source(train, f"hf_path={config.hf_path!r} split {config.train_split!r}", config.text_column)
+  eval_source = None
+  if config.hf_eval_split or config.hf_eval_files:
+    split = config.hf_eval_split or "eval"
+    eval_source = load_split(config, split, config.hf_eval_files if not config.hf_eval_split else "")
+    eval_source = check_source(eval_source, f"hf_path={config.hf_path!r} split {split!r}", config.text_column)
+  return make_pipeline(config, mesh, [Component(train, 1.0)], eval_source, tok)

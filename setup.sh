@@ -19,10 +19,16 @@ fi
 case "$DEVICE" in
   cpu) ;;
   gpu) "$PYTHON" -m pip install --quiet "jax[cuda12]==$(grep '^jax==' requirements.txt | cut -d= -f3)" ;;
-  tpu) "$PYTHON" -m pip install --quiet "jax[tpu]==$(grep '^jax==' requirements.txt | cut -d= -f3)" ;;
+  tpu) "$PYTHON" -m pip install --quiet -r requirements-tpu.txt ;;
   *) echo "setup.sh: DEVICE must be cpu, gpu or tpu (got '$DEVICE')" >&2; exit 2 ;;
 esac
 if [ "${TEST:-0}" = "1" ]; then
   "$PYTHON" -m pip install --quiet -r requirements-test.txt
+  # Tests compile for TPU topologies on the CPU (libtpu) and run sshd on 127.0.0.1 as remote hosts.
+  "$PYTHON" -m pip install --quiet -r requirements-tpu.txt
+  if ! command -v sshd >/dev/null && [ ! -x /usr/sbin/sshd ] && command -v apt-get >/dev/null; then
+    SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+    $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq openssh-server openssh-client
+  fi
 fi
 "$PYTHON" -c "import jax; print('setup.sh: jax', jax.__version__, 'on', jax.default_backend(), jax.devices())"

@@ -13,6 +13,7 @@ lite" before "tpu v5", "gh200" before "h200", "l40s" before "l4").
 from __future__ import annotations
 
 import functools
+import math
 import time
 from typing import Any, NamedTuple
 
@@ -99,9 +100,10 @@ def _measured_peak_flops(platform: str) -> float:
   """Best FLOP/s of a square matmul on the first device of `platform`, after a warm-up.
 
   float32 on CPU (its native fast path); bf16 and a larger size elsewhere, to match the table's
-  bf16 peaks. Runs at least 3 times and until ~0.1 s of timed work, so a total of ~0.1-0.3 s.
+  bf16 peaks. Runs at least 3 times and until ~0.1 s of timed work, so a total of ~0.1-0.5 s.
+  On CPU, 2048 rather than 1024: small matmuls underrate the host (training matmuls beat them).
   """
-  n, dtype = (1024, jnp.float32) if platform == "cpu" else (8192, jnp.bfloat16)
+  n, dtype = (2048, jnp.float32) if platform == "cpu" else (8192, jnp.bfloat16)
   device = jax.local_devices(backend=platform)[0]
   a = jax.device_put(jnp.ones((n, n), dtype), device)
   matmul = jax.jit(jnp.matmul)
@@ -113,3 +115,78 @@ def _measured_peak_flops(platform: str) -> float:
     elapsed = time.perf_counter() - start
     best, spent, runs = min(best, elapsed), spent + elapsed, runs + 1
   return 2.0 * n**3 / best
+
+
+# ------------------------------------------------------------------ AOT compile topologies
+
+
+class Topology(NamedTuple):
+  """A target for train_compile: what `jax.experimental.topologies.get_topology_desc` needs."""
+
+  platform: str  # "tpu" | "cuda"
+  topology_name: str  # e.g. "v5e:16x16" (TPU chips grid) or "8" (GPUs per host)
+  chip_config_name: str  # "megacore" (v4/v5p: one device per chip) | "default"
+  chips_per_host_bounds: tuple[int, int, int]  # the chips one host (process) drives
+  devices_per_host: int
+
+
+def _cube_shape(chips: int) -> tuple[int, int, int]:
+  """3D torus shape of a v4/v5p slice: 4x4x4 cubes, as cubic as possible (v5p-640 -> 4x4x20)."""
+  small = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4)}
+  if chips in small:
+    return small[chips]
+  if chips % 64:
+    raise ValueError(f"{chips} chips is not a whole number of 4x4x4 cubes")
+  cubes = chips // 64
+  best = min(
+    ((a, b, cubes // (a * b)) for a in range(1, cubes + 1) for b in range(a, cubes + 1) if cubes % (a * b) == 0),
+    key=lambda s: (max(s), s),
+  )
+  a, b, c = sorted(best)
+  if c < b:
+    raise ValueError(f"no shape for {chips} chips")
+  return (4 * a, 4 * b, 4 * c)
+
+
+def _grid_2d(chips: int) -> tuple[int, int]:
+  """2D shape of a v5e/v6e slice: 1x1, 2x2, 2x4, 4x4, 4x8, ..., 16x16."""
+  side = 1
+  while side * side * 4 <= chips:
+    side *= 2
+  return (side, chips // side)
+
+
+def tpu_topology(name: str) -> Topology:
+  """MaxText's accelerator names: v4-8..v4-4096 and v5p-8..v5p-12288 (cores = 2 x chips);
+  v5e-1..v5e-256 and v6e-1..v6e-256 (chips)."""
+  family, _, size = name.lower().partition("-")
+  if not size.isdigit():
+    raise ValueError(f"{name!r} is not a TPU name like v5e-256")
+  size = int(size)
+  if family in ("v4", "v5p"):
+    limit = {"v4": 4096, "v5p": 12288}[family]
+    if size < 8 or size > limit or size % 8 or (size > 64 and size % 128):
+      raise ValueError(f"{name!r}: {family} sizes are 8, 16, 32, 64, then multiples of 128 up to {limit}")
+    shape = _cube_shape(size // 2)
+    grid = "x".join(map(str, shape))
+    prefix = "v4" if family == "v4" else "v5"
+    return Topology("tpu", f"{prefix}:{grid}", "megacore", (2, 2, 1), 4)
+  if family in ("v5e", "v6e"):
+    if size not in (1, 4, 8, 16, 32, 64, 128, 256):
+      raise ValueError(f"{name!r}: {family} sizes are 1, 4, 8, 16, 32, 64, 128, 256")
+    rows, cols = _grid_2d(size)
+    bounds = (1, 1, 1) if size == 1 else (2, 2, 1)
+    return Topology("tpu", f"{family}:{rows}x{cols}", "default", bounds, math.prod(bounds))
+  raise ValueError(f"unknown TPU family in {name!r}; use v4-N, v5e-N, v5p-N or v6e-N")
+
+
+# GPU machine types: GPUs per host; compile_topology_num_slices counts hosts.
+GPU_MACHINES = {"a3": 8, "a3mega": 8, "a3ultra": 8, "a4": 8}
+
+
+def compile_topology(name: str) -> Topology:
+  """The Topology for a compile_topology name (TPU names as above; GPU machine types a3, a3mega, ...)."""
+  if name.lower() in GPU_MACHINES:
+    gpus = GPU_MACHINES[name.lower()]
+    return Topology("cuda", str(gpus), "default", (gpus, 1, 1), gpus)
+  return tpu_topology(name)

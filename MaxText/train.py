@@ -117,6 +117,15 @@ def run(config: Config, devices: Sequence[Any] | None = None) -> dict[str, Any]:
         manager.close()
 
 
+def train_step_fn(config: Config, mesh: Any, tx: Any, spec: state_lib.StateSpec) -> Any:
+  """The jitted train step, or the one train_compile.py saved in compiled_trainstep_file."""
+  if not config.compiled_trainstep_file:
+    return steps.jit_train_step(config, mesh, tx, spec)
+  from MaxText import train_compile  # lazy: only runs that load a compiled step need it
+
+  return train_compile.load_compiled(config, mesh)
+
+
 def train_loop(config, mesh, tx, spec, restored, data, manager, global_batch, peak_flops) -> dict[str, Any]:
   state, start = restored.state, int(restored.state.step)
   is_writer = jax.process_index() == 0
@@ -126,7 +135,7 @@ def train_loop(config, mesh, tx, spec, restored, data, manager, global_batch, pe
       f"mesh {dict(mesh.shape)} | start: {restored.source} (step {start})",
       flush=True,
     )
-  step_fn = steps.jit_train_step(config, mesh, tx, spec)
+  step_fn = train_step_fn(config, mesh, tx, spec)
   eval_fn = steps.jit_eval_step(config, mesh, spec) if data.eval_factory and config.eval_interval > 0 else None
   tokens_per_step = global_batch * config.max_target_length
   logger = metrics.MetricLogger(

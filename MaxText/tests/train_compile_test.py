@@ -1,0 +1,110 @@
+"""train_compile: TPU topologies through libtpu on the CPU (the issue's commands), the memory report and
+out-of-memory exit, and a compiled step saved on the local 8-device CPU topology then run by train.py."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from MaxText import accelerators, train, train_compile
+from MaxText.config import ConfigError
+from MaxText.tests.train_test import ROOT, cfg, losses
+
+BASE = os.path.join("MaxText", "configs", "base.yml")
+
+
+def compile_command(*overrides):
+  command = [sys.executable, "MaxText/train_compile.py", BASE, "log_config=false", *overrides]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # compile for TPUs; run nothing on one
+  env.pop("XLA_FLAGS", None)
+  return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+def test_16b_on_two_v5e_256_slices_compiles():
+  result = compile_command(
+    "compile_topology=v5e-256", "compile_topology_num_slices=2", "global_parameter_scale=16", "per_device_batch_size=4"
+  )
+  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+  assert "compiled for 512 x TPU v5 lite" in result.stdout
+  assert "'data': 2" in result.stdout and "'fsdp': 256" in result.stdout
+  for what in ("arguments", "temporaries", "total", "HBM per device 16.00 GiB", "compiled FLOPs per device"):
+    assert what in result.stdout
+
+
+@pytest.mark.slow
+def test_llama2_7b_on_v5e_256_compiles():
+  result = compile_command(
+    "model_name=llama2-7b", "compile_topology=v5e-256", "compile_topology_num_slices=2", "per_device_batch_size=4"
+  )
+  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+  assert "compiled for 512 x TPU v5 lite" in result.stdout
+
+
+@pytest.mark.slow
+def test_batch_that_cannot_fit_exits_with_out_of_memory():
+  result = compile_command(
+    "compile_topology=v5e-256", "compile_topology_num_slices=2", "global_parameter_scale=16", "per_device_batch_size=64"
+  )
+  assert result.returncode != 0
+  assert "Out of memory" in result.stderr and "over" in result.stderr, result.stderr[-3000:]
+  assert "per_device_batch_size (now 64)" in result.stderr and "remat_policy" in result.stderr
+
+
+@pytest.mark.parametrize(
+  "name, grid, devices",
+  [
+    ("v4-8", "v4:2x2x1", 4),
+    ("v4-4096", "v4:8x16x16", 2048),
+    ("v5e-1", "v5e:1x1", 1),
+    ("v5e-256", "v5e:16x16", 256),
+    ("v5p-8", "v5:2x2x1", 4),
+    ("v5p-640", "v5:4x4x20", 320),
+    ("v5p-12288", "v5:16x16x24", 6144),
+    ("v6e-8", "v6e:2x4", 8),
+    ("v6e-256", "v6e:16x16", 256),
+  ],
+)
+def test_tpu_names_describe_their_topologies(tmp_path, name, grid, devices):
+  assert accelerators.compile_topology(name).topology_name == grid
+  got = train_compile.topology_devices(cfg(tmp_path, "t", f"compile_topology={name}", "compile_topology_num_slices=2"))
+  assert len(got) == 2 * devices and {d.slice_index for d in got} == {0, 1}
+
+
+@pytest.mark.parametrize("name", ["v5e-3", "v4-12", "v5p-200", "v7x-8", "tpu"])
+def test_unknown_topology_names_fail_with_the_valid_sizes(tmp_path, name):
+  with pytest.raises(ConfigError, match="compile_topology"):
+    train_compile.topology_devices(cfg(tmp_path, "t", f"compile_topology={name}"))
+
+
+def test_gpu_topology_without_a_gpu_says_so(tmp_path):
+  with pytest.raises(ConfigError, match="CUDA plugin"):
+    train_compile.topology_devices(cfg(tmp_path, "t", "compile_topology=a3", "compile_topology_num_slices=2"))
+
+
+def test_saved_step_runs_in_train_with_the_same_losses(tmp_path):
+  path = os.path.join(tmp_path, "step.pickle")
+  common = ["steps=4", "per_device_batch_size=2"]
+  c = cfg(tmp_path, "compile", *common, "compile_topology=cpu", f"compiled_trainstep_file={path}")
+  compiled, report, mesh = train_compile.compile_train_step(c, train_compile.topology_devices(c))
+  assert report.num_devices == 8 and report.total_bytes > 0 and report.flops > 0
+  train_compile.save_compiled(path, compiled, c, mesh)
+
+  loaded = cfg(tmp_path, "loaded", *common, f"compiled_trainstep_file={path}")
+  train.run(loaded)
+  jitted = cfg(tmp_path, "jitted", *common)
+  train.run(jitted)
+  np.testing.assert_allclose(losses(loaded), losses(jitted), rtol=1e-6)
+
+  with pytest.raises(ConfigError, match=r"per_device_batch_size: compiled with 2.0, this run has 4.0"):
+    train.run(cfg(tmp_path, "other_batch", "steps=1", "per_device_batch_size=4", f"compiled_trainstep_file={path}"))
+  with pytest.raises(ConfigError, match=r"num_devices: compiled for 8, this run has 4"):
+    train.run(
+      cfg(tmp_path, "fewer", "steps=1", "per_device_batch_size=4", f"compiled_trainstep_file={path}"),
+      devices=jax.devices()[:4],
+    )
+  with pytest.raises(ConfigError, match="does not exist"):
+    train.run(cfg(tmp_path, "missing", "steps=1", f"compiled_trainstep_file={tmp_path}/nope.pickle"))

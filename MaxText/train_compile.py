@@ -1,0 +1,308 @@
+"""Compile the real train step ahead of time for a topology you may not have, and report its memory.
+
+python3 MaxText/train_compile.py MaxText/configs/base.yml compile_topology=v5e-256 \
+  compile_topology_num_slices=2 per_device_batch_size=4 [compiled_trainstep_file=step.pickle]
+
+The chain is train.py's (config -> mesh -> state spec -> jit_train_step) on the devices of a topology
+description instead of real devices: TPU topologies come from libtpu (`DEVICE=tpu bash setup.sh`),
+which compiles on a CPU-only machine; `compile_topology=cpu` (or empty) uses the local devices. The
+result says per device how much memory the step needs against the device's HBM, its FLOPs and the
+compile time; a step that does not fit exits non-zero with what to change. With
+`compiled_trainstep_file`, the executable is saved and `train.py ... compiled_trainstep_file=FILE`
+runs it instead of compiling.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+if __package__ in (None, ""):  # run as a script: import the package from the repository root
+  sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from MaxText import accelerators, optimizers, sharding
+from MaxText import config as config_lib
+from MaxText import state as state_lib
+from MaxText import train_step as steps
+from MaxText.config import Config, ConfigError
+
+GiB = 2**30
+FORMAT_VERSION = 1  # of the compiled_trainstep_file pickle
+
+
+class OutOfMemoryError(RuntimeError):
+  """The compiled step does not fit in the target device's memory; the message says what to change."""
+
+
+class CompileReport(NamedTuple):
+  device_kind: str
+  num_devices: int
+  mesh_shape: dict[str, int]
+  argument_bytes: int  # per device: state + batch (donated state included)
+  output_bytes: int  # per device: new state + metrics
+  alias_bytes: int  # per device: outputs written in place of donated arguments
+  temp_bytes: int  # per device: activations and other scratch
+  total_bytes: int  # arguments + outputs - aliased + temporaries: the peak the step needs
+  hbm_bytes: int | None  # per device, from accelerators.DEVICE_SPECS (None on CPU)
+  flops: float | None  # per device, from XLA's cost analysis of the compiled program
+  compile_seconds: float
+
+
+def topology_devices(config: Config) -> list[Any]:
+  """The devices to compile for: a TPU/GPU topology description's, or the local devices."""
+  name = config.compile_topology
+  if name in ("", "cpu"):
+    return list(jax.devices())
+  try:
+    target = accelerators.compile_topology(name)
+  except ValueError as e:
+    raise ConfigError(f"compile_topology={name!r}: {e}") from None
+  from jax.experimental import topologies  # lazy: only AOT compilation needs it
+
+  if target.platform == "cuda":
+    return _gpu_devices(config, target, topologies)
+  try:
+    desc = topologies.get_topology_desc(
+      topology_name=target.topology_name,
+      platform="tpu",
+      chip_config_name=target.chip_config_name,
+      chips_per_host_bounds=target.chips_per_host_bounds,
+      num_slices=config.compile_topology_num_slices,
+    )
+  except Exception as e:  # jax raises RuntimeError/ValueError subclasses depending on the plugin
+    raise ConfigError(
+      f"cannot describe TPU topology {name!r} ({target.topology_name}): {e}. Compiling for TPUs needs libtpu: "
+      "DEVICE=tpu bash setup.sh (or pip install -r requirements-tpu.txt)"
+    ) from None
+  return list(desc.devices)
+
+
+def _gpu_devices(config: Config, target: accelerators.Topology, topologies: Any) -> list[Any]:
+  """GPU targets need JAX's CUDA plugin, which only loads where a GPU and its driver are present."""
+  hosts = config.compile_topology_num_slices
+  try:
+    desc = topologies.get_topology_desc(
+      platform="cuda", topology_name=config.compile_topology, topology=f"1x{hosts}x{target.devices_per_host}"
+    )
+  except Exception as e:
+    raise ConfigError(
+      f"compile_topology={config.compile_topology!r} needs JAX's CUDA plugin (DEVICE=gpu bash setup.sh) on a "
+      f"machine with an NVIDIA driver; this machine has {jax.default_backend()} devices only ({e}). Compile GPU "
+      "targets on a GPU host, or pick a TPU compile_topology here."
+    ) from None
+  return list(desc.devices)
+
+
+def shaped_inputs(config: Config, mesh: Mesh) -> tuple[dict[str, jax.ShapeDtypeStruct], jax.ShapeDtypeStruct]:
+  """The batch and the dropout key as train.py passes them, as shapes with shardings."""
+  shape = (sharding.global_batch_size(config, mesh), config.max_target_length)
+  shardings = steps.batch_shardings(config, mesh)
+  batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=s) for k, s in shardings.items()}
+  key = jax.eval_shape(lambda: jax.random.fold_in(jax.random.key(0), 0))
+  rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+  return batch, rng
+
+
+def compile_train_step(config: Config, devices: Sequence[Any]) -> tuple[Any, CompileReport, Mesh]:
+  """Lower and compile steps.jit_train_step (train.py's step, shardings and donation) for `devices`."""
+  mesh = sharding.create_mesh(config, devices)
+  tx, _ = optimizers.build(config)
+  with sharding.activate(config, mesh):
+    spec = state_lib.state_spec(config, tx, mesh)
+    batch, rng = shaped_inputs(config, mesh)
+    start = time.perf_counter()
+    try:
+      compiled = steps.jit_train_step(config, mesh, tx, spec).lower(spec.abstract, batch, rng).compile()
+    except Exception as e:  # XLA reports an HBM overflow as a compile error (RESOURCE_EXHAUSTED)
+      _raise_if_out_of_memory(config, devices[0].device_kind, str(e))
+      raise
+    seconds = time.perf_counter() - start
+  return compiled, _report(compiled, devices, mesh, seconds), mesh
+
+
+def _report(compiled: Any, devices: Sequence[Any], mesh: Mesh, seconds: float) -> CompileReport:
+  memory = compiled.memory_analysis()
+  args, out = memory.argument_size_in_bytes, memory.output_size_in_bytes
+  alias, temp = memory.alias_size_in_bytes, memory.temp_size_in_bytes
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
+  flops = float(cost["flops"]) if cost and "flops" in cost else None
+  kind = devices[0].device_kind
+  return CompileReport(
+    kind, len(devices), dict(mesh.shape), args, out, alias, temp, args + out - alias + temp,
+    accelerators.hbm_bytes_per_device(devices[0]), flops, seconds,
+  )  # fmt: skip
+
+
+def format_report(report: CompileReport) -> str:
+  gib = lambda b: f"{b / GiB:.2f} GiB"
+  lines = [
+    f"compiled for {report.num_devices} x {report.device_kind}, mesh {report.mesh_shape}, "
+    f"in {report.compile_seconds:.1f} s",
+    f"  per device: arguments {gib(report.argument_bytes)}, outputs {gib(report.output_bytes)} "
+    f"(aliased {gib(report.alias_bytes)}), temporaries {gib(report.temp_bytes)}, total {gib(report.total_bytes)}",
+  ]
+  if report.hbm_bytes:
+    lines.append(f"  HBM per device {gib(report.hbm_bytes)}: {100 * report.total_bytes / report.hbm_bytes:.0f}% used")
+  if report.flops is not None:
+    lines.append(f"  compiled FLOPs per device per step: {report.flops:.3e}")
+  return "\n".join(lines)
+
+
+def _advice(config: Config) -> str:
+  return (
+    f"lower per_device_batch_size (now {config.per_device_batch_size:g}), rematerialise more with "
+    f"remat_policy=full (now {config.remat_policy}), or shard the state over more devices with "
+    "ici_fsdp_parallelism / dcn_fsdp_parallelism (or a bigger compile_topology)"
+  )
+
+
+_SIZE = r"([0-9.]+\s*[KMGT]i?B?)"
+
+
+def _raise_if_out_of_memory(config: Config, device_kind: str, error: str) -> None:
+  """Turn XLA's RESOURCE_EXHAUSTED compile error into one that says by how much and what to change."""
+  if "RESOURCE_EXHAUSTED" not in error and "Ran out of memory" not in error:
+    return
+  detail = ""
+  # XLA:TPU: "the total memory required for HLO temporaries (141.39G) exceeds available HBM (15.75G)"
+  need = re.search(rf"required for ([\w ]+?) \({_SIZE}\) exceeds available (\w+) \({_SIZE}\)", error)
+  # older form: "Used 20.5G of 15.75G hbm. Exceeded hbm capacity by 4.75G."
+  used = re.search(rf"Used {_SIZE} of {_SIZE} hbm.*?capacity by {_SIZE}", error, re.S)
+  if need:
+    over = _gib(need.group(2)) - _gib(need.group(4))
+    detail = f" {need.group(1)} need {need.group(2)} of the {need.group(4)} available: {over:.2f} GiB over"
+  elif used:
+    detail = f" needs {used.group(1)} of the {used.group(2)} available: {used.group(3)} over"
+  raise OutOfMemoryError(
+    f"the train step does not fit in {device_kind} memory:{detail or ' ' + error[:300]}. To fit: {_advice(config)}."
+  )
+
+
+def _gib(size: str) -> float:
+  value, unit = re.match(r"([0-9.]+)\s*([KMGT]?)", size).groups()
+  return float(value) * 1024.0 ** ("KMGT".index(unit) + 1 if unit else 0) / GiB
+
+
+def check_fits(config: Config, report: CompileReport, platform: str) -> str | None:
+  """XLA:TPU refuses a program that does not fit in HBM at compile time; XLA:GPU does not, so a GPU
+  target is checked against the table's memory here. Returns a note for a TPU sum above its HBM."""
+  if not report.hbm_bytes or report.total_bytes <= report.hbm_bytes:
+    return None
+  if platform == "tpu":
+    return "note: XLA:TPU checked HBM and accepted the program; buffers above are not all live at the same time"
+  over = (report.total_bytes - report.hbm_bytes) / GiB
+  raise OutOfMemoryError(
+    f"the train step needs {report.total_bytes / GiB:.2f} GiB per device, {over:.2f} GiB over the "
+    f"{report.hbm_bytes / GiB:.0f} GiB of {report.device_kind}. To fit: {_advice(config)}."
+  )
+
+
+# Keys that change nothing in the compiled program: where outputs go, how often to log or save, data
+# sources (the batch shape is checked through its own keys). Every other key is compared at load.
+RUNTIME_KEYS = (
+  "run_name", "base_output_directory", "metrics_file", "enable_tensorboard", "log_period", "log_config",
+  "hardware", "steps", "enable_checkpointing", "async_checkpointing", "checkpoint_period",
+  "max_num_checkpoints_to_keep", "load_parameters_path", "load_full_state_path", "dataset_type", "dataset_path",
+  "text_max_documents", "eval_fraction", "data_shuffle_seed", "tokenizer_path", "add_bos", "add_eos", "packing",
+  "eval_interval", "eval_steps", "eval_per_device_batch_size", "profiler", "skip_first_n_steps_for_profiler",
+  "profiler_steps", "collect_stack_trace", "stack_trace_to_cloud", "stack_trace_interval_seconds",
+  "compile_topology", "compile_topology_num_slices", "compiled_trainstep_file", "init_weights_seed",
+  "jax_distributed_initialization_timeout", "run_dir", "checkpoint_dir", "tensorboard_dir", "tokenizer_dir",
+)  # fmt: skip
+
+
+def program_signature(config: Config, mesh: Mesh) -> dict[str, Any]:
+  """What a compiled step depends on: program-relevant config values, the mesh and the devices."""
+  keys = {k: v for k, v in config.to_dict().items() if k not in RUNTIME_KEYS}
+  device = mesh.devices.flat[0]
+  return {"config": keys, "mesh": dict(mesh.shape), "num_devices": mesh.size, "device_kind": device.device_kind}
+
+
+def save_compiled(path: str, compiled: Any, config: Config, mesh: Mesh) -> None:
+  from jax.experimental import serialize_executable  # lazy: only this feature needs it
+
+  executable, in_tree, out_tree = serialize_executable.serialize(compiled)
+  payload = {
+    "format": FORMAT_VERSION,
+    "jax": jax.__version__,
+    "signature": program_signature(config, mesh),
+    "executable": executable,
+    "in_tree": in_tree,
+    "out_tree": out_tree,
+  }
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "wb") as f:
+    pickle.dump(payload, f)
+
+
+def _mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+  found = []
+  for key in ("num_devices", "device_kind", "mesh"):
+    if saved[key] != current[key]:
+      found.append(f"{key}: compiled for {saved[key]}, this run has {current[key]}")
+  for key in sorted(set(saved["config"]) | set(current["config"])):
+    old, new = saved["config"].get(key, "<absent>"), current["config"].get(key, "<absent>")
+    if old != new:
+      found.append(f"{key}: compiled with {old!r}, this run has {new!r}")
+  return found
+
+
+def load_compiled(config: Config, mesh: Mesh) -> Any:
+  """The train step from compiled_trainstep_file, called like jit_train_step's (state, batch, rng).
+
+  Fails with a ConfigError naming every difference when the file was compiled for other shapes,
+  sizes, settings or devices than this run's.
+  """
+  path = config.compiled_trainstep_file
+  if not os.path.isfile(path):
+    raise ConfigError(f"compiled_trainstep_file={path!r} does not exist; write it with train_compile.py")
+  with open(path, "rb") as f:
+    payload = pickle.load(f)
+  if not isinstance(payload, dict) or payload.get("format") != FORMAT_VERSION:
+    raise ConfigError(f"compiled_trainstep_file={path!r} was not written by this version of train_compile.py")
+  if payload["jax"] != jax.__version__:
+    raise ConfigError(f"{path!r} was compiled with jax {payload['jax']}, this is jax {jax.__version__}; recompile")
+  wrong = _mismatches(payload["signature"], program_signature(config, mesh))
+  if wrong:
+    raise ConfigError(
+      f"compiled_trainstep_file={path!r} does not match this run; recompile with train_compile.py or use the "
+      "compiled settings:\n  " + "\n  ".join(wrong)
+    )
+  from jax.experimental import serialize_executable
+
+  return serialize_executable.deserialize_and_load(payload["executable"], payload["in_tree"], payload["out_tree"])
+
+
+def main(argv: Sequence[str]) -> None:
+  try:
+    config = config_lib.load(argv[1:])
+    devices = topology_devices(config)
+    compiled, report, mesh = compile_train_step(config, devices)
+  except ConfigError as e:
+    sys.exit(f"Config error: {e}")
+  except OutOfMemoryError as e:
+    sys.exit(f"Out of memory: {e}")
+  print(format_report(report), flush=True)
+  try:
+    note = check_fits(config, report, devices[0].platform)
+  except OutOfMemoryError as e:
+    sys.exit(f"Out of memory: {e}")
+  if note:
+    print(note, flush=True)
+  if config.compiled_trainstep_file:
+    save_compiled(config.compiled_trainstep_file, compiled, config, mesh)
+    print(f"saved the compiled train step to {config.compiled_trainstep_file}", flush=True)
+
+
+if __name__ == "__main__":
+  main(sys.argv)

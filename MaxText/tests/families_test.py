@@ -137,3 +137,25 @@ def test_errors_name_the_tensor(tmp_path):
     hf_to_maxtext.convert(save(state, {**cfg, "num_hidden_layers": 1}), os.path.join(tmp_path, "o3"))
   with pytest.raises(ConfigError, match="Unsupported architecture model_type='bert'"):
     hf_to_maxtext.convert(save(state, {**cfg, "model_type": "bert"}), os.path.join(tmp_path, "o4"))
+
+
+def test_command_lines_and_check_logits(tmp_path):
+  """The documented commands: hf_to_maxtext, maxtext_to_hf, check_logits (pass, then fail on bad logits)."""
+  from MaxText import check_logits  # noqa: PLC0415
+
+  model, hf_path = hf_model("qwen3", tmp_path)
+  out, back = os.path.join(tmp_path, "mt"), os.path.join(tmp_path, "back")
+  hf_to_maxtext.main(["--hf_path", hf_path, "--output", out, "--scan_layers", "false"])
+  cfg, params = os.path.join(out, "config.yml"), f"load_parameters_path={out}/params"
+  maxtext_to_hf.main([cfg, params, "--output", back])
+  assert transformers.AutoModelForCausalLM.from_pretrained(back) is not None
+  tokens = np.random.default_rng(1).integers(0, 64, (2, T))
+  with torch.no_grad():
+    logits = model(torch.tensor(tokens)).logits.numpy()
+  golden, bad = os.path.join(tmp_path, "golden.jsonl"), os.path.join(tmp_path, "bad.jsonl")
+  with open(golden, "w") as g, open(bad, "w") as b:
+    for t, lg in zip(tokens, logits):
+      g.write(json.dumps({"tokens": t.tolist(), "logits": lg.tolist()}) + "\n")
+      b.write(json.dumps({"tokens": t.tolist(), "logits": (lg + 1e-3).tolist()}) + "\n")
+  assert check_logits.main([cfg, params, f"golden_logits_path={golden}"]) == 0
+  assert check_logits.main([cfg, params, f"golden_logits_path={bad}", "atol=1e-4", "rtol=0"]) == 1

@@ -1,0 +1,91 @@
+"""Compare this model's full-sequence logits with golden ones (e.g. from Hugging Face).
+
+    python3 -m MaxText.check_logits CONFIG.yml load_parameters_path=PARAMS golden_logits_path=FILE.jsonl \
+        [atol=1e-5] [rtol=1e-5]
+
+FILE.jsonl: one JSON object per line, {"tokens": [...], "logits": [[...], ...]} (logits [T, V]). Prints
+max absolute/relative error and KL(golden || ours) per prompt; exits 1 when any logit is outside
+atol + rtol * |golden|. Runs in float32.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from MaxText import checkpointing, models
+from MaxText import config as config_lib
+from MaxText.config import Config, ConfigError
+
+OPTIONS = {"golden_logits_path": str, "atol": float, "rtol": float}
+
+
+class Report(NamedTuple):
+  max_abs: float
+  max_rel: float
+  kl: float
+  ok: bool
+
+
+def compare(golden: np.ndarray, ours: np.ndarray, atol: float, rtol: float) -> Report:
+  """golden/ours [T, V] float32 logits."""
+  diff = np.abs(ours - golden)
+  log_p, log_q = jax.nn.log_softmax(golden, -1), jax.nn.log_softmax(ours, -1)
+  kl = float(jnp.max(jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)))
+  rel = float(np.max(diff / np.maximum(np.abs(golden), 1e-30)))
+  return Report(float(diff.max()), rel, kl, bool(np.all(diff <= atol + rtol * np.abs(golden))))
+
+
+def model_logits(c: Config):
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(params=0))), nnx.Param)
+  model = nnx.merge(graphdef, checkpointing.load_params(c.load_parameters_path, abstract))
+
+  def run(tokens: np.ndarray) -> np.ndarray:
+    t = len(tokens)
+    out = model(jnp.asarray(tokens)[None], jnp.arange(t)[None], jnp.ones((1, t), jnp.int32))
+    return np.asarray(out[0], np.float32)
+
+  return run
+
+
+def split_options(argv: list[str]) -> tuple[list[str], dict]:
+  options = {"atol": 1e-5, "rtol": 1e-5, "golden_logits_path": ""}
+  rest = []
+  for arg in argv:
+    key, _, value = arg.partition("=")
+    if key in OPTIONS:
+      options[key] = OPTIONS[key](value)
+    else:
+      rest.append(arg)
+  if not options["golden_logits_path"]:
+    raise ConfigError("Set golden_logits_path=FILE.jsonl")
+  return rest, options
+
+
+def main(argv: list[str]) -> int:
+  try:
+    rest, opts = split_options(argv)
+    c = config_lib.load([*rest, "dtype=float32", "weight_dtype=float32"])
+    if not c.load_parameters_path:
+      raise ConfigError("Set load_parameters_path= to the params to check")
+  except ConfigError as e:
+    sys.exit(f"Config error: {e}")
+  run, ok = model_logits(c), True
+  with open(opts["golden_logits_path"]) as f:
+    for i, line in enumerate(f):
+      row = json.loads(line)
+      r = compare(np.asarray(row["logits"], np.float32), run(np.asarray(row["tokens"])), opts["atol"], opts["rtol"])
+      print(f"prompt {i}: max abs {r.max_abs:.3e} max rel {r.max_rel:.3e} KL {r.kl:.3e} {'ok' if r.ok else 'FAIL'}")
+      ok &= r.ok
+  print("PASS" if ok else f"FAIL: logits outside atol={opts['atol']} rtol={opts['rtol']}")
+  return 0 if ok else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from jax.sharding import Mesh
 
 from MaxText.config import Config
-from MaxText.data import grain_data, hf_data, synthetic, text
+from MaxText.data import grain_data, hf_data, synthetic, text, tfds_data
 from MaxText.data.batches import FIELDS, BatchIterator, Iterators
 from MaxText.data.tokenizer import Tokenizer
 
@@ -22,6 +22,7 @@ BACKENDS = {
   "text": text.make_iterators,
   "grain": grain_data.make_iterators,
   "hf": hf_data.make_iterators,
+  "tfds": tfds_data.make_iterators,
 }
 
 

@@ -1,0 +1,53 @@
+"""dataset_type=tfds (MaxText/data/tfds_data.py) on a tiny array_record TFDS dataset built here (no TensorFlow)."""
+
+import json
+
+import pytest
+
+from MaxText.data import make_iterators
+from MaxText.tests.data_test import DOCS, _assert_same, _check_batch, _config, _mesh, _take, corpus
+
+__all__ = ["corpus"]  # a fixture
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  """DOCS[:9] as split train and DOCS[9:] as validation of tiny_docs:1.0.0, in array_record format."""
+  import tensorflow_datasets as tfds
+
+  class TinyDocs(tfds.core.GeneratorBasedBuilder):
+    VERSION = tfds.core.Version("1.0.0")
+    code_path = tfds.core.Path(__file__)  # tfds would look it up through importlib_resources
+
+    def _info(self):
+      return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({"text": tfds.features.Text()}))
+
+    def _split_generators(self, dl_manager):
+      return {"train": self._generate_examples(DOCS[:9]), "validation": self._generate_examples(DOCS[9:])}
+
+    def _generate_examples(self, docs):
+      for i, doc in enumerate(docs):
+        yield i, {"text": doc}
+
+  root = tmp_path_factory.mktemp("tfds")
+  TinyDocs(data_dir=str(root), file_format="array_record").download_and_prepare()
+  return str(root)
+
+
+def test_tfds_batches_eval_and_resume(tmp_path, corpus, data_dir):
+  overrides = ["dataset_type=tfds", "dataset_name=tiny_docs:1.0.0", f"dataset_path={data_dir}", "eval_steps=-1"]
+  cfg = _config(tmp_path, *overrides, f"tokenizer_path={corpus[1]}", "grain_worker_count=0", "packing=false")
+  cfg = cfg.replace(max_target_length=128)
+  mesh = _mesh(cfg, 4)
+  its = make_iterators(cfg, mesh)
+  epoch = [its.tokenizer.decode(r) for _ in range(3) for r in _check_batch(next(its.train), cfg, mesh, 4)["inputs"]]
+  assert sorted(epoch[:9]) == sorted(DOCS[:9])  # one epoch of the train split, then the next begins
+  evals = [its.tokenizer.decode(r) for b in its.eval_factory() for r in b["inputs"]]
+  assert sorted(evals) == sorted(["", *DOCS[9:]])  # one epoch: 3 documents and a padding row
+  state = json.loads(json.dumps(its.train.get_state()))
+  expected = _take(its.train, 2)
+  resumed = make_iterators(cfg, mesh).train
+  resumed.set_state(state)
+  _assert_same(_take(resumed, 2), expected)
+  with pytest.raises(ValueError, match="Cannot open the TFDS dataset 'tiny_docs:1.0.0' split 'test'"):
+    make_iterators(cfg.replace(eval_split="test"), mesh)

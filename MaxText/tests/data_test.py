@@ -354,3 +354,14 @@ def test_two_processes_build_the_single_process_batches(tmp_path, corpus):
       # grain: process p reads records p, p + 2, ... of the global order: disjoint halves of the same batch.
       assert not {tuple(r) for r in got[:4]} & {tuple(r) for r in got[4:]}
       assert sorted(map(tuple, got)) == sorted(map(tuple, expected[step]["inputs"]))
+
+
+def test_inspect_prints_decoded_segments(tmp_path, corpus, capsys):
+  from MaxText.data import inspect
+
+  glob, model = corpus
+  inspect.main([*_argv(tmp_path, f"dataset_path={glob}", f"tokenizer_path={model}"), "num_batches=2", "rows=8"])
+  out = capsys.readouterr().out
+  assert "=== batch 1: (8, 32) int32" in out and "row 7:" in out and "batch 2" not in out
+  assert "segment 2:" in out and "from position 0 BOS" in out and "has a target" not in out
+  assert any(line.startswith("    | Doc ") for line in out.splitlines())

@@ -163,3 +163,17 @@ def test_grain_training_resumes_exactly_and_stops_at_target_eval_loss(tmp_path, 
   assert sorted(os.listdir(split.checkpoint_dir)) == ["2", "3"]  # checkpointed where it stopped
   full = _train_config(tmp_path, corpus, records, "full")
   assert losses(split) == losses(full)[:3]  # bit-exact: the restart saw the same batches
+
+
+def test_download_dataset_prepares_local_text(tmp_path):
+  import subprocess
+
+  from MaxText.tests.train_test import ROOT
+
+  (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+  script = os.path.join(ROOT, "download_dataset.sh")
+  env = {**os.environ, "SHARDS": "3"}
+  subprocess.run(["bash", script, "--text", f"{tmp_path}/*.jsonl", str(tmp_path / "out")], check=True, env=env)
+  assert sorted(os.listdir(tmp_path / "out")) == [f"data-0000{i}-of-00003.array_record" for i in range(3)]
+  usage = subprocess.run(["bash", script], capture_output=True, text=True)
+  assert usage.returncode == 2 and "download_dataset.sh PROJECT BUCKET" in usage.stderr

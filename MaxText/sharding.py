@@ -53,9 +53,17 @@ def _fill(prefix: str, config: Config, total: int, what: str) -> list[int]:
 
 
 def num_slices(config: Config, devices: Sequence[Any]) -> int:
+  """num_slices, or detected: TPU slices from slice_index; elsewhere each process (host) is a slice."""
   if config.num_slices > 0:
     return config.num_slices
-  return 1 + max(getattr(d, "slice_index", 0) or 0 for d in devices)
+  if _has_slices(devices):
+    return 1 + max(d.slice_index or 0 for d in devices)
+  return len({d.process_index for d in devices})
+
+
+def _has_slices(devices: Sequence[Any]) -> bool:
+  # CPU/GPU devices of a multi-process job report slice_index 0 everywhere: only TPU slices are real.
+  return all(getattr(d, "platform", "") == "tpu" and hasattr(d, "slice_index") for d in devices)
 
 
 def create_mesh(config: Config, devices: Sequence[Any] | None = None) -> Mesh:
@@ -74,7 +82,7 @@ def create_mesh(config: Config, devices: Sequence[Any] | None = None) -> Mesh:
       grid = np.array(devices).reshape(ici)
   else:
     dcn_full = [d * i for d, i in zip(dcn, ici)]
-    if all(hasattr(d, "slice_index") for d in devices):
+    if _has_slices(devices):
       grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
     else:  # processes stand in for slices: process-major order keeps each slice's devices together
       ordered = sorted(devices, key=lambda d: (d.process_index, d.id))

@@ -20,7 +20,7 @@ if __package__ in (None, ""):  # run as a script: import the package from the re
 import jax
 import yaml
 
-from MaxText import accelerators, checkpointing, metrics, optimizers, sharding
+from MaxText import accelerators, checkpointing, distributed, metrics, optimizers, sharding
 from MaxText import config as config_lib
 from MaxText import data as data_lib
 from MaxText import state as state_lib
@@ -186,6 +186,10 @@ def main(argv: Sequence[str]) -> None:
     config = config_lib.load(argv[1:])
   except ConfigError as e:
     sys.exit(f"Config error: {e}")
+  try:
+    distributed.initialize(config)  # before anything touches a device
+  except distributed.DistributedInitError as e:
+    sys.exit(f"Distributed initialisation failed: {e}")
   if config.log_config and jax.process_index() == 0:
     print(config, flush=True)
   try:

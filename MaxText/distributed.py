@@ -1,0 +1,125 @@
+"""Multi-process start-up: `jax.distributed.initialize` chosen by `hardware=` and the environment.
+
+Every process of a multi-host job must call `initialize(config)` before anything touches a JAX
+device. Where the processes come from decides how they find each other:
+
+- TPU VMs (`hardware=tpu`, or `auto` on a machine with a TPU): libtpu knows the slice; JAX detects
+  the workers itself (the GCE metadata server; MEGASCALE_* variables for multi-slice).
+- Explicit (GPU clusters such as Vertex AI A3 Mega, end_to_end/gpu/, multihost_runner.py, CPU tests):
+  JAX_COORDINATOR_ADDRESS (host or host:port), JAX_COORDINATOR_PORT, NNODES (processes), NODE_RANK
+  (this process), GPUS_PER_NODE (local GPUs; all when unset).
+- Slurm (`srun`, SLURM_JOB_ID with more than one task): JAX reads the Slurm variables itself.
+- Anything else: one process, nothing to initialise.
+
+CPU processes exchange collectives through gloo, so `hardware=cpu` multi-process runs work on one
+machine over 127.0.0.1 (the multi-host tests).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import socket
+import time
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+
+from MaxText.config import Config
+
+DEFAULT_PORT = 8476  # JAX's usual coordinator port when JAX_COORDINATOR_PORT is not set
+
+
+class DistributedInitError(RuntimeError):
+  """The processes could not form a job (coordinator unreachable, timeout, bad environment)."""
+
+
+class Plan(NamedTuple):
+  how: str  # "tpu" | "env" | "slurm"
+  kwargs: dict[str, Any]  # for jax.distributed.initialize
+  describe: str  # for error messages: who we are and whom we wait for
+
+
+def _on_tpu_vm() -> bool:
+  """A TPU VM: libtpu is installed and the TPU chips are visible as device files."""
+  has_chips = glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")
+  return bool(has_chips) and importlib.util.find_spec("libtpu") is not None
+
+
+def _int(environ: Mapping[str, str], key: str) -> int:
+  try:
+    return int(environ[key])
+  except ValueError:
+    raise DistributedInitError(f"{key}={environ[key]!r} must be an integer") from None
+
+
+def _env_plan(config: Config, environ: Mapping[str, str]) -> Plan:
+  missing = [k for k in ("NNODES", "NODE_RANK") if k not in environ]
+  if missing:
+    raise DistributedInitError(f"JAX_COORDINATOR_ADDRESS is set but {' and '.join(missing)} not; set both")
+  address, nodes, rank = environ["JAX_COORDINATOR_ADDRESS"], _int(environ, "NNODES"), _int(environ, "NODE_RANK")
+  if not 0 <= rank < nodes:
+    raise DistributedInitError(f"NODE_RANK={rank} must be in [0, NNODES={nodes})")
+  if ":" not in address:
+    address = f"{address}:{environ.get('JAX_COORDINATOR_PORT', DEFAULT_PORT)}"
+  kwargs = {"coordinator_address": address, "num_processes": nodes, "process_id": rank}
+  if "GPUS_PER_NODE" in environ and config.hardware != "cpu":
+    kwargs["local_device_ids"] = list(range(_int(environ, "GPUS_PER_NODE")))
+  return Plan("env", kwargs, f"process {rank} of {nodes} with coordinator {address}")
+
+
+def plan(config: Config, environ: Mapping[str, str] | None = None) -> Plan | None:
+  """How this process joins the job, or None for a single-process run."""
+  environ = os.environ if environ is None else environ
+  if environ.get("JAX_COORDINATOR_ADDRESS"):
+    return _env_plan(config, environ)
+  tasks = environ.get("SLURM_NTASKS") or environ.get("SLURM_NPROCS") or "1"
+  if environ.get("SLURM_JOB_ID") and tasks.isdigit() and int(tasks) > 1:
+    rank = environ.get("SLURM_PROCID", "?")
+    return Plan("slurm", {"cluster_detection_method": "slurm"}, f"Slurm task {rank} of {tasks}")
+  if config.hardware == "tpu" or (config.hardware == "auto" and _on_tpu_vm()):
+    return Plan("tpu", {}, "a TPU VM worker (coordinator from the TPU metadata)")
+  return None
+
+
+def initialize(config: Config, environ: Mapping[str, str] | None = None) -> None:
+  """Join the multi-process job described by the environment (see the module docstring); no-op alone."""
+  p = plan(config, environ)
+  if p is None:
+    return
+  if config.hardware == "cpu":
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  timeout = config.jax_distributed_initialization_timeout
+  if p.how == "env" and p.kwargs["process_id"] != 0:
+    # JAX aborts the whole process (no exception) when it cannot register; check the address first.
+    wait_for_coordinator(p.kwargs["coordinator_address"], timeout, p.describe)
+  elif p.how == "env":
+    print(f"jax.distributed: {p.describe}; waiting up to {timeout} s for the others", flush=True)
+  try:
+    jax.distributed.initialize(**p.kwargs, initialization_timeout=timeout)
+  except Exception as e:  # the client raises XlaRuntimeError (DEADLINE_EXCEEDED, UNAVAILABLE, ...)
+    raise DistributedInitError(
+      f"jax.distributed could not start as {p.describe} within {timeout} s: {e}. Check that process 0 is "
+      "running and reachable at that address (firewall, port), that every process has the same NNODES, and "
+      "raise jax_distributed_initialization_timeout for slow starts."
+    ) from e
+
+
+def wait_for_coordinator(address: str, timeout: float, describe: str) -> None:
+  """Until `timeout` seconds: connect to the coordinator's TCP port; DistributedInitError if it never answers."""
+  host, port = address.rsplit(":", 1)
+  deadline = time.monotonic() + timeout
+  while True:
+    try:
+      with socket.create_connection((host, int(port)), timeout=min(5.0, max(timeout, 0.1))):
+        return
+    except OSError as e:
+      if time.monotonic() >= deadline:
+        raise DistributedInitError(
+          f"the coordinator {address} was not reachable within {timeout:g} s ({e}) for {describe}. Start "
+          "process 0 (NODE_RANK=0) on that host, check JAX_COORDINATOR_ADDRESS/JAX_COORDINATOR_PORT and the "
+          "firewall, or raise jax_distributed_initialization_timeout."
+        ) from None
+      time.sleep(0.5)

@@ -1,0 +1,117 @@
+"""Multi-process training on one machine: two processes x 4 CPU devices (jax.distributed over
+127.0.0.1, gloo collectives) against one process with 8 devices; checkpoints across process counts;
+the start-up plan chosen from the environment."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from MaxText import distributed, train
+from MaxText.tests.train_test import BASE, ROOT, TINY, cfg
+
+COMMON = ["steps=10", "per_device_batch_size=2", "hardware=cpu", "enable_checkpointing=true"]
+COMMON += ["checkpoint_period=5", "async_checkpointing=false"]
+
+
+def free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def launch(tmp_path, name, processes, devices_per_process, *overrides, timeout=300):
+  """Run train.py as `processes` cooperating processes; returns their CompletedProcess-like results."""
+  port = free_port()
+  command = [sys.executable, "MaxText/train.py", BASE, f"run_name={name}", f"base_output_directory={tmp_path}"]
+  command += [*TINY, *overrides]
+  procs = []
+  for rank in range(processes):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "NNODES": str(processes), "NODE_RANK": str(rank)}
+    env.update(JAX_COORDINATOR_ADDRESS="127.0.0.1", JAX_COORDINATOR_PORT=str(port))
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
+    log = open(os.path.join(tmp_path, f"{name}.{rank}.log"), "w+")
+    procs.append((subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+  results = []
+  for proc, log in procs:
+    proc.wait(timeout=timeout)
+    log.seek(0)
+    results.append((proc.returncode, log.read()))
+    log.close()
+  return results
+
+
+def records(path):
+  with open(path) as f:
+    return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_and_their_checkpoint_restores(tmp_path):
+  results = launch(tmp_path, "two", 2, 4, *COMMON, "dcn_data_parallelism=2", "ici_fsdp_parallelism=4")
+  for rc, log in results:
+    assert rc == 0, log[-3000:]
+  assert "'data': 2" in results[0][1] and "'fsdp': 4" in results[0][1]  # a 2-slice hybrid mesh
+  two = [r["loss"] for r in records(os.path.join(tmp_path, "two", "metrics.jsonl"))]
+  assert len(two) == 10  # one writer: process 1 wrote nothing
+
+  one = cfg(tmp_path, "one", *COMMON, "ici_fsdp_parallelism=8", "dcn_data_parallelism=1")
+  train.run(one)
+  np.testing.assert_allclose([r["loss"] for r in records(one.metrics_file)], two, rtol=1e-5)
+
+  # The 2-process checkpoint at step 5 resumes in one process and continues the same run.
+  shutil.copytree(os.path.join(tmp_path, "two"), os.path.join(tmp_path, "resumed"))
+  shutil.rmtree(os.path.join(tmp_path, "resumed", "checkpoints", "10"))
+  resumed = cfg(tmp_path, "resumed", *COMMON, "ici_fsdp_parallelism=8", "dcn_data_parallelism=1")
+  assert train.run(resumed)["steps_run"] == 5
+  np.testing.assert_allclose([r["loss"] for r in records(resumed.metrics_file)][10:], two[5:], rtol=1e-5)
+
+
+def test_unreachable_coordinator_fails_fast_with_a_clear_error(tmp_path):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}"}
+  env.update(NNODES="2", NODE_RANK="1")
+  command = [
+    sys.executable,
+    "MaxText/train.py",
+    BASE,
+    *TINY,
+    "hardware=cpu",
+    "jax_distributed_initialization_timeout=2",
+  ]
+  result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1
+  assert "not reachable within 2 s" in result.stderr and "process 1 of 2" in result.stderr
+
+
+@pytest.mark.parametrize(
+  "environ, expected",
+  [
+    ({}, None),
+    (
+      {"JAX_COORDINATOR_ADDRESS": "10.0.0.2", "JAX_COORDINATOR_PORT": "6002", "NNODES": "4", "NODE_RANK": "3"},
+      {"coordinator_address": "10.0.0.2:6002", "num_processes": 4, "process_id": 3},
+    ),
+    (
+      {"JAX_COORDINATOR_ADDRESS": "h0:1234", "NNODES": "2", "NODE_RANK": "0", "GPUS_PER_NODE": "8"},
+      {"coordinator_address": "h0:1234", "num_processes": 2, "process_id": 0, "local_device_ids": list(range(8))},
+    ),
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "16", "SLURM_PROCID": "3"}, {"cluster_detection_method": "slurm"}),
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}, None),
+  ],
+)
+def test_plan_from_environment(tmp_path, environ, expected):
+  plan = distributed.plan(cfg(tmp_path, "p", "hardware=gpu"), environ)
+  assert (plan and plan.kwargs) == expected
+
+
+def test_plan_tpu_and_bad_environments(tmp_path):
+  assert distributed.plan(cfg(tmp_path, "p", "hardware=tpu"), {}).how == "tpu"
+  with pytest.raises(distributed.DistributedInitError, match="NODE_RANK"):
+    distributed.plan(cfg(tmp_path, "p"), {"JAX_COORDINATOR_ADDRESS": "h0", "NNODES": "2"})
+  with pytest.raises(distributed.DistributedInitError, match=r"NODE_RANK=2 must be in \[0, NNODES=2\)"):
+    distributed.plan(cfg(tmp_path, "p"), {"JAX_COORDINATOR_ADDRESS": "h0", "NNODES": "2", "NODE_RANK": "2"})

@@ -220,6 +220,10 @@ def build_dataset(config: Config, components: Sequence[Component], shard: DataSh
     ds = ds.map(pad_or_truncate(length)).to_iter_dataset()
   ds = ds.batch(shard.rows, drop_remainder=False)
   if config.grain_worker_count > 0:
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():  # grain's workers read absl flags; our entry points do not parse any
+      flags.FLAGS.mark_as_parsed()
     ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=config.grain_worker_count))
   return ds
 

@@ -31,6 +31,8 @@ CHOICES = {
   "hardware": ("auto", "cpu", "gpu", "tpu"),
   "profiler": ("", "xplane"),
   "rope_type": ("default", "llama3", "linear"),
+  "decode_sampling_strategy": ("greedy", "weighted", "nucleus", "topk", "composite"),
+  "routed_score_func": ("softmax", "sigmoid"),
 }
 
 # Keys derived at load time; users may not set them.
@@ -260,6 +262,21 @@ def _validate_family_options(c: dict[str, Any]) -> None:
     )
   if c["capacity_factor"] < 0 or c["load_balance_loss_weight"] < 0:
     raise ConfigError("capacity_factor and load_balance_loss_weight must be >= 0")
+  groups = c["n_routing_groups"]
+  if groups < 1 or c["num_experts"] % groups or not 1 <= c["topk_routing_group"] <= groups:
+    raise ConfigError(
+      f"n_routing_groups ({groups}) must divide num_experts ({c['num_experts']}) and topk_routing_group "
+      f"({c['topk_routing_group']}) must be in [1, n_routing_groups]"
+    )
+  if not 0 <= c["first_num_dense_layers"] <= c["num_decoder_layers"]:
+    raise ConfigError(f"first_num_dense_layers must be in [0, num_decoder_layers], got {c['first_num_dense_layers']}")
+
+
+def _validate_decoding(c: dict[str, Any]) -> None:
+  if c["max_prefill_predict_length"] <= 0 or c["decode_max_new_tokens"] <= 0 or c["decode_sampling_top_k"] <= 0:
+    raise ConfigError("max_prefill_predict_length, decode_max_new_tokens and decode_sampling_top_k must be > 0")
+  if c["decode_sampling_temperature"] < 0 or not 0 < c["decode_sampling_nucleus_p"] <= 1:
+    raise ConfigError("need decode_sampling_temperature >= 0 and 0 < decode_sampling_nucleus_p <= 1")
 
 
 def _validate(c: dict[str, Any]) -> None:
@@ -278,6 +295,7 @@ def _validate(c: dict[str, Any]) -> None:
       f"num_query_heads ({c['num_query_heads']}) must be a multiple of num_kv_heads ({c['num_kv_heads']})"
     )
   _validate_family_options(c)
+  _validate_decoding(c)
   if len(c["mlp_activations"]) not in (1, 2):
     raise ConfigError(f"mlp_activations takes one or two activations, got {c['mlp_activations']}")
   if not 0.0 <= c["dropout_rate"] < 1.0:
@@ -291,6 +309,8 @@ def _validate(c: dict[str, Any]) -> None:
       raise ConfigError(f"{key}={c[key]!r} does not exist")
   if c["eval_interval"] > 0 and c["eval_steps"] <= 0 and c["eval_steps"] != -1:
     raise ConfigError(f"eval_steps must be > 0 (or -1: one epoch) when eval_interval is set, got {c['eval_steps']}")
+  if c["eval_steps"] == -1 and c["dataset_type"] == "synthetic":
+    raise ConfigError("eval_steps=-1 evaluates one epoch, but synthetic data has none; set eval_steps > 0")
   if c["dataset_type"] == "grain" and not c["grain_train_files"]:
     raise ConfigError("dataset_type=grain needs grain_train_files (a glob, or 'glob1,0.7;glob2,0.3')")
   if c["dataset_type"] == "hf" and not c["hf_path"]:

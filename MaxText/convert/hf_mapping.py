@@ -22,6 +22,7 @@ DECODER_BLOCK = {
   "gemma": "gemma",
   "gemma2": "gemma2",
   "gemma3_text": "gemma3",
+  "deepseek_v3": "deepseek",
 }
 HF_ARCH = {
   "llama2": ("llama", "LlamaForCausalLM"),
@@ -31,6 +32,7 @@ HF_ARCH = {
   "gemma": ("gemma", "GemmaForCausalLM"),
   "gemma2": ("gemma2", "Gemma2ForCausalLM"),
   "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+  "deepseek": ("deepseek_v3", "DeepseekV3ForCausalLM"),
 }
 # HF field -> MaxText key, the same for every family.
 COMMON = {
@@ -61,11 +63,28 @@ EXTRA = {  # decoder_block -> {HF field: MaxText key}
   },
   "gemma2": GEMMA_EXTRA,
   "gemma3": GEMMA_EXTRA,
+  "deepseek": {
+    "moe_intermediate_size": "base_moe_mlp_dim",
+    "n_routed_experts": "num_experts",
+    "num_experts_per_tok": "num_experts_per_tok",
+    "n_shared_experts": "shared_experts",
+    "first_k_dense_replace": "first_num_dense_layers",
+    "routed_scaling_factor": "routed_scaling_factor",
+    "norm_topk_prob": "norm_topk_prob",
+    "n_group": "n_routing_groups",
+    "topk_group": "topk_routing_group",
+    "q_lora_rank": "q_lora_rank",
+    "kv_lora_rank": "kv_lora_rank",
+    "qk_nope_head_dim": "qk_nope_head_dim",
+    "qk_rope_head_dim": "qk_rope_head_dim",
+    "v_head_dim": "v_head_dim",
+  },
 }
 FIXED = {  # decoder_block -> MaxText keys implied by the family
   "qwen3": {"use_qk_norm": True},
   "gemma2": {"use_post_attn_norm": True, "use_post_ffw_norm": True},
   "gemma3": {"use_post_attn_norm": True, "use_post_ffw_norm": True, "use_qk_norm": True},
+  "deepseek": {"routed_score_func": "sigmoid", "routed_bias": True},
 }
 ROPE_SCALING = {"rope_type": "rope_type", "factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor"}
 ROPE_SCALING |= {"high_freq_factor": "rope_high_freq_factor"}
@@ -88,6 +107,8 @@ def maxtext_keys(hf: dict[str, Any]) -> dict[str, Any]:
   if model_type not in DECODER_BLOCK:
     raise ConfigError(f"Unsupported architecture model_type={model_type!r}; supported: {', '.join(DECODER_BLOCK)}")
   block = DECODER_BLOCK[model_type]
+  if block == "deepseek" and not hf.get("rope_interleave", True):
+    raise ConfigError("config.json rope_interleave=false is not supported for deepseek_v3")
   for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
     if hf.get(flag):
       raise ConfigError(f"config.json {flag}=true is not supported for {model_type}")
@@ -120,7 +141,9 @@ def hf_config(c: Config, dtype: str) -> dict[str, Any]:
   out["num_attention_heads"], out["num_key_value_heads"] = c.num_query_heads, c.num_kv_heads
   out["hidden_size"], out["intermediate_size"] = c.emb_dim, c.mlp_dim
   out["num_hidden_layers"] = c.num_decoder_layers
-  for key in ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping"):
+  if c.decoder_block == "deepseek":
+    out["rope_interleave"] = True  # the converter re-interleaves the rope weights
+  for key in ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping", "q_lora_rank"):
     if out.get(key) == 0:
       out[key] = None
   if "query_pre_attn_scalar" in out:  # an int in transformers' config classes
@@ -142,32 +165,72 @@ class Rule(NamedTuple):
   path: tuple[Any, ...]  # path in the params pure dict
   index: tuple[int, ...]  # slice of a stacked parameter
   n_in: int | None  # None: copy; else a linear weight whose kernel has n_in input dims
+  perm: list[int] | None = None  # permutation of our layout's last axis (DeepSeek's interleaved rope dims)
 
 
-def _layer_rules(c: Config) -> Iterator[tuple[str, tuple[str, ...], tuple[int, ...], int | None]]:
-  """(HF suffix, path inside the layer, expert index, n_in) for one decoder layer."""
-  gemma_norms = c.decoder_block in ("gemma2", "gemma3")
-  yield "input_layernorm.weight", ("pre_self_attention_layer_norm", "scale"), (), None
-  for hf, mt in (("q", "query"), ("k", "key"), ("v", "value")):
-    yield f"self_attn.{hf}_proj.weight", ("self_attention", mt, "kernel"), (), 1
-  yield "self_attn.o_proj.weight", ("self_attention", "out", "kernel"), (), 2
-  if c.use_qk_norm:
-    yield "self_attn.q_norm.weight", ("self_attention", "query_norm", "scale"), (), None
-    yield "self_attn.k_norm.weight", ("self_attention", "key_norm", "scale"), (), None
-  if gemma_norms:
-    yield "post_attention_layernorm.weight", ("post_self_attention_norm", "scale"), (), None
-    yield "pre_feedforward_layernorm.weight", ("post_self_attention_layer_norm", "scale"), (), None
-    yield "post_feedforward_layernorm.weight", ("post_ffw_norm", "scale"), (), None
+def deinterleave(first: int, rope: int) -> list[int]:
+  """Permutation of a last axis [first dims, rope dims] that turns DeepSeek's interleaved rope pairs
+  (0, 1), (2, 3), ... into the halves layout (evens, then odds)."""
+  return list(range(first)) + [first + i for i in range(0, rope, 2)] + [first + i for i in range(1, rope, 2)]
+
+
+def _attention_rules(c: Config) -> Iterator[tuple]:
+  """(HF suffix, path inside the layer, expert index, n_in, last-axis permutation) of the attention."""
+  if c.decoder_block != "deepseek":
+    for hf, mt in (("q", "query"), ("k", "key"), ("v", "value")):
+      yield f"self_attn.{hf}_proj.weight", ("self_attention", mt, "kernel"), (), 1, None
   else:
-    yield "post_attention_layernorm.weight", ("post_self_attention_layer_norm", "scale"), (), None
-  if c.num_experts > 1:
-    yield "block_sparse_moe.gate.weight", ("mlp", "gate", "kernel"), (), 1
+    q_perm = deinterleave(c.qk_nope_head_dim, c.qk_rope_head_dim)
+    if c.q_lora_rank:
+      yield "self_attn.q_a_proj.weight", ("self_attention", "wq_a", "kernel"), (), 1, None
+      yield "self_attn.q_a_layernorm.weight", ("self_attention", "q_norm", "scale"), (), None, None
+      yield "self_attn.q_b_proj.weight", ("self_attention", "wq_b", "kernel"), (), 1, q_perm
+    else:
+      yield "self_attn.q_proj.weight", ("self_attention", "query", "kernel"), (), 1, q_perm
+    kv_perm = deinterleave(c.kv_lora_rank, c.qk_rope_head_dim)
+    yield "self_attn.kv_a_proj_with_mqa.weight", ("self_attention", "wkv_a", "kernel"), (), 1, kv_perm
+    yield "self_attn.kv_a_layernorm.weight", ("self_attention", "kv_norm", "scale"), (), None, None
+    yield "self_attn.kv_b_proj.weight", ("self_attention", "wkv_b", "kernel"), (), 1, None
+  yield "self_attn.o_proj.weight", ("self_attention", "out", "kernel"), (), 2, None
+  if c.use_qk_norm:
+    yield "self_attn.q_norm.weight", ("self_attention", "query_norm", "scale"), (), None, None
+    yield "self_attn.k_norm.weight", ("self_attention", "key_norm", "scale"), (), None, None
+
+
+def _mlp_rules(prefix: str, path: tuple) -> Iterator[tuple]:
+  for hf, mt in (("gate_proj", ("wi", 0)), ("up_proj", ("wi", 1)), ("down_proj", ("wo",))):
+    yield f"{prefix}.{hf}.weight", (*path, *mt, "kernel"), (), 1, None
+
+
+def _feed_forward_rules(c: Config, moe: bool) -> Iterator[tuple]:
+  if not moe:
+    yield from _mlp_rules("mlp", ("mlp",))
+  elif c.decoder_block == "deepseek":
+    yield "mlp.gate.weight", ("mlp", "gate", "kernel"), (), 1, None
+    yield "mlp.gate.e_score_correction_bias", ("mlp", "gate_bias"), (), None, None
+    for e in range(c.num_experts):
+      for hf, mt in (("gate_proj", "wi_0"), ("up_proj", "wi_1"), ("down_proj", "wo")):
+        yield f"mlp.experts.{e}.{hf}.weight", ("mlp", mt), (e,), 1, None
+    if c.shared_experts:
+      yield from _mlp_rules("mlp.shared_experts", ("mlp", "shared_experts"))
+  else:
+    yield "block_sparse_moe.gate.weight", ("mlp", "gate", "kernel"), (), 1, None
     for e in range(c.num_experts):
       for hf, mt in (("w1", "wi_0"), ("w3", "wi_1"), ("w2", "wo")):
-        yield f"block_sparse_moe.experts.{e}.{hf}.weight", ("mlp", mt), (e,), 1
+        yield f"block_sparse_moe.experts.{e}.{hf}.weight", ("mlp", mt), (e,), 1, None
+
+
+def _layer_rules(c: Config, moe: bool) -> Iterator[tuple]:
+  """(HF suffix, path inside the layer, expert index, n_in, permutation) for one decoder layer."""
+  yield "input_layernorm.weight", ("pre_self_attention_layer_norm", "scale"), (), None, None
+  yield from _attention_rules(c)
+  if c.decoder_block in ("gemma2", "gemma3"):
+    yield "post_attention_layernorm.weight", ("post_self_attention_norm", "scale"), (), None, None
+    yield "pre_feedforward_layernorm.weight", ("post_self_attention_layer_norm", "scale"), (), None, None
+    yield "post_feedforward_layernorm.weight", ("post_ffw_norm", "scale"), (), None, None
   else:
-    for hf, mt in (("gate_proj", ("wi", 0)), ("up_proj", ("wi", 1)), ("down_proj", ("wo",))):
-      yield f"mlp.{hf}.weight", ("mlp", *mt, "kernel"), (), 1
+    yield "post_attention_layernorm.weight", ("post_self_attention_layer_norm", "scale"), (), None, None
+  yield from _feed_forward_rules(c, moe)
 
 
 def layer_locations(c: Config, stacks, params: dict) -> list[tuple[tuple[Any, ...], tuple[int, ...]]]:
@@ -190,6 +253,7 @@ def rules(c: Config, stacks, params: dict) -> list[Rule]:
   if not c.logits_via_embedding:
     out.append(Rule("lm_head.weight", ("logits_dense", "kernel"), (), 1))
   for i, (prefix, index) in enumerate(layer_locations(c, stacks, params)):
-    for suffix, path, expert, n_in in _layer_rules(c):
-      out.append(Rule(f"model.layers.{i}.{suffix}", prefix + path, index + expert, n_in))
+    moe = c.num_experts > 1 and i >= c.first_num_dense_layers
+    for suffix, path, expert, n_in, perm in _layer_rules(c, moe):
+      out.append(Rule(f"model.layers.{i}.{suffix}", prefix + path, index + expert, n_in, perm))
   return out

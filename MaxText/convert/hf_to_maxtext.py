@@ -42,9 +42,11 @@ def get(tree: dict, path: tuple) -> Any:
   return tree
 
 
-def to_maxtext(tensor: np.ndarray, shape: tuple[int, ...], n_in: int | None) -> np.ndarray:
-  """An HF tensor -> our layout with `shape` (a HF linear weight [out, in] is transposed, then reshaped)."""
-  return (tensor if n_in is None else tensor.T).reshape(shape)
+def to_maxtext(tensor: np.ndarray, shape: tuple[int, ...], n_in: int | None, perm: list[int] | None) -> np.ndarray:
+  """An HF tensor -> our layout with `shape` (a HF linear weight [out, in] is transposed, then reshaped;
+  then `perm`, if any, reorders the last axis)."""
+  out = (tensor if n_in is None else tensor.T).reshape(shape)
+  return out if perm is None else out[..., perm]
 
 
 def tensor_index(hf_path: str) -> dict[str, str]:
@@ -101,7 +103,7 @@ def convert(hf_path: str, output: str, scan_layers: bool = True) -> str:
     hf_shape = tuple(reversed((math.prod(shape[: rule.n_in]), math.prod(shape[rule.n_in :])))) if rule.n_in else shape
     if tuple(tensor.shape) != hf_shape:
       raise ConfigError(f"Tensor {rule.hf_name} has shape {tuple(tensor.shape)}; config.json implies {hf_shape}")
-    buffers[rule.path][rule.index] = to_maxtext(tensor, shape, rule.n_in).astype(target.dtype)
+    buffers[rule.path][rule.index] = to_maxtext(tensor, shape, rule.n_in, rule.perm).astype(target.dtype)
     del tensor
   params = _fill(c, buffers)
   path = os.path.join(output, "params")

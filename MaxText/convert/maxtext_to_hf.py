@@ -27,11 +27,13 @@ from MaxText.convert.hf_to_maxtext import get
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def to_hf(kernel: np.ndarray, n_in: int | None) -> np.ndarray:
-  """Our kernel (n_in input dims first) -> HF linear weight [out, in]; n_in None: unchanged."""
-  if n_in is None:
-    return np.asarray(kernel)
-  return np.asarray(kernel).reshape(int(np.prod(kernel.shape[:n_in])), -1).T
+def to_hf(kernel: np.ndarray, n_in: int | None, perm: list[int] | None) -> np.ndarray:
+  """Our kernel (n_in input dims first) -> HF linear weight [out, in]; n_in None: unchanged. `perm`
+  (applied by the import to the last axis) is undone first."""
+  kernel = np.asarray(kernel)
+  if perm is not None:
+    kernel = kernel[..., np.argsort(perm)]
+  return kernel if n_in is None else kernel.reshape(int(np.prod(kernel.shape[:n_in])), -1).T
 
 
 def load(c: Config) -> dict:
@@ -57,7 +59,7 @@ def convert(c: Config, output: str, dtype: str = "float32") -> None:
   os.makedirs(output, exist_ok=True)
   shards: dict[str, dict[str, torch.Tensor]] = {}
   for rule in hf_mapping.rules(c, models.family(c).stacks(c), params):
-    array = to_hf(get(params, rule.path)[rule.index], rule.n_in)
+    array = to_hf(get(params, rule.path)[rule.index], rule.n_in, rule.perm)
     tensor = torch.from_numpy(np.ascontiguousarray(array, np.float32)).to(getattr(torch, dtype))
     shards.setdefault(_shard_of(rule.hf_name), {})[rule.hf_name] = tensor
   weight_map = {}

@@ -15,6 +15,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.config import Config
+from MaxText.layers import kv_cache
 from MaxText.layers.embeddings import apply_rope, scaled_rope_frequencies
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.normalizations import RMSNorm
@@ -90,8 +91,14 @@ class Attention(nnx.Module):
     self.rope_type = config.rope_type if rope_type is None else rope_type
     self.query_scale = (config.query_pre_attn_scalar or h) ** -0.5
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    """x [B, T, D], positions/segment_ids [B, T] -> [B, T, D]."""
+  def __call__(
+    self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, cache: kv_cache.KVCache | None = None
+  ) -> jax.Array | tuple[jax.Array, kv_cache.KVCache]:
+    """x [B, T, D], positions/segment_ids [B, T] -> [B, T, D].
+
+    Decoding: with a `cache`, k/v are written into it at `positions` and the queries attend over the
+    whole cache (layers/kv_cache.py); returns (out, updated cache).
+    """
     q = checkpoint_name(self.query(x), "query_proj")
     k = checkpoint_name(self.key(x), "key_proj")
     v = checkpoint_name(self.value(x), "value_proj")
@@ -102,9 +109,19 @@ class Attention(nnx.Module):
     inv_freq = scaled_rope_frequencies(self.config, q.shape[-1], self.rope_max_timescale, self.rope_type)
     q = apply_rope(q, positions, inv_freq) * self.query_scale
     k = apply_rope(k, positions, inv_freq)
-    mask = attention_mask(segment_ids, self.sliding_window)
+    if cache is None:
+      mask = attention_mask(segment_ids, self.sliding_window)
+    else:
+      cache = kv_cache.update(cache, k, v, positions)
+      k, v, mask = cache.key, cache.value, kv_cache.mask(positions, cache.key.shape[1], self.sliding_window)
     out = dot_product_attention(q, k, v, mask, self.config.attn_logits_soft_cap)
     out = nn.with_logical_constraint(
       out, ("activation_batch", "activation_length", "activation_heads", "activation_kv")
     )
-    return checkpoint_name(self.out(out), "out_proj")
+    out = checkpoint_name(self.out(out), "out_proj")
+    return out if cache is None else (out, cache)
+
+  def init_cache(self, batch: int, length: int) -> kv_cache.KVCache:
+    """An empty decode cache of `length` slots."""
+    c = self.config
+    return kv_cache.zeros(batch, length, c.num_kv_heads, c.head_dim, jnp.dtype(c.dtype))

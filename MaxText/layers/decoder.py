@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -73,10 +73,22 @@ class LayerBlock(nnx.Module):
   def __init__(self, config: Config, makers: tuple[Callable[..., nnx.Module], ...], *, rngs: nnx.Rngs):
     self.sublayers = nnx.List([make(config, rngs=rngs) for make in makers])
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, rng: jax.Array | None) -> jax.Array:
+  def __call__(
+    self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, rng: jax.Array | None, cache: Any = None
+  ) -> jax.Array | tuple[jax.Array, Any]:
+    """With a decode `cache` (a tuple, one per sublayer), returns (x, updated cache)."""
+    new_cache = []
     for i, layer in enumerate(self.sublayers):
-      x = layer(x, positions, segment_ids, None if rng is None else jax.random.fold_in(rng, i))
-    return x
+      layer_rng = None if rng is None else jax.random.fold_in(rng, i)
+      if cache is None:
+        x = layer(x, positions, segment_ids, layer_rng)
+      else:
+        x, layer_cache = layer(x, positions, segment_ids, layer_rng, cache[i])
+        new_cache.append(layer_cache)
+    return x if cache is None else (x, tuple(new_cache))
+
+  def init_cache(self, batch: int, length: int) -> tuple:
+    return tuple(layer.init_cache(batch, length) for layer in self.sublayers)
 
 
 def _stacked_layers(stack: Stack, config: Config, rngs: nnx.Rngs) -> nnx.Module:
@@ -114,6 +126,7 @@ def _intermediates_sum(module: nnx.Module) -> jax.Array:
 class DecoderOutput(NamedTuple):
   logits: jax.Array  # [B, T, V]
   aux_loss: jax.Array  # float32 scalar: the layers' auxiliary losses (MoE load balance), averaged over layers
+  cache: Any = None  # decoding: the updated caches, {stack name: per-layer caches}
 
 
 class Decoder(nnx.Module):
@@ -142,9 +155,18 @@ class Decoder(nnx.Module):
     return self.forward(tokens, positions, segment_ids, dropout_rng).logits
 
   def forward(
-    self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array, dropout_rng: jax.Array | None = None
+    self,
+    tokens: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    dropout_rng: jax.Array | None = None,
+    cache: dict[str, Any] | None = None,
   ) -> DecoderOutput:
-    """tokens/positions/segment_ids [B, T] -> logits [B, T, V] and the auxiliary loss."""
+    """tokens/positions/segment_ids [B, T] -> logits [B, T, V] and the auxiliary loss.
+
+    Decoding: `cache` from init_cache; each token's keys/values are written at its position and
+    queries attend over the cache (layers/kv_cache.py); the output carries the updated cache.
+    """
     c = self.config
     x = self.token_embedder(tokens)
     if self.family.scale_embeddings:
@@ -152,9 +174,12 @@ class Decoder(nnx.Module):
     x = nn.with_logical_constraint(x, ACTIVATION_AXES)
     if not (c.enable_dropout and c.dropout_rate > 0):
       dropout_rng = None
-    aux, first = jnp.zeros((), jnp.float32), 0
+    aux, first, new_cache = jnp.zeros((), jnp.float32), 0, {}
     for stack in self.stack_specs:
-      x, stack_aux = self._apply_stack(stack, x, positions, segment_ids, dropout_rng, first)
+      stack_cache = None if cache is None else cache[stack.name]
+      x, stack_aux, new_cache[stack.name] = self._apply_stack(
+        stack, x, positions, segment_ids, dropout_rng, first, stack_cache
+      )
       aux, first = aux + stack_aux, first + stack.repeats
     x = self.decoder_norm(x)
     logits_dtype = jnp.float32 if c.logits_dot_in_fp32 else jnp.dtype(c.dtype)
@@ -164,9 +189,21 @@ class Decoder(nnx.Module):
       logits = self.logits_dense(x.astype(logits_dtype)) if c.logits_dot_in_fp32 else self.logits_dense(x)
     logits = soft_cap(logits, c.final_logits_soft_cap)
     logits = nn.with_logical_constraint(logits, ("activation_batch", "activation_length", "activation_vocab"))
-    return DecoderOutput(logits, aux / c.num_decoder_layers)
+    return DecoderOutput(logits, aux / c.num_decoder_layers, None if cache is None else new_cache)
 
-  def _apply_stack(self, stack, x, positions, segment_ids, dropout_rng, first_index):
+  def init_cache(self, batch: int, length: int) -> dict[str, Any]:
+    """Empty decode caches of `length` slots: per stack, a leading layers axis (scan) or a list."""
+    caches = {}
+    for stack in self.stack_specs:
+      layers = getattr(self, stack.name)
+      if self.config.scan_layers:  # the stacked module's methods see one unit's config
+        unit = layers.init_cache(batch, length)
+        caches[stack.name] = jax.tree.map(lambda a, n=stack.repeats: jnp.zeros((n, *a.shape), a.dtype), unit)
+      else:
+        caches[stack.name] = [layer.init_cache(batch, length) for layer in layers]
+    return caches
+
+  def _apply_stack(self, stack, x, positions, segment_ids, dropout_rng, first_index, cache=None):
     c = self.config
     layers = getattr(self, stack.name)
     if c.scan_layers:
@@ -175,19 +212,25 @@ class Decoder(nnx.Module):
       graphdef, _ = nnx.split(layers[0])
       params = [nnx.split(layer)[1] for layer in layers]
 
-    def one_unit(carry, unit_params):
-      h, aux, index = carry
+    def one_unit(carry, inputs):
+      (h, aux, index), (unit_params, unit_cache) = carry, inputs
       rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, index)
       unit = nnx.merge(graphdef, unit_params)
-      h = unit(h, positions, segment_ids, rng)
-      return (nn.with_logical_constraint(h, ACTIVATION_AXES), aux + _intermediates_sum(unit), index + 1), None
+      if unit_cache is None:
+        h = unit(h, positions, segment_ids, rng)
+      else:
+        h, unit_cache = unit(h, positions, segment_ids, rng, unit_cache)
+      h = nn.with_logical_constraint(h, ACTIVATION_AXES)
+      return (h, aux + _intermediates_sum(unit), index + 1), unit_cache
 
     # Under scan, CSE across iterations cannot happen, so prevent_cse (which costs fusion) is off.
     body = remat(one_unit, c.remat_policy, prevent_cse=not c.scan_layers)
     carry = (x, jnp.zeros((), jnp.float32), jnp.asarray(first_index, jnp.int32))
     if c.scan_layers:
-      carry, _ = jax.lax.scan(body, carry, params)
+      carry, cache = jax.lax.scan(body, carry, (params, cache))
     else:
-      for unit_params in params:
-        carry, _ = body(carry, unit_params)
-    return carry[0], carry[1]
+      caches = [None] * len(params) if cache is None else list(cache)
+      for i, unit_params in enumerate(params):
+        carry, caches[i] = body(carry, (unit_params, caches[i]))
+      cache = None if cache is None else caches
+    return carry[0], carry[1], cache

@@ -5,6 +5,7 @@ experts) and through constructor arguments (norm convention, local window, RoPE 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -27,6 +28,10 @@ def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
   return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
+def dense_mlp(config: Config, rngs: nnx.Rngs) -> nnx.Module:
+  return MlpBlock(config, rngs=rngs)
+
+
 def feed_forward(config: Config, rngs: nnx.Rngs) -> nnx.Module:
   """A dense MlpBlock, or a MoeBlock when num_experts > 1."""
   if config.num_experts > 1:
@@ -37,7 +42,8 @@ def feed_forward(config: Config, rngs: nnx.Rngs) -> nnx.Module:
 
 
 class DecoderLayer(nnx.Module):
-  """x [B, T, D] -> [B, T, D]. `norm` builds every norm of the layer (RMSNorm or Gemma's 1 + w)."""
+  """x [B, T, D] -> [B, T, D]. `norm` builds every norm of the layer (RMSNorm or Gemma's 1 + w);
+  `attention` and `mlp` build the attention (Attention, MLAttention) and the feed-forward block."""
 
   def __init__(
     self,
@@ -48,24 +54,32 @@ class DecoderLayer(nnx.Module):
     sliding_window: int | None = None,
     rope_max_timescale: float | None = None,
     rope_type: str | None = None,
+    attention: Callable[..., nnx.Module] = Attention,
+    mlp: Callable[[Config, nnx.Rngs], nnx.Module] = feed_forward,
   ):
     args = dict(epsilon=config.normalization_layer_epsilon, dtype=jnp.dtype(config.dtype))
     args["weight_dtype"] = jnp.dtype(config.weight_dtype)
     d = config.emb_dim
     window = config.sliding_window_size if sliding_window is None else sliding_window
     self.pre_self_attention_layer_norm = norm(d, **args)
-    self.self_attention = Attention(
+    self.self_attention = attention(
       config, rngs=rngs, sliding_window=window, rope_max_timescale=rope_max_timescale, rope_type=rope_type, norm=norm
     )
     self.post_self_attention_norm = norm(d, **args) if config.use_post_attn_norm else nnx.data(None)
     self.post_self_attention_layer_norm = norm(d, **args)  # the pre-MLP norm (MaxText's name)
-    self.mlp = feed_forward(config, rngs)
+    self.mlp = mlp(config, rngs)
     self.post_ffw_norm = norm(d, **args) if config.use_post_ffw_norm else nnx.data(None)
     self.dropout_rate = config.dropout_rate
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, rng: jax.Array | None) -> jax.Array:
+  def __call__(
+    self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, rng: jax.Array | None, cache: Any = None
+  ) -> jax.Array | tuple[jax.Array, Any]:
+    """With a decode `cache` (the attention's), returns (x, updated cache)."""
     attn_rng, mlp_rng = (None, None) if rng is None else jax.random.split(rng)
-    h = self.self_attention(self.pre_self_attention_layer_norm(x), positions, segment_ids)
+    extra = () if cache is None else (cache,)
+    h = self.self_attention(self.pre_self_attention_layer_norm(x), positions, segment_ids, *extra)
+    if cache is not None:
+      h, cache = h
     if self.post_self_attention_norm is not None:
       h = self.post_self_attention_norm(h)
     x = x + dropout(h, self.dropout_rate, attn_rng)
@@ -73,4 +87,8 @@ class DecoderLayer(nnx.Module):
     h = self.mlp(self.post_self_attention_layer_norm(x))
     if self.post_ffw_norm is not None:
       h = self.post_ffw_norm(h)
-    return x + dropout(h, self.dropout_rate, mlp_rng)
+    x = x + dropout(h, self.dropout_rate, mlp_rng)
+    return x if cache is None else (x, cache)
+
+  def init_cache(self, batch: int, length: int) -> Any:
+    return self.self_attention.init_cache(batch, length)

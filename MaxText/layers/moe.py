@@ -1,4 +1,5 @@
-"""Mixture of experts: a float32 softmax router, top-k routing, and gated expert MLPs.
+"""Mixture of experts: a float32 router (softmax, or sigmoid with a selection bias and group-limited
+choice as in DeepSeek V3), top-k routing, gated expert MLPs and optional shared experts.
 
 Dropless by default: the token->expert assignments are sorted by expert and each expert's contiguous
 group goes through jax.lax.ragged_dot. capacity_factor > 0 drops, per expert, the assignments beyond
@@ -20,7 +21,7 @@ from flax import nnx
 
 from MaxText.config import Config
 from MaxText.layers.linears import DenseGeneral
-from MaxText.layers.mlp import ACTIVATIONS
+from MaxText.layers.mlp import ACTIVATIONS, MlpBlock
 
 
 class Routing(NamedTuple):
@@ -29,11 +30,31 @@ class Routing(NamedTuple):
   probs: jax.Array  # [X, E] float32 router probabilities
 
 
-def route(logits: jax.Array, k: int) -> Routing:
-  """logits [X, E] -> softmax in float32, top-k, weights renormalised to sum to 1 per token."""
-  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-  weights, experts = jax.lax.top_k(probs, k)
-  return Routing(experts.astype(jnp.int32), weights / jnp.sum(weights, axis=-1, keepdims=True), probs)
+def group_limit(choice: jax.Array, groups: int, top_groups: int) -> jax.Array:
+  """choice [X, E] -> the same with experts outside each token's `top_groups` best groups at -inf; a
+  group's score is the sum of its two best experts (DeepSeek V3)."""
+  if groups <= 1:
+    return choice
+  x, e = choice.shape
+  grouped = choice.reshape(x, groups, e // groups)
+  group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [X, groups]
+  keep = jax.nn.one_hot(jax.lax.top_k(group_scores, top_groups)[1], groups).sum(axis=1) > 0
+  return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(x, e)
+
+
+def route(logits: jax.Array, config: Config, bias: jax.Array | None = None) -> Routing:
+  """logits [X, E] -> scores (routed_score_func, float32); experts chosen by scores + bias within the
+  allowed groups; combine weights = their scores, renormalised (norm_topk_prob) and scaled."""
+  logits = logits.astype(jnp.float32)
+  scores = jax.nn.sigmoid(logits) if config.routed_score_func == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+  choice = scores if bias is None else scores + bias.astype(jnp.float32)
+  choice = group_limit(choice, config.n_routing_groups, config.topk_routing_group)
+  experts = jax.lax.top_k(choice, config.num_experts_per_tok)[1]
+  weights = jnp.take_along_axis(scores, experts, axis=-1)
+  if config.norm_topk_prob:
+    weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+  probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+  return Routing(experts.astype(jnp.int32), weights * config.routed_scaling_factor, probs)
 
 
 def load_balance_loss(routing: Routing, num_experts: int) -> jax.Array:
@@ -53,33 +74,39 @@ def capacity_mask(experts: jax.Array, num_experts: int, capacity_factor: float) 
 
 
 class MoeBlock(nnx.Module):
-  """x [B, T, D] -> [B, T, D]: sum over the token's top-k experts of weight * wo(act(wi_0 x) * wi_1 x)."""
+  """x [B, T, D] -> [B, T, D]: sum over the token's top-k experts of weight * wo(act(wi_0 x) * wi_1 x),
+  plus the shared experts' MLP when shared_experts > 0. Expert width: base_moe_mlp_dim or mlp_dim."""
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs):
     dt, wdt = jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
-    e, d, f = config.num_experts, config.emb_dim, config.mlp_dim
+    e, d, f = config.num_experts, config.emb_dim, config.base_moe_mlp_dim or config.mlp_dim
     self.gate = DenseGeneral(d, e, ("embed", None), dtype=jnp.float32, weight_dtype=wdt, rngs=rngs)
+    self.gate_bias = nnx.Param(jnp.zeros((e,), wdt), out_sharding=(None,)) if config.routed_bias else nnx.data(None)
     init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=1, out_axis=2, batch_axis=0)
     self.wi_0 = nnx.Param(init(rngs.params(), (e, d, f), wdt), out_sharding=("exp", "embed", "mlp"))
     self.wi_1 = nnx.Param(init(rngs.params(), (e, d, f), wdt), out_sharding=("exp", "embed", "mlp"))
     self.wo = nnx.Param(init(rngs.params(), (e, f, d), wdt), out_sharding=("exp", "mlp", "embed"))
-    self.num_experts, self.k, self.dtype = e, config.num_experts_per_tok, dt
+    self.shared_experts = nnx.data(None)
+    if config.shared_experts:
+      self.shared_experts = MlpBlock(config.replace(base_mlp_dim=f * config.shared_experts), rngs=rngs)
+    self.config, self.num_experts, self.k, self.dtype = config, e, config.num_experts_per_tok, dt
     self.capacity_factor = config.capacity_factor
     self.activation = ACTIVATIONS[config.mlp_activations[0]]
 
   def __call__(self, x: jax.Array) -> jax.Array:
     b, t, d = x.shape
     tokens = x.reshape(b * t, d)  # [X, D]
-    routing = route(self.gate(tokens), self.k)
+    routing = route(self.gate(tokens), self.config, None if self.gate_bias is None else self.gate_bias[...])
     self.load_balance_loss = nnx.Intermediate(load_balance_loss(routing, self.num_experts))
     weights = routing.weights
     if self.capacity_factor > 0:
       weights = jnp.where(capacity_mask(routing.experts, self.num_experts, self.capacity_factor), weights, 0.0)
     out = self._experts(tokens, routing.experts)  # [X, k, D]
     out = jnp.einsum("XRD,XR->XD", out.astype(jnp.float32), weights).astype(self.dtype)
-    return nn.with_logical_constraint(
-      out.reshape(b, t, d), ("activation_batch", "activation_length", "activation_embed")
-    )
+    out = out.reshape(b, t, d)
+    if self.shared_experts is not None:
+      out = out + self.shared_experts(x)
+    return nn.with_logical_constraint(out, ("activation_batch", "activation_length", "activation_embed"))
 
   def _experts(self, tokens: jax.Array, experts: jax.Array) -> jax.Array:
     """tokens [X, D], experts [X, k] -> each assignment's expert output [X, k, D] (dropless)."""

@@ -26,6 +26,9 @@ GEMMA3_ROPE = {
   "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
 }
+DEEPSEEK = dict(num_hidden_layers=3, first_k_dense_replace=1, num_key_value_heads=4, moe_intermediate_size=16)
+DEEPSEEK |= dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1)
+DEEPSEEK |= dict(q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=6, head_dim=4)
 FAMILIES = {
   "llama2": ("LlamaConfig", {}),
   "llama3.1": ("LlamaConfig", {"rope_parameters": LLAMA31_ROPE, "max_position_embeddings": 64}),
@@ -41,6 +44,8 @@ FAMILIES = {
     "Gemma3TextConfig",
     {"num_hidden_layers": 7, "sliding_window": 4, "rope_parameters": GEMMA3_ROPE, "query_pre_attn_scalar": 6},
   ),
+  "deepseek3": ("DeepseekV3Config", DEEPSEEK),
+  "deepseek-no-q-lora": ("DeepseekV3Config", {**DEEPSEEK, "q_lora_rank": None, "n_group": 1, "topk_group": 1}),
 }
 T = 12
 
@@ -52,6 +57,9 @@ def hf_model(family, tmp_path):
   cfg = getattr(transformers, cls)(**{**SMALL, **extra})
   model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
   with torch.no_grad():
+    for name, p in model.named_buffers():
+      if "bias" in name:  # DeepSeek's expert-selection bias
+        p.copy_(torch.randn_like(p) * 0.1)
     for name, p in model.named_parameters():
       if "norm" in name:
         p.copy_(torch.randn_like(p) * 0.5 + (0.0 if "gemma" in family else 1.0))

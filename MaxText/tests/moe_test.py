@@ -23,7 +23,7 @@ def block(*overrides):
 def reference(layer, x):
   """Every expert on every token, combined with the renormalised top-k weights."""
   tokens = x.reshape(-1, x.shape[-1])
-  routing = moe.route(layer.gate(tokens), layer.k)
+  routing = moe.route(layer.gate(tokens), layer.config)
   h = jax.nn.silu(jnp.einsum("XD,EDF->XEF", tokens, layer.wi_0[...])) * jnp.einsum(
     "XD,EDF->XEF", tokens, layer.wi_1[...]
   )

@@ -1,0 +1,72 @@
+"""Multi-head latent attention (DeepSeek V2/V3).
+
+Queries: x -> [q_lora_rank] -> RMSNorm -> [N, nope + rope] (or one projection when q_lora_rank = 0).
+Keys/values: x -> [kv_lora_rank + rope]; the latent part is normalised and expanded to per-head
+[N, nope + v]; the rope part is one RoPE key shared by all heads. Scores use nope and rope dims
+together, scaled by (nope + rope) ** -0.5. RoPE is in the halves layout: the converter de-interleaves
+DeepSeek's interleaved rope weights (a fixed permutation, so the round trip stays exact).
+Einsum letters: B, T, S, N, D as in the legend; R rope dims, P nope dims, C latent (lora) rank.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from MaxText.config import Config
+from MaxText.layers.attention import attention_mask, dot_product_attention
+from MaxText.layers.embeddings import apply_rope, scaled_rope_frequencies
+from MaxText.layers.linears import DenseGeneral
+from MaxText.layers.normalizations import RMSNorm
+
+
+class MLAttention(nnx.Module):
+  """x [B, T, D] -> [B, T, D]; same constructor keywords as Attention (window, RoPE base, norm)."""
+
+  def __init__(self, config: Config, *, rngs: nnx.Rngs, sliding_window: int = 0, norm=RMSNorm, **_):
+    dt, wdt = jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
+    d, n = config.emb_dim, config.num_query_heads
+    nope, rope, v = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+    dense = dict(dtype=dt, weight_dtype=wdt, rngs=rngs)
+    norm_args = dict(epsilon=config.normalization_layer_epsilon, dtype=dt, weight_dtype=wdt)
+    self.wq_a = self.q_norm = nnx.data(None)
+    if config.q_lora_rank:
+      self.wq_a = DenseGeneral(d, config.q_lora_rank, ("embed", "q_lora"), **dense)
+      self.q_norm = norm(config.q_lora_rank, **norm_args)
+      self.wq_b = DenseGeneral(config.q_lora_rank, (n, nope + rope), ("q_lora", "q_heads", "kv"), **dense)
+    else:
+      self.query = DenseGeneral(d, (n, nope + rope), ("embed", "q_heads", "kv"), **dense)
+    self.wkv_a = DenseGeneral(d, config.kv_lora_rank + rope, ("embed", "kv_lora"), **dense)
+    self.kv_norm = norm(config.kv_lora_rank, **norm_args)
+    self.wkv_b = DenseGeneral(config.kv_lora_rank, (n, nope + v), ("kv_lora", "kv_heads", "kv"), **dense)
+    self.out = DenseGeneral((n, v), d, ("heads", "kv", "embed"), **dense)
+    self.config, self.sliding_window = config, sliding_window
+    self.dims = (nope, rope, v)
+
+  def _queries(self, x: jax.Array) -> jax.Array:
+    if self.wq_a is None:
+      return self.query(x)
+    return self.wq_b(self.q_norm(self.wq_a(x)))  # [B, T, N, P + R]
+
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    nope, rope, _ = self.dims
+    c = self.config
+    q = checkpoint_name(self._queries(x), "query_proj")
+    q = nn.with_logical_constraint(q, ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
+    latent, k_rope = jnp.split(self.wkv_a(x), [c.kv_lora_rank], axis=-1)  # [B, T, C], [B, T, R]
+    kv = checkpoint_name(self.wkv_b(self.kv_norm(latent)), "key_proj")  # [B, T, N, P + V]
+    k_nope, v = jnp.split(kv, [nope], axis=-1)
+    inv_freq = scaled_rope_frequencies(c, rope, c.rope_max_timescale, c.rope_type)
+    q_nope, q_rope = jnp.split(q, [nope], axis=-1)
+    q_rope = apply_rope(q_rope, positions, inv_freq)
+    k_rope = apply_rope(k_rope[:, :, None, :], positions, inv_freq)  # one shared head
+    q = jnp.concatenate([q_nope, q_rope], axis=-1) * (nope + rope) ** -0.5
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], rope))], axis=-1)
+    out = dot_product_attention(q, k, v, attention_mask(segment_ids, self.sliding_window), c.attn_logits_soft_cap)
+    out = nn.with_logical_constraint(
+      out, ("activation_batch", "activation_length", "activation_heads", "activation_kv")
+    )
+    return checkpoint_name(self.out(out), "out_proj")

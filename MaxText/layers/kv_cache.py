@@ -1,0 +1,47 @@
+"""The decode-time key/value cache of one attention layer, and the mask that goes with it.
+
+Slot s of a row holds the key/value of that row's token at position s, so rows of different lengths
+decode together: prompts are right-padded, each row writes its next token at its own position, and a
+padding slot is overwritten by that row's next token before any query of the row can see it (queries
+see slots <= their position). Sliding-window layers keep the full-length cache and mask it.
+The decoder stacks one cache per layer with a leading layers axis (scan) or in a list (unrolled).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+# Logical axes of a cache buffer [B, S, K, H]: batch over the data axes, kv heads over tensor.
+CACHE_AXES = ("activation_batch", None, "activation_kv_heads", "activation_kv")
+
+
+class KVCache(NamedTuple):
+  key: jax.Array  # [B, S, K, H], RoPE already applied
+  value: jax.Array  # [B, S, K, H]
+
+
+def zeros(batch: int, length: int, kv_heads: int, head_dim: int, dtype: jnp.dtype) -> KVCache:
+  shape = (batch, length, kv_heads, head_dim)
+  return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def update(cache: KVCache, k: jax.Array, v: jax.Array, positions: jax.Array) -> KVCache:
+  """Write k/v [B, T, K, H] into slots `positions` [B, T] of each row."""
+  rows = jnp.arange(k.shape[0])[:, None]
+  key = cache.key.at[rows, positions].set(k.astype(cache.key.dtype))
+  value = cache.value.at[rows, positions].set(v.astype(cache.value.dtype))
+  return KVCache(nn.with_logical_constraint(key, CACHE_AXES), nn.with_logical_constraint(value, CACHE_AXES))
+
+
+def mask(positions: jax.Array, length: int, sliding_window: int = 0) -> jax.Array:
+  """Queries at `positions` [B, T] over `length` cache slots -> [B, 1, 1, T, S] bool: causal, and
+  local (position - window < slot) when sliding_window > 0."""
+  distance = positions[:, :, None] - jnp.arange(length)[None, None, :]  # [B, T, S]
+  allowed = distance >= 0
+  if sliding_window:
+    allowed &= distance < sliding_window
+  return allowed[:, None, None]

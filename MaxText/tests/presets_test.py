@@ -36,6 +36,8 @@ PUBLISHED = {  # billions of parameters, as published by the model authors (text
   "qwen3-14b": 14.8,
   "qwen3-32b": 32.8,
   "qwen3-30b-a3b": 30.5,
+  "deepseek2-16b": 15.7,
+  "deepseek3-671b": 671.0,
 }
 
 

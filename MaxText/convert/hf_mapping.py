@@ -8,10 +8,12 @@ parameter: the layer (scan_layers=true) and/or the expert.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from MaxText.config import Config, ConfigError
+from MaxText.convert import gpt2_mapping
 
 # HF model_type -> decoder_block, and back (with the HF architecture class).
 DECODER_BLOCK = {
@@ -33,6 +35,7 @@ HF_ARCH = {
   "gemma2": ("gemma2", "Gemma2ForCausalLM"),
   "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
   "deepseek": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+  "gpt3": ("gpt2", "GPT2LMHeadModel"),
 }
 # HF field -> MaxText key, the same for every family.
 COMMON = {
@@ -104,8 +107,12 @@ def _rope_keys(params: dict[str, Any], theta_key: str) -> dict[str, Any]:
 def maxtext_keys(hf: dict[str, Any]) -> dict[str, Any]:
   """config.json -> the MaxText architecture keys; errors name what cannot be represented."""
   model_type = hf.get("model_type")
+  if model_type == "gpt2":
+    return gpt2_mapping.maxtext_keys(hf)
   if model_type not in DECODER_BLOCK:
-    raise ConfigError(f"Unsupported architecture model_type={model_type!r}; supported: {', '.join(DECODER_BLOCK)}")
+    raise ConfigError(
+      f"Unsupported architecture model_type={model_type!r}; supported: {', '.join(DECODER_BLOCK)}, gpt2"
+    )
   block = DECODER_BLOCK[model_type]
   if block == "deepseek" and not hf.get("rope_interleave", True):
     raise ConfigError("config.json rope_interleave=false is not supported for deepseek_v3")
@@ -132,6 +139,8 @@ def maxtext_keys(hf: dict[str, Any]) -> dict[str, Any]:
 
 def hf_config(c: Config, dtype: str) -> dict[str, Any]:
   """MaxText config -> config.json for the matching transformers class."""
+  if c.decoder_block == "gpt3":
+    return gpt2_mapping.hf_config(c, dtype)
   if c.decoder_block not in HF_ARCH:
     raise ConfigError(f"decoder_block {c.decoder_block!r} has no Hugging Face export; supported: {', '.join(HF_ARCH)}")
   model_type, arch = HF_ARCH[c.decoder_block]
@@ -166,6 +175,8 @@ class Rule(NamedTuple):
   index: tuple[int, ...]  # slice of a stacked parameter
   n_in: int | None  # None: copy; else a linear weight whose kernel has n_in input dims
   perm: list[int] | None = None  # permutation of our layout's last axis (DeepSeek's interleaved rope dims)
+  transpose: bool = True  # linear weights: HF [out, in] (torch Linear); False: [in, out] (GPT-2 Conv1D)
+  cols: tuple[int, int] | None = None  # a column range of a fused HF tensor (GPT-2's c_attn)
 
 
 def deinterleave(first: int, rope: int) -> list[int]:
@@ -248,6 +259,8 @@ def layer_locations(c: Config, stacks, params: dict) -> list[tuple[tuple[Any, ..
 
 def rules(c: Config, stacks, params: dict) -> list[Rule]:
   """Every HF tensor of the model with where it goes."""
+  if c.decoder_block == "gpt3":
+    return _gpt2_rules(c, stacks, params)
   out = [Rule("model.embed_tokens.weight", ("token_embedder", "embedding"), (), None)]
   out.append(Rule("model.norm.weight", ("decoder_norm", "scale"), (), None))
   if not c.logits_via_embedding:
@@ -257,3 +270,21 @@ def rules(c: Config, stacks, params: dict) -> list[Rule]:
     for suffix, path, expert, n_in, perm in _layer_rules(c, moe):
       out.append(Rule(f"model.layers.{i}.{suffix}", prefix + path, index + expert, n_in, perm))
   return out
+
+
+def _gpt2_rules(c: Config, stacks, params: dict) -> list[Rule]:
+  out = [
+    Rule(name, path, (), n_in, transpose=False, cols=cols) for name, path, n_in, cols in gpt2_mapping.global_rules()
+  ]
+  for i, (prefix, index) in enumerate(layer_locations(c, stacks, params)):
+    for suffix, path, n_in, cols in gpt2_mapping.layer_rules(c):
+      out.append(Rule(f"transformer.h.{i}.{suffix}", prefix + path, index, n_in, transpose=False, cols=cols))
+  return out
+
+
+def hf_shape(rule: Rule, shape: tuple[int, ...]) -> tuple[int, ...]:
+  """The HF shape (of the rule's columns) of a parameter slice with our `shape`."""
+  if rule.n_in is None:
+    return (math.prod(shape),) if rule.cols else tuple(shape)
+  rows, cols = math.prod(shape[: rule.n_in]), math.prod(shape[rule.n_in :])
+  return (cols, rows) if rule.transpose else (rows, cols)

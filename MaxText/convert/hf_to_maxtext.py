@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import math
 import os
 import shutil
 import sys
@@ -42,11 +41,11 @@ def get(tree: dict, path: tuple) -> Any:
   return tree
 
 
-def to_maxtext(tensor: np.ndarray, shape: tuple[int, ...], n_in: int | None, perm: list[int] | None) -> np.ndarray:
-  """An HF tensor -> our layout with `shape` (a HF linear weight [out, in] is transposed, then reshaped;
-  then `perm`, if any, reorders the last axis)."""
-  out = (tensor if n_in is None else tensor.T).reshape(shape)
-  return out if perm is None else out[..., perm]
+def to_maxtext(tensor: np.ndarray, shape: tuple[int, ...], rule: hf_mapping.Rule) -> np.ndarray:
+  """An HF tensor (already cut to rule.cols) -> our layout with `shape`: a torch Linear weight [out, in]
+  is transposed, then reshaped; then rule.perm, if any, reorders the last axis."""
+  out = (tensor.T if rule.n_in is not None and rule.transpose else tensor).reshape(shape)
+  return out if rule.perm is None else out[..., rule.perm]
 
 
 def tensor_index(hf_path: str) -> dict[str, str]:
@@ -100,10 +99,12 @@ def convert(hf_path: str, output: str, scan_layers: bool = True) -> str:
     shape = target.shape[len(rule.index) :]
     with safe_open(index[rule.hf_name], "np") as f:
       tensor = f.get_tensor(rule.hf_name)
-    hf_shape = tuple(reversed((math.prod(shape[: rule.n_in]), math.prod(shape[rule.n_in :])))) if rule.n_in else shape
+    if rule.cols:
+      tensor = tensor[..., rule.cols[0] : rule.cols[1]]
+    hf_shape = hf_mapping.hf_shape(rule, shape)
     if tuple(tensor.shape) != hf_shape:
       raise ConfigError(f"Tensor {rule.hf_name} has shape {tuple(tensor.shape)}; config.json implies {hf_shape}")
-    buffers[rule.path][rule.index] = to_maxtext(tensor, shape, rule.n_in, rule.perm).astype(target.dtype)
+    buffers[rule.path][rule.index] = to_maxtext(tensor, shape, rule).astype(target.dtype)
     del tensor
   params = _fill(c, buffers)
   path = os.path.join(output, "params")

@@ -27,13 +27,12 @@ from MaxText.convert.hf_to_maxtext import get
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def to_hf(kernel: np.ndarray, n_in: int | None, perm: list[int] | None) -> np.ndarray:
-  """Our kernel (n_in input dims first) -> HF linear weight [out, in]; n_in None: unchanged. `perm`
-  (applied by the import to the last axis) is undone first."""
+def to_hf(kernel: np.ndarray, rule: hf_mapping.Rule) -> np.ndarray:
+  """Our parameter slice -> its HF tensor (or rule.cols of it): the inverse of hf_to_maxtext.to_maxtext."""
   kernel = np.asarray(kernel)
-  if perm is not None:
-    kernel = kernel[..., np.argsort(perm)]
-  return kernel if n_in is None else kernel.reshape(int(np.prod(kernel.shape[:n_in])), -1).T
+  if rule.perm is not None:
+    kernel = kernel[..., np.argsort(rule.perm)]
+  return kernel.reshape(hf_mapping.hf_shape(rule, kernel.shape))
 
 
 def load(c: Config) -> dict:
@@ -46,7 +45,8 @@ def load(c: Config) -> dict:
 
 def _shard_of(name: str) -> str:
   parts = name.split(".")
-  return f"layer-{int(parts[2]):05d}" if parts[:2] == ["model", "layers"] else "other"
+  layer = parts[:2] in (["model", "layers"], ["transformer", "h"])
+  return f"layer-{int(parts[2]):05d}" if layer else "other"
 
 
 def convert(c: Config, output: str, dtype: str = "float32") -> None:
@@ -58,10 +58,14 @@ def convert(c: Config, output: str, dtype: str = "float32") -> None:
   params = load(c)
   os.makedirs(output, exist_ok=True)
   shards: dict[str, dict[str, torch.Tensor]] = {}
+  pieces: dict[str, list] = {}  # fused HF tensors (GPT-2's c_attn) come in column ranges
   for rule in hf_mapping.rules(c, models.family(c).stacks(c), params):
-    array = to_hf(get(params, rule.path)[rule.index], rule.n_in, rule.perm)
+    array = to_hf(get(params, rule.path)[rule.index], rule)
+    pieces.setdefault(rule.hf_name, []).append(((rule.cols or (0, 0))[0], array))
+  for name, parts in pieces.items():
+    array = np.concatenate([a for _, a in sorted(parts, key=lambda p: p[0])], axis=-1)
     tensor = torch.from_numpy(np.ascontiguousarray(array, np.float32)).to(getattr(torch, dtype))
-    shards.setdefault(_shard_of(rule.hf_name), {})[rule.hf_name] = tensor
+    shards.setdefault(_shard_of(name), {})[name] = tensor
   weight_map = {}
   for i, tensors in enumerate(shards[name] for name in sorted(shards)):
     filename = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"

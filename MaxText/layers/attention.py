@@ -61,7 +61,8 @@ class Attention(nnx.Module):
   """Projections q/k/v/o, optional q/k norms, RoPE, and GQA attention over a packed batch.
 
   `sliding_window` (0: global) and `rope_max_timescale` (None: config.rope_max_timescale) let a family
-  make local and global layers; `norm` builds the q/k norms (Gemma's 1+w or plain RMSNorm).
+  make local and global layers; `norm` builds the q/k norms (Gemma's 1+w or plain RMSNorm); gpt3 has
+  biases on every projection and no RoPE (`use_bias`, `use_rope`).
   """
 
   def __init__(
@@ -73,10 +74,12 @@ class Attention(nnx.Module):
     rope_max_timescale: float | None = None,
     rope_type: str | None = None,
     norm: Callable[..., nnx.Module] = RMSNorm,
+    use_bias: bool = False,
+    use_rope: bool = True,
   ):
     dt, wdt = jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
     d, n, k, h = config.emb_dim, config.num_query_heads, config.num_kv_heads, config.head_dim
-    dense = dict(dtype=dt, weight_dtype=wdt, rngs=rngs)
+    dense = dict(dtype=dt, weight_dtype=wdt, rngs=rngs, use_bias=use_bias)
     self.query = DenseGeneral(d, (n, h), ("embed", "q_heads", "kv"), **dense)
     self.key = DenseGeneral(d, (k, h), ("embed", "kv_heads", "kv"), **dense)
     self.value = DenseGeneral(d, (k, h), ("embed", "kv_heads", "kv"), **dense)
@@ -90,6 +93,7 @@ class Attention(nnx.Module):
     self.rope_max_timescale = config.rope_max_timescale if rope_max_timescale is None else rope_max_timescale
     self.rope_type = config.rope_type if rope_type is None else rope_type
     self.query_scale = (config.query_pre_attn_scalar or h) ** -0.5
+    self.use_rope = use_rope
 
   def __call__(
     self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, cache: kv_cache.KVCache | None = None
@@ -106,9 +110,10 @@ class Attention(nnx.Module):
     k = nn.with_logical_constraint(k, ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv"))
     if self.query_norm is not None:
       q, k = self.query_norm(q), self.key_norm(k)
-    inv_freq = scaled_rope_frequencies(self.config, q.shape[-1], self.rope_max_timescale, self.rope_type)
-    q = apply_rope(q, positions, inv_freq) * self.query_scale
-    k = apply_rope(k, positions, inv_freq)
+    if self.use_rope:
+      inv_freq = scaled_rope_frequencies(self.config, q.shape[-1], self.rope_max_timescale, self.rope_type)
+      q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    q = q * self.query_scale
     if cache is None:
       mask = attention_mask(segment_ids, self.sliding_window)
     else:

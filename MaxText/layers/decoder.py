@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from MaxText.config import Config
+from MaxText.config import Config, ConfigError
 from MaxText.layers.attention import soft_cap
 from MaxText.layers.decoder_layer import ACTIVATION_AXES, DecoderLayer, dropout
 from MaxText.layers.embeddings import Embed
@@ -65,6 +65,7 @@ class Family:
   stacks: Callable[[Config], tuple[Stack, ...]] = single_stack  # the layers, in order
   norm: Callable[..., nnx.Module] = RMSNorm  # the final norm's convention
   scale_embeddings: bool = False  # multiply token embeddings by sqrt(emb_dim) (gemma)
+  learned_positions: bool = False  # add a trainable_position_size x emb_dim position embedding (gpt3)
 
 
 class LayerBlock(nnx.Module):
@@ -135,7 +136,13 @@ class Decoder(nnx.Module):
   def __init__(self, config: Config, family: Family, *, rngs: nnx.Rngs):
     dt, wdt = jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
     self.config, self.family = config, family
-    self.token_embedder = Embed(config.vocab_size, config.emb_dim, dtype=dt, weight_dtype=wdt, rngs=rngs)
+    embed = dict(dtype=dt, weight_dtype=wdt, rngs=rngs, iota=config.use_iota_embed)
+    self.token_embedder = Embed(config.vocab_size, config.emb_dim, **embed)
+    self.position_embedder = nnx.data(None)
+    if family.learned_positions:
+      if config.trainable_position_size <= 0:
+        raise ConfigError(f"decoder_block={config.decoder_block} needs trainable_position_size > 0")
+      self.position_embedder = Embed(config.trainable_position_size, config.emb_dim, **embed)
     self.stack_specs = family.stacks(config)
     build = _stacked_layers if config.scan_layers else _unrolled_layers
     for stack in self.stack_specs:
@@ -169,6 +176,8 @@ class Decoder(nnx.Module):
     """
     c = self.config
     x = self.token_embedder(tokens)
+    if self.position_embedder is not None:
+      x = x + self.position_embedder(positions)
     if self.family.scale_embeddings:
       x = x * jnp.asarray(c.emb_dim**0.5, x.dtype)
     x = nn.with_logical_constraint(x, ACTIVATION_AXES)

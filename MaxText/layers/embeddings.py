@@ -14,14 +14,27 @@ from MaxText.config import Config
 class Embed(nnx.Module):
   """Token embedding table [V, D]; `attend` reuses it as the output projection (tied logits)."""
 
-  def __init__(self, vocab_size: int, dim: int, *, dtype: jnp.dtype, weight_dtype: jnp.dtype, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    vocab_size: int,
+    dim: int,
+    *,
+    dtype: jnp.dtype,
+    weight_dtype: jnp.dtype,
+    rngs: nnx.Rngs,
+    iota: bool = False,
+  ):
     init = nnx.initializers.normal(stddev=1.0)
     self.embedding = nnx.Param(init(rngs.params(), (vocab_size, dim), weight_dtype), out_sharding=("vocab", "embed"))
-    self.dtype = dtype
+    self.dtype, self.iota = dtype, iota
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
-    """tokens [B, T] int -> [B, T, D]."""
-    return jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+    """tokens [B, T] int -> [B, T, D]; with `iota` a one-hot matmul instead of a gather (use_iota_embed)."""
+    table = self.embedding[...]
+    if self.iota:
+      one_hot = jax.nn.one_hot(tokens, table.shape[0], dtype=table.dtype)
+      return jnp.einsum("BTV,VD->BTD", one_hot, table).astype(self.dtype)
+    return jnp.take(table, tokens, axis=0).astype(self.dtype)
 
   def attend(self, x: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """x [B, T, D] -> logits [B, T, V]."""

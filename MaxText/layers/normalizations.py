@@ -28,3 +28,19 @@ class RMSNorm(nnx.Module):
 def gemma_rms_norm(dim: int, **kwargs) -> RMSNorm:
   """Gemma's RMSNorm: multiplier 1 + w."""
   return RMSNorm(dim, scale_offset=1.0, **kwargs)
+
+
+class LayerNorm(nnx.Module):
+  """(x - mean) / sqrt(var + epsilon) * scale + bias over the last axis, in float32 (gpt3)."""
+
+  def __init__(self, dim: int, *, epsilon: float, dtype: jnp.dtype, weight_dtype: jnp.dtype):
+    self.scale = nnx.Param(jnp.ones((dim,), weight_dtype), out_sharding=("norm",))
+    self.bias = nnx.Param(jnp.zeros((dim,), weight_dtype), out_sharding=("norm",))
+    self.epsilon, self.dtype = epsilon, dtype
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + self.epsilon)
+    return (y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(self.dtype)

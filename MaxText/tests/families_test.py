@@ -46,7 +46,9 @@ FAMILIES = {
   ),
   "deepseek3": ("DeepseekV3Config", DEEPSEEK),
   "deepseek-no-q-lora": ("DeepseekV3Config", {**DEEPSEEK, "q_lora_rank": None, "n_group": 1, "topk_group": 1}),
+  "gpt3": ("GPT2Config", {}),
 }
+GPT2 = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16, n_inner=48)
 T = 12
 
 
@@ -54,15 +56,15 @@ def hf_model(family, tmp_path):
   """A tiny random HF model with random norm weights, saved under tmp_path/hf."""
   cls, extra = FAMILIES[family]
   torch.manual_seed(0)
-  cfg = getattr(transformers, cls)(**{**SMALL, **extra})
+  cfg = getattr(transformers, cls)(**({**GPT2} if family == "gpt3" else {**SMALL, **extra}))
   model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
   with torch.no_grad():
     for name, p in model.named_buffers():
       if "bias" in name:  # DeepSeek's expert-selection bias
         p.copy_(torch.randn_like(p) * 0.1)
     for name, p in model.named_parameters():
-      if "norm" in name:
-        p.copy_(torch.randn_like(p) * 0.5 + (0.0 if "gemma" in family else 1.0))
+      if "norm" in name or ".ln_" in name or name.endswith("bias"):
+        p.copy_(torch.randn_like(p) * 0.5 + (1.0 if name.endswith("weight") and "gemma" not in family else 0.0))
   path = os.path.join(tmp_path, "hf")
   model.save_pretrained(path)
   return model, path

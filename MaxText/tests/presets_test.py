@@ -38,6 +38,7 @@ PUBLISHED = {  # billions of parameters, as published by the model authors (text
   "qwen3-30b-a3b": 30.5,
   "deepseek2-16b": 15.7,
   "deepseek3-671b": 671.0,
+  "gpt3-175b": 175.0,
 }
 
 

@@ -1,0 +1,90 @@
+"""multihost_runner.py --HOSTS against two ssh "hosts": an sshd on 127.0.0.1 started here."""
+
+import getpass
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from MaxText.tests.train_test import ROOT
+
+SSHD = shutil.which("sshd") or ("/usr/sbin/sshd" if os.path.exists("/usr/sbin/sshd") else None)
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+  """An sshd on 127.0.0.1 accepting one generated key; yields the ssh options that reach it."""
+  if SSHD is None or shutil.which("ssh") is None:
+    if os.environ.get("CI"):
+      pytest.fail("sshd is not installed: TEST=1 bash setup.sh installs openssh-server")
+    pytest.skip("openssh-server is not installed (TEST=1 bash setup.sh installs it)")
+  d = tmp_path_factory.mktemp("sshd")
+  for key in ("host_key", "client_key"):
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / key)], check=True)
+  shutil.copy(d / "client_key.pub", d / "authorized_keys")
+  os.makedirs("/run/sshd", exist_ok=True) if os.geteuid() == 0 else None
+  port = _free_port()
+  (d / "sshd_config").write_text(
+    f"Port {port}\nListenAddress 127.0.0.1\nHostKey {d / 'host_key'}\nAuthorizedKeysFile {d / 'authorized_keys'}\n"
+    f"PidFile {d / 'sshd.pid'}\nStrictModes no\nUsePAM no\nPasswordAuthentication no\nPermitRootLogin yes\n"
+    f"SetEnv PATH={os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin\n"
+  )
+  proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(d / "sshd_config")], stderr=subprocess.PIPE, text=True)
+  options = f"-i {d / 'client_key'} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR"
+  target = f"{getpass.getuser()}@127.0.0.1:{port}"
+  deadline = time.time() + 20
+  while subprocess.run(["ssh", *options.split(), "-p", str(port), target.split(":")[0], "true"]).returncode:
+    if proc.poll() is not None or time.time() > deadline:
+      proc.kill()
+      pytest.fail(f"sshd did not start: {proc.stderr.read() if proc.poll() is not None else 'timeout'}")
+    time.sleep(0.2)
+  yield target, options
+  proc.terminate()
+  proc.wait()
+
+
+def runner(tmp_path, sshd, command):
+  target, options = sshd
+  args = [sys.executable, "multihost_runner.py", f"--HOSTS={target},{target}", f"--COMMAND={command}"]
+  args += [f"--SSH_ARGS={options}", f"--REMOTE_DIR={tmp_path}/remote/host{{rank}}", f"--LOG_DIR={tmp_path}/logs"]
+  args += ["--RUN_NAME=t", f"--SCRIPT_DIR={tmp_path}/code"]
+  return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def code(tmp_path):
+  os.makedirs(tmp_path / "code")
+  (tmp_path / "code" / "job.sh").write_text('echo "rank=$NODE_RANK of $NNODES at $JAX_COORDINATOR_ADDRESS"\n')
+  return tmp_path / "code"
+
+
+def test_runs_on_every_host_with_rank_and_saves_logs(tmp_path, sshd, code):
+  result = runner(tmp_path, sshd, "bash job.sh && pwd")
+  assert result.returncode == 0, result.stdout + result.stderr
+  for rank in (0, 1):
+    log = (tmp_path / "logs" / f"host{rank}.log").read_text()
+    assert f"rank={rank} of 2 at 127.0.0.1" in log
+    assert f"remote/host{rank}" in log  # each host ran from its own copy
+    assert f"[host {rank}] rank={rank} of 2" in result.stdout
+
+
+def test_one_failing_host_fails_the_run_and_stops_the_other(tmp_path, sshd, code):
+  start = time.time()
+  result = runner(tmp_path, sshd, 'if [ "$NODE_RANK" = 1 ]; then exit 3; fi; sleep 60; echo survived')
+  assert result.returncode == 3, result.stdout + result.stderr
+  assert "host 1" in result.stdout and "stopping the others" in result.stdout
+  assert time.time() - start < 40
+  time.sleep(1)
+  assert "survived" not in (tmp_path / "logs" / "host0.log").read_text()
+  ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+  assert "sleep 60; echo survived" not in ps  # the remote command was killed, not just the ssh client

@@ -23,7 +23,7 @@ ENV_PREFIX = "M_"
 CHOICES = {
   "dtype": ("bfloat16", "float32", "float16"),
   "weight_dtype": ("float32", "bfloat16"),
-  "attention": ("autoselected", "dot_product"),
+  "attention": ("autoselected", "dot_product", "cudnn_flash_te"),
   "remat_policy": ("full", "minimal", "save_dot_except_mlp", "save_qkv_proj", "none"),
   "dataset_type": ("synthetic", "text", "grain", "tfds", "hf"),
   "tokenizer_type": ("sentencepiece", "tiktoken", "huggingface"),

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText.config import Config
+from MaxText.config import Config, ConfigError
 from MaxText.layers import kv_cache
 from MaxText.layers.embeddings import apply_rope, scaled_rope_frequencies
 from MaxText.layers.linears import DenseGeneral
@@ -55,6 +55,19 @@ def dot_product_attention(
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
   return out.reshape(b, t, n, v.shape[-1])
+
+
+def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, logits_soft_cap: float) -> jax.Array:
+  """attention=cudnn_flash_te: cuDNN's fused (flash) attention through jax.nn.dot_product_attention.
+  Same contract as dot_product_attention; q already scaled. GPU only: cuDNN is an NVIDIA library."""
+  if jax.default_backend() != "gpu":
+    raise ConfigError(
+      f"attention=cudnn_flash_te needs NVIDIA GPUs (cuDNN); JAX runs on {jax.default_backend()}. "
+      "Use attention=dot_product here"
+    )
+  if logits_soft_cap:
+    raise ConfigError("attention=cudnn_flash_te does not support attn_logits_soft_cap; use attention=dot_product")
+  return jax.nn.dot_product_attention(q, k, v, mask=mask[:, 0], scale=1.0, implementation="cudnn")
 
 
 class Attention(nnx.Module):
@@ -119,7 +132,10 @@ class Attention(nnx.Module):
     else:
       cache = kv_cache.update(cache, k, v, positions)
       k, v, mask = cache.key, cache.value, kv_cache.mask(positions, cache.key.shape[1], self.sliding_window)
-    out = dot_product_attention(q, k, v, mask, self.config.attn_logits_soft_cap)
+    if self.config.attention == "cudnn_flash_te" and cache is None:
+      out = cudnn_attention(q, k, v, mask, self.config.attn_logits_soft_cap)
+    else:
+      out = dot_product_attention(q, k, v, mask, self.config.attn_logits_soft_cap)
     out = nn.with_logical_constraint(
       out, ("activation_batch", "activation_length", "activation_heads", "activation_kv")
     )

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from MaxText import distributed, train
+from MaxText.config import ConfigError
 from MaxText.tests.train_test import BASE, ROOT, TINY, cfg
 
 COMMON = ["steps=10", "per_device_batch_size=2", "hardware=cpu", "enable_checkpointing=true"]
@@ -115,3 +116,20 @@ def test_plan_tpu_and_bad_environments(tmp_path):
     distributed.plan(cfg(tmp_path, "p"), {"JAX_COORDINATOR_ADDRESS": "h0", "NNODES": "2"})
   with pytest.raises(distributed.DistributedInitError, match=r"NODE_RANK=2 must be in \[0, NNODES=2\)"):
     distributed.plan(cfg(tmp_path, "p"), {"JAX_COORDINATOR_ADDRESS": "h0", "NNODES": "2", "NODE_RANK": "2"})
+
+
+def test_cudnn_attention_is_accepted_and_says_it_needs_a_gpu(tmp_path):
+  c = cfg(tmp_path, "cudnn", "attention=cudnn_flash_te", "steps=1", "per_device_batch_size=1")
+  with pytest.raises(ConfigError, match="needs NVIDIA GPUs"):
+    train.run(c)
+
+
+@pytest.mark.gpu
+def test_cudnn_attention_matches_dot_product_on_gpu(tmp_path):
+  common = ["steps=3", "per_device_batch_size=1", "dtype=bfloat16"]
+  ref = cfg(tmp_path, "dot", *common, "attention=dot_product")
+  fused = cfg(tmp_path, "fused", *common, "attention=cudnn_flash_te")
+  train.run(ref)
+  train.run(fused)
+  losses = lambda c: [r["loss"] for r in records(c.metrics_file)]
+  np.testing.assert_allclose(losses(fused), losses(ref), rtol=2e-2)

@@ -2,7 +2,7 @@
 
 TPU VMs (through gcloud; every slice whose name starts with --TPU_PREFIX):
   python3 multihost_runner.py --TPU_PREFIX=my-v5e --ZONE=us-west4-a \
-    --COMMAND="bash setup.sh DEVICE=tpu && python3 MaxText/train.py MaxText/configs/base.yml run_name=x"
+    --COMMAND="DEVICE=tpu bash setup.sh && python3 MaxText/train.py MaxText/configs/base.yml run_name=x"
 Any machines reachable over ssh (GPU or CPU hosts; the first host is the coordinator):
   python3 multihost_runner.py --HOSTS=user@h1,user@h2:2222 --COMMAND="python3 MaxText/train.py ..."
 
@@ -133,7 +133,7 @@ def copy_folder(hosts: list[Host], script_dir: str) -> None:
   """One .tar.gz of script_dir, unpacked on every host in parallel; exits if any copy fails."""
   with tempfile.NamedTemporaryFile(suffix=".tar.gz") as archive:
     with tarfile.open(archive.name, "w:gz") as tar:
-      tar.add(script_dir, arcname=".", filter=lambda info: None if "/.git" in info.name else info)
+      tar.add(script_dir, arcname=".", filter=lambda info: None if os.path.basename(info.name) == ".git" else info)
     procs = []
     for host in hosts:
       with open(archive.name, "rb") as stdin:

@@ -12,8 +12,10 @@ import os
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from flax import nnx
 
 from MaxText import state as state_lib
 from MaxText.config import Config, ConfigError
@@ -88,8 +90,61 @@ def load_params(path: str, abstract_params: Any) -> Any:
       path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
     )
   except (ValueError, KeyError, FileNotFoundError) as e:
-    raise ConfigError(f"load_parameters_path {path!r} does not match this model's parameters: {e}") from e
-  return restored["params"] if item is not abstract_params else restored
+    relaid = _restore_other_layout(path, tree, abstract_params)
+    if relaid is None:
+      raise ConfigError(f"load_parameters_path {path!r} does not match this model's parameters: {e}") from e
+    return relaid
+  restored = restored["params"] if item is not abstract_params else restored
+  missing = [jax.tree_util.keystr(k) for k, v in jax.tree_util.tree_leaves_with_path(restored) if _is_abstract(v)]
+  if missing:  # partial_restore leaves parameters the checkpoint lacks unrestored
+    relaid = _restore_other_layout(path, tree, abstract_params)
+    if relaid is None:
+      raise ConfigError(f"load_parameters_path {path!r} lacks {missing[0]} (and {len(missing) - 1} more)")
+    return relaid
+  return restored
+
+
+def _is_abstract(x: Any) -> bool:
+  return isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _restore_other_layout(path: str, tree: Any, abstract_params: Any) -> Any | None:
+  """A checkpoint written with the other scan_layers setting, restacked or unstacked to
+  `abstract_params` (via host memory: the whole params once); None when it is not that."""
+  numpy_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+  saved = ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(restore_args=numpy_args))
+  saved = saved.get("params", saved)
+  target = nnx.to_pure_dict(abstract_params)
+  try:
+    pure = _relayout(target, saved)
+  except (KeyError, ValueError, TypeError):
+    return None
+  placed = jax.tree.map(lambda a, t: jax.device_put(a.astype(t.dtype), t.sharding), pure, target)
+  out = jax.tree.map(lambda x: x, abstract_params)
+  nnx.replace_by_pure_dict(out, placed)
+  return out
+
+
+def _relayout(target: Any, saved: Any) -> Any:
+  """saved (str keys, {'value': array} leaves) in the shape of target (a pure dict of abstract arrays):
+  a stacked target subtree takes saved layers '0'..'n-1' stacked; an unrolled one slices saved stacks."""
+  if isinstance(saved, dict) and set(saved) == {"value"} and not isinstance(target, dict):
+    if tuple(saved["value"].shape) != tuple(target.shape):
+      raise ValueError(f"shape {saved['value'].shape} != {target.shape}")
+    return saved["value"]
+  digits = all(k.isdigit() for k in saved)
+  target_list = all(isinstance(k, int) for k in target)
+  if digits and not target_list:  # target stacked, saved unrolled
+    layers = [saved[str(i)] for i in range(len(saved))]
+    return jax.tree.map(lambda *xs: np.stack(xs), *[_relayout(_unstacked(target), layer) for layer in layers])
+  if target_list and not digits:  # target unrolled, saved stacked
+    return {i: _relayout(target[i], jax.tree.map(lambda x, i=i: x[i], saved)) for i in target}
+  return {k: _relayout(target[k], saved[str(k)]) for k in target}
+
+
+def _unstacked(target: Any) -> Any:
+  """Abstract arrays without their leading (layers) axis."""
+  return jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape[1:], t.dtype), target)
 
 
 def save_params(path: str, params: Any) -> None:

@@ -32,7 +32,10 @@ def to_hf(kernel: np.ndarray, rule: hf_mapping.Rule) -> np.ndarray:
   kernel = np.asarray(kernel)
   if rule.perm is not None:
     kernel = kernel[..., np.argsort(rule.perm)]
-  return kernel.reshape(hf_mapping.hf_shape(rule, kernel.shape))
+  if rule.n_in is None:
+    return kernel.reshape(hf_mapping.hf_shape(rule, kernel.shape))
+  matrix = kernel.reshape(int(np.prod(kernel.shape[: rule.n_in])), -1)  # [in, out]
+  return matrix.T if rule.transpose else matrix
 
 
 def load(c: Config) -> dict:

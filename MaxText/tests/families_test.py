@@ -89,7 +89,8 @@ def test_logits_match_hugging_face_and_round_trip_is_exact(family, tmp_path):
   hf_to_maxtext.convert(hf_path, unrolled, scan_layers=False)
   got = maxtext_logits(scanned, tokens)
   np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(maxtext_logits(unrolled, tokens), got, rtol=1e-6, atol=1e-6)  # fusion order only
+  for path, other in ((scanned, "scan_layers=false"), (unrolled, "scan_layers=true"), (unrolled, "scan_layers=false")):
+    np.testing.assert_allclose(maxtext_logits(path, tokens, other), got, rtol=1e-6, atol=1e-6)  # fusion order only
 
   back = os.path.join(tmp_path, "back")
   c = config.load([os.path.join(scanned, "config.yml"), "run_name=t", f"load_parameters_path={scanned}/params"], {})

@@ -56,3 +56,19 @@ def test_every_preset_has_a_published_count():
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_parameter_count(name):
   assert num_params(name) / 1e9 == pytest.approx(PUBLISHED[name], rel=0.01)
+
+
+@pytest.mark.parametrize(
+  "bad",
+  [
+    "sliding_window_size=-1",
+    "rope_type=yarn",
+    "num_experts_per_tok=3",
+    "num_experts=6 n_routing_groups=4",
+    "routed_score_func=relu",
+    "first_num_dense_layers=99",
+  ],
+)
+def test_family_options_are_validated(bad):
+  with pytest.raises(config.ConfigError):
+    config.load([BASE, "run_name=t", "num_experts=2", *bad.split()], {})

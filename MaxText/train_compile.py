@@ -68,6 +68,10 @@ def topology_devices(config: Config) -> list[Any]:
     raise ConfigError(f"compile_topology={name!r}: {e}") from None
   from jax.experimental import topologies  # lazy: only AOT compilation needs it
 
+  # libtpu lets one process at a time hold the chips; compiling for a topology uses none, so several
+  # compiles (or a compile next to a training run) may share the machine.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
   if target.platform == "cuda":
     return _gpu_devices(config, target, topologies)
   try:

@@ -89,8 +89,8 @@ def initialize(config: Config, environ: Mapping[str, str] | None = None) -> None
   p = plan(config, environ)
   if p is None:
     return
-  if config.hardware == "cpu":
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # CPU devices need a collectives backend across processes; it changes nothing for GPU/TPU devices.
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
   timeout = config.jax_distributed_initialization_timeout
   if p.how == "env" and p.kwargs["process_id"] != 0:
     # JAX aborts the whole process (no exception) when it cannot register; check the address first.

@@ -1,0 +1,287 @@
+"""Load a model once (config + checkpoint, or random weights), then generate() for batches of prompts.
+
+Prompts of different lengths are right-padded to a bucket (a power of two, at most
+max_prefill_predict_length) and prefilled in one pass that fills the KV cache; then one jitted step
+per token feeds each row's last token at that row's own position (layers/kv_cache.py). Compiled
+programs are cached per (prefill bucket, cache length, batch, strategy): no recompilation per token
+or per prompt length. The batch is padded to a multiple of the mesh's batch shards.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from MaxText import checkpointing, models, sharding
+from MaxText.config import Config, ConfigError
+from MaxText.inference import sampling
+from MaxText.inference import tokenizer as tokenizer_lib
+
+log = logging.getLogger(__name__)
+MIN_BUCKET = 8  # shortest prefill length compiled
+
+
+class StepOutput(NamedTuple):
+  tokens: jax.Array  # [B] int32: the sampled next tokens
+  logprobs: jax.Array  # [B] float32: their log-probabilities under the model
+  cache: Any  # the updated KV cache
+
+
+class Completion(NamedTuple):
+  text: str  # the generated text (without the prompt, EOS or stop string)
+  tokens: list[int]  # the generated ids
+  logprobs: list[float] | None  # per generated id, when asked for
+  finish_reason: str  # "eos" (a stop token), "stop" (a stop string) or "length"
+
+
+class Generation(NamedTuple):
+  completions: list[Completion]  # one per prompt, in order
+  time_to_first_token_s: float  # tokenize + prefill + first sample, wall clock
+  decode_tokens_per_s: float  # tokens generated after the first, over all prompts, per second
+  num_steps: int  # decode steps run after prefill
+
+  @property
+  def texts(self) -> list[str]:
+    return [c.text for c in self.completions]
+
+
+def prefill(graphdef: nnx.GraphDef, cache_length: int, params: nnx.State, tokens: jax.Array, lengths: jax.Array):
+  """tokens [B, P] right-padded, lengths [B] -> logits [B, P, V] and the cache of `cache_length` slots."""
+  model = nnx.merge(graphdef, params)
+  b, p = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+  segment_ids = (positions < lengths[:, None]).astype(jnp.int32)
+  out = model.forward(tokens, positions, segment_ids, cache=model.init_cache(b, cache_length))
+  return out.logits, out.cache
+
+
+def step(graphdef: nnx.GraphDef, params: nnx.State, cache: Any, tokens: jax.Array, positions: jax.Array):
+  """One token per row: tokens/positions [B] -> logits [B, V] and the updated cache."""
+  model = nnx.merge(graphdef, params)
+  out = model.forward(tokens[:, None], positions[:, None], jnp.ones_like(tokens)[:, None], cache=cache)
+  return out.logits[:, 0], out.cache
+
+
+def _sampled(logits, rng, strategy, vocab, params) -> tuple[jax.Array, jax.Array]:
+  """Sample among the tokenizer's `vocab` ids (embedding rows beyond it are never valid tokens)."""
+  valid = logits
+  if vocab < logits.shape[-1]:
+    valid = jnp.where(jnp.arange(logits.shape[-1]) < vocab, logits, sampling.NEG_INF)
+  tokens = sampling.sample(valid, rng, strategy, params)
+  return tokens, sampling.log_probs(logits, tokens)
+
+
+def prefill_and_sample(graphdef, cache_length, strategy, vocab, params, tokens, lengths, rng, sampling_params):
+  logits, cache = prefill(graphdef, cache_length, params, tokens, lengths)
+  last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
+  return StepOutput(*_sampled(last, rng, strategy, vocab, sampling_params), cache)
+
+
+def step_and_sample(graphdef, strategy, vocab, params, cache, tokens, positions, rng, sampling_params):
+  logits, cache = step(graphdef, params, cache, tokens, positions)
+  return StepOutput(*_sampled(logits, rng, strategy, vocab, sampling_params), cache)
+
+
+def bucket(n: int, cap: int) -> int:
+  """The compiled length for n tokens: the next power of two (at least MIN_BUCKET), at most cap."""
+  return min(max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length()), cap)
+
+
+def load_params(config: Config, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State, str]:
+  """The model's graphdef and sharded parameters: load_parameters_path, else random (init_weights_seed)."""
+
+  def init():
+    return nnx.split(models.build(config, nnx.Rngs(params=config.init_weights_seed)), nnx.Param)[1]
+
+  with sharding.activate(config, mesh):
+    abstract = jax.eval_shape(init)
+    shardings = sharding.logical_to_mesh(nnx.get_partition_spec(abstract), mesh, sharding.axis_rules(config))
+    graphdef = nnx.split(nnx.eval_shape(lambda: models.build(config, nnx.Rngs(params=0))), nnx.Param)[0]
+    if config.load_parameters_path:
+      abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+      params, source = checkpointing.load_params(config.load_parameters_path, abstract), config.load_parameters_path
+    else:
+      params, source = jax.jit(init, out_shardings=shardings)(), "random weights (no load_parameters_path)"
+  # Every matmul casts its weights to dtype anyway: cast once, not on every decode step.
+  dtype = jnp.dtype(config.dtype)
+  cast = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, p))
+  return graphdef, cast(params) if dtype != jnp.dtype(config.weight_dtype) else params, source
+
+
+class Engine:
+  """A loaded model: call generate() as often as needed; compiled programs are reused."""
+
+  def __init__(self, config: Config, mesh: Mesh, graphdef: nnx.GraphDef, params: nnx.State, tokenizer, source: str):
+    self.config, self.mesh, self.graphdef, self.params = config, mesh, graphdef, params
+    self.tokenizer, self.source = tokenizer, source
+    self._compiled: dict[tuple, Callable] = {}
+
+  @classmethod
+  def load(cls, config: Config, mesh: Mesh | None = None, tokenizer=None) -> Engine:
+    mesh = sharding.create_mesh(config) if mesh is None else mesh
+    graphdef, params, source = load_params(config, mesh)
+    tokenizer = tokenizer_lib.for_decoding(config) if tokenizer is None else tokenizer
+    log.info("Loaded %s; tokenizer %s", source, tokenizer.path)
+    return cls(config, mesh, graphdef, params, tokenizer, source)
+
+  @property
+  def batch_shards(self) -> int:
+    return math.prod(self.mesh.shape[a] for a in sharding.data_axes(self.config))
+
+  def _jitted(self, kind: str, *static) -> Callable:
+    key = (kind, *static)
+    if key not in self._compiled:
+      if kind == "prefill":
+        fn = jax.jit(functools.partial(prefill_and_sample, self.graphdef, *static))
+      else:  # the cache is donated: each step updates it in place
+        fn = jax.jit(functools.partial(step_and_sample, self.graphdef, *static), donate_argnums=(1,))
+      self._compiled[key] = fn
+    return self._compiled[key]
+
+  def encode(self, prompt: str | Sequence[int]) -> list[int]:
+    """Token ids of a prompt (BOS first when add_bos); a list of ids is taken as is."""
+    if not isinstance(prompt, str):
+      return [int(i) for i in prompt]
+    bos = [self.tokenizer.bos_id] if self.config.add_bos and self.tokenizer.bos_id >= 0 else []
+    return bos + self.tokenizer.encode(prompt)
+
+  def _plan(self, ids: list[list[int]], max_new_tokens: int) -> tuple[int, int, int]:
+    """(prefill length, cache length, new tokens) for these prompts; errors say what to change."""
+    c = self.config
+    longest = max(len(x) for x in ids)
+    if min(len(x) for x in ids) == 0:
+      raise ConfigError("An empty prompt (and add_bos=false): give at least one token")
+    if max(max(x) for x in ids) >= c.vocab_size or min(min(x) for x in ids) < 0:
+      raise ConfigError(f"A prompt holds a token id outside [0, vocab_size={c.vocab_size})")
+    if longest > c.max_prefill_predict_length:
+      raise ConfigError(
+        f"A prompt has {longest} tokens, more than max_prefill_predict_length={c.max_prefill_predict_length}: "
+        "shorten it or raise max_prefill_predict_length"
+      )
+    if longest >= c.max_target_length:
+      raise ConfigError(f"A prompt has {longest} tokens; max_target_length={c.max_target_length} leaves no room")
+    new = min(max_new_tokens, c.max_target_length - longest)
+    if new < 1:
+      raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    prefill_len = bucket(longest, c.max_prefill_predict_length)
+    # From the config and max_new_tokens only, so that the decode step compiles once for every prompt.
+    cache_len = max(bucket(c.max_prefill_predict_length + max_new_tokens, c.max_target_length), prefill_len)
+    return prefill_len, cache_len, min(new, cache_len - longest)
+
+  def _batch(self, ids: list[list[int]], prefill_len: int) -> tuple[jax.Array, jax.Array]:
+    """Right-padded tokens [B', P] and lengths [B'], B' a multiple of the batch shards, on the mesh."""
+    rows = -(-len(ids) // self.batch_shards) * self.batch_shards
+    tokens = np.zeros((rows, prefill_len), np.int32)
+    lengths = np.ones((rows,), np.int32)  # padding rows: one token
+    for i, x in enumerate(ids):
+      tokens[i, : len(x)], lengths[i] = x, len(x)
+    axes = sharding.data_axes(self.config)
+    return (
+      jax.device_put(tokens, NamedSharding(self.mesh, PartitionSpec(axes, None))),
+      jax.device_put(lengths, NamedSharding(self.mesh, PartitionSpec(axes))),
+    )
+
+  def generate(
+    self,
+    prompts: Sequence[str | Sequence[int]],
+    max_new_tokens: int | None = None,
+    *,
+    strategy: str | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    nucleus_p: float | None = None,
+    stop_tokens: Sequence[int] | None = None,
+    stop_strings: Sequence[str] = (),
+    seed: int | None = None,
+    callback: Callable[[int, int], None] | None = None,
+    logprobs: bool = False,
+  ) -> Generation:
+    """Continue each prompt (text, or a list of token ids) by up to max_new_tokens tokens.
+
+    Unset options come from the config (decode_max_new_tokens, decode_sampling_*, decode_seed).
+    stop_tokens default to the tokenizer's EOS. callback(prompt index, token id) streams every
+    generated token as soon as it is sampled (tokens of a stop string included; EOS not).
+    """
+    c = self.config
+    strategy = strategy or c.decode_sampling_strategy
+    params = sampling.SamplingParams(
+      jnp.float32(c.decode_sampling_temperature if temperature is None else temperature),
+      jnp.int32(c.decode_sampling_top_k if top_k is None else top_k),
+      jnp.float32(c.decode_sampling_nucleus_p if nucleus_p is None else nucleus_p),
+    )
+    rng = jax.random.key(c.decode_seed if seed is None else seed)
+    eos = [self.tokenizer.eos_id] if self.tokenizer.eos_id >= 0 else []
+    rows = _Rows(len(prompts), self.tokenizer, set(eos if stop_tokens is None else stop_tokens), stop_strings)
+    start = time.perf_counter()
+    ids = [self.encode(p) for p in prompts]
+    prefill_len, cache_len, new = self._plan(ids, c.decode_max_new_tokens if max_new_tokens is None else max_new_tokens)
+    with sharding.activate(c, self.mesh):
+      tokens, lengths = self._batch(ids, prefill_len)
+      vocab = min(c.vocab_size, self.tokenizer.vocab_size)
+      out = self._jitted("prefill", cache_len, strategy, vocab)(self.params, tokens, lengths, rng, params)
+      step_fn = self._jitted("step", strategy, vocab)
+      ttft, steps = None, 0
+      for i in range(new):
+        pending = None
+        if i + 1 < new:  # dispatch the next step before reading this one's tokens back
+          pending = step_fn(self.params, out.cache, out.tokens, lengths + i, jax.random.fold_in(rng, i + 1), params)
+          steps += 1
+        rows.record(np.asarray(out.tokens), np.asarray(out.logprobs), callback)
+        ttft = time.perf_counter() - start if ttft is None else ttft
+        if rows.all_done or pending is None:
+          break
+        out = pending
+    elapsed = time.perf_counter() - start - ttft
+    return Generation(rows.completions(logprobs), ttft, len(prompts) * steps / max(elapsed, 1e-9), steps)
+
+
+class _Rows:
+  """Per-prompt generated tokens and stop conditions, checked on the host after each step."""
+
+  def __init__(self, n: int, tokenizer, stop_tokens: set[int], stop_strings: Sequence[str]):
+    self.tokenizer, self.stop_tokens, self.stop_strings = tokenizer, stop_tokens, [s for s in stop_strings if s]
+    self.tokens: list[list[int]] = [[] for _ in range(n)]
+    self.logprobs: list[list[float]] = [[] for _ in range(n)]
+    self.finish = ["length"] * n
+    self.done = [False] * n
+
+  @property
+  def all_done(self) -> bool:
+    return all(self.done)
+
+  def record(self, tokens: np.ndarray, logprobs: np.ndarray, callback) -> None:
+    for i in range(len(self.tokens)):
+      if self.done[i]:
+        continue
+      token = int(tokens[i])
+      if token in self.stop_tokens:
+        self.done[i], self.finish[i] = True, "eos"
+        continue
+      self.tokens[i].append(token)
+      self.logprobs[i].append(float(logprobs[i]))
+      if callback is not None:
+        callback(i, token)
+      if self.stop_strings and any(s in self.text(i) for s in self.stop_strings):
+        self.done[i], self.finish[i] = True, "stop"
+
+  def text(self, i: int) -> str:
+    return self.tokenizer.decode(self.tokens[i])
+
+  def completions(self, with_logprobs: bool) -> list[Completion]:
+    out = []
+    for i, tokens in enumerate(self.tokens):
+      text = self.text(i)
+      if self.finish[i] == "stop":
+        text = text[: min(text.find(s) for s in self.stop_strings if s in text)]
+      out.append(Completion(text, tokens, self.logprobs[i] if with_logprobs else None, self.finish[i]))
+    return out

@@ -1,0 +1,151 @@
+"""Decoding: KV-cache consistency per family (full forward == prefill == step by step), sampling
+strategies, the generate() API (batching, padding, stops, streaming, log-probs, no recompilation),
+decode.py and its errors."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from MaxText import checkpointing, config, decode, models
+from MaxText.config import ConfigError
+from MaxText.inference import Engine, engine, sampling
+
+BASE = os.path.join(config.CONFIG_DIR, "base.yml")
+TINY = ["base_emb_dim=32", "base_num_query_heads=4", "base_num_kv_heads=2", "base_mlp_dim=48", "head_dim=8"]
+TINY += ["base_num_decoder_layers=2", "vocab_size=64", "max_target_length=32", "dtype=float32", "run_name=t"]
+TINY += ["max_prefill_predict_length=16", "enable_checkpointing=false"]
+GEMMA = ["logits_via_embedding=true", "mlp_activations=[gelu,linear]"]
+SOFT_CAPS = ["attn_logits_soft_cap=5.0", "final_logits_soft_cap=3.0", "query_pre_attn_scalar=6"]
+FAMILIES = {
+  "llama2": [],
+  "mistral": ["decoder_block=mistral", "sliding_window_size=3"],
+  "mixtral": ["decoder_block=mixtral", "num_experts=4", "num_experts_per_tok=2"],
+  "qwen3": ["decoder_block=qwen3", "use_qk_norm=true"],
+  "gemma": ["decoder_block=gemma", *GEMMA],
+  "gemma2": ["decoder_block=gemma2", "base_num_decoder_layers=3", "sliding_window_size=3", *GEMMA, *SOFT_CAPS],
+  "gemma3": ["decoder_block=gemma3", "base_num_decoder_layers=7", "sliding_window_size=3", "use_qk_norm=true"]
+  + ["rope_type=linear", *GEMMA, "use_post_attn_norm=true", "use_post_ffw_norm=true"],
+}
+
+
+def load(*overrides):
+  return config.load([BASE, *TINY, *overrides], {})
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_forward_equals_prefill_equals_step_by_step(family):
+  c = load(*FAMILIES[family])
+  model = models.build(c, nnx.Rngs(params=0))
+  graphdef, params = nnx.split(model, nnx.Param)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (2, 12)), jnp.int32)
+  full = model(tokens, jnp.broadcast_to(jnp.arange(12), (2, 12)), jnp.ones((2, 12), jnp.int32))
+  lengths = jnp.asarray([5, 8])  # rows of different lengths, right-padded
+  padded = jnp.where(jnp.arange(8) < lengths[:, None], tokens[:, :8], 0)
+  logits, cache = jax.jit(engine.prefill, static_argnums=(0, 1))(graphdef, 16, params, padded, lengths)
+  for row, n in enumerate([5, 8]):
+    np.testing.assert_allclose(logits[row, :n], full[row, :n], atol=1e-5, rtol=1e-5)
+  step = jax.jit(engine.step, static_argnums=0)
+  positions = lengths
+  for _ in range(4):
+    logits, cache = step(graphdef, params, cache, tokens[jnp.arange(2), positions], positions)
+    np.testing.assert_allclose(logits, full[jnp.arange(2), positions], atol=1e-5, rtol=1e-5)
+    positions = positions + 1
+
+
+def draws(logits, strategy, n=400, **kw):
+  keys = jax.random.split(jax.random.key(0), n)
+  fn = jax.vmap(lambda k: sampling.sample(logits, k, strategy, sampling.SamplingParams(**kw)))
+  return np.asarray(fn(keys))  # [n, B]
+
+
+def test_top_k_never_samples_outside_the_k_most_likely():
+  logits = jax.random.normal(jax.random.key(1), (3, 50)) * 3
+  got = draws(logits, "topk", top_k=5, temperature=2.0)
+  top = np.argsort(-np.asarray(logits), axis=-1)[:, :5]
+  for row in range(3):
+    assert set(got[:, row]) <= set(top[row]) and len(set(got[:, row])) > 1
+
+
+def test_nucleus_never_samples_outside_the_p_mass():
+  probs = np.array([[0.4, 0.25, 0.15, 0.1, 0.05, 0.05]])
+  got = draws(jnp.log(jnp.asarray(probs)), "nucleus", nucleus_p=0.75)
+  assert set(got[:, 0]) == {0, 1, 2}  # 0.4 + 0.25 < 0.75 <= 0.4 + 0.25 + 0.15
+  composite = draws(jnp.log(jnp.asarray(probs)), "composite", nucleus_p=0.75, top_k=2)
+  assert set(composite[:, 0]) == {0, 1}
+
+
+def test_greedy_and_temperature_zero_are_deterministic():
+  logits = jax.random.normal(jax.random.key(2), (4, 30))
+  argmax = np.asarray(jnp.argmax(logits, -1))
+  for strategy in ("greedy", "weighted", "nucleus", "topk", "composite"):
+    temperature = 1.0 if strategy == "greedy" else 0.0
+    got = draws(logits, strategy, n=20, temperature=temperature)
+    assert (got == argmax).all(), strategy
+
+
+@pytest.fixture(scope="module")
+def tiny_engine():
+  c = load("ici_fsdp_parallelism=2", "ici_data_parallelism=-1", "vocab_size=320")  # UTF-8 byte tokens
+  return Engine.load(c)
+
+
+def test_batched_prompts_of_different_lengths_equal_each_alone(tiny_engine):
+  prompts = ["a", "hello there", "xyz!"]
+  batched = tiny_engine.generate(prompts, 6, strategy="greedy", stop_tokens=[])
+  for prompt, completion in zip(prompts, batched.completions):
+    alone = tiny_engine.generate([prompt], 6, strategy="greedy", stop_tokens=[]).completions[0]
+    assert completion.tokens == alone.tokens and len(alone.tokens) == 6
+  # A prompt length in a known bucket, and another batch size on the same shards: nothing recompiles.
+  tiny_engine.generate(["abcdefg"], 6, strategy="greedy")
+  compiled = {key[0]: fn._cache_size() for key, fn in tiny_engine._compiled.items()}
+  assert compiled == {"prefill": 2, "step": 1}  # prefill buckets 8 and 16; one decode step
+
+
+def test_same_seed_same_text_and_log_probabilities(tiny_engine):
+  def run(seed):
+    return tiny_engine.generate(["hi", "abc"], 8, strategy="weighted", seed=seed, stop_tokens=[], logprobs=True)
+
+  a, b, other = run(3), run(3), run(4)
+  assert a.completions == b.completions and a.texts != other.texts
+  ids = tiny_engine.encode("hi") + a.completions[0].tokens
+  graphdef, params = tiny_engine.graphdef, tiny_engine.params
+  logits = nnx.merge(graphdef, params)(jnp.asarray([ids]), jnp.arange(len(ids))[None], jnp.ones((1, len(ids)), int))
+  logp = jax.nn.log_softmax(logits[0, 2:-1], axis=-1)  # predictions of the generated tokens
+  want = logp[jnp.arange(8), jnp.asarray(a.completions[0].tokens)]
+  np.testing.assert_allclose(a.completions[0].logprobs, want, atol=1e-5)
+
+
+def test_stops_and_streaming(tiny_engine):
+  first = tiny_engine.generate(["abc"], 8, stop_tokens=[]).completions[0]
+  streamed = []
+  out = tiny_engine.generate(["abc"], 8, stop_tokens=[first.tokens[2]], callback=lambda i, t: streamed.append((i, t)))
+  c = out.completions[0]
+  assert c.finish_reason == "eos" and c.tokens == first.tokens[: first.tokens.index(first.tokens[2])]
+  assert streamed == [(0, t) for t in c.tokens]
+  stop = tiny_engine.tokenizer.decode(first.tokens[3:5])
+  if stop and stop in first.text:
+    c = tiny_engine.generate(["abc"], 8, stop_tokens=[], stop_strings=[stop]).completions[0]
+    assert c.finish_reason == "stop" and c.text == first.text[: first.text.find(stop)]
+
+
+def test_bad_inputs_are_clear_errors(tiny_engine, tmp_path):
+  with pytest.raises(ConfigError, match="max_prefill_predict_length=16"):
+    tiny_engine.generate(["x" * 40])
+  with pytest.raises(ConfigError, match="does not split over"):
+    decode.run(load("per_device_batch_size=0.25"))  # 2 rows on 8 devices of the fsdp axis
+  path = os.path.join(tmp_path, "params")
+  checkpointing.save_params(path, tiny_engine.params)
+  with pytest.raises(ConfigError, match="does not match this model"):
+    Engine.load(load("vocab_size=320", "base_emb_dim=64", f"load_parameters_path={path}"))
+  assert Engine.load(load("vocab_size=320", f"load_parameters_path={path}")).source == path
+
+
+def test_decode_command_line(capsys):
+  decode.main([BASE, *TINY, "vocab_size=320", "prompt=I love to", "per_device_batch_size=1", "decode_max_new_tokens=4"])
+  out = capsys.readouterr().out
+  assert "random weights" in out and "Prompt: 'I love to'" in out and "Time to first token" in out
+  assert "(8 rows x 3 steps)" in out

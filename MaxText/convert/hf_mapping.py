@@ -21,6 +21,7 @@ DECODER_BLOCK = {
   "mistral": "mistral",
   "mixtral": "mixtral",
   "qwen3": "qwen3",
+  "qwen3_moe": "qwen3",
   "gemma": "gemma",
   "gemma2": "gemma2",
   "gemma3_text": "gemma3",
@@ -66,6 +67,14 @@ EXTRA = {  # decoder_block -> {HF field: MaxText key}
   },
   "gemma2": GEMMA_EXTRA,
   "gemma3": GEMMA_EXTRA,
+  "qwen3": {  # qwen3_moe (transformers 5 writes num_local_experts, earlier versions num_experts)
+    "num_experts": "num_experts",
+    "num_local_experts": "num_experts",
+    "num_experts_per_tok": "num_experts_per_tok",
+    "moe_intermediate_size": "base_moe_mlp_dim",
+    "norm_topk_prob": "norm_topk_prob",
+    "router_aux_loss_coef": "load_balance_loss_weight",
+  },
   "deepseek": {
     "moe_intermediate_size": "base_moe_mlp_dim",
     "n_routed_experts": "num_experts",
@@ -116,6 +125,8 @@ def maxtext_keys(hf: dict[str, Any]) -> dict[str, Any]:
   block = DECODER_BLOCK[model_type]
   if block == "deepseek" and not hf.get("rope_interleave", True):
     raise ConfigError("config.json rope_interleave=false is not supported for deepseek_v3")
+  if model_type == "qwen3_moe" and (hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers")):
+    raise ConfigError("qwen3_moe with decoder_sparse_step != 1 or mlp_only_layers is not supported")
   for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
     if hf.get(flag):
       raise ConfigError(f"config.json {flag}=true is not supported for {model_type}")
@@ -144,8 +155,13 @@ def hf_config(c: Config, dtype: str) -> dict[str, Any]:
   if c.decoder_block not in HF_ARCH:
     raise ConfigError(f"decoder_block {c.decoder_block!r} has no Hugging Face export; supported: {', '.join(HF_ARCH)}")
   model_type, arch = HF_ARCH[c.decoder_block]
+  extra = EXTRA.get(c.decoder_block, {})
+  if c.decoder_block == "qwen3" and c.num_experts > 1:
+    model_type, arch = "qwen3_moe", "Qwen3MoeForCausalLM"
+  elif c.decoder_block == "qwen3":
+    extra = {}
   out: dict[str, Any] = {"model_type": model_type, "architectures": [arch], "dtype": dtype}
-  for src, dst in {**COMMON, **EXTRA.get(c.decoder_block, {})}.items():
+  for src, dst in {**COMMON, **extra}.items():
     out[src] = c[dst]
   out["num_attention_heads"], out["num_key_value_heads"] = c.num_query_heads, c.num_kv_heads
   out["hidden_size"], out["intermediate_size"] = c.emb_dim, c.mlp_dim
@@ -216,9 +232,10 @@ def _mlp_rules(prefix: str, path: tuple) -> Iterator[tuple]:
 def _feed_forward_rules(c: Config, moe: bool) -> Iterator[tuple]:
   if not moe:
     yield from _mlp_rules("mlp", ("mlp",))
-  elif c.decoder_block == "deepseek":
+  elif c.decoder_block in ("deepseek", "qwen3"):
     yield "mlp.gate.weight", ("mlp", "gate", "kernel"), (), 1, None
-    yield "mlp.gate.e_score_correction_bias", ("mlp", "gate_bias"), (), None, None
+    if c.routed_bias:
+      yield "mlp.gate.e_score_correction_bias", ("mlp", "gate_bias"), (), None, None
     for e in range(c.num_experts):
       for hf, mt in (("gate_proj", "wi_0"), ("up_proj", "wi_1"), ("down_proj", "wo")):
         yield f"mlp.experts.{e}.{hf}.weight", ("mlp", mt), (e,), 1, None

@@ -47,6 +47,7 @@ FAMILIES = {
   "deepseek3": ("DeepseekV3Config", DEEPSEEK),
   "deepseek-no-q-lora": ("DeepseekV3Config", {**DEEPSEEK, "q_lora_rank": None, "n_group": 1, "topk_group": 1}),
   "gpt3": ("GPT2Config", {}),
+  "qwen3-moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}),
 }
 GPT2 = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16, n_inner=48)
 T = 12

@@ -108,23 +108,24 @@ def test_logits_match_hugging_face_and_round_trip_is_exact(family, tmp_path):
     np.testing.assert_array_equal(reloaded(torch.tensor(tokens)).logits.numpy(), ref)
 
 
-@pytest.mark.parametrize("family", ["llama2", "mixtral"])
+@pytest.mark.parametrize("family", ["mixtral", "gemma3", "deepseek3", "gpt3"])
 def test_converted_model_trains(family, tmp_path):
   _, hf_path = hf_model(family, tmp_path)
   out = os.path.join(tmp_path, "mt")
   hf_to_maxtext.convert(hf_path, out)
   c = config.load(
     [os.path.join(out, "config.yml"), "run_name=train", f"base_output_directory={tmp_path}"]
-    + [f"load_parameters_path={out}/params", "dataset_type=synthetic", "steps=3", "max_target_length=16"]
+    + [f"load_parameters_path={out}/params", "dataset_type=synthetic", "steps=2", "max_target_length=16"]
     + ["per_device_batch_size=1", "enable_checkpointing=false", "enable_tensorboard=false", "log_config=false"]
     + ["log_period=1", "dtype=float32", "load_balance_loss_weight=0.01"],
     {},
   )
   train.run(c)
   rows = [json.loads(line) for line in open(c.metrics_file)]
-  assert len(rows) == 3 and all(np.isfinite(r["loss"]) for r in rows)
+  assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows)
   balance = [r["moe_load_balance_loss"] for r in rows]
-  assert all(b > 0.5 for b in balance) if family == "mixtral" else all(b == 0 for b in balance)
+  moe = family in ("mixtral", "deepseek3")
+  assert all(b > 0.5 for b in balance) if moe else all(b == 0 for b in balance)
 
 
 def test_errors_name_the_tensor(tmp_path):

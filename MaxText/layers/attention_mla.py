@@ -17,6 +17,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.config import Config
+from MaxText.layers import kv_cache
 from MaxText.layers.attention import attention_mask, dot_product_attention
 from MaxText.layers.embeddings import apply_rope, scaled_rope_frequencies
 from MaxText.layers.linears import DenseGeneral
@@ -51,22 +52,40 @@ class MLAttention(nnx.Module):
       return self.query(x)
     return self.wq_b(self.q_norm(self.wq_a(x)))  # [B, T, N, P + R]
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+  def __call__(
+    self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, cache: kv_cache.LatentCache | None = None
+  ) -> jax.Array | tuple[jax.Array, kv_cache.LatentCache]:
+    """x [B, T, D] -> [B, T, D]; with a decode `cache` (the normalised latent and the rotated RoPE key
+    of every position), returns (out, updated cache) and attends over the cache."""
     nope, rope, _ = self.dims
     c = self.config
     q = checkpoint_name(self._queries(x), "query_proj")
     q = nn.with_logical_constraint(q, ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
     latent, k_rope = jnp.split(self.wkv_a(x), [c.kv_lora_rank], axis=-1)  # [B, T, C], [B, T, R]
-    kv = checkpoint_name(self.wkv_b(self.kv_norm(latent)), "key_proj")  # [B, T, N, P + V]
-    k_nope, v = jnp.split(kv, [nope], axis=-1)
+    latent = self.kv_norm(latent)
     inv_freq = scaled_rope_frequencies(c, rope, c.rope_max_timescale, c.rope_type)
+    k_rope = apply_rope(k_rope[:, :, None, :], positions, inv_freq)  # one shared head
+    if cache is None:
+      mask = attention_mask(segment_ids, self.sliding_window)
+    else:
+      cache = kv_cache.write(cache, kv_cache.LatentCache(latent, k_rope[:, :, 0]), positions)
+      latent, k_rope = cache.latent, cache.rope_key[:, :, None]
+      mask = kv_cache.mask(positions, latent.shape[1], self.sliding_window)
+    kv = checkpoint_name(self.wkv_b(latent), "key_proj")  # [B, S, N, P + V]
+    k_nope, v = jnp.split(kv, [nope], axis=-1)
     q_nope, q_rope = jnp.split(q, [nope], axis=-1)
     q_rope = apply_rope(q_rope, positions, inv_freq)
-    k_rope = apply_rope(k_rope[:, :, None, :], positions, inv_freq)  # one shared head
     q = jnp.concatenate([q_nope, q_rope], axis=-1) * (nope + rope) ** -0.5
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], rope))], axis=-1)
-    out = dot_product_attention(q, k, v, attention_mask(segment_ids, self.sliding_window), c.attn_logits_soft_cap)
+    out = dot_product_attention(q, k, v, mask, c.attn_logits_soft_cap)
     out = nn.with_logical_constraint(
       out, ("activation_batch", "activation_length", "activation_heads", "activation_kv")
     )
-    return checkpoint_name(self.out(out), "out_proj")
+    out = checkpoint_name(self.out(out), "out_proj")
+    return out if cache is None else (out, cache)
+
+  def init_cache(self, batch: int, length: int) -> kv_cache.LatentCache:
+    c, dtype = self.config, jnp.dtype(self.config.dtype)
+    return kv_cache.LatentCache(
+      jnp.zeros((batch, length, c.kv_lora_rank), dtype), jnp.zeros((batch, length, c.qk_rope_head_dim), dtype)
+    )

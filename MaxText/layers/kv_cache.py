@@ -15,8 +15,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-# Logical axes of a cache buffer [B, S, K, H]: batch over the data axes, kv heads over tensor.
-CACHE_AXES = ("activation_batch", None, "activation_kv_heads", "activation_kv")
+# Logical axes of cache buffers by rank: [B, S, K, H] (batch over the data axes, kv heads over tensor)
+# and [B, S, C] (multi-head latent attention).
+CACHE_AXES = {
+  4: ("activation_batch", None, "activation_kv_heads", "activation_kv"),
+  3: ("activation_batch", None, None),
+}
 
 
 class KVCache(NamedTuple):
@@ -24,17 +28,32 @@ class KVCache(NamedTuple):
   value: jax.Array  # [B, S, K, H]
 
 
+class LatentCache(NamedTuple):
+  """Multi-head latent attention caches the compressed latent, not the per-head keys and values."""
+
+  latent: jax.Array  # [B, S, C] normalised key/value latent
+  rope_key: jax.Array  # [B, S, R] the RoPE key shared by all heads, rotated
+
+
 def zeros(batch: int, length: int, kv_heads: int, head_dim: int, dtype: jnp.dtype) -> KVCache:
   shape = (batch, length, kv_heads, head_dim)
   return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
+def write(cache: NamedTuple, new: NamedTuple, positions: jax.Array) -> NamedTuple:
+  """Write each buffer's new entries [B, T, ...] into slots `positions` [B, T] of each row."""
+  rows = jnp.arange(positions.shape[0])[:, None]
+
+  def one(buffer, values):
+    buffer = buffer.at[rows, positions].set(values.astype(buffer.dtype))
+    return nn.with_logical_constraint(buffer, CACHE_AXES[buffer.ndim])
+
+  return jax.tree.map(one, cache, new)
+
+
 def update(cache: KVCache, k: jax.Array, v: jax.Array, positions: jax.Array) -> KVCache:
   """Write k/v [B, T, K, H] into slots `positions` [B, T] of each row."""
-  rows = jnp.arange(k.shape[0])[:, None]
-  key = cache.key.at[rows, positions].set(k.astype(cache.key.dtype))
-  value = cache.value.at[rows, positions].set(v.astype(cache.value.dtype))
-  return KVCache(nn.with_logical_constraint(key, CACHE_AXES), nn.with_logical_constraint(value, CACHE_AXES))
+  return write(cache, KVCache(k, v), positions)
 
 
 def mask(positions: jax.Array, length: int, sliding_window: int = 0) -> jax.Array:

@@ -4,8 +4,10 @@
 
 Streams tensor by tensor: each HF tensor is read with safetensors.safe_open, transformed and written
 into a disk-backed (np.memmap) buffer of its target parameter, so a stacked (scanned) parameter is
-filled layer by layer without holding the model in memory; orbax then writes the checkpoint from
-those buffers and they are deleted.
+filled layer by layer without holding the model in memory (measured: 0.37 GB peak anonymous memory
+for a 1.34 GB model up to the write). orbax then writes the checkpoint from those buffers; its save
+still gathers the parameters in memory (about 1.7x the model at the write), which is the remaining
+step to make 405B-scale conversions fit on one host.
 """
 
 from __future__ import annotations

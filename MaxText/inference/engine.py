@@ -87,9 +87,10 @@ def prefill_and_sample(graphdef, cache_length, strategy, vocab, params, tokens, 
   return StepOutput(*_sampled(last, rng, strategy, vocab, sampling_params), cache)
 
 
-def step_and_sample(graphdef, strategy, vocab, params, cache, tokens, positions, rng, sampling_params):
-  logits, cache = step(graphdef, params, cache, tokens, positions)
-  return StepOutput(*_sampled(logits, rng, strategy, vocab, sampling_params), cache)
+def step_and_sample(graphdef, strategy, vocab, params, cache, tokens, lengths, index, rng, sampling_params):
+  """Decode step `index` (1, 2, ...): each row's last token sits at position lengths + index - 1."""
+  logits, cache = step(graphdef, params, cache, tokens, lengths + index - 1)
+  return StepOutput(*_sampled(logits, jax.random.fold_in(rng, index), strategy, vocab, sampling_params), cache)
 
 
 def bucket(n: int, cap: int) -> int:
@@ -119,7 +120,10 @@ def load_params(config: Config, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State, st
 
 
 class Engine:
-  """A loaded model: call generate() as often as needed; compiled programs are reused."""
+  """A loaded model: call generate() as often as needed; compiled programs are reused.
+
+  With tokenizer None, prompts are lists of token ids, completions carry ids only and nothing stops at EOS.
+  """
 
   def __init__(self, config: Config, mesh: Mesh, graphdef: nnx.GraphDef, params: nnx.State, tokenizer, source: str):
     self.config, self.mesh, self.graphdef, self.params = config, mesh, graphdef, params
@@ -152,6 +156,8 @@ class Engine:
     """Token ids of a prompt (BOS first when add_bos); a list of ids is taken as is."""
     if not isinstance(prompt, str):
       return [int(i) for i in prompt]
+    if self.tokenizer is None:
+      raise ConfigError("This Engine has no tokenizer: give prompts as lists of token ids")
     bos = [self.tokenizer.bos_id] if self.config.add_bos and self.tokenizer.bos_id >= 0 else []
     return bos + self.tokenizer.encode(prompt)
 
@@ -220,21 +226,21 @@ class Engine:
       jnp.float32(c.decode_sampling_nucleus_p if nucleus_p is None else nucleus_p),
     )
     rng = jax.random.key(c.decode_seed if seed is None else seed)
-    eos = [self.tokenizer.eos_id] if self.tokenizer.eos_id >= 0 else []
+    eos = [self.tokenizer.eos_id] if self.tokenizer is not None and self.tokenizer.eos_id >= 0 else []
     rows = _Rows(len(prompts), self.tokenizer, set(eos if stop_tokens is None else stop_tokens), stop_strings)
     start = time.perf_counter()
     ids = [self.encode(p) for p in prompts]
     prefill_len, cache_len, new = self._plan(ids, c.decode_max_new_tokens if max_new_tokens is None else max_new_tokens)
     with sharding.activate(c, self.mesh):
       tokens, lengths = self._batch(ids, prefill_len)
-      vocab = min(c.vocab_size, self.tokenizer.vocab_size)
+      vocab = c.vocab_size if self.tokenizer is None else min(c.vocab_size, self.tokenizer.vocab_size)
       out = self._jitted("prefill", cache_len, strategy, vocab)(self.params, tokens, lengths, rng, params)
       step_fn = self._jitted("step", strategy, vocab)
       ttft, steps = None, 0
       for i in range(new):
         pending = None
         if i + 1 < new:  # dispatch the next step before reading this one's tokens back
-          pending = step_fn(self.params, out.cache, out.tokens, lengths + i, jax.random.fold_in(rng, i + 1), params)
+          pending = step_fn(self.params, out.cache, out.tokens, lengths, np.int32(i + 1), rng, params)
           steps += 1
         rows.record(np.asarray(out.tokens), np.asarray(out.logprobs), callback)
         ttft = time.perf_counter() - start if ttft is None else ttft
@@ -275,7 +281,7 @@ class _Rows:
         self.done[i], self.finish[i] = True, "stop"
 
   def text(self, i: int) -> str:
-    return self.tokenizer.decode(self.tokens[i])
+    return "" if self.tokenizer is None else self.tokenizer.decode(self.tokens[i])
 
   def completions(self, with_logprobs: bool) -> list[Completion]:
     out = []

@@ -105,9 +105,8 @@ def load_params(config: Config, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State, st
     return nnx.split(models.build(config, nnx.Rngs(params=config.init_weights_seed)), nnx.Param)[1]
 
   with sharding.activate(config, mesh):
-    abstract = jax.eval_shape(init)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(config, nnx.Rngs(params=0))), nnx.Param)
     shardings = sharding.logical_to_mesh(nnx.get_partition_spec(abstract), mesh, sharding.axis_rules(config))
-    graphdef = nnx.split(nnx.eval_shape(lambda: models.build(config, nnx.Rngs(params=0))), nnx.Param)[0]
     if config.load_parameters_path:
       abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
       params, source = checkpointing.load_params(config.load_parameters_path, abstract), config.load_parameters_path

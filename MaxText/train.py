@@ -180,8 +180,10 @@ def main(argv: Sequence[str]) -> None:
   # Our own progress messages (data preparation, ...) at INFO; libraries stay at their defaults.
   handler = logging.StreamHandler()
   handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
-  logging.getLogger("MaxText").addHandler(handler)
-  logging.getLogger("MaxText").setLevel(logging.INFO)
+  logger = logging.getLogger("MaxText")
+  logger.addHandler(handler)
+  logger.setLevel(logging.INFO)
+  logger.propagate = False  # libraries that configure the root logger would print each line twice
   try:
     config = config_lib.load(argv[1:])
   except ConfigError as e:

@@ -83,13 +83,16 @@ def train_step(
   params = optax.apply_updates(state.params, updates)
   metrics = {
     "loss": aux["nll"] / tokens,
-    "z_loss": aux["z_loss"] / tokens,
-    "moe_load_balance_loss": aux["load_balance_loss"] / tokens,
     "grad_norm": optax.global_norm(grads),
     "param_norm": optax.global_norm(params),
     "learning_rate": optimizers.learning_rate_schedule(config)(state.step),
     "tokens": aux["tokens"],
   }
+  # Only the losses this model has: a dense run's log line stays readable.
+  if config.z_loss_multiplier > 0:
+    metrics["z_loss"] = aux["z_loss"] / tokens
+  if config.num_experts > 1:
+    metrics["moe_load_balance_loss"] = aux["load_balance_loss"] / tokens
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 

@@ -41,7 +41,8 @@ def main(argv: list[str]) -> int:
   for e in errors:
     print(f"FAIL {args.metrics_file}: {e}", file=sys.stderr)
   if not errors:
-    print(f"OK {args.metrics_file}: {len(records)} records, final loss {records[-1].get('loss')}")
+    final = [r["loss"] for r in records if r.get("loss") is not None and "eval_loss" not in r][-1]
+    print(f"OK {args.metrics_file}: {len(records)} records, final training loss {final:.4f}")
   return 1 if errors else 0
 
 

@@ -2,7 +2,7 @@
 
 python3 MaxText/decode.py MaxText/configs/base.yml run_name=d prompt="I love to"
 python3 MaxText/decode.py MaxText/configs/quickstart.yml \
-  load_parameters_path=outputs/quickstart/checkpoints/500/state prompt="def "
+  load_parameters_path=outputs/quickstart/checkpoints/400/state prompt="def "
 
 The prompt is repeated on every row of the batch (per_device_batch_size x devices rows, which must
 split over the mesh's batch axes). No dataset is needed: the tokenizer is tokenizer_path, else the one

@@ -10,7 +10,6 @@ Train with dataset_type=grain grain_train_files='data/<prefix>-*.array_record'.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -38,7 +37,7 @@ def write_arrayrecord(texts: Iterable[str], output_dir: str, prefix: str = "data
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-  from MaxText.data.text import read_texts
+  from MaxText.data.text import cli_texts
 
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--files", required=True, help="glob of input files ('**' recurses)")
@@ -47,10 +46,7 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser.add_argument("--num_shards", type=int, default=1, help="number of output files")
   parser.add_argument("--text_column", default="text", help=".jsonl/.parquet field holding the text")
   args = parser.parse_args(argv)
-  paths = sorted(p for p in glob.glob(os.path.expanduser(args.files), recursive=True) if os.path.isfile(p))
-  if not paths:
-    raise SystemExit(f"--files {args.files!r} matches no files")
-  texts = (t for p in paths for t in read_texts(p, True, args.text_column))
+  paths, texts = cli_texts(args.files, args.text_column)
   written = write_arrayrecord(texts, args.output_dir, args.prefix, args.num_shards)
   print(f"Wrote {len(written)} ArrayRecord files: {os.path.join(args.output_dir, args.prefix)}-*.array_record")
 

@@ -21,7 +21,7 @@ import os
 import sysconfig
 import time
 import tokenize
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import jax
@@ -97,6 +97,14 @@ def read_document(path: str, strict: bool) -> str:
 
 
 MULTI_DOCUMENT = (".jsonl", ".json", ".parquet")  # files holding one document per line / row
+
+
+def cli_texts(pattern: str, column: str) -> tuple[list[str], Iterator[str]]:
+  """For command-line tools: the files matching `pattern` and a stream of their texts; exits when none."""
+  paths = sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
+  if not paths:
+    raise SystemExit(f"--files {pattern!r} matches no files")
+  return paths, (t for p in paths for t in read_texts(p, True, column))
 
 
 def read_texts(path: str, strict: bool, column: str) -> list[str]:

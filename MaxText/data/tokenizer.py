@@ -299,9 +299,8 @@ def main(argv: Sequence[str] | None = None) -> None:
   python3 -m MaxText.data.tokenizer --files 'data/**/*.jsonl' --vocab_size 32000 --output_dir tok/
   """
   import argparse
-  import glob
 
-  from MaxText.data.text import read_texts  # text.py imports this module: import it only here
+  from MaxText.data.text import cli_texts  # text.py imports this module: import it only here
 
   parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
   parser.add_argument("--files", required=True, help="glob of training files ('**' recurses)")
@@ -310,10 +309,7 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser.add_argument("--text_column", default="text", help=".jsonl/.parquet field holding the text")
   parser.add_argument("--seed", type=int, default=0, help="seed of the sentence sampling")
   args = parser.parse_args(argv)
-  paths = sorted(p for p in glob.glob(os.path.expanduser(args.files), recursive=True) if os.path.isfile(p))
-  if not paths:
-    raise SystemExit(f"--files {args.files!r} matches no files")
-  texts = (t for p in paths for t in read_texts(p, True, args.text_column))
+  paths, texts = cli_texts(args.files, args.text_column)
   path = train_sentencepiece(texts, args.vocab_size, args.output_dir, args.seed)
   print(f"{path}: {load_tokenizer(path).vocab_size} pieces from {len(paths)} files")
 

@@ -1,0 +1,88 @@
+"""Write an orbax params checkpoint one slice at a time, so a conversion never holds the model.
+
+A StreamedArray stands for a parameter that is not in memory: its shape, dtype and a list of
+(index prefix, loader) pairs; each loader returns one slice (a layer, or one expert of a layer). An
+orbax type handler registered for StreamedArray creates the parameter's tensorstore array with chunks
+of exactly one slice and writes the slices one after the other, parameter after parameter. Peak host
+memory is then one slice plus tensorstore's write buffers, whatever the model's size.
+
+The checkpoint is an ordinary orbax PyTree checkpoint: the arrays are stored as the numpy handler
+stores them (value type 'np.ndarray'), so it restores through the usual path (load_parameters_path)
+into any sharding, and orbax's temporary-directory-then-rename commit keeps a crash from leaving a
+half-written checkpoint behind. The handler uses orbax's tensorstore spec builder (an internal module;
+orbax is pinned in requirements.txt and MaxText/tests/convert_streaming_test.py restores what it wrote).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+from orbax.checkpoint._src.futures import future
+from orbax.checkpoint._src.multihost import multihost
+from orbax.checkpoint._src.serialization import ocdbt_utils
+from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamedArray:
+  """A parameter written slice by slice: `slices` cover it, each (index prefix, loader of that slice)."""
+
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  slices: tuple[tuple[tuple[int, ...], Callable[[], np.ndarray]], ...]
+
+  @property
+  def size(self) -> int:
+    return int(np.prod(self.shape))
+
+  @property
+  def chunk_shape(self) -> tuple[int, ...]:
+    """One slice: 1 along the indexed (layer/expert) axes, the whole extent of the others."""
+    k = max((len(index) for index, _ in self.slices), default=0)
+    return (1,) * k + tuple(self.shape[k:])
+
+  def uncovered(self) -> int:
+    """How many elements no slice writes (0 for a complete parameter)."""
+    covered = sum(int(np.prod(self.shape[len(index) :])) for index, _ in self.slices)
+    return self.size - covered
+
+
+class StreamedArrayHandler(ocp.type_handlers.NumpyHandler):
+  """Serializes StreamedArrays: creates each array with one-slice chunks and writes it slice by slice."""
+
+  async def serialize(self, values: Sequence[StreamedArray], infos, args=None) -> list[future.Future]:
+    args = args or [ocp.SaveArgs()] * len(values)
+    return [future.CommitFutureAwaitingContractedSignals(self._write(values, infos, args), name="streamed_array")]
+
+  async def _write(self, values: Sequence[StreamedArray], infos, args) -> None:
+    for value, info, arg in zip(values, infos, args):
+      await info.await_path_creation()
+      spec = ts_utils.build_array_write_spec(
+        info=info,
+        arg=arg,
+        global_shape=value.shape,
+        local_shape=value.chunk_shape,
+        dtype=value.dtype,
+        use_ocdbt=info.is_ocdbt_checkpoint,
+        process_index=ocdbt_utils.get_process_index_for_subdir(use_ocdbt=info.is_ocdbt_checkpoint),
+      )
+      if multihost.process_index() != 0:
+        continue
+      array = await ts.open(ts.Spec(spec.json), create=True, open=True, context=info.ts_context)
+      for index, load in value.slices:  # one slice in memory at a time
+        await array[index].write(np.asarray(load(), dtype=value.dtype))
+
+
+ocp.type_handlers.register_type_handler(StreamedArray, StreamedArrayHandler(), override=True)
+
+
+def save(path: str, tree: Any) -> None:
+  """Write `tree` (StreamedArray leaves, and/or ordinary arrays) as an orbax PyTree checkpoint at `path`."""
+  checkpointer = ocp.PyTreeCheckpointer()
+  checkpointer.save(os.path.abspath(path), args=ocp.args.PyTreeSave(tree))

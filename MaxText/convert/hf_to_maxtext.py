@@ -93,7 +93,7 @@ def convert(hf_path: str, output: str, scan_layers: bool = True) -> str:
     load = functools.partial(_load, index[rule.hf_name], rule, shape, np.dtype(target.dtype))
     slices.setdefault(rule.path, []).append((rule.index, load))
   leaves = jax.tree_util.tree_leaves_with_path(abstract)
-  unmapped = [jax.tree_util.keystr(k) for k, _ in leaves if tuple(_key(p) for p in k) not in slices]
+  unmapped = [jax.tree_util.keystr(k) for k, _ in leaves if tuple(streaming.key_name(p) for p in k) not in slices]
   if unmapped:
     raise ConfigError(f"No Hugging Face tensor maps to parameter {unmapped[0]} (and {len(unmapped) - 1} more)")
   streamed = {
@@ -108,11 +108,6 @@ def convert(hf_path: str, output: str, scan_layers: bool = True) -> str:
     shutil.rmtree(path)
   streaming.save(path, {"params": _fill(c, streamed)})
   return path
-
-
-def _key(entry: Any) -> Any:
-  """A jax key-path entry -> the dict key it stands for."""
-  return getattr(entry, "key", getattr(entry, "idx", entry))
 
 
 def _check_shape(index: dict[str, str], rule: hf_mapping.Rule, shape: tuple[int, ...]) -> None:

@@ -3,7 +3,10 @@
     python3 -m MaxText.convert.maxtext_to_hf CONFIG.yml load_parameters_path=PARAMS --output HF_DIR [--dtype float32]
 
 transformers.AutoModelForCausalLM.from_pretrained(HF_DIR) loads the result. One safetensors shard per
-decoder layer (plus one for embeddings/head) keeps each write small; float32 output is bit-exact with
+decoder layer (plus one for embeddings/head), each read from the checkpoint (MaxText/convert/streaming.py
+Reader: tensorstore, one layer block at a time) and written before the next, so host memory stays near
+one layer whatever the model's size. The checkpoint may be params-only or a train state, scanned or
+not (whichever layout it holds is read; the output is the same). float32 output is bit-exact with
 the MaxText parameters (and so HF -> MaxText -> HF is bit-exact for float32 checkpoints).
 """
 
@@ -16,13 +19,12 @@ import sys
 
 import jax
 import numpy as np
-from flax import nnx
 
-from MaxText import checkpointing, models
 from MaxText import config as config_lib
+from MaxText import models
 from MaxText.config import Config, ConfigError
-from MaxText.convert import hf_mapping
-from MaxText.convert.hf_to_maxtext import get
+from MaxText.convert import hf_mapping, streaming
+from MaxText.convert.hf_to_maxtext import abstract_params
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -38,40 +40,62 @@ def to_hf(kernel: np.ndarray, rule: hf_mapping.Rule) -> np.ndarray:
   return matrix.T if rule.transpose else matrix
 
 
-def load(c: Config) -> dict:
-  """The params of `c` (from load_parameters_path) as a pure dict of host arrays."""
-  model = nnx.eval_shape(lambda: models.build(c, nnx.Rngs(params=0)))
-  abstract = nnx.state(model, nnx.Param)
-  params = checkpointing.load_params(c.load_parameters_path, abstract)
-  return jax.tree.map(np.asarray, nnx.to_pure_dict(params))
-
-
 def _shard_of(name: str) -> str:
   parts = name.split(".")
   layer = parts[:2] in (["model", "layers"], ["transformer", "h"])
   return f"layer-{int(parts[2]):05d}" if layer else "other"
 
 
+def _locate(c: Config, reader: streaming.Reader) -> tuple[Config, tuple[str, ...], dict]:
+  """The config in the checkpoint's layer layout (scanned or not), the key prefix of its params
+  ('params' in params-only and train-state checkpoints) and the abstract params pure dict."""
+  first_missing = None
+  for scan in (c.scan_layers, not c.scan_layers):
+    layout = c.replace(scan_layers=scan)
+    abstract = abstract_params(layout)
+    wanted = [
+      tuple(str(streaming.key_name(k)) for k in key) + ("value",)
+      for key, _ in jax.tree_util.tree_leaves_with_path(abstract)
+    ]
+    for prefix in (("params",), ()):
+      missing = [key for key in wanted if prefix + key not in reader.keys]
+      if not missing:
+        return layout, prefix, abstract
+      first_missing = first_missing or missing[0]
+  raise ConfigError(
+    f"load_parameters_path {reader.path!r} does not hold this model's parameters (no {'/'.join(first_missing)})"
+  )
+
+
 def convert(c: Config, output: str, dtype: str = "float32") -> None:
+  """Write OUTPUT/config.json and safetensors shards (one per decoder layer, one for the rest), reading
+  and writing one shard at a time: host memory stays near one layer, not the model."""
   import torch  # noqa: PLC0415 (optional dependency; safetensors' torch writer handles bfloat16)
   from safetensors.torch import save_file  # noqa: PLC0415
 
   if not c.load_parameters_path:
     raise ConfigError("Set load_parameters_path= to the MaxText params to export")
-  params = load(c)
+  if not os.path.isdir(c.load_parameters_path):
+    raise ConfigError(f"load_parameters_path {c.load_parameters_path!r} does not exist")
+  reader = streaming.Reader(c.load_parameters_path)
+  layout, prefix, abstract = _locate(c, reader)
+  block_axes = 1 if layout.scan_layers else 0  # a stacked parameter is read one layer at a time
+  by_shard: dict[str, list[hf_mapping.Rule]] = {}
+  for rule in hf_mapping.rules(layout, models.family(layout).stacks(layout), abstract):
+    by_shard.setdefault(_shard_of(rule.hf_name), []).append(rule)
   os.makedirs(output, exist_ok=True)
-  shards: dict[str, dict[str, torch.Tensor]] = {}
-  pieces: dict[str, list] = {}  # fused HF tensors (GPT-2's c_attn) come in column ranges
-  for rule in hf_mapping.rules(c, models.family(c).stacks(c), params):
-    array = to_hf(get(params, rule.path)[rule.index], rule)
-    pieces.setdefault(rule.hf_name, []).append(((rule.cols or (0, 0))[0], array))
-  for name, parts in pieces.items():
-    array = np.concatenate([a for _, a in sorted(parts, key=lambda p: p[0])], axis=-1)
-    tensor = torch.from_numpy(np.ascontiguousarray(array, np.float32)).to(getattr(torch, dtype))
-    shards.setdefault(_shard_of(name), {})[name] = tensor
   weight_map = {}
-  for i, tensors in enumerate(shards[name] for name in sorted(shards)):
-    filename = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+  for i, shard in enumerate(sorted(by_shard)):
+    pieces: dict[str, list] = {}  # fused HF tensors (GPT-2's c_attn) come in column ranges
+    for rule in by_shard[shard]:
+      key = prefix + tuple(map(str, rule.path)) + ("value",)
+      array = to_hf(reader.read(key, rule.index, block_axes if rule.index else 0), rule)
+      pieces.setdefault(rule.hf_name, []).append(((rule.cols or (0, 0))[0], array))
+    tensors = {}
+    for name, parts in pieces.items():
+      array = np.concatenate([a for _, a in sorted(parts, key=lambda p: p[0])], axis=-1)
+      tensors[name] = torch.from_numpy(np.ascontiguousarray(array, np.float32)).to(getattr(torch, dtype))
+    filename = f"model-{i + 1:05d}-of-{len(by_shard):05d}.safetensors"
     save_file(tensors, os.path.join(output, filename), metadata={"format": "pt"})
     weight_map |= {name: filename for name in tensors}
   with open(os.path.join(output, "model.safetensors.index.json"), "w") as f:

@@ -1,10 +1,13 @@
-"""Write an orbax params checkpoint one slice at a time, so a conversion never holds the model.
+"""Write and read an orbax params checkpoint one slice at a time, so a conversion never holds the model.
 
 A StreamedArray stands for a parameter that is not in memory: its shape, dtype and a list of
 (index prefix, loader) pairs; each loader returns one slice (a layer, or one expert of a layer). An
 orbax type handler registered for StreamedArray creates the parameter's tensorstore array with chunks
 of exactly one slice and writes the slices one after the other, parameter after parameter. Peak host
 memory is then one slice plus tensorstore's write buffers, whatever the model's size.
+
+Reader opens each array of an existing orbax checkpoint with tensorstore and reads one block (a
+layer of a stacked parameter, or a whole per-layer parameter) at a time, for the export to Hugging Face.
 
 The checkpoint is an ordinary orbax PyTree checkpoint: the arrays are stored as the numpy handler
 stores them (value type 'np.ndarray'), so it restores through the usual path (load_parameters_path)
@@ -16,10 +19,12 @@ orbax is pinned in requirements.txt and MaxText/tests/convert_streaming_test.py 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
@@ -86,3 +91,39 @@ def save(path: str, tree: Any) -> None:
   """Write `tree` (StreamedArray leaves, and/or ordinary arrays) as an orbax PyTree checkpoint at `path`."""
   checkpointer = ocp.PyTreeCheckpointer()
   checkpointer.save(os.path.abspath(path), args=ocp.args.PyTreeSave(tree))
+
+
+class Reader:
+  """Blocks of the arrays of an orbax PyTree checkpoint, read with tensorstore (no whole-model restore).
+
+  `keys` holds every array's key path (tuple of str). read(key, index) returns array[index]; it reads
+  the block array[index[:block_axes]] and keeps the most recent block, so the experts of one layer
+  cost one read of that layer.
+  """
+
+  def __init__(self, path: str):
+    self.path = os.path.abspath(path)
+    metadata = ocp.PyTreeCheckpointer().metadata(self.path)
+    tree = metadata.item_metadata.tree if hasattr(metadata, "item_metadata") else metadata
+    self.keys = {tuple(str(key_name(k)) for k in key) for key, _ in jax.tree_util.tree_leaves_with_path(tree)}
+    with open(os.path.join(self.path, "_METADATA")) as f:
+      flags = json.load(f)
+    self._ocdbt, self._zarr3 = flags.get("use_ocdbt", True), flags.get("use_zarr3", False)
+    self._context = ts_utils.get_ts_context(use_ocdbt=self._ocdbt)
+    self._block: tuple[Any, np.ndarray] | None = None
+
+  def read(self, key: tuple[str, ...], index: tuple[int, ...], block_axes: int) -> np.ndarray:
+    block_index = index[:block_axes]
+    if self._block is None or self._block[0] != (key, block_index):
+      spec = ts_utils.ArrayReadSpec(
+        directory=self.path, relative_array_filename=".".join(key), use_zarr3=self._zarr3, use_ocdbt=self._ocdbt
+      )
+      array = ts.open(ts.Spec(spec.json), open=True, context=self._context).result()
+      self._block = None  # free the previous block before reading the next
+      self._block = ((key, block_index), array[block_index].read().result())
+    return self._block[1][index[block_axes:]]
+
+
+def key_name(entry: Any) -> Any:
+  """A jax key-path entry -> its key."""
+  return getattr(entry, "key", getattr(entry, "idx", entry))

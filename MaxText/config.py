@@ -268,6 +268,10 @@ def _validate_family_options(c: dict[str, Any]) -> None:
       f"n_routing_groups ({groups}) must divide num_experts ({c['num_experts']}) and topk_routing_group "
       f"({c['topk_routing_group']}) must be in [1, n_routing_groups]"
     )
+  if c["attention_bias"] and c["decoder_block"] == "deepseek":
+    raise ConfigError("attention_bias=true is not implemented for MLA (decoder_block=deepseek)")
+  if c["mlp_bias"] and c["num_experts"] > 1:
+    raise ConfigError("mlp_bias=true adds biases to dense MLPs only; set num_experts=1 or mlp_bias=false")
   if not 0 <= c["first_num_dense_layers"] <= c["num_decoder_layers"]:
     raise ConfigError(f"first_num_dense_layers must be in [0, num_decoder_layers], got {c['first_num_dense_layers']}")
 

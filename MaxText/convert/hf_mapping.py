@@ -2,7 +2,7 @@
 
 Tensor rule: HF name -> (MaxText parameter path, index prefix, n_in). A HF linear weight [out, in] is
 the transpose of our kernel reshaped (n_in = how many leading kernel dims are inputs); n_in None means
-the tensor is copied as is (norms, embeddings). The index prefix selects a slice of a stacked
+the tensor is copied as is (norms, embeddings), or flattened (biases). The index prefix selects a slice of a stacked
 parameter: the layer (scan_layers=true) and/or the expert.
 """
 
@@ -98,6 +98,10 @@ FIXED = {  # decoder_block -> MaxText keys implied by the family
   "gemma3": {"use_post_attn_norm": True, "use_post_ffw_norm": True, "use_qk_norm": True},
   "deepseek": {"routed_score_func": "sigmoid", "routed_bias": True},
 }
+BIASES = {  # decoder_block -> the bias flags (HF field = MaxText key) of its transformers class
+  "llama2": ("attention_bias", "mlp_bias"),
+  **{block: ("attention_bias",) for block in ("qwen3", "gemma", "gemma2", "gemma3")},
+}
 ROPE_SCALING = {"rope_type": "rope_type", "factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor"}
 ROPE_SCALING |= {"high_freq_factor": "rope_high_freq_factor"}
 ROPE_SCALING |= {"original_max_position_embeddings": "original_max_position_embeddings"}
@@ -128,9 +132,10 @@ def maxtext_keys(hf: dict[str, Any]) -> dict[str, Any]:
   if model_type == "qwen3_moe" and (hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers")):
     raise ConfigError("qwen3_moe with decoder_sparse_step != 1 or mlp_only_layers is not supported")
   for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
-    if hf.get(flag):
+    if hf.get(flag) and flag not in BIASES.get(block, ()):
       raise ConfigError(f"config.json {flag}=true is not supported for {model_type}")
   out: dict[str, Any] = {"decoder_block": block, **FIXED.get(block, {})}
+  out |= {flag: bool(hf.get(flag)) for flag in BIASES.get(block, ())}
   hf = {**hf, "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]}
   for src, dst in {**COMMON, **EXTRA.get(block, {})}.items():
     if src in hf:
@@ -161,6 +166,10 @@ def hf_config(c: Config, dtype: str) -> dict[str, Any]:
   elif c.decoder_block == "qwen3":
     extra = {}
   out: dict[str, Any] = {"model_type": model_type, "architectures": [arch], "dtype": dtype}
+  for flag in ("attention_bias", "mlp_bias"):
+    if c[flag] and flag not in BIASES.get(c.decoder_block, ()):
+      raise ConfigError(f"{flag}=true has no Hugging Face export for decoder_block={c.decoder_block}")
+  out |= {flag: c[flag] for flag in BIASES.get(c.decoder_block, ())}
   for src, dst in {**COMMON, **extra}.items():
     out[src] = c[dst]
   out["num_attention_heads"], out["num_key_value_heads"] = c.num_query_heads, c.num_kv_heads
@@ -206,6 +215,8 @@ def _attention_rules(c: Config) -> Iterator[tuple]:
   if c.decoder_block != "deepseek":
     for hf, mt in (("q", "query"), ("k", "key"), ("v", "value")):
       yield f"self_attn.{hf}_proj.weight", ("self_attention", mt, "kernel"), (), 1, None
+      if c.attention_bias:
+        yield f"self_attn.{hf}_proj.bias", ("self_attention", mt, "bias"), (), None, None
   else:
     q_perm = deinterleave(c.qk_nope_head_dim, c.qk_rope_head_dim)
     if c.q_lora_rank:
@@ -219,19 +230,23 @@ def _attention_rules(c: Config) -> Iterator[tuple]:
     yield "self_attn.kv_a_layernorm.weight", ("self_attention", "kv_norm", "scale"), (), None, None
     yield "self_attn.kv_b_proj.weight", ("self_attention", "wkv_b", "kernel"), (), 1, None
   yield "self_attn.o_proj.weight", ("self_attention", "out", "kernel"), (), 2, None
+  if c.attention_bias:
+    yield "self_attn.o_proj.bias", ("self_attention", "out", "bias"), (), None, None
   if c.use_qk_norm:
     yield "self_attn.q_norm.weight", ("self_attention", "query_norm", "scale"), (), None, None
     yield "self_attn.k_norm.weight", ("self_attention", "key_norm", "scale"), (), None, None
 
 
-def _mlp_rules(prefix: str, path: tuple) -> Iterator[tuple]:
+def _mlp_rules(c: Config, prefix: str, path: tuple) -> Iterator[tuple]:
   for hf, mt in (("gate_proj", ("wi", 0)), ("up_proj", ("wi", 1)), ("down_proj", ("wo",))):
     yield f"{prefix}.{hf}.weight", (*path, *mt, "kernel"), (), 1, None
+    if c.mlp_bias:
+      yield f"{prefix}.{hf}.bias", (*path, *mt, "bias"), (), None, None
 
 
 def _feed_forward_rules(c: Config, moe: bool) -> Iterator[tuple]:
   if not moe:
-    yield from _mlp_rules("mlp", ("mlp",))
+    yield from _mlp_rules(c, "mlp", ("mlp",))
   elif c.decoder_block in ("deepseek", "qwen3"):
     yield "mlp.gate.weight", ("mlp", "gate", "kernel"), (), 1, None
     if c.routed_bias:
@@ -240,7 +255,7 @@ def _feed_forward_rules(c: Config, moe: bool) -> Iterator[tuple]:
       for hf, mt in (("gate_proj", "wi_0"), ("up_proj", "wi_1"), ("down_proj", "wo")):
         yield f"mlp.experts.{e}.{hf}.weight", ("mlp", mt), (e,), 1, None
     if c.shared_experts:
-      yield from _mlp_rules("mlp.shared_experts", ("mlp", "shared_experts"))
+      yield from _mlp_rules(c, "mlp.shared_experts", ("mlp", "shared_experts"))
   else:
     yield "block_sparse_moe.gate.weight", ("mlp", "gate", "kernel"), (), 1, None
     for e in range(c.num_experts):
@@ -301,7 +316,7 @@ def _gpt2_rules(c: Config, stacks, params: dict) -> list[Rule]:
 
 def hf_shape(rule: Rule, shape: tuple[int, ...]) -> tuple[int, ...]:
   """The HF shape (of the rule's columns) of a parameter slice with our `shape`."""
-  if rule.n_in is None:
-    return (math.prod(shape),) if rule.cols else tuple(shape)
+  if rule.n_in is None:  # torch biases are flat [out]; ours keep the kernel's output dims ([N, H] for q)
+    return (math.prod(shape),) if rule.cols or rule.path[-1] == "bias" else tuple(shape)
   rows, cols = math.prod(shape[: rule.n_in]), math.prod(shape[rule.n_in :])
   return (cols, rows) if rule.transpose else (rows, cols)

@@ -1,7 +1,8 @@
 """Grouped-query self-attention (attention=dot_product) with packing-aware causal masks.
 
 Options, all from the config or the family's layer: sliding-window (local) attention, attention-logit
-soft-capping, a query scale other than head_dim**-0.5, per-head q/k norms, a per-layer RoPE base.
+soft-capping, a query scale other than head_dim**-0.5, per-head q/k norms, a per-layer RoPE base,
+projection biases.
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ class Attention(nnx.Module):
   """Projections q/k/v/o, optional q/k norms, RoPE, and GQA attention over a packed batch.
 
   `sliding_window` (0: global) and `rope_max_timescale` (None: config.rope_max_timescale) let a family
-  make local and global layers; `norm` builds the q/k norms (Gemma's 1+w or plain RMSNorm); gpt3 has
-  biases on every projection and no RoPE (`use_bias`, `use_rope`).
+  make local and global layers; `norm` builds the q/k norms (Gemma's 1+w or plain RMSNorm). Biases on
+  q/k/v/o come from config.attention_bias or `use_bias` (gpt3, which also has no RoPE: `use_rope`).
   """
 
   def __init__(
@@ -92,7 +93,7 @@ class Attention(nnx.Module):
   ):
     dt, wdt = jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
     d, n, k, h = config.emb_dim, config.num_query_heads, config.num_kv_heads, config.head_dim
-    dense = dict(dtype=dt, weight_dtype=wdt, rngs=rngs, use_bias=use_bias)
+    dense = dict(dtype=dt, weight_dtype=wdt, rngs=rngs, use_bias=use_bias or config.attention_bias)
     self.query = DenseGeneral(d, (n, h), ("embed", "q_heads", "kv"), **dense)
     self.key = DenseGeneral(d, (k, h), ("embed", "kv_heads", "kv"), **dense)
     self.value = DenseGeneral(d, (k, h), ("embed", "kv_heads", "kv"), **dense)

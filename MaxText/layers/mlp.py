@@ -21,14 +21,15 @@ ACTIVATIONS = {
 
 
 class MlpBlock(nnx.Module):
-  """y = wo(prod_i act_i(wi_i(x))): with ["silu", "linear"] this is SwiGLU."""
+  """y = wo(prod_i act_i(wi_i(x))): with ["silu", "linear"] this is SwiGLU. Biases on every projection
+  with config.mlp_bias or `use_bias` (gpt3)."""
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs, use_bias: bool = False):
     unknown = [a for a in config.mlp_activations if a not in ACTIVATIONS]
     if unknown:
       raise ValueError(f"Unknown mlp_activations {unknown}; choose from {sorted(ACTIVATIONS)}")
     dense = dict(dtype=jnp.dtype(config.dtype), weight_dtype=jnp.dtype(config.weight_dtype), rngs=rngs)
-    dense["use_bias"] = use_bias
+    dense["use_bias"] = use_bias or config.mlp_bias
     d, f = config.emb_dim, config.mlp_dim
     self.wi = nnx.List([DenseGeneral(d, f, ("embed", "mlp"), **dense) for _ in config.mlp_activations])
     self.wo = DenseGeneral(f, d, ("mlp", "embed"), **dense)

@@ -2,11 +2,15 @@
 choice as in DeepSeek V3), top-k routing, gated expert MLPs and optional shared experts.
 
 Dropless by default: the token->expert assignments are sorted by expert and each expert's contiguous
-group goes through jax.lax.ragged_dot. capacity_factor > 0 drops, per expert, the assignments beyond
-capacity = ceil(capacity_factor * tokens * k / experts) (earlier tokens win). The Switch-style
+group goes through jax.lax.ragged_dot. capacity_factor > 0 gives each expert a fixed buffer of
+C = ceil(capacity_factor * tokens * k / experts) slots (static, at most tokens): assignments are
+scattered into an [E, C, D] buffer in token order (earlier tokens win), the experts run as one batched
+einsum over it (E sharded over `expert`, C over the other batch axes) and the outputs are gathered
+back; assignments beyond capacity are dropped (contribute 0, cost nothing). The Switch-style
 load-balancing loss E * sum_e(f_e * p_e) (f_e: assignments to e per token, p_e: mean router
 probability of e) is recorded as an nnx.Intermediate, which the decoder collects into the objective.
-Einsum letters: E experts, X tokens (B*T flattened), R routed slots per token (k), A assignments (X*k).
+Einsum letters: E experts, X tokens (B*T flattened), R routed slots per token (k), A assignments (X*k),
+C capacity slots per expert, D model dim, F expert width.
 """
 
 from __future__ import annotations
@@ -64,13 +68,27 @@ def load_balance_loss(routing: Routing, num_experts: int) -> jax.Array:
   return num_experts * jnp.sum(fraction * jnp.mean(routing.probs, axis=0))
 
 
+def expert_capacity(tokens: int, k: int, num_experts: int, capacity_factor: float) -> int:
+  """Slots per expert: ceil(capacity_factor * tokens * k / experts), at most `tokens` (a token picks an
+  expert at most once, so more slots could never fill)."""
+  return min(math.ceil(capacity_factor * tokens * k / num_experts), tokens)
+
+
+def expert_ranks(experts: jax.Array, num_experts: int) -> jax.Array:
+  """[X, k] expert ids -> [X, k] int32: each assignment's rank among its expert's assignments in
+  (token, slot) order, so earlier tokens come first. A stable sort, no [A, E] one-hot."""
+  flat = experts.reshape(-1)  # [A]
+  order = jnp.argsort(flat, stable=True)
+  sizes = jnp.bincount(flat, length=num_experts)
+  starts = jnp.cumsum(sizes) - sizes  # first sorted position of each expert's group
+  ranks = jnp.arange(flat.shape[0]) - starts[flat[order]]
+  return jnp.zeros_like(flat).at[order].set(ranks).reshape(experts.shape)
+
+
 def capacity_mask(experts: jax.Array, num_experts: int, capacity_factor: float) -> jax.Array:
   """[X, k] -> [X, k] bool: the assignment is within its expert's capacity (in token order)."""
   x, k = experts.shape
-  capacity = math.ceil(capacity_factor * x * k / num_experts)
-  one_hot = jax.nn.one_hot(experts.reshape(-1), num_experts, dtype=jnp.int32)  # [A, E]
-  position = jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=-1)  # rank within its expert
-  return (position < capacity).reshape(x, k)
+  return expert_ranks(experts, num_experts) < expert_capacity(x, k, num_experts, capacity_factor)
 
 
 class MoeBlock(nnx.Module):
@@ -98,11 +116,11 @@ class MoeBlock(nnx.Module):
     tokens = x.reshape(b * t, d)  # [X, D]
     routing = route(self.gate(tokens), self.config, None if self.gate_bias is None else self.gate_bias[...])
     self.load_balance_loss = nnx.Intermediate(load_balance_loss(routing, self.num_experts))
-    weights = routing.weights
     if self.capacity_factor > 0:
-      weights = jnp.where(capacity_mask(routing.experts, self.num_experts, self.capacity_factor), weights, 0.0)
-    out = self._experts(tokens, routing.experts)  # [X, k, D]
-    out = jnp.einsum("XRD,XR->XD", out.astype(jnp.float32), weights).astype(self.dtype)
+      out = self._capacity_experts(tokens, routing.experts)  # [X, k, D], 0 where dropped
+    else:
+      out = self._experts(tokens, routing.experts)  # [X, k, D]
+    out = jnp.einsum("XRD,XR->XD", out.astype(jnp.float32), routing.weights).astype(self.dtype)
     out = out.reshape(b, t, d)
     if self.shared_experts is not None:
       out = out + self.shared_experts(x)
@@ -122,3 +140,24 @@ class MoeBlock(nnx.Module):
     hidden = nn.with_logical_constraint(hidden, (None, "activation_mlp"))
     out = jax.lax.ragged_dot(hidden, wo, sizes)  # [A, D]
     return jnp.zeros_like(out).at[order].set(out).reshape(x, k, -1)
+
+  def _capacity_experts(self, tokens: jax.Array, experts: jax.Array) -> jax.Array:
+    """tokens [X, D], experts [X, k] -> [X, k, D]: each kept assignment's expert output, 0 for the
+    assignments beyond their expert's capacity, which are never computed."""
+    x, k = experts.shape
+    e, d = self.num_experts, tokens.shape[-1]
+    c = expert_capacity(x, k, e, self.capacity_factor)
+    ranks = expert_ranks(experts, e)
+    # Slot of each assignment in the flattened [E * C] buffer; dropped ones point past its end, where
+    # the scatter discards them and the gather reads 0.
+    slots = jnp.where(ranks < c, experts * c + ranks, e * c).reshape(-1)  # [A]
+    routed = jnp.repeat(tokens.astype(self.dtype), k, axis=0)  # [A, D], assignment order
+    buffer = jnp.zeros((e * c, d), self.dtype).at[slots].set(routed, mode="drop").reshape(e, c, d)
+    buffer = nn.with_logical_constraint(buffer, ("activation_exp", "activation_batch_no_exp", "activation_embed"))
+    wi_0, wi_1, wo = (w[...].astype(self.dtype) for w in (self.wi_0, self.wi_1, self.wo))
+    hidden = self.activation(jnp.einsum("ECD,EDF->ECF", buffer, wi_0)) * jnp.einsum("ECD,EDF->ECF", buffer, wi_1)
+    hidden = nn.with_logical_constraint(hidden, ("activation_exp", "activation_batch_no_exp", "activation_mlp"))
+    out = jnp.einsum("ECF,EFD->ECD", hidden, wo)
+    out = nn.with_logical_constraint(out, ("activation_exp", "activation_batch_no_exp", "activation_embed"))
+    out = jnp.take(out.reshape(e * c, d), slots, axis=0, mode="fill", fill_value=0)  # [A, D]
+    return out.reshape(x, k, d)

@@ -22,6 +22,7 @@ GEMMA = ["logits_via_embedding=true", "mlp_activations=[gelu,linear]"]
 SOFT_CAPS = ["attn_logits_soft_cap=5.0", "final_logits_soft_cap=3.0", "query_pre_attn_scalar=6"]
 FAMILIES = {
   "llama2": [],
+  "llama-bias": ["attention_bias=true", "mlp_bias=true"],
   "mistral": ["decoder_block=mistral", "sliding_window_size=3"],
   "mixtral": ["decoder_block=mixtral", "num_experts=4", "num_experts_per_tok=2"],
   "qwen3": ["decoder_block=qwen3", "use_qk_norm=true"],

@@ -12,7 +12,7 @@ from flax import nnx
 
 from MaxText import checkpointing, config, models, train
 from MaxText.config import ConfigError
-from MaxText.convert import hf_to_maxtext, maxtext_to_hf
+from MaxText.convert import hf_mapping, hf_to_maxtext, maxtext_to_hf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -31,6 +31,7 @@ DEEPSEEK |= dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_grou
 DEEPSEEK |= dict(q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=6, head_dim=4)
 FAMILIES = {
   "llama2": ("LlamaConfig", {}),
+  "llama-bias": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),
   "llama3.1": ("LlamaConfig", {"rope_parameters": LLAMA31_ROPE, "max_position_embeddings": 64}),
   "mistral": ("MistralConfig", {"sliding_window": 4}),
   "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
@@ -151,6 +152,8 @@ def test_errors_name_the_tensor(tmp_path):
     hf_to_maxtext.convert(save(state, {**cfg, "num_hidden_layers": 1}), os.path.join(tmp_path, "o3"))
   with pytest.raises(ConfigError, match="Unsupported architecture model_type='bert'"):
     hf_to_maxtext.convert(save(state, {**cfg, "model_type": "bert"}), os.path.join(tmp_path, "o4"))
+  with pytest.raises(ConfigError, match="attention_bias=true is not supported for mistral"):
+    hf_to_maxtext.convert(save(state, {**cfg, "model_type": "mistral", "attention_bias": True}), str(tmp_path / "o5"))
 
 
 def test_command_lines_and_check_logits(tmp_path):
@@ -173,3 +176,12 @@ def test_command_lines_and_check_logits(tmp_path):
       b.write(json.dumps({"tokens": t.tolist(), "logits": (lg + 1e-3).tolist()}) + "\n")
   assert check_logits.main([cfg, params, f"golden_logits_path={golden}"]) == 0
   assert check_logits.main([cfg, params, f"golden_logits_path={bad}", "atol=1e-4", "rtol=0"]) == 1
+
+
+def test_bias_export_needs_a_class_with_that_flag():
+  base = os.path.join(config.CONFIG_DIR, "base.yml")
+  c = config.load([base, "run_name=t", "decoder_block=mistral", "mlp_bias=true"], {})
+  with pytest.raises(ConfigError, match="mlp_bias=true has no Hugging Face export for decoder_block=mistral"):
+    hf_mapping.hf_config(c, "float32")
+  exported = hf_mapping.hf_config(c.replace(decoder_block="llama2"), "float32")
+  assert exported["mlp_bias"] is True and exported["attention_bias"] is False

@@ -1,13 +1,16 @@
-"""MoE layer: dropless ragged_dot equals a dense per-expert reference; capacity dropping; balance loss."""
+"""MoE layer: dropless ragged_dot equals a dense per-expert reference; capacity dispatch equals dropless
+when nothing is dropped and a per-token loop otherwise, sharded or not; balance loss; gradients."""
 
+import math
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
-from MaxText import config
+from MaxText import config, sharding
 from MaxText.layers import moe
 
 BASE = os.path.join(config.CONFIG_DIR, "base.yml")
@@ -39,10 +42,78 @@ def test_dropless_matches_dense_reference_and_records_balance_loss():
   assert float(layer.load_balance_loss[...]) > 0.5  # k (= 2) when perfectly balanced
 
 
-def test_capacity_drops_tokens_beyond_capacity():
+def loop_reference(layer, x, capacity):
+  """Token by token, slot by slot (numpy): an assignment counts only while its expert has had fewer
+  than `capacity` earlier ones. Returns the output and how many assignments were dropped."""
+  tokens = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
+  routing = moe.route(layer.gate(x.reshape(tokens.shape)), layer.config)
+  experts, weights = np.asarray(routing.experts), np.asarray(routing.weights, np.float64)
+  wi_0, wi_1, wo = (np.asarray(w[...], np.float64) for w in (layer.wi_0, layer.wi_1, layer.wo))
+  seen, dropped, out = np.zeros(layer.num_experts, int), 0, np.zeros_like(tokens)
+  for i, token in enumerate(tokens):
+    for e, w in zip(experts[i], weights[i]):
+      if seen[e] < capacity:
+        h = token @ wi_0[e]
+        out[i] += w * ((h / (1 + np.exp(-h))) * (token @ wi_1[e])) @ wo[e]
+      else:
+        dropped += 1
+      seen[e] += 1
+  return out.reshape(x.shape), dropped
+
+
+def test_capacity_mask_keeps_earlier_tokens():
   experts = jnp.asarray([[0, 1], [0, 1], [0, 2], [3, 0]])
   keep = moe.capacity_mask(experts, num_experts=4, capacity_factor=1.0)  # capacity = ceil(8 / 4) = 2
   np.testing.assert_array_equal(keep, [[True, True], [True, True], [False, True], [True, False]])
-  layer = block("capacity_factor=0.25")
+  np.testing.assert_array_equal(moe.expert_ranks(experts, 4), [[0, 0], [1, 1], [2, 0], [0, 3]])
+
+
+def test_capacity_without_drops_equals_dropless():
   x = jax.random.normal(jax.random.key(0), (2, 8, 16))
-  assert not np.allclose(layer(x), reference(layer, x), atol=1e-3)
+  # ceil(2 * 16 tokens * 2 / 4) = 16 slots: every token fits in every expert.
+  np.testing.assert_allclose(block("capacity_factor=2.0")(x), block()(x), rtol=1e-6, atol=1e-6)
+
+
+def test_small_capacity_equals_token_loop_and_buffer_is_static():
+  layer = block("capacity_factor=0.5")
+  x = jax.random.normal(jax.random.key(1), (2, 8, 16))
+  capacity = math.ceil(0.5 * 16 * 2 / 4)  # 4 slots per expert for 32 assignments
+  want, dropped = loop_reference(layer, x, capacity)
+  assert 0 < dropped < 32
+  np.testing.assert_allclose(layer(x), want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(nnx.jit(lambda m, x: m(x))(layer, x), want, rtol=1e-5, atol=1e-5)
+  # The experts run on the [E, C, F] = [4, 4, 24] buffer only: dropped assignments cost nothing.
+  graphdef, params = nnx.split(block("capacity_factor=0.5"), nnx.Param)
+  assert "f32[4,4,24]" in str(jax.make_jaxpr(lambda p: nnx.merge(graphdef, p)(x))(params))
+
+
+def test_capacity_gradients_are_finite_and_balance_loss_is_reported():
+  layer = block("capacity_factor=0.5")
+  x = jax.random.normal(jax.random.key(2), (2, 8, 16))
+
+  def loss(m):
+    out = m(x)
+    return jnp.sum(out**2) + m.load_balance_loss[...]
+
+  grads = nnx.grad(loss)(layer)
+  for path, g in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(grads)):
+    assert np.all(np.isfinite(g)) and np.any(g != 0), path
+  layer(x)
+  assert float(layer.load_balance_loss[...]) > 0.5
+
+
+@pytest.mark.parametrize("capacity_factor", ["0.0", "0.5"])
+def test_sharded_equals_unsharded(capacity_factor):
+  """data x fsdp x expert mesh: experts (and the capacity buffer) split over `expert`."""
+  args = [f"capacity_factor={capacity_factor}", "ici_data_parallelism=2", "ici_expert_parallelism=2"]
+  c = config.load([BASE, "run_name=t", *TINY, *args], {})
+  mesh = sharding.create_mesh(c)
+  graphdef, params = nnx.split(block(*args), nnx.Param)
+  x = jax.random.normal(jax.random.key(3), (8, 4, 16))
+  expected = nnx.merge(graphdef, params)(x)
+  with sharding.activate(c, mesh):
+    shardings = sharding.logical_to_mesh(nnx.get_partition_spec(params), mesh, sharding.axis_rules(c))
+    placed = jax.device_put(params, shardings)
+    got = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))(placed, x)
+  assert mesh.shape["expert"] == 2 and mesh.shape["fsdp"] == 2
+  np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)

@@ -67,6 +67,8 @@ def test_parameter_count(name):
     "num_experts=6 n_routing_groups=4",
     "routed_score_func=relu",
     "first_num_dense_layers=99",
+    "mlp_bias=true",
+    "decoder_block=deepseek attention_bias=true",
   ],
 )
 def test_family_options_are_validated(bad):

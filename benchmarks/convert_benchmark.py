@@ -1,13 +1,13 @@
-"""Peak host memory and time of hf_to_maxtext on a synthetic Llama checkpoint of a chosen size.
+"""Peak host memory and time of hf_to_maxtext and maxtext_to_hf on a synthetic Llama checkpoint.
 
     python3 benchmarks/convert_benchmark.py --layers 24 --emb 1024 --mlp 4096 [--scan_layers false]
 
 Writes a random Llama-architecture Hugging Face directory (config.json + two safetensors shards, float32)
-to a scratch directory, converts it in a child process and prints a table: model size, largest single
-tensor, the child's peak resident memory before the conversion (imports, config) and at its end, the
-growth between the two, and the wall time. The child then restores the checkpoint's checksum to check
-the conversion (outside the measured peak). The streaming converter's growth should stay near a few
-of the largest tensors, far below the model size.
+to a scratch directory, converts it to MaxText and back, each in a child process, and prints a table:
+model size, largest single tensor, the child's peak resident memory (VmHWM) before the conversion
+(imports, config) and at its end, the growth between the two, and the wall time. Both converters
+stream, so their growth should stay near a few of the largest tensors (or one layer), far below the
+model size.
 """
 
 from __future__ import annotations
@@ -25,16 +25,23 @@ CHILD = """
 import json, sys, time
 import jax
 jax.config.update("jax_platforms", "cpu")
-from MaxText.convert import hf_to_maxtext
-hf, out, scan = sys.argv[1], sys.argv[2], sys.argv[3] == "true"
+from MaxText import config as config_lib
+from MaxText.convert import hf_to_maxtext, maxtext_to_hf
+import safetensors.torch, torch  # the export's writer, imported before the baseline
+direction, src, dst, scan = sys.argv[1:5]
 def peak_kb():  # this process image's peak RSS (unlike ru_maxrss, not inherited from the parent)
   return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1])
+if direction == "export":
+  argv = [src + "/config.yml", f"load_parameters_path={src}/params", "run_name=export", "dtype=float32"]
+  c = config_lib.load(argv, {})
 before = peak_kb()
 start = time.perf_counter()
-hf_to_maxtext.convert(hf, out, scan_layers=scan)
+if direction == "import":
+  hf_to_maxtext.convert(src, dst, scan_layers=scan == "true")
+else:
+  maxtext_to_hf.convert(c, dst)
 seconds = time.perf_counter() - start
-after = peak_kb()
-print(json.dumps({"before_kb": before, "after_kb": after, "seconds": seconds}))
+print(json.dumps({"before_kb": before, "after_kb": peak_kb(), "seconds": seconds}))
 """
 
 
@@ -72,13 +79,13 @@ def write_llama(path: str, layers: int, emb: int, mlp: int, vocab: int, heads: i
   return total, largest
 
 
-def measure(hf: str, out: str, scan_layers: bool) -> dict:
-  """Convert in a child process; its peak RSS before/after and the time."""
+def measure(src: str, dst: str, scan_layers: bool, direction: str = "import") -> dict:
+  """hf_to_maxtext (direction import: src = HF dir) or maxtext_to_hf (export: src = hf_to_maxtext's
+  output dir) in a child process; its peak RSS before/after and the time."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = {**os.environ, "PYTHONPATH": root}
-  proc = subprocess.run(
-    [sys.executable, "-c", CHILD, hf, out, str(scan_layers).lower()], env=env, capture_output=True, text=True
-  )
+  argv = [sys.executable, "-c", CHILD, direction, src, dst, str(scan_layers).lower()]
+  proc = subprocess.run(argv, env=env, capture_output=True, text=True)
   if proc.returncode != 0:
     raise RuntimeError(f"conversion failed:\n{proc.stderr[-3000:]}")
   return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -97,18 +104,20 @@ def main(argv: list[str]) -> None:
   with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
     hf, out = os.path.join(tmp, "hf"), os.path.join(tmp, "out")
     total, largest = write_llama(hf, args.layers, args.emb, args.mlp, args.vocab, args.heads)
-    r = measure(hf, out, args.scan_layers == "true")
+    rows = [("import (hf_to_maxtext)", measure(hf, out, args.scan_layers == "true"))]
+    rows.append(("export (maxtext_to_hf)", measure(out, os.path.join(tmp, "back"), False, "export")))
   gb = 1 / 2**30
-  before, after = r["before_kb"] * 1024 * gb, r["after_kb"] * 1024 * gb
   print(
-    "| model (GB) | largest tensor (GB) | scan_layers | peak RSS before (GB) | peak RSS after (GB) | growth (GB) "
-    "| growth / model | time (s) |"
+    "| direction | model (GB) | largest tensor (GB) | scan_layers | peak RSS before (GB) | peak RSS after (GB) "
+    "| growth (GB) | growth / model | time (s) |"
   )
-  print("|---|---|---|---|---|---|---|---|")
-  print(
-    f"| {total * gb:.2f} | {largest * gb:.3f} | {args.scan_layers} | {before:.2f} | {after:.2f} | "
-    f"{after - before:.2f} | {(after - before) / (total * gb):.2f} | {r['seconds']:.1f} |"
-  )
+  print("|---|---|---|---|---|---|---|---|---|")
+  for direction, r in rows:
+    before, after = r["before_kb"] * 1024 * gb, r["after_kb"] * 1024 * gb
+    print(
+      f"| {direction} | {total * gb:.2f} | {largest * gb:.3f} | {args.scan_layers} | {before:.2f} | {after:.2f} | "
+      f"{after - before:.2f} | {(after - before) / (total * gb):.2f} | {r['seconds']:.1f} |"
+    )
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ CHOICES = {
   "rope_type": ("default", "llama3", "linear", "yarn"),
   "decode_sampling_strategy": ("greedy", "weighted", "nucleus", "topk", "composite"),
   "routed_score_func": ("softmax", "sigmoid"),
+  "routed_group_score": ("top2_sum", "max"),
 }
 
 # Keys derived at load time; users may not set them.
@@ -271,6 +272,11 @@ def _validate_family_options(c: dict[str, Any]) -> None:
     raise ConfigError(
       f"n_routing_groups ({groups}) must divide num_experts ({c['num_experts']}) and topk_routing_group "
       f"({c['topk_routing_group']}) must be in [1, n_routing_groups]"
+    )
+  if c["num_experts_per_tok"] > c["topk_routing_group"] * (c["num_experts"] // groups):
+    raise ConfigError(
+      f"num_experts_per_tok ({c['num_experts_per_tok']}) exceeds the experts of topk_routing_group "
+      f"({c['topk_routing_group']}) groups of num_experts / n_routing_groups ({c['num_experts'] // groups})"
     )
   if not 0 <= c["first_num_dense_layers"] <= c["num_decoder_layers"]:
     raise ConfigError(f"first_num_dense_layers must be in [0, num_decoder_layers], got {c['first_num_dense_layers']}")

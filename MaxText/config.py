@@ -30,9 +30,10 @@ CHOICES = {
   "grain_file_type": ("arrayrecord", "parquet"),
   "hardware": ("auto", "cpu", "gpu", "tpu"),
   "profiler": ("", "xplane"),
-  "rope_type": ("default", "llama3", "linear"),
+  "rope_type": ("default", "llama3", "linear", "yarn"),
   "decode_sampling_strategy": ("greedy", "weighted", "nucleus", "topk", "composite"),
   "routed_score_func": ("softmax", "sigmoid"),
+  "routed_group_score": ("top2_sum", "max"),
 }
 
 # Keys derived at load time; users may not set them.
@@ -255,6 +256,10 @@ def _validate_family_options(c: dict[str, Any]) -> None:
     raise ConfigError(f"rope_factor must be >= 1 with rope_type={c['rope_type']}, got {c['rope_factor']}")
   if c["rope_type"] == "llama3" and not 0 < c["rope_low_freq_factor"] < c["rope_high_freq_factor"]:
     raise ConfigError("rope_type=llama3 needs 0 < rope_low_freq_factor < rope_high_freq_factor")
+  if c["rope_type"] == "yarn" and not (c["original_max_position_embeddings"] > 0 and c["rope_beta_slow"] > 0):
+    raise ConfigError("rope_type=yarn needs original_max_position_embeddings > 0 and rope_beta_slow > 0")
+  if min(c["rope_mscale"], c["rope_mscale_all_dim"], c["rope_attention_factor"]) < 0:
+    raise ConfigError("rope_mscale, rope_mscale_all_dim and rope_attention_factor must be >= 0 (0: unset)")
   if c["num_experts"] < 1 or not 1 <= c["num_experts_per_tok"] <= c["num_experts"]:
     raise ConfigError(
       f"need num_experts >= 1 and 1 <= num_experts_per_tok <= num_experts, got {c['num_experts']} "
@@ -272,6 +277,11 @@ def _validate_family_options(c: dict[str, Any]) -> None:
     raise ConfigError("attention_bias=true is not implemented for MLA (decoder_block=deepseek)")
   if c["mlp_bias"] and c["num_experts"] > 1:
     raise ConfigError("mlp_bias=true adds biases to dense MLPs only; set num_experts=1 or mlp_bias=false")
+  if c["num_experts_per_tok"] > c["topk_routing_group"] * (c["num_experts"] // groups):
+    raise ConfigError(
+      f"num_experts_per_tok ({c['num_experts_per_tok']}) exceeds the experts of topk_routing_group "
+      f"({c['topk_routing_group']}) groups of num_experts / n_routing_groups ({c['num_experts'] // groups})"
+    )
   if not 0 <= c["first_num_dense_layers"] <= c["num_decoder_layers"]:
     raise ConfigError(f"first_num_dense_layers must be in [0, num_decoder_layers], got {c['first_num_dense_layers']}")
 

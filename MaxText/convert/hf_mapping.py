@@ -25,6 +25,7 @@ DECODER_BLOCK = {
   "gemma": "gemma",
   "gemma2": "gemma2",
   "gemma3_text": "gemma3",
+  "deepseek_v2": "deepseek",
   "deepseek_v3": "deepseek",
 }
 HF_ARCH = {
@@ -35,7 +36,7 @@ HF_ARCH = {
   "gemma": ("gemma", "GemmaForCausalLM"),
   "gemma2": ("gemma2", "Gemma2ForCausalLM"),
   "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
-  "deepseek": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+  "deepseek": ("deepseek_v3", "DeepseekV3ForCausalLM"),  # deepseek_v2 for softmax routing (_deepseek_arch)
   "gpt3": ("gpt2", "GPT2LMHeadModel"),
 }
 # HF field -> MaxText key, the same for every family.
@@ -96,25 +97,80 @@ FIXED = {  # decoder_block -> MaxText keys implied by the family
   "qwen3": {"use_qk_norm": True},
   "gemma2": {"use_post_attn_norm": True, "use_post_ffw_norm": True},
   "gemma3": {"use_post_attn_norm": True, "use_post_ffw_norm": True, "use_qk_norm": True},
-  "deepseek": {"routed_score_func": "sigmoid", "routed_bias": True},
 }
 BIASES = {  # decoder_block -> the bias flags (HF field = MaxText key) of its transformers class
   "llama2": ("attention_bias", "mlp_bias"),
   **{block: ("attention_bias",) for block in ("qwen3", "gemma", "gemma2", "gemma3")},
 }
-ROPE_SCALING = {"rope_type": "rope_type", "factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor"}
-ROPE_SCALING |= {"high_freq_factor": "rope_high_freq_factor"}
-ROPE_SCALING |= {"original_max_position_embeddings": "original_max_position_embeddings"}
+ORIGINAL = {"original_max_position_embeddings": "original_max_position_embeddings"}
+ROPE_KEYS = {  # rope_type -> {rope_parameters field: MaxText key}
+  "default": {},
+  "linear": {"factor": "rope_factor"},
+  "llama3": {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor"}
+  | {"high_freq_factor": "rope_high_freq_factor", **ORIGINAL},
+  "yarn": {"factor": "rope_factor", **ORIGINAL, "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow"}
+  | {"mscale": "rope_mscale", "mscale_all_dim": "rope_mscale_all_dim", "attention_factor": "rope_attention_factor"}
+  | {"truncate": "rope_truncate"},
+}
+UNSET_IS_ZERO = ("rope_mscale", "rope_mscale_all_dim", "rope_attention_factor")  # absent from config.json when 0
 
 
-def _rope_keys(params: dict[str, Any], theta_key: str) -> dict[str, Any]:
-  out = {theta_key: params["rope_theta"]}
-  for hf, mt in ROPE_SCALING.items():
-    if hf in params:
-      out[mt] = params[hf]
-  if out.get("rope_type", "default") not in ("default", "llama3", "linear"):
-    raise ConfigError(f"rope_type {out['rope_type']!r} is not supported (default, llama3, linear)")
+def _rope_keys(params: dict[str, Any], theta_key: str, hf: dict[str, Any]) -> dict[str, Any]:
+  """rope_parameters (or a legacy rope_scaling with `type`) -> MaxText keys; the pre-training length
+  comes from where transformers takes it (top-level original_max_position_embeddings first)."""
+  rope_type = params.get("rope_type") or params.get("type") or "default"
+  if rope_type not in ROPE_KEYS:
+    raise ConfigError(f"rope_type {rope_type!r} is not supported ({', '.join(ROPE_KEYS)})")
+  if "original_max_position_embeddings" in ROPE_KEYS[rope_type]:
+    original = hf.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+    params = {**params, "original_max_position_embeddings": original or hf.get("max_position_embeddings")}
+  if rope_type == "yarn" and params.get("factor") is None:  # transformers: the ratio of the lengths
+    params = {**params, "factor": hf["max_position_embeddings"] / params["original_max_position_embeddings"]}
+  out = {theta_key: params["rope_theta"], "rope_type": rope_type}
+  for src, dst in ROPE_KEYS[rope_type].items():
+    if params.get(src) is not None:
+      out[dst] = params[src]
   return out
+
+
+def _rope_parameters(c: Config, rope_type: str, theta: float) -> dict[str, Any]:
+  """MaxText keys -> rope_parameters of one attention type (the inverse of _rope_keys)."""
+  out = {"rope_type": rope_type, "rope_theta": float(theta)}
+  for hf, mt in ROPE_KEYS[rope_type].items():
+    if c[mt] or mt not in UNSET_IS_ZERO:
+      out[hf] = c[mt]
+  return out
+
+
+def _deepseek_routing(hf: dict[str, Any]) -> dict[str, Any]:
+  """DeepSeek's router as transformers runs it: V3 sigmoid scores with a selection bias, groups ranked
+  by the sum of their two best experts; V2 softmax scores, no bias, no renormalisation, topk_method
+  greedy (no groups) or group_limited_greedy (groups ranked by their best expert)."""
+  if hf["model_type"] == "deepseek_v3":
+    return {"routed_score_func": "sigmoid", "routed_bias": True, "routed_group_score": "top2_sum"}
+  method = hf.get("topk_method") or "greedy"
+  if method not in ("greedy", "group_limited_greedy"):
+    raise ConfigError(f"deepseek_v2 topk_method {method!r} is not supported (greedy, group_limited_greedy)")
+  if hf.get("norm_topk_prob"):
+    raise ConfigError("deepseek_v2 norm_topk_prob=true is not supported: transformers' DeepseekV2 never renormalises")
+  out = {"routed_score_func": "softmax", "routed_bias": False, "routed_group_score": "max", "norm_topk_prob": False}
+  return out | ({"n_routing_groups": 1, "topk_routing_group": 1} if method == "greedy" else {})
+
+
+def _deepseek_arch(c: Config) -> tuple[str, str, dict[str, Any]]:
+  """(model_type, architecture, extra config.json fields) of a deepseek config: the router decides."""
+  grouped = c.n_routing_groups > 1
+  if c.routed_score_func == "sigmoid" and c.routed_bias and not (grouped and c.routed_group_score != "top2_sum"):
+    return "deepseek_v3", "DeepseekV3ForCausalLM", {"rope_interleave": True}  # the rules re-interleave rope dims
+  if c.routed_score_func == "softmax" and not c.routed_bias and not c.norm_topk_prob:
+    if not grouped or c.routed_group_score == "max":
+      return "deepseek_v2", "DeepseekV2ForCausalLM", {"topk_method": "group_limited_greedy" if grouped else "greedy"}
+  raise ConfigError(
+    "deepseek exports as deepseek_v3 (routed_score_func=sigmoid, routed_bias=true, routed_group_score=top2_sum) "
+    "or deepseek_v2 (routed_score_func=softmax, routed_bias=false, norm_topk_prob=false, routed_group_score=max); "
+    f"got {c.routed_score_func}, routed_bias={c.routed_bias}, norm_topk_prob={c.norm_topk_prob}, "
+    f"routed_group_score={c.routed_group_score}"
+  )
 
 
 def maxtext_keys(hf: dict[str, Any]) -> dict[str, Any]:
@@ -131,6 +187,8 @@ def maxtext_keys(hf: dict[str, Any]) -> dict[str, Any]:
     raise ConfigError("config.json rope_interleave=false is not supported for deepseek_v3")
   if model_type == "qwen3_moe" and (hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers")):
     raise ConfigError("qwen3_moe with decoder_sparse_step != 1 or mlp_only_layers is not supported")
+  if hf.get("quantization_config"):
+    raise ConfigError("quantized checkpoints (config.json quantization_config) are not supported; dequantize first")
   for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
     if hf.get(flag) and flag not in BIASES.get(block, ()):
       raise ConfigError(f"config.json {flag}=true is not supported for {model_type}")
@@ -144,12 +202,14 @@ def maxtext_keys(hf: dict[str, Any]) -> dict[str, Any]:
   if act not in ACTIVATIONS:
     raise ConfigError(f"config.json activation {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
   out["mlp_activations"] = ACTIVATIONS[act]
+  if block == "deepseek":
+    out |= _deepseek_routing(hf)
   rope = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {})}
   if block == "gemma3":
-    out |= _rope_keys(rope["full_attention"], "rope_max_timescale")
+    out |= _rope_keys(rope["full_attention"], "rope_max_timescale", hf)
     out["local_rope_max_timescale"] = rope["sliding_attention"]["rope_theta"]
   else:
-    out |= _rope_keys(rope, "rope_max_timescale")
+    out |= _rope_keys(rope, "rope_max_timescale", hf)
   return out
 
 
@@ -165,7 +225,10 @@ def hf_config(c: Config, dtype: str) -> dict[str, Any]:
     model_type, arch = "qwen3_moe", "Qwen3MoeForCausalLM"
   elif c.decoder_block == "qwen3":
     extra = {}
-  out: dict[str, Any] = {"model_type": model_type, "architectures": [arch], "dtype": dtype}
+  fields = {}
+  if c.decoder_block == "deepseek":
+    model_type, arch, fields = _deepseek_arch(c)
+  out: dict[str, Any] = {"model_type": model_type, "architectures": [arch], "dtype": dtype, **fields}
   for flag in ("attention_bias", "mlp_bias"):
     if c[flag] and flag not in BIASES.get(c.decoder_block, ()):
       raise ConfigError(f"{flag}=true has no Hugging Face export for decoder_block={c.decoder_block}")
@@ -175,8 +238,6 @@ def hf_config(c: Config, dtype: str) -> dict[str, Any]:
   out["num_attention_heads"], out["num_key_value_heads"] = c.num_query_heads, c.num_kv_heads
   out["hidden_size"], out["intermediate_size"] = c.emb_dim, c.mlp_dim
   out["num_hidden_layers"] = c.num_decoder_layers
-  if c.decoder_block == "deepseek":
-    out["rope_interleave"] = True  # the converter re-interleaves the rope weights
   for key in ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping", "q_lora_rank"):
     if out.get(key) == 0:
       out[key] = None
@@ -184,12 +245,11 @@ def hf_config(c: Config, dtype: str) -> dict[str, Any]:
     out["query_pre_attn_scalar"] = int(out["query_pre_attn_scalar"])
   act_key = "hidden_activation" if c.decoder_block.startswith("gemma") else "hidden_act"
   out[act_key] = next(k for k, v in ACTIVATIONS.items() if v == list(c.mlp_activations))
-  rope = {"rope_type": c.rope_type, "rope_theta": float(c.rope_max_timescale)}
-  if c.rope_type != "default":
-    rope |= {hf: c[mt] for hf, mt in ROPE_SCALING.items() if hf != "rope_type"}
+  rope = _rope_parameters(c, c.rope_type, c.rope_max_timescale)
+  if c.rope_type == "yarn":  # the length yarn extends to; transformers checks it against factor
+    out["max_position_embeddings"] = int(c.original_max_position_embeddings * c.rope_factor)
   if c.decoder_block == "gemma3":
-    local = {"rope_type": "default", "rope_theta": float(c.local_rope_max_timescale)}
-    rope = {"full_attention": rope, "sliding_attention": local}
+    rope = {"full_attention": rope, "sliding_attention": _rope_parameters(c, "default", c.local_rope_max_timescale)}
   out["rope_parameters"] = rope
   return out
 
@@ -302,6 +362,14 @@ def rules(c: Config, stacks, params: dict) -> list[Rule]:
     for suffix, path, expert, n_in, perm in _layer_rules(c, moe):
       out.append(Rule(f"model.layers.{i}.{suffix}", prefix + path, index + expert, n_in, perm))
   return out
+
+
+def ignored(c: Config, hf_name: str) -> bool:
+  """HF tensors the model does not use: DeepSeek V3's multi-token-prediction layers after the last
+  decoder layer (transformers skips them too)."""
+  parts = hf_name.split(".")
+  layer = parts[:2] == ["model", "layers"] and parts[2].isdigit()
+  return c.decoder_block == "deepseek" and layer and int(parts[2]) >= c.num_decoder_layers
 
 
 def _gpt2_rules(c: Config, stacks, params: dict) -> list[Rule]:

@@ -82,7 +82,8 @@ def convert(hf_path: str, output: str, scan_layers: bool = True) -> str:
   abstract = abstract_params(c)
   rules = hf_mapping.rules(c, models.family(c).stacks(c), abstract)
   index = tensor_index(hf_path)
-  unexpected = sorted(set(index) - {r.hf_name for r in rules})
+  expected = {r.hf_name for r in rules}
+  unexpected = sorted(name for name in set(index) - expected if not hf_mapping.ignored(c, name))
   if unexpected:
     raise ConfigError(f"Tensor {unexpected[0]} (and {len(unexpected) - 1} more) does not fit config.json's model")
   slices: dict[tuple, list] = {}

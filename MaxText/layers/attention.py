@@ -17,7 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.config import Config, ConfigError
 from MaxText.layers import kv_cache
-from MaxText.layers.embeddings import apply_rope, scaled_rope_frequencies
+from MaxText.layers.embeddings import apply_rope, rope_attention_factor, scaled_rope_frequencies
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.normalizations import RMSNorm
 
@@ -126,7 +126,8 @@ class Attention(nnx.Module):
       q, k = self.query_norm(q), self.key_norm(k)
     if self.use_rope:
       inv_freq = scaled_rope_frequencies(self.config, q.shape[-1], self.rope_max_timescale, self.rope_type)
-      q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+      scale = rope_attention_factor(self.config, self.rope_type)
+      q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
     q = q * self.query_scale
     if cache is None:
       mask = attention_mask(segment_ids, self.sliding_window)

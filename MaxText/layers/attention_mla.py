@@ -3,8 +3,10 @@
 Queries: x -> [q_lora_rank] -> RMSNorm -> [N, nope + rope] (or one projection when q_lora_rank = 0).
 Keys/values: x -> [kv_lora_rank + rope]; the latent part is normalised and expanded to per-head
 [N, nope + v]; the rope part is one RoPE key shared by all heads. Scores use nope and rope dims
-together, scaled by (nope + rope) ** -0.5. RoPE is in the halves layout: the converter de-interleaves
-DeepSeek's interleaved rope weights (a fixed permutation, so the round trip stays exact).
+together, scaled by (nope + rope) ** -0.5, times yarn_mscale(rope_factor, rope_mscale_all_dim) ** 2 when
+RoPE is scaled and rope_mscale_all_dim is set (DeepSeek's YaRN). RoPE is in the halves layout: the
+converter de-interleaves DeepSeek's interleaved rope weights (a fixed permutation, so the round trip
+stays exact).
 Einsum letters: B, T, S, N, D as in the legend; R rope dims, P nope dims, C latent (lora) rank.
 """
 
@@ -19,7 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 from MaxText.config import Config
 from MaxText.layers import kv_cache
 from MaxText.layers.attention import attention_mask, dot_product_attention
-from MaxText.layers.embeddings import apply_rope, scaled_rope_frequencies
+from MaxText.layers.embeddings import apply_rope, rope_attention_factor, scaled_rope_frequencies, yarn_mscale
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.normalizations import RMSNorm
 
@@ -46,6 +48,9 @@ class MLAttention(nnx.Module):
     self.out = DenseGeneral((n, v), d, ("heads", "kv", "embed"), **dense)
     self.config, self.sliding_window = config, sliding_window
     self.dims = (nope, rope, v)
+    self.query_scale = (nope + rope) ** -0.5
+    if config.rope_type != "default" and config.rope_mscale_all_dim:  # as transformers' DeepSeek V2/V3
+      self.query_scale *= yarn_mscale(config.rope_factor, config.rope_mscale_all_dim) ** 2
 
   def _queries(self, x: jax.Array) -> jax.Array:
     if self.wq_a is None:
@@ -64,7 +69,8 @@ class MLAttention(nnx.Module):
     latent, k_rope = jnp.split(self.wkv_a(x), [c.kv_lora_rank], axis=-1)  # [B, T, C], [B, T, R]
     latent = self.kv_norm(latent)
     inv_freq = scaled_rope_frequencies(c, rope, c.rope_max_timescale, c.rope_type)
-    k_rope = apply_rope(k_rope[:, :, None, :], positions, inv_freq)  # one shared head
+    rope_scale = rope_attention_factor(c, c.rope_type)
+    k_rope = apply_rope(k_rope[:, :, None, :], positions, inv_freq, rope_scale)  # one shared head
     if cache is None:
       mask = attention_mask(segment_ids, self.sliding_window)
     else:
@@ -74,8 +80,8 @@ class MLAttention(nnx.Module):
     kv = checkpoint_name(self.wkv_b(latent), "key_proj")  # [B, S, N, P + V]
     k_nope, v = jnp.split(kv, [nope], axis=-1)
     q_nope, q_rope = jnp.split(q, [nope], axis=-1)
-    q_rope = apply_rope(q_rope, positions, inv_freq)
-    q = jnp.concatenate([q_nope, q_rope], axis=-1) * (nope + rope) ** -0.5
+    q_rope = apply_rope(q_rope, positions, inv_freq, rope_scale)
+    q = jnp.concatenate([q_nope, q_rope], axis=-1) * self.query_scale
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], rope))], axis=-1)
     out = dot_product_attention(q, k, v, mask, c.attn_logits_soft_cap)
     out = nn.with_logical_constraint(

@@ -1,4 +1,4 @@
-"""Token embeddings and rotary position embeddings (RoPE, with Llama 3.1 and linear scaling)."""
+"""Token embeddings and rotary position embeddings (RoPE, with Llama 3.1, linear and YaRN scaling)."""
 
 from __future__ import annotations
 
@@ -59,8 +59,36 @@ def llama3_scaling(inv_freq: jax.Array, config: Config) -> jax.Array:
   return jnp.where(medium, blended, scaled)
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+  """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 when factor <= 1)."""
+  return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_scaling(head_dim: int, config: Config, max_timescale: float) -> jax.Array:
+  """YaRN (as transformers computes it): dims rotating more than rope_beta_fast times over
+  original_max_position_embeddings keep their frequency, those rotating fewer than rope_beta_slow
+  times are divided by rope_factor, a linear ramp over the dims between."""
+  factor, original, base = config.rope_factor, config.original_max_position_embeddings, max_timescale
+
+  def correction_dim(rotations: float) -> float:  # the dim that rotates `rotations` times over `original`
+    return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+  low, high = correction_dim(config.rope_beta_fast), correction_dim(config.rope_beta_slow)
+  if config.rope_truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, head_dim - 1)
+  if low == high:
+    high += 0.001  # avoid a zero-width ramp
+  fraction = 2 * jnp.arange(head_dim // 2, dtype=jnp.float32) / head_dim
+  timescale = config.rope_min_timescale * (base / config.rope_min_timescale) ** fraction
+  keep = 1 - jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+  return (1.0 / (factor * timescale)) * (1 - keep) + (1.0 / timescale) * keep
+
+
 def scaled_rope_frequencies(config: Config, head_dim: int, max_timescale: float, rope_type: str) -> jax.Array:
-  """rope_frequencies with the rope_type scaling (default | llama3 | linear) applied."""
+  """rope_frequencies with the rope_type scaling (default | llama3 | linear | yarn) applied."""
+  if rope_type == "yarn":
+    return yarn_scaling(head_dim, config, max_timescale)
   inv_freq = rope_frequencies(head_dim, config.rope_min_timescale, max_timescale)
   if rope_type == "llama3":
     return llama3_scaling(inv_freq, config)
@@ -69,13 +97,30 @@ def scaled_rope_frequencies(config: Config, head_dim: int, max_timescale: float,
   return inv_freq
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-  """Rotate x [B, T, N, H] by positions [B, T]; halves layout (dims i and i + H/2 form a pair).
+def rope_attention_factor(config: Config, rope_type: str) -> float:
+  """Multiplier of cos/sin (so of the rotated dims): 1 except for yarn, where it is rope_attention_factor
+  or, when that is 0, mscale(rope_factor, rope_mscale) / mscale(rope_factor, rope_mscale_all_dim) when
+  both are set, else mscale(rope_factor)."""
+  if rope_type != "yarn":
+    return 1.0
+  if config.rope_attention_factor:
+    return config.rope_attention_factor
+  factor, mscale, mscale_all_dim = config.rope_factor, config.rope_mscale, config.rope_mscale_all_dim
+  if mscale and mscale_all_dim:
+    return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+  return yarn_mscale(factor)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0) -> jax.Array:
+  """Rotate x [B, T, N, H] by positions [B, T], times `scale` (rope_attention_factor); halves layout
+  (dims i and i + H/2 form a pair).
 
   The halves layout is Hugging Face's Llama convention, so converted checkpoints need no permutation.
   """
   angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
   sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+  if scale != 1.0:
+    sin, cos = sin * scale, cos * scale
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return rotated.astype(x.dtype)

@@ -1,5 +1,5 @@
-"""Mixture of experts: a float32 router (softmax, or sigmoid with a selection bias and group-limited
-choice as in DeepSeek V3), top-k routing, gated expert MLPs and optional shared experts.
+"""Mixture of experts: a float32 router (softmax, or sigmoid with a selection bias as in DeepSeek V3;
+group-limited choice as in DeepSeek V2/V3), top-k routing, gated expert MLPs and optional shared experts.
 
 Dropless by default: the token->expert assignments are sorted by expert and each expert's contiguous
 group goes through jax.lax.ragged_dot. capacity_factor > 0 gives each expert a fixed buffer of
@@ -34,14 +34,18 @@ class Routing(NamedTuple):
   probs: jax.Array  # [X, E] float32 router probabilities
 
 
-def group_limit(choice: jax.Array, groups: int, top_groups: int) -> jax.Array:
+def group_limit(choice: jax.Array, groups: int, top_groups: int, score: str = "top2_sum") -> jax.Array:
   """choice [X, E] -> the same with experts outside each token's `top_groups` best groups at -inf; a
-  group's score is the sum of its two best experts (DeepSeek V3)."""
+  group's score is the sum of its two best experts (score=top2_sum, DeepSeek V3) or its best expert
+  (score=max, DeepSeek V2's group_limited_greedy)."""
   if groups <= 1:
     return choice
   x, e = choice.shape
   grouped = choice.reshape(x, groups, e // groups)
-  group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [X, groups]
+  if score == "max":
+    group_scores = jnp.max(grouped, axis=-1)  # [X, groups]
+  else:
+    group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
   keep = jax.nn.one_hot(jax.lax.top_k(group_scores, top_groups)[1], groups).sum(axis=1) > 0
   return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(x, e)
 
@@ -52,7 +56,7 @@ def route(logits: jax.Array, config: Config, bias: jax.Array | None = None) -> R
   logits = logits.astype(jnp.float32)
   scores = jax.nn.sigmoid(logits) if config.routed_score_func == "sigmoid" else jax.nn.softmax(logits, axis=-1)
   choice = scores if bias is None else scores + bias.astype(jnp.float32)
-  choice = group_limit(choice, config.n_routing_groups, config.topk_routing_group)
+  choice = group_limit(choice, config.n_routing_groups, config.topk_routing_group, config.routed_group_score)
   experts = jax.lax.top_k(choice, config.num_experts_per_tok)[1]
   weights = jnp.take_along_axis(scores, experts, axis=-1)
   if config.norm_topk_prob:

@@ -2,6 +2,7 @@
 too) converted to MaxText give the same float32 logits; scan true/false agree; the way back to
 Hugging Face is bit-exact; converted models train."""
 
+import importlib
 import json
 import os
 
@@ -13,6 +14,7 @@ from flax import nnx
 from MaxText import checkpointing, config, models, train
 from MaxText.config import ConfigError
 from MaxText.convert import hf_mapping, hf_to_maxtext, maxtext_to_hf
+from MaxText.layers import attention_mla, embeddings
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -29,6 +31,15 @@ GEMMA3_ROPE = {
 DEEPSEEK = dict(num_hidden_layers=3, first_k_dense_replace=1, num_key_value_heads=4, moe_intermediate_size=16)
 DEEPSEEK |= dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1)
 DEEPSEEK |= dict(q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=6, head_dim=4)
+# YaRN over 8 rope dims: with these lengths the 4 frequencies are scaled by 1, 0.625, 0.25, 0.25 (truncate) or
+# 1, 0.256, 0.25, 0.25; mscale != mscale_all_dim scales cos/sin, mscale_all_dim the MLA softmax.
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+DEEPSEEK_YARN = dict(DEEPSEEK, qk_rope_head_dim=8, head_dim=8, max_position_embeddings=256)
+DEEPSEEK2 = dict(DEEPSEEK_YARN, topk_method="group_limited_greedy", rope_parameters={**YARN, "mscale": 0.9})
+DEEPSEEK2["rope_parameters"] |= {"mscale_all_dim": 0.7}
+DEEPSEEK2_LITE = dict(DEEPSEEK2, q_lora_rank=None, topk_method="greedy", n_group=1, topk_group=1)
+DEEPSEEK2_LITE["rope_parameters"] = {**YARN, "mscale": 0.707, "mscale_all_dim": 0.707, "truncate": False}
+DEEPSEEK3_YARN = dict(DEEPSEEK_YARN, rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 16})
 FAMILIES = {
   "llama2": ("LlamaConfig", {}),
   "llama-bias": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),
@@ -47,9 +58,17 @@ FAMILIES = {
   ),
   "deepseek3": ("DeepseekV3Config", DEEPSEEK),
   "deepseek-no-q-lora": ("DeepseekV3Config", {**DEEPSEEK, "q_lora_rank": None, "n_group": 1, "topk_group": 1}),
+  "deepseek3-yarn": ("DeepseekV3Config", DEEPSEEK3_YARN),
+  "deepseek2": ("DeepseekV2Config", DEEPSEEK2),
+  "deepseek2-lite": ("DeepseekV2Config", DEEPSEEK2_LITE),
+  "llama-yarn": ("LlamaConfig", {"rope_parameters": YARN, "max_position_embeddings": 256}),
   "gpt3": ("GPT2Config", {}),
   "qwen3-moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}),
 }
+# Architecture fields of the published config.json files (DeepSeek-V2-Lite; DeepSeek-V3 without its FP8
+# quantization_config), legacy rope_scaling with "type" included.
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+PUBLISHED = {name: os.path.join(GOLDEN, f"{name}.config.json") for name in ("deepseek2-16b", "deepseek3-671b")}
 GPT2 = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16, n_inner=48)
 T = 12
 
@@ -156,6 +175,18 @@ def test_errors_name_the_tensor(tmp_path):
     hf_to_maxtext.convert(save(state, {**cfg, "model_type": "mistral", "attention_bias": True}), str(tmp_path / "o5"))
 
 
+def test_deepseek_mtp_layers_are_skipped_and_quantized_checkpoints_rejected(tmp_path):
+  """DeepSeek V3's multi-token-prediction layer (after the last layer) is not part of the model."""
+  _, hf_path = hf_model("deepseek2-lite", tmp_path)
+  state = safetensors_torch.load_file(os.path.join(hf_path, "model.safetensors"))
+  mtp = {k.replace("layers.2.", "layers.3."): v.clone() for k, v in state.items() if "layers.2." in k}
+  safetensors_torch.save_file({**state, **mtp}, os.path.join(hf_path, "model.safetensors"))
+  hf_to_maxtext.convert(hf_path, os.path.join(tmp_path, "mt"), scan_layers=False)
+  cfg = json.load(open(os.path.join(hf_path, "config.json")))
+  with pytest.raises(ConfigError, match="quantization_config"):
+    hf_mapping.maxtext_keys({**cfg, "quantization_config": {"quant_method": "fp8"}})
+
+
 def test_command_lines_and_check_logits(tmp_path):
   """The documented commands: hf_to_maxtext, maxtext_to_hf, check_logits (pass, then fail on bad logits)."""
   from MaxText import check_logits  # noqa: PLC0415
@@ -185,3 +216,24 @@ def test_bias_export_needs_a_class_with_that_flag():
     hf_mapping.hf_config(c, "float32")
   exported = hf_mapping.hf_config(c.replace(decoder_block="llama2"), "float32")
   assert exported["mlp_bias"] is True and exported["attention_bias"] is False
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_published_deepseek_configs_map_to_the_presets(preset):
+  """config.json -> the preset's keys; RoPE frequencies, cos/sin factor and softmax scale as transformers'."""
+  hf = json.load(open(PUBLISHED[preset]))
+  keys = hf_mapping.maxtext_keys(hf)
+  c = config.load([os.path.join(config.CONFIG_DIR, "base.yml"), "run_name=t", f"model_name={preset}"], {})
+  assert {k: v for k, v in keys.items() if k != "head_dim" and c[k] != v} == {}  # head_dim: unused by MLA
+  hf_cfg = transformers.AutoConfig.for_model(**hf)
+  model = getattr(transformers, hf_mapping.hf_config(c, "bfloat16")["architectures"][0])
+  assert model.config_class is type(hf_cfg)
+  inv_freq, attention_factor = transformers.modeling_rope_utils._compute_yarn_parameters(hf_cfg)
+  ours = embeddings.scaled_rope_frequencies(c, c.qk_rope_head_dim, c.rope_max_timescale, c.rope_type)
+  np.testing.assert_allclose(ours, inv_freq.numpy(), rtol=1e-6)
+  assert embeddings.rope_attention_factor(c, c.rope_type) == pytest.approx(attention_factor, rel=1e-12)
+  module = importlib.import_module(model.__module__)
+  softmax_scale = module.yarn_apply_mscale(hf_cfg.rope_parameters, (c.qk_nope_head_dim + c.qk_rope_head_dim) ** -0.5)
+  with nnx.use_eager_sharding(False):
+    mla = nnx.eval_shape(lambda: attention_mla.MLAttention(c, rngs=nnx.Rngs(0)))
+  assert mla.query_scale == pytest.approx(softmax_scale, rel=1e-12)

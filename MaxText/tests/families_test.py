@@ -128,8 +128,13 @@ def test_logits_match_hugging_face_and_round_trip_is_exact(family, tmp_path):
     np.testing.assert_array_equal(reloaded(torch.tensor(tokens)).logits.numpy(), ref)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "gemma3", "deepseek3", "gpt3"])
+MOE_FAMILIES = ("mixtral", "qwen3-moe", "deepseek3", "deepseek2")
+TRAINED = ("llama2", "llama-bias", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "gpt3", *MOE_FAMILIES)
+
+
+@pytest.mark.parametrize("family", TRAINED)
 def test_converted_model_trains(family, tmp_path):
+  """Every family (one model per decoder_block and MoE router) trains from its converted checkpoint."""
   _, hf_path = hf_model(family, tmp_path)
   out = os.path.join(tmp_path, "mt")
   hf_to_maxtext.convert(hf_path, out)
@@ -143,7 +148,7 @@ def test_converted_model_trains(family, tmp_path):
   train.run(c)
   rows = [json.loads(line) for line in open(c.metrics_file)]
   assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows)
-  if family in ("mixtral", "deepseek3"):
+  if family in MOE_FAMILIES:
     assert all(r["moe_load_balance_loss"] > 0.5 for r in rows)
   else:  # dense models do not report an MoE loss
     assert all("moe_load_balance_loss" not in r for r in rows)

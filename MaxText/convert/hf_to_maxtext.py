@@ -1,6 +1,6 @@
 """Hugging Face directory (config.json + *.safetensors) -> MaxText `DIR/params` + `DIR/config.yml`.
 
-    python3 -m MaxText.convert.hf_to_maxtext --hf_path HF_DIR --output OUT_DIR [--scan_layers false]
+    python3 -m MaxText.convert.hf_to_maxtext --hf_path HF_DIR --output OUT_DIR [--scan_layers false] [--dtype bfloat16]
 
 Streams tensor by tensor: every tensor's presence and shape is checked from the safetensors headers
 first; then orbax writes the checkpoint through MaxText/convert/streaming.py, which reads one HF tensor,
@@ -20,6 +20,7 @@ import sys
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import yaml
 from flax import nnx
@@ -75,9 +76,10 @@ def load_config(hf_path: str, output: str, scan_layers: bool) -> tuple[Config, d
   return config_lib.load([cfg_path, "run_name=convert", "dtype=float32"], {}), keys
 
 
-def convert(hf_path: str, output: str, scan_layers: bool = True) -> str:
+def convert(hf_path: str, output: str, scan_layers: bool = True, dtype: str = "float32") -> str:
   """Write OUTPUT/config.yml and OUTPUT/params; returns the params path. Every tensor's presence and
-  shape is checked (from the safetensors headers) before anything is written."""
+  shape is checked (from the safetensors headers) before anything is written. `dtype` is the storage
+  dtype of the checkpoint (bfloat16 halves its size; restores cast to the run's weight_dtype)."""
   c, _ = load_config(hf_path, output, scan_layers)
   abstract = abstract_params(c)
   rules = hf_mapping.rules(c, models.family(c).stacks(c), abstract)
@@ -91,14 +93,14 @@ def convert(hf_path: str, output: str, scan_layers: bool = True) -> str:
     target = get(abstract, rule.path)
     shape = target.shape[len(rule.index) :]
     _check_shape(index, rule, shape)
-    load = functools.partial(_load, index[rule.hf_name], rule, shape, np.dtype(target.dtype))
+    load = functools.partial(_load, index[rule.hf_name], rule, shape, np.dtype(jnp.dtype(dtype)))
     slices.setdefault(rule.path, []).append((rule.index, load))
   leaves = jax.tree_util.tree_leaves_with_path(abstract)
   unmapped = [jax.tree_util.keystr(k) for k, _ in leaves if tuple(streaming.key_name(p) for p in k) not in slices]
   if unmapped:
     raise ConfigError(f"No Hugging Face tensor maps to parameter {unmapped[0]} (and {len(unmapped) - 1} more)")
   streamed = {
-    path: streaming.StreamedArray(tuple(get(abstract, path).shape), np.dtype(get(abstract, path).dtype), tuple(s))
+    path: streaming.StreamedArray(tuple(get(abstract, path).shape), np.dtype(jnp.dtype(dtype)), tuple(s))
     for path, s in slices.items()
   }
   incomplete = [path for path, a in streamed.items() if a.uncovered()]
@@ -153,10 +155,13 @@ def main(argv: list[str]) -> None:
   parser.add_argument("--hf_path", required=True, help="directory with config.json and *.safetensors")
   parser.add_argument("--output", required=True, help="writes OUTPUT/params and OUTPUT/config.yml")
   parser.add_argument("--scan_layers", default="true", choices=("true", "false"), help="layout of the layers")
+  parser.add_argument(
+    "--dtype", default="float32", choices=("float32", "bfloat16"), help="storage dtype (bfloat16: half the disk)"
+  )
   args = parser.parse_args(argv)
   jax.config.update("jax_platforms", "cpu")
   try:
-    path = convert(args.hf_path, args.output, args.scan_layers == "true")
+    path = convert(args.hf_path, args.output, args.scan_layers == "true", args.dtype)
   except ConfigError as e:
     sys.exit(f"Conversion error: {e}")
   print(f"Wrote {path} and {os.path.join(args.output, 'config.yml')}")

@@ -41,10 +41,15 @@ class Embed(nnx.Module):
     return jnp.einsum("BTD,VD->BTV", x.astype(dtype), self.embedding[...].astype(dtype))
 
 
-def rope_frequencies(head_dim: int, min_timescale: float, max_timescale: float) -> jax.Array:
-  """Inverse timescales [H/2]: min * (max/min)^(2i/H), the Llama/RoFormer schedule."""
+def rope_timescales(head_dim: int, min_timescale: float, max_timescale: float) -> jax.Array:
+  """Timescales [H/2]: min * (max/min)^(2i/H), the Llama/RoFormer schedule."""
   fraction = 2 * jnp.arange(head_dim // 2, dtype=jnp.float32) / head_dim
-  return 1.0 / (min_timescale * (max_timescale / min_timescale) ** fraction)
+  return min_timescale * (max_timescale / min_timescale) ** fraction
+
+
+def rope_frequencies(head_dim: int, min_timescale: float, max_timescale: float) -> jax.Array:
+  """Inverse timescales [H/2] (rope_timescales)."""
+  return 1.0 / rope_timescales(head_dim, min_timescale, max_timescale)
 
 
 def llama3_scaling(inv_freq: jax.Array, config: Config) -> jax.Array:
@@ -79,8 +84,7 @@ def yarn_scaling(head_dim: int, config: Config, max_timescale: float) -> jax.Arr
   low, high = max(low, 0), min(high, head_dim - 1)
   if low == high:
     high += 0.001  # avoid a zero-width ramp
-  fraction = 2 * jnp.arange(head_dim // 2, dtype=jnp.float32) / head_dim
-  timescale = config.rope_min_timescale * (base / config.rope_min_timescale) ** fraction
+  timescale = rope_timescales(head_dim, config.rope_min_timescale, base)
   keep = 1 - jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
   return (1.0 / (factor * timescale)) * (1 - keep) + (1.0 / timescale) * keep
 

@@ -76,13 +76,18 @@ def _restore_tree(path: str, abstract: Any) -> Any:
     raise ConfigError(f"Checkpoint {path!r} does not match this model's state: {e}") from e
 
 
+def saved_tree(path: str) -> Any:
+  """The tree (nested dicts of per-array metadata) of the orbax PyTree checkpoint at `path`."""
+  metadata = ocp.PyTreeCheckpointer().metadata(path)
+  return metadata.item_metadata.tree if hasattr(metadata, "item_metadata") else metadata
+
+
 def load_params(path: str, abstract_params: Any) -> Any:
   """Params from `path`: a params-only checkpoint, or a train-state checkpoint's `params` subtree."""
   path = os.path.abspath(path)
   if not os.path.isdir(path):
     raise ConfigError(f"load_parameters_path {path!r} does not exist")
-  metadata = ocp.PyTreeCheckpointer().metadata(path)
-  tree = metadata.item_metadata.tree if hasattr(metadata, "item_metadata") else metadata
+  tree = saved_tree(path)
   item = {"params": abstract_params} if isinstance(tree, dict) and "params" in tree else abstract_params
   restore_args = ocp.checkpoint_utils.construct_restore_args(item)
   try:

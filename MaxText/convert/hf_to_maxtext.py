@@ -31,10 +31,14 @@ from MaxText.config import Config, ConfigError
 from MaxText.convert import hf_mapping, streaming
 
 
+def abstract_state(c: Config) -> nnx.State:
+  """The model's Params as an nnx.State of jax.ShapeDtypeStruct (nothing allocated)."""
+  return nnx.state(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(params=0))), nnx.Param)
+
+
 def abstract_params(c: Config) -> dict:
   """The model's parameters as a pure nested dict of jax.ShapeDtypeStruct (nothing allocated)."""
-  model = nnx.eval_shape(lambda: models.build(c, nnx.Rngs(params=0)))
-  return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  return nnx.to_pure_dict(abstract_state(c))
 
 
 def get(tree: dict, path: tuple) -> Any:
@@ -50,8 +54,8 @@ def to_maxtext(tensor: np.ndarray, shape: tuple[int, ...], rule: hf_mapping.Rule
   return out if rule.perm is None else out[..., rule.perm]
 
 
-def tensor_index(hf_path: str) -> dict[str, str]:
-  """HF tensor name -> the safetensors file holding it."""
+def tensor_index(hf_path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+  """HF tensor name -> (the safetensors file holding it, its shape), from the files' headers."""
   files = sorted(glob.glob(os.path.join(hf_path, "*.safetensors")))
   if not files:
     raise ConfigError(f"No *.safetensors files in {hf_path!r}")
@@ -60,7 +64,7 @@ def tensor_index(hf_path: str) -> dict[str, str]:
   index = {}
   for path in files:
     with safe_open(path, "np") as f:
-      index.update({name: path for name in f.keys()})
+      index.update({name: (path, tuple(f.get_slice(name).get_shape())) for name in f.keys()})
   return index
 
 
@@ -81,27 +85,27 @@ def convert(hf_path: str, output: str, scan_layers: bool = True, dtype: str = "f
   shape is checked (from the safetensors headers) before anything is written. `dtype` is the storage
   dtype of the checkpoint (bfloat16 halves its size; restores cast to the run's weight_dtype)."""
   c, _ = load_config(hf_path, output, scan_layers)
-  abstract = abstract_params(c)
+  state = abstract_state(c)
+  abstract = nnx.to_pure_dict(state)
   rules = hf_mapping.rules(c, models.family(c).stacks(c), abstract)
   index = tensor_index(hf_path)
   expected = {r.hf_name for r in rules}
   unexpected = sorted(name for name in set(index) - expected if not hf_mapping.ignored(c, name))
   if unexpected:
     raise ConfigError(f"Tensor {unexpected[0]} (and {len(unexpected) - 1} more) does not fit config.json's model")
+  storage = np.dtype(jnp.dtype(dtype))
   slices: dict[tuple, list] = {}
   for rule in rules:
-    target = get(abstract, rule.path)
-    shape = target.shape[len(rule.index) :]
+    shape = get(abstract, rule.path).shape[len(rule.index) :]
     _check_shape(index, rule, shape)
-    load = functools.partial(_load, index[rule.hf_name], rule, shape, np.dtype(jnp.dtype(dtype)))
+    load = functools.partial(_load, index[rule.hf_name][0], rule, shape, storage)
     slices.setdefault(rule.path, []).append((rule.index, load))
   leaves = jax.tree_util.tree_leaves_with_path(abstract)
   unmapped = [jax.tree_util.keystr(k) for k, _ in leaves if tuple(streaming.key_name(p) for p in k) not in slices]
   if unmapped:
     raise ConfigError(f"No Hugging Face tensor maps to parameter {unmapped[0]} (and {len(unmapped) - 1} more)")
   streamed = {
-    path: streaming.StreamedArray(tuple(get(abstract, path).shape), np.dtype(jnp.dtype(dtype)), tuple(s))
-    for path, s in slices.items()
+    path: streaming.StreamedArray(tuple(get(abstract, path).shape), storage, tuple(s)) for path, s in slices.items()
   }
   incomplete = [path for path, a in streamed.items() if a.uncovered()]
   if incomplete:
@@ -109,18 +113,15 @@ def convert(hf_path: str, output: str, scan_layers: bool = True, dtype: str = "f
   path = os.path.join(output, "params")
   if os.path.exists(path):
     shutil.rmtree(path)
-  streaming.save(path, {"params": _fill(c, streamed)})
+  streaming.save(path, {"params": _fill(state, streamed)})
   return path
 
 
-def _check_shape(index: dict[str, str], rule: hf_mapping.Rule, shape: tuple[int, ...]) -> None:
-  """The rule's tensor exists and has the shape our parameter slice implies (header only, no data read)."""
-  from safetensors import safe_open  # noqa: PLC0415 (optional dependency of the converters)
-
+def _check_shape(index: dict[str, tuple[str, tuple[int, ...]]], rule: hf_mapping.Rule, shape: tuple[int, ...]) -> None:
+  """The rule's tensor exists and has the shape our parameter slice implies (from tensor_index)."""
   if rule.hf_name not in index:
     raise ConfigError(f"Missing tensor {rule.hf_name} (needed for {'/'.join(map(str, rule.path))})")
-  with safe_open(index[rule.hf_name], "np") as f:
-    got = tuple(f.get_slice(rule.hf_name).get_shape())
+  got = index[rule.hf_name][1]
   if rule.cols:
     got = (*got[:-1], min(rule.cols[1], got[-1]) - rule.cols[0])
   expected = hf_mapping.hf_shape(rule, shape)
@@ -139,10 +140,8 @@ def _load(file: str, rule: hf_mapping.Rule, shape: tuple[int, ...], dtype: np.dt
   return to_maxtext(tensor, shape, rule).astype(dtype)
 
 
-def _fill(c: Config, leaves: dict[tuple, Any]) -> nnx.State:
-  """nnx.State of the model's Params holding `leaves` (path in the pure dict -> value)."""
-  model = nnx.eval_shape(lambda: models.build(c, nnx.Rngs(params=0)))
-  state = nnx.state(model, nnx.Param)
+def _fill(state: nnx.State, leaves: dict[tuple, Any]) -> nnx.State:
+  """`state` (the model's abstract Params) holding `leaves` (path in its pure dict -> value)."""
   pure = nnx.to_pure_dict(state)
   for path, leaf in leaves.items():
     get(pure, path[:-1])[path[-1]] = leaf

@@ -33,6 +33,8 @@ from orbax.checkpoint._src.multihost import multihost
 from orbax.checkpoint._src.serialization import ocdbt_utils
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
+from MaxText import checkpointing
+
 
 @dataclasses.dataclass(frozen=True)
 class StreamedArray:
@@ -103,8 +105,7 @@ class Reader:
 
   def __init__(self, path: str):
     self.path = os.path.abspath(path)
-    metadata = ocp.PyTreeCheckpointer().metadata(self.path)
-    tree = metadata.item_metadata.tree if hasattr(metadata, "item_metadata") else metadata
+    tree = checkpointing.saved_tree(self.path)
     self.keys = {tuple(str(key_name(k)) for k in key) for key, _ in jax.tree_util.tree_leaves_with_path(tree)}
     with open(os.path.join(self.path, "_METADATA")) as f:
       flags = json.load(f)

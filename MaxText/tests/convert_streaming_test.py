@@ -7,6 +7,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from benchmarks import convert_benchmark
+from MaxText import checkpointing
 from MaxText.convert import streaming
 
 
@@ -59,9 +60,7 @@ def test_conversion_memory_stays_far_below_the_model_size(tmp_path):
   from safetensors.numpy import load_file  # noqa: PLC0415
 
   path = os.path.join(tmp_path, "out_True", "params")
-  saved = ocp.PyTreeCheckpointer().metadata(path)
-  tree = saved.item_metadata.tree if hasattr(saved, "item_metadata") else saved
-  args = {"params": _numpy_args(tree["params"])}
+  args = {"params": _numpy_args(checkpointing.saved_tree(path)["params"])}
   params = ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(restore_args=args))["params"]
   shard = load_file(os.path.join(hf, "model-00001-of-00002.safetensors"))
   layer = params["layers"]

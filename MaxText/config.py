@@ -256,8 +256,13 @@ def _validate_family_options(c: dict[str, Any]) -> None:
     raise ConfigError(f"rope_factor must be >= 1 with rope_type={c['rope_type']}, got {c['rope_factor']}")
   if c["rope_type"] == "llama3" and not 0 < c["rope_low_freq_factor"] < c["rope_high_freq_factor"]:
     raise ConfigError("rope_type=llama3 needs 0 < rope_low_freq_factor < rope_high_freq_factor")
-  if c["rope_type"] == "yarn" and not (c["original_max_position_embeddings"] > 0 and c["rope_beta_slow"] > 0):
-    raise ConfigError("rope_type=yarn needs original_max_position_embeddings > 0 and rope_beta_slow > 0")
+  if c["rope_type"] == "yarn" and not (
+    c["original_max_position_embeddings"] > 0 and c["rope_beta_fast"] > c["rope_beta_slow"] > 0
+  ):
+    raise ConfigError(
+      "rope_type=yarn needs original_max_position_embeddings > 0 and rope_beta_fast > rope_beta_slow > 0, got "
+      f"{c['original_max_position_embeddings']}, {c['rope_beta_fast']}, {c['rope_beta_slow']}"
+    )
   if min(c["rope_mscale"], c["rope_mscale_all_dim"], c["rope_attention_factor"]) < 0:
     raise ConfigError("rope_mscale, rope_mscale_all_dim and rope_attention_factor must be >= 0 (0: unset)")
   if c["num_experts"] < 1 or not 1 <= c["num_experts_per_tok"] <= c["num_experts"]:

@@ -64,6 +64,8 @@ def test_parameter_count(name):
     "sliding_window_size=-1",
     "rope_type=dynamic",
     "rope_type=yarn rope_beta_slow=0",
+    "rope_type=yarn rope_beta_fast=-1",
+    "rope_type=yarn rope_beta_fast=0.5",
     "rope_mscale=-1",
     "num_experts=8 num_experts_per_tok=3 n_routing_groups=4",
     "routed_group_score=mean",

@@ -73,6 +73,10 @@ def load_config(hf_path: str, output: str, scan_layers: bool) -> tuple[Config, d
     keys = hf_mapping.maxtext_keys(json.load(f))
   cfg_path = os.path.join(output, "config.yml")
   os.makedirs(output, exist_ok=True)
+  if os.path.exists(os.path.join(hf_path, "tokenizer.json")):  # decode.py then needs no tokenizer flags
+    tokenizer = os.path.abspath(os.path.join(output, "tokenizer.json"))
+    shutil.copyfile(os.path.join(hf_path, "tokenizer.json"), tokenizer)
+    keys = {**keys, "tokenizer_type": "huggingface", "tokenizer_path": tokenizer}
   with open(cfg_path, "w") as f:
     f.write("# Converted from a Hugging Face checkpoint by MaxText.convert.hf_to_maxtext.\n")
     f.write("base_config: base.yml\n")

@@ -195,12 +195,24 @@ def test_deepseek_mtp_layers_are_skipped_and_quantized_checkpoints_rejected(tmp_
 
 def test_command_lines_and_check_logits(tmp_path):
   """The documented commands: hf_to_maxtext, maxtext_to_hf, check_logits (pass, then fail on bad logits)."""
-  from MaxText import check_logits  # noqa: PLC0415
+  from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: PLC0415
+
+  from MaxText import (
+    check_logits,  # noqa: PLC0415
+    decode,  # noqa: PLC0415
+  )
 
   model, hf_path = hf_model("qwen3", tmp_path)
+  words = ["[UNK]", "I", "love", "to", *[f"w{i}" for i in range(60)]]  # the model's 64 ids
+  tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+  tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+  tokenizer.save(os.path.join(hf_path, "tokenizer.json"))
   out, back = os.path.join(tmp_path, "mt"), os.path.join(tmp_path, "back")
   hf_to_maxtext.main(["--hf_path", hf_path, "--output", out, "--scan_layers", "false"])
   cfg, params = os.path.join(out, "config.yml"), f"load_parameters_path={out}/params"
+  run_dir = [f"base_output_directory={tmp_path}", "run_name=decode", "add_bos=false", "decode_max_new_tokens=3"]
+  result = decode.run(config.load([cfg, params, *run_dir], {}))  # the converted tokenizer, no tokenizer flags
+  assert all(len(c.tokens) == 3 for c in result.completions)
   maxtext_to_hf.main([cfg, params, "--output", back])
   assert transformers.AutoModelForCausalLM.from_pretrained(back) is not None
   tokens = np.random.default_rng(1).integers(0, 64, (2, T))

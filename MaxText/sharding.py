@@ -56,8 +56,10 @@ def num_slices(config: Config, devices: Sequence[Any]) -> int:
   """num_slices, or detected: TPU slices from slice_index; elsewhere each process (host) is a slice."""
   if config.num_slices > 0:
     return config.num_slices
-  if _has_slices(devices):
-    return 1 + max(d.slice_index or 0 for d in devices)
+  if all(getattr(d, "platform", "") == "tpu" for d in devices):
+    # A single TPU slice (and libtpu's AOT description of one) has no slice_index: one slice, however
+    # many hosts. Counting hosts here made v5e-256 a 64-slice data-parallel mesh with fsdp=4.
+    return 1 + max(getattr(d, "slice_index", 0) or 0 for d in devices)
   return len({d.process_index for d in devices})
 
 

@@ -14,8 +14,6 @@ MaxText/data/convert_to_arrayrecord.py). Parquet rows give their `text_column`.
 
 from __future__ import annotations
 
-import bisect
-import glob as globlib
 import json
 import os
 from collections.abc import Sequence
@@ -29,6 +27,7 @@ from MaxText import sharding
 from MaxText.config import Config
 from MaxText.data import tokenizer as tokenizers
 from MaxText.data.batches import FIELDS, Iterators, complete_rows, process_rows
+from MaxText.data.files import ParquetSource, expand
 
 
 class Component(NamedTuple):
@@ -51,16 +50,6 @@ def parse_mixture(spec: str) -> list[tuple[str, float]]:
   return [(p, w / total) for p, w in parts]
 
 
-def expand(pattern: str) -> list[str]:
-  """Sorted files matching `pattern` ('**' recurses); ValueError naming the pattern when there are none."""
-  if pattern.startswith("gs://"):
-    return [pattern]  # let the reader resolve remote paths
-  paths = sorted(p for p in globlib.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
-  if not paths:
-    raise ValueError(f"{pattern!r} matches no files")
-  return paths
-
-
 def record_text(record: Any, column: str) -> str:
   """The text of one record: a dict's `column`, a JSON object's `column`, or the record itself as text."""
   if isinstance(record, (bytes, np.bytes_)):
@@ -77,46 +66,6 @@ def record_text(record: Any, column: str) -> str:
   if not isinstance(record, str):
     raise ValueError(f"Record of type {type(record).__name__} holds no text")
   return record
-
-
-class ParquetSource:
-  """Random access to the rows of Parquet files: [i] -> the `column` string of row i (row groups cached)."""
-
-  def __init__(self, paths: Sequence[str], column: str):
-    import pyarrow.parquet as pq
-
-    self._paths, self._column, starts = list(paths), column, [0]
-    self._groups = []  # (file index, row group) in order
-    for i, path in enumerate(self._paths):
-      try:
-        meta = pq.ParquetFile(path).metadata
-      except (OSError, ValueError) as e:
-        raise ValueError(f"Cannot read Parquet file {path!r}: {e}") from None
-      if column not in meta.schema.names:
-        raise ValueError(
-          f"Parquet file {path!r} has no column {column!r} ({', '.join(meta.schema.names)}); set text_column"
-        )
-      for g in range(meta.num_row_groups):
-        self._groups.append((i, g))
-        starts.append(starts[-1] + meta.row_group(g).num_rows)
-    self._starts = starts
-    self._cache: tuple[int, list] = (-1, [])
-
-  def __len__(self) -> int:
-    return self._starts[-1]
-
-  def __getitem__(self, index: int) -> str:
-    group = bisect.bisect_right(self._starts, index) - 1
-    if self._cache[0] != group:
-      import pyarrow.parquet as pq
-
-      file, g = self._groups[group]
-      table = pq.ParquetFile(self._paths[file]).read_row_group(g, columns=[self._column])
-      self._cache = (group, table.column(0).to_pylist())
-    return self._cache[1][index - self._starts[group]] or ""
-
-  def __getstate__(self):  # workers re-read their row groups
-    return {**self.__dict__, "_cache": (-1, [])}
 
 
 def open_source(paths: Sequence[str], file_type: str, column: str) -> Any:

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, Sharding
 from MaxText import sharding
 from MaxText.config import Config
 from MaxText.data import tokenizer as tokenizers
-from MaxText.data.batches import FIELDS, Iterators, complete_rows, process_rows
+from MaxText.data.batches import Iterators, Rows, assemble_batch, process_rows
 from MaxText.data.files import ParquetSource, expand
 
 
@@ -192,9 +192,9 @@ def _allgather_strings(text: str) -> list[str]:
 
 
 class GrainBatches:
-  """Global batches (dicts of int32 jax.Arrays [global_batch, length] on `spec`) from a grain dataset of local
-  batches. `finite`: stop once every process has run out, padding the processes that ran out first, so that
-  all run the same number of steps; padding rows have segment 0 and carry no loss."""
+  """A batches.BatchSource: global batches (int32 jax.Arrays [global_batch, length] on `spec`) from a grain
+  dataset of local batches. `finite`: stop once every process has run out, padding the processes that ran out
+  first, so that all run the same number of steps; padding rows have segment 0 and carry no loss."""
 
   def __init__(self, dataset: Any, spec: Sharding, global_batch: int, length: int, shard: DataShard, finite: bool):
     self._dataset, self._spec, self._shape = dataset, spec, (global_batch, length)
@@ -216,12 +216,11 @@ class GrainBatches:
     local = self._local()
     if self._finite and not any(json.loads(s) for s in _allgather_strings(json.dumps(local is not None))):
       raise StopIteration
-    rows = (self._shard.rows, self._shape[1])
-    local = local or {"inputs": np.zeros(rows, np.int32), "inputs_segment_ids": np.zeros(rows, np.int32)}
-    local = {k: np.concatenate([v, np.zeros((rows[0] - len(v), rows[1]), v.dtype)]) for k, v in local.items()}
-    positions = local.get("inputs_positions", np.zeros(rows, np.int32))
-    batch = complete_rows(local["inputs"], local["inputs_segment_ids"], positions)
-    return {k: jax.make_array_from_process_local_data(self._spec, batch[k], self._shape) for k in FIELDS}
+    rows = None
+    if local is not None:  # a short last batch is completed with padding rows by assemble_batch
+      positions = local.get("inputs_positions", np.zeros_like(local["inputs"]))
+      rows = Rows(local["inputs"], local["inputs_segment_ids"], positions)
+    return assemble_batch(rows, self._shard.rows, self._spec, self._shape)
 
   def get_state(self) -> dict[str, Any]:
     """Every shard's grain state (a collective in multi-process runs: all processes call it together)."""

@@ -11,10 +11,10 @@ from jax.sharding import Mesh
 
 from MaxText.config import Config
 from MaxText.data import grain_data, hf_data, synthetic, text, tfds_data
-from MaxText.data.batches import FIELDS, BatchIterator, Iterators
+from MaxText.data.batches import FIELDS, BatchIterator, BatchSource, Iterators
 from MaxText.data.tokenizer import Tokenizer
 
-__all__ = ["FIELDS", "BACKENDS", "BatchIterator", "Iterators", "Tokenizer", "make_iterators"]
+__all__ = ["FIELDS", "BACKENDS", "BatchIterator", "BatchSource", "Iterators", "Tokenizer", "make_iterators"]
 
 # dataset_type -> backend; each takes (config, mesh) and returns Iterators.
 BACKENDS = {

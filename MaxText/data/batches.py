@@ -69,8 +69,54 @@ def process_rows(sharding: Sharding, global_shape: tuple[int, int]) -> np.ndarra
   return np.array(sorted(rows), dtype=np.int64)
 
 
+class Rows(NamedTuple):
+  """This process's first rows of a batch, each [rows, length] (any integer dtype); segment 0 is padding."""
+
+  tokens: np.ndarray
+  segmentation: np.ndarray
+  positions: np.ndarray
+
+
+def assemble_batch(
+  rows: Rows | None, local_rows: int, sharding: Sharding, global_shape: tuple[int, int]
+) -> dict[str, jax.Array]:
+  """The global batch (FIELDS -> int32 jax.Array `global_shape` on `sharding`) from this process's rows.
+
+  `rows` holds the first n <= `local_rows` of the rows this process's devices hold (None: n = 0); the other
+  local_rows - n become padding rows (segment 0, no loss), so every process contributes its full share even
+  when its data has run out.
+  """
+  length = global_shape[1]
+  if rows is None:
+    rows = Rows(*(np.zeros((0, length), np.int32) for _ in Rows._fields))
+  missing = local_rows - len(rows.tokens)
+  if missing:
+    rows = Rows(*(np.concatenate([x, np.zeros((missing, length), x.dtype)]) for x in rows))
+  local = complete_rows(*rows)
+  return {k: jax.make_array_from_process_local_data(sharding, local[k], global_shape) for k in FIELDS}
+
+
+class BatchSource(Protocol):
+  """An iterator of global batches (FIELDS -> int32 jax.Array [global_batch, length]) that can resume exactly.
+
+  BatchIterator (row-numbered sources) and grain_data.GrainBatches (grain pipelines) are the two kinds.
+  """
+
+  def __iter__(self) -> BatchSource: ...
+
+  def __next__(self) -> dict[str, jax.Array]: ...
+
+  def get_state(self) -> dict[str, Any]:
+    """JSON-serialisable position before the next batch (may be a collective across processes)."""
+    ...
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    """Resume so that the next batches are exactly those that followed `get_state()`."""
+    ...
+
+
 class BatchIterator:
-  """Iterator of global batches: dicts of int32 jax.Arrays [global_batch, length] on `sharding`.
+  """The BatchSource of a RowSource: global batches of int32 jax.Arrays [global_batch, length] on `sharding`.
 
   Endless, or with `num_rows` it stops after rows [0, num_rows): the last batch is completed with padding
   rows (segment 0, hence no loss), so every process runs the same ceil(num_rows / global_batch) steps.
@@ -93,13 +139,11 @@ class BatchIterator:
     if self._num_rows is not None and self._next_row >= self._num_rows:
       raise StopIteration
     indices = self._next_row + self._local_rows
-    tokens, segmentation, positions = self._source.rows(indices)
-    if self._num_rows is not None:
-      real = (indices < self._num_rows)[:, None]
-      tokens, segmentation, positions = (np.where(real, x, 0) for x in (tokens, segmentation, positions))
-    local = complete_rows(tokens, segmentation, positions)
+    if self._num_rows is not None:  # sorted, so the rows past the end are a suffix: padding
+      indices = indices[indices < self._num_rows]
+    rows = Rows(*self._source.rows(indices)) if len(indices) else None
     self._next_row += self._shape[0]
-    return {k: jax.make_array_from_process_local_data(self._sharding, local[k], self._shape) for k in FIELDS}
+    return assemble_batch(rows, len(self._local_rows), self._sharding, self._shape)
 
   def get_state(self) -> dict[str, Any]:
     """Position before the next batch; `set_state` of it replays exactly the batches that follow."""
@@ -112,6 +156,6 @@ class BatchIterator:
 class Iterators(NamedTuple):
   """What `MaxText.data.make_iterators` returns."""
 
-  train: BatchIterator  # endless (cycles epochs)
-  eval_factory: Callable[[], BatchIterator] | None  # each call: a fresh iterator at the start of the eval split
+  train: BatchSource  # endless (cycles epochs)
+  eval_factory: Callable[[], BatchSource] | None  # each call: a fresh iterator at the start of the eval split
   tokenizer: Tokenizer | None  # None for synthetic data

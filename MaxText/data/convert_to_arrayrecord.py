@@ -14,6 +14,8 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 
+from MaxText.data.files import cli_texts
+
 
 def write_arrayrecord(texts: Iterable[str], output_dir: str, prefix: str = "data", num_shards: int = 1) -> list[str]:
   """Write each non-blank text as a {"text": ...} record; returns the paths of the shards written."""
@@ -37,8 +39,6 @@ def write_arrayrecord(texts: Iterable[str], output_dir: str, prefix: str = "data
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-  from MaxText.data.text import cli_texts
-
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--files", required=True, help="glob of input files ('**' recurses)")
   parser.add_argument("--output_dir", required=True, help="directory for the .array_record files")

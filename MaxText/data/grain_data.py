@@ -14,8 +14,6 @@ MaxText/data/convert_to_arrayrecord.py). Parquet rows give their `text_column`.
 
 from __future__ import annotations
 
-import bisect
-import glob as globlib
 import json
 import os
 from collections.abc import Sequence
@@ -28,7 +26,8 @@ from jax.sharding import Mesh, Sharding
 from MaxText import sharding
 from MaxText.config import Config
 from MaxText.data import tokenizer as tokenizers
-from MaxText.data.batches import FIELDS, Iterators, complete_rows, process_rows
+from MaxText.data.batches import Iterators, Rows, assemble_batch, process_rows
+from MaxText.data.files import ParquetSource, expand
 
 
 class Component(NamedTuple):
@@ -51,16 +50,6 @@ def parse_mixture(spec: str) -> list[tuple[str, float]]:
   return [(p, w / total) for p, w in parts]
 
 
-def expand(pattern: str) -> list[str]:
-  """Sorted files matching `pattern` ('**' recurses); ValueError naming the pattern when there are none."""
-  if pattern.startswith("gs://"):
-    return [pattern]  # let the reader resolve remote paths
-  paths = sorted(p for p in globlib.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
-  if not paths:
-    raise ValueError(f"{pattern!r} matches no files")
-  return paths
-
-
 def record_text(record: Any, column: str) -> str:
   """The text of one record: a dict's `column`, a JSON object's `column`, or the record itself as text."""
   if isinstance(record, (bytes, np.bytes_)):
@@ -77,46 +66,6 @@ def record_text(record: Any, column: str) -> str:
   if not isinstance(record, str):
     raise ValueError(f"Record of type {type(record).__name__} holds no text")
   return record
-
-
-class ParquetSource:
-  """Random access to the rows of Parquet files: [i] -> the `column` string of row i (row groups cached)."""
-
-  def __init__(self, paths: Sequence[str], column: str):
-    import pyarrow.parquet as pq
-
-    self._paths, self._column, starts = list(paths), column, [0]
-    self._groups = []  # (file index, row group) in order
-    for i, path in enumerate(self._paths):
-      try:
-        meta = pq.ParquetFile(path).metadata
-      except (OSError, ValueError) as e:
-        raise ValueError(f"Cannot read Parquet file {path!r}: {e}") from None
-      if column not in meta.schema.names:
-        raise ValueError(
-          f"Parquet file {path!r} has no column {column!r} ({', '.join(meta.schema.names)}); set text_column"
-        )
-      for g in range(meta.num_row_groups):
-        self._groups.append((i, g))
-        starts.append(starts[-1] + meta.row_group(g).num_rows)
-    self._starts = starts
-    self._cache: tuple[int, list] = (-1, [])
-
-  def __len__(self) -> int:
-    return self._starts[-1]
-
-  def __getitem__(self, index: int) -> str:
-    group = bisect.bisect_right(self._starts, index) - 1
-    if self._cache[0] != group:
-      import pyarrow.parquet as pq
-
-      file, g = self._groups[group]
-      table = pq.ParquetFile(self._paths[file]).read_row_group(g, columns=[self._column])
-      self._cache = (group, table.column(0).to_pylist())
-    return self._cache[1][index - self._starts[group]] or ""
-
-  def __getstate__(self):  # workers re-read their row groups
-    return {**self.__dict__, "_cache": (-1, [])}
 
 
 def open_source(paths: Sequence[str], file_type: str, column: str) -> Any:
@@ -243,9 +192,9 @@ def _allgather_strings(text: str) -> list[str]:
 
 
 class GrainBatches:
-  """Global batches (dicts of int32 jax.Arrays [global_batch, length] on `spec`) from a grain dataset of local
-  batches. `finite`: stop once every process has run out, padding the processes that ran out first, so that
-  all run the same number of steps; padding rows have segment 0 and carry no loss."""
+  """A batches.BatchSource: global batches (int32 jax.Arrays [global_batch, length] on `spec`) from a grain
+  dataset of local batches. `finite`: stop once every process has run out, padding the processes that ran out
+  first, so that all run the same number of steps; padding rows have segment 0 and carry no loss."""
 
   def __init__(self, dataset: Any, spec: Sharding, global_batch: int, length: int, shard: DataShard, finite: bool):
     self._dataset, self._spec, self._shape = dataset, spec, (global_batch, length)
@@ -267,12 +216,11 @@ class GrainBatches:
     local = self._local()
     if self._finite and not any(json.loads(s) for s in _allgather_strings(json.dumps(local is not None))):
       raise StopIteration
-    rows = (self._shard.rows, self._shape[1])
-    local = local or {"inputs": np.zeros(rows, np.int32), "inputs_segment_ids": np.zeros(rows, np.int32)}
-    local = {k: np.concatenate([v, np.zeros((rows[0] - len(v), rows[1]), v.dtype)]) for k, v in local.items()}
-    positions = local.get("inputs_positions", np.zeros(rows, np.int32))
-    batch = complete_rows(local["inputs"], local["inputs_segment_ids"], positions)
-    return {k: jax.make_array_from_process_local_data(self._spec, batch[k], self._shape) for k in FIELDS}
+    rows = None
+    if local is not None:  # a short last batch is completed with padding rows by assemble_batch
+      positions = local.get("inputs_positions", np.zeros_like(local["inputs"]))
+      rows = Rows(local["inputs"], local["inputs_segment_ids"], positions)
+    return assemble_batch(rows, self._shard.rows, self._spec, self._shape)
 
   def get_state(self) -> dict[str, Any]:
     """Every shard's grain state (a collective in multi-process runs: all processes call it together)."""

@@ -16,7 +16,8 @@ from jax.sharding import Mesh
 from MaxText.config import Config
 from MaxText.data import tokenizer as tokenizers
 from MaxText.data.batches import Iterators
-from MaxText.data.grain_data import Component, check_source, expand, make_pipeline
+from MaxText.data.files import expand
+from MaxText.data.grain_data import Component, check_source, make_pipeline
 
 
 def load_split(config: Config, split: str, files: str) -> Any:

@@ -12,7 +12,6 @@ Only process 0 trains and writes; the others wait for it and read the files.
 from __future__ import annotations
 
 import functools
-import glob
 import hashlib
 import itertools
 import json
@@ -20,8 +19,7 @@ import logging
 import os
 import sysconfig
 import time
-import tokenize
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -30,6 +28,7 @@ from jax.sharding import Mesh
 
 from MaxText import sharding
 from MaxText.config import Config
+from MaxText.data import files
 from MaxText.data import tokenizer as tokenizers
 from MaxText.data.batches import BatchIterator, Iterators
 from MaxText.data.packing import DocumentRows
@@ -37,6 +36,7 @@ from MaxText.data.packing import DocumentRows
 log = logging.getLogger(__name__)
 CACHE_FORMAT = 2  # bump when the cached token layout changes
 ENCODE_CHUNK = 256  # documents per tokenizer call: bounds the memory held in Python lists
+read_document = files.read_document  # how this backend reads one file (benchmarks/data_benchmark.py times it)
 
 
 class Documents(NamedTuple):
@@ -49,11 +49,10 @@ def list_documents(config: Config) -> Documents:
   """The files of the corpus: `dataset_path` (glob, `**` recursive) or the stdlib's *.py files."""
   if config.dataset_path:
     pattern = os.path.expanduser(config.dataset_path)
-    root = _glob_root(pattern)
-    paths = sorted(os.path.abspath(p) for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+    paths = sorted(os.path.abspath(p) for p in files.local_files(pattern))
     if not paths:
       raise ValueError(f"dataset_path={config.dataset_path!r} matches no files (for a directory, use 'dir/**/*.txt')")
-    docs = Documents(paths, root, strict=True)
+    docs = Documents(paths, files.glob_root(pattern), strict=True)
   else:
     root = sysconfig.get_paths()["stdlib"]
     docs = Documents(_stdlib_sources(root), root, strict=False)
@@ -62,89 +61,12 @@ def list_documents(config: Config) -> Documents:
   return docs
 
 
-def _glob_root(pattern: str) -> str:
-  parts = pattern.split(os.sep)
-  fixed = list(itertools.takewhile(lambda part: not any(c in part for c in "*?["), parts))
-  root = os.sep.join(fixed) if len(fixed) < len(parts) else os.path.dirname(pattern)
-  return os.path.abspath(root or ".")
-
-
 def _stdlib_sources(root: str) -> list[str]:
   paths = []
-  for directory, subdirs, files in os.walk(root):
+  for directory, subdirs, names in os.walk(root):
     subdirs[:] = [d for d in subdirs if d not in ("site-packages", "dist-packages", "__pycache__")]
-    paths.extend(os.path.join(directory, f) for f in files if f.endswith(".py"))
+    paths.extend(os.path.join(directory, name) for name in names if name.endswith(".py"))
   return sorted(paths)
-
-
-def read_document(path: str, strict: bool) -> str:
-  """Text of `path`: UTF-8, or a .py file's PEP 263 coding; "" for an undecodable file when not strict."""
-  try:
-    with open(path, "rb") as f:
-      data = f.read()
-  except OSError as e:
-    raise ValueError(f"Cannot read document {path!r}: {e}") from None
-  try:
-    if path.endswith(".py"):
-      encoding, _ = tokenize.detect_encoding(iter(data.splitlines(keepends=True)).__next__)
-      return data.decode(encoding)
-    return data.decode("utf-8")
-  except (UnicodeDecodeError, SyntaxError, LookupError) as e:
-    if strict:
-      raise ValueError(f"Cannot decode document {path!r} as text: {e}") from None
-    log.info("Skipping undecodable document %s: %s", path, e)
-    return ""
-
-
-MULTI_DOCUMENT = (".jsonl", ".json", ".parquet")  # files holding one document per line / row
-
-
-def cli_texts(pattern: str, column: str) -> tuple[list[str], Iterator[str]]:
-  """For command-line tools: the files matching `pattern` and a stream of their texts; exits when none."""
-  paths = sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
-  if not paths:
-    raise SystemExit(f"--files {pattern!r} matches no files")
-  return paths, (t for p in paths for t in read_texts(p, True, column))
-
-
-def read_texts(path: str, strict: bool, column: str) -> list[str]:
-  """The documents of one file: .jsonl/.json (one JSON object per line) and .parquet give `column` of each
-  line/row; any other file is one document."""
-  if path.endswith((".jsonl", ".json")):
-    return _read_jsonl(path, column)
-  if path.endswith(".parquet"):
-    return read_parquet_column(path, column)
-  return [read_document(path, strict)]
-
-
-def _read_jsonl(path: str, column: str) -> list[str]:
-  texts = []
-  for number, line in enumerate(read_document(path, strict=True).splitlines(), 1):
-    if not line.strip():
-      continue
-    try:
-      record = json.loads(line)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"{path}:{number} is not a JSON object: {e}") from None
-    if not isinstance(record, dict) or not isinstance(record.get(column), str):
-      raise ValueError(f"{path}:{number} has no text field {column!r} (set text_column to the field holding the text)")
-    texts.append(record[column])
-  return texts
-
-
-def read_parquet_column(path: str, column: str) -> list[str]:
-  """The string column `column` of a Parquet file; ValueError naming the file or the missing column."""
-  import pyarrow.parquet as pq
-
-  try:
-    table = pq.read_table(path, columns=None)
-  except (OSError, ValueError) as e:  # pyarrow's errors subclass these
-    raise ValueError(f"Cannot read Parquet file {path!r}: {e}") from None
-  if column not in table.column_names:
-    raise ValueError(
-      f"Parquet file {path!r} has no column {column!r} (columns: {', '.join(table.column_names)}); set text_column"
-    )
-  return [t or "" for t in table.column(column).to_pylist()]
 
 
 def document_names(docs: Documents, counts: np.ndarray) -> list[str]:
@@ -152,7 +74,7 @@ def document_names(docs: Documents, counts: np.ndarray) -> list[str]:
   names = []
   for path, count in zip(docs.paths, counts):
     rel = os.path.relpath(path, docs.root)
-    names.extend([rel] if not path.endswith(MULTI_DOCUMENT) else [f"{rel}#{i}" for i in range(count)])
+    names.extend([rel] if not path.endswith(files.MULTI_DOCUMENT) else [f"{rel}#{i}" for i in range(count)])
   return names
 
 
@@ -269,7 +191,7 @@ def _save(prefix: str, corpus: Corpus) -> None:
 
 def read_all(config: Config, docs: Documents) -> Texts:
   """Every document of the corpus; ValueError naming a file that cannot be read or lacks text_column."""
-  per_file = [read_texts(p, docs.strict, config.text_column) for p in docs.paths]
+  per_file = [files.read_texts(p, docs.strict, config.text_column) for p in docs.paths]
   return Texts(list(itertools.chain.from_iterable(per_file)), np.array([len(t) for t in per_file], np.int64))
 
 

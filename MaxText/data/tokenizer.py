@@ -291,28 +291,3 @@ def _hf_special_names(directory: str) -> dict[str, str]:
 
 # tokenizer_type -> class taking the tokenizer path.
 LOADERS = {"sentencepiece": Tokenizer, "tiktoken": TiktokenTokenizer, "huggingface": HuggingFaceTokenizer}
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-  """Train a SentencePiece tokenizer on local files (.txt, .jsonl, .parquet, ...), as dataset_type=text reads them.
-
-  python3 -m MaxText.data.tokenizer --files 'data/**/*.jsonl' --vocab_size 32000 --output_dir tok/
-  """
-  import argparse
-
-  from MaxText.data.text import cli_texts  # text.py imports this module: import it only here
-
-  parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
-  parser.add_argument("--files", required=True, help="glob of training files ('**' recurses)")
-  parser.add_argument("--vocab_size", type=int, required=True, help="at most this many pieces")
-  parser.add_argument("--output_dir", required=True, help="writes tokenizer.model and tokenizer.vocab here")
-  parser.add_argument("--text_column", default="text", help=".jsonl/.parquet field holding the text")
-  parser.add_argument("--seed", type=int, default=0, help="seed of the sentence sampling")
-  args = parser.parse_args(argv)
-  paths, texts = cli_texts(args.files, args.text_column)
-  path = train_sentencepiece(texts, args.vocab_size, args.output_dir, args.seed)
-  print(f"{path}: {load_tokenizer(path).vocab_size} pieces from {len(paths)} files")
-
-
-if __name__ == "__main__":
-  main()

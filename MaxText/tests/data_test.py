@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from MaxText import config, sharding
+from MaxText import data as data_package
 from MaxText.data import FIELDS, make_iterators, text
 from MaxText.data import tokenizer as tokenizers
 from MaxText.data.batches import process_rows
@@ -365,3 +366,39 @@ def test_inspect_prints_decoded_segments(tmp_path, corpus, capsys):
   assert "=== batch 1: (8, 32) int32" in out and "row 7:" in out and "batch 2" not in out
   assert "segment 2:" in out and "from position 0 BOS" in out and "has a target" not in out
   assert any(line.startswith("    | Doc ") for line in out.splitlines())
+
+
+def data_import_graph() -> dict[str, set[str]]:
+  """MaxText.data module -> the MaxText.data modules it imports anywhere: top level, inside functions and
+  under TYPE_CHECKING. `from MaxText.data import x` is an edge to the submodule x when there is one (the
+  package itself is initialised first for any submodule, so that is no edge of its own)."""
+  import ast
+  import pathlib
+
+  root = pathlib.Path(data_package.__file__).parent
+  modules = {"MaxText.data" + ("" if p.stem == "__init__" else f".{p.stem}"): p for p in root.glob("*.py")}
+  graph = {}
+  for name, path in modules.items():
+    package = name if path.stem == "__init__" else name.rpartition(".")[0]
+    edges = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      if isinstance(node, ast.Import):
+        edges.update(a.name for a in node.names)
+      elif isinstance(node, ast.ImportFrom):
+        base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]) if node.level else ""
+        module = ".".join(filter(None, (base, node.module)))
+        edges.update(f"{module}.{a.name}" if f"{module}.{a.name}" in modules else module for a in node.names)
+    graph[name] = {e for e in edges if e in modules and e != name}
+  return graph
+
+
+def test_data_package_imports_have_no_cycle():
+  import graphlib
+
+  graph = data_import_graph()
+  assert {"MaxText.data.text", "MaxText.data.tokenizer", "MaxText.data.files"} <= set(graph)
+  assert "MaxText.data.files" in graph["MaxText.data.text"]  # the parser sees `from MaxText.data import files`
+  try:
+    graphlib.TopologicalSorter(graph).prepare()
+  except graphlib.CycleError as e:
+    pytest.fail(f"MaxText/data has an import cycle: {' -> '.join(e.args[1])}")

@@ -5,6 +5,7 @@ import pathlib
 import pytest
 
 from MaxText.data import tokenizer as tokenizers
+from MaxText.data import train_tokenizer
 
 CODE = "def f(x):\n    return x + 1\n\n\nclass A:\n    pass\n"
 TEXTS = [CODE * 3, "The quick brown fox jumps over the lazy dog.\n" * 5, "héllo wörld, ça va? ✓\n"]
@@ -117,7 +118,9 @@ def test_train_command_reads_jsonl(tmp_path):
   import json
 
   (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
-  tokenizers.main(["--files", str(tmp_path / "*.jsonl"), "--vocab_size", "400", "--output_dir", str(tmp_path / "o")])
+  train_tokenizer.main(
+    ["--files", str(tmp_path / "*.jsonl"), "--vocab_size", "400", "--output_dir", str(tmp_path / "o")]
+  )
   assert _pieces(str(tmp_path / "o" / "tokenizer.model")) == _pieces(
     tokenizers.train_sentencepiece(TEXTS, 400, str(tmp_path))
   )

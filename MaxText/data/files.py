@@ -1,0 +1,162 @@
+"""Reading data files: glob patterns -> file lists, and files -> documents (the one place every backend and
+command-line tool of MaxText/data reads files through).
+
+A .jsonl/.json file holds one document per line (a JSON object whose `column` field is the text), a .parquet
+file one per row (its string column `column`); any other file is one document (UTF-8, or a .py file's PEP 263
+coding). Files are read through etils `epath`, the path type orbax, grain and tfds use.
+"""
+
+from __future__ import annotations
+
+import bisect
+import glob
+import itertools
+import json
+import logging
+import os
+import tokenize
+from collections.abc import Iterator, Sequence
+
+from etils import epath
+
+log = logging.getLogger(__name__)
+
+MULTI_DOCUMENT = (".jsonl", ".json", ".parquet")  # files holding one document per line / row
+REMOTE_PREFIXES = ("gs://",)  # paths handed to the readers unexpanded
+
+
+def local_files(pattern: str) -> list[str]:
+  """Sorted files (not directories) matching `pattern` after `~` expansion; `**` recurses. May be empty."""
+  return sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
+
+
+def expand(pattern: str) -> list[str]:
+  """`local_files(pattern)`, or [pattern] for a remote path (its reader resolves it); ValueError naming the
+  pattern when no local file matches."""
+  if pattern.startswith(REMOTE_PREFIXES):
+    return [pattern]
+  paths = local_files(pattern)
+  if not paths:
+    raise ValueError(f"{pattern!r} matches no files")
+  return paths
+
+
+def glob_root(pattern: str) -> str:
+  """Absolute directory above the first wildcard of `pattern` (its parent directory when it has none)."""
+  parts = pattern.split(os.sep)
+  fixed = list(itertools.takewhile(lambda part: not any(c in part for c in "*?["), parts))
+  root = os.sep.join(fixed) if len(fixed) < len(parts) else os.path.dirname(pattern)
+  return os.path.abspath(root or ".")
+
+
+def read_document(path: str, strict: bool) -> str:
+  """Text of `path`: UTF-8, or a .py file's PEP 263 coding; "" for an undecodable file when not strict."""
+  try:
+    data = epath.Path(path).read_bytes()
+  except OSError as e:
+    raise ValueError(f"Cannot read document {path!r}: {e}") from None
+  try:
+    if path.endswith(".py"):
+      encoding, _ = tokenize.detect_encoding(iter(data.splitlines(keepends=True)).__next__)
+      return data.decode(encoding)
+    return data.decode("utf-8")
+  except (UnicodeDecodeError, SyntaxError, LookupError) as e:
+    if strict:
+      raise ValueError(f"Cannot decode document {path!r} as text: {e}") from None
+    log.info("Skipping undecodable document %s: %s", path, e)
+    return ""
+
+
+def read_texts(path: str, strict: bool, column: str) -> list[str]:
+  """The documents of one file: `column` of each line of a .jsonl/.json file or row of a .parquet file; any
+  other file is one document. ValueError naming the file (and line) that cannot be read or lacks `column`."""
+  if path.endswith((".jsonl", ".json")):
+    return read_jsonl(path, column)
+  if path.endswith(".parquet"):
+    return read_parquet_column(path, column)
+  return [read_document(path, strict)]
+
+
+def read_jsonl(path: str, column: str) -> list[str]:
+  """The string field `column` of each non-blank line (a JSON object) of `path`."""
+  texts = []
+  for number, line in enumerate(read_document(path, strict=True).splitlines(), 1):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path}:{number} is not a JSON object: {e}") from None
+    if not isinstance(record, dict) or not isinstance(record.get(column), str):
+      raise ValueError(f"{path}:{number} has no text field {column!r} (set text_column to the field holding the text)")
+    texts.append(record[column])
+  return texts
+
+
+def read_parquet_column(path: str, column: str) -> list[str]:
+  """The string column `column` of a Parquet file (nulls as ""); ValueError naming the file or the column."""
+  source = ParquetSource([path], column)
+  return [text for group in range(source.num_groups) for text in source.group_texts(group)]
+
+
+class ParquetSource:
+  """Random access to the rows of Parquet files: [i] -> the `column` string of row i ("" for null).
+
+  Reads one row group at a time and keeps the last one, so sequential access reads each group once.
+  """
+
+  def __init__(self, paths: Sequence[str], column: str):
+    import pyarrow.parquet as pq
+
+    self._paths, self._column, starts = list(paths), column, [0]
+    self._groups = []  # (file index, row group) in order
+    for i, path in enumerate(self._paths):
+      try:
+        meta = pq.ParquetFile(path).metadata
+      except (OSError, ValueError) as e:  # pyarrow's errors subclass these
+        raise ValueError(f"Cannot read Parquet file {path!r}: {e}") from None
+      if column not in meta.schema.names:
+        raise ValueError(
+          f"Parquet file {path!r} has no column {column!r} (columns: {', '.join(meta.schema.names)}); set text_column"
+        )
+      for g in range(meta.num_row_groups):
+        self._groups.append((i, g))
+        starts.append(starts[-1] + meta.row_group(g).num_rows)
+    self._starts = starts
+    self._cache: tuple[int, list[str]] = (-1, [])
+
+  @property
+  def num_groups(self) -> int:
+    return len(self._groups)
+
+  def group_texts(self, group: int) -> list[str]:
+    """The texts of row group `group` (counted over all files, in order)."""
+    import pyarrow.parquet as pq
+
+    file, g = self._groups[group]
+    try:
+      table = pq.ParquetFile(self._paths[file]).read_row_group(g, columns=[self._column])
+    except (OSError, ValueError) as e:
+      raise ValueError(f"Cannot read row group {g} of Parquet file {self._paths[file]!r}: {e}") from None
+    return [t or "" for t in table.column(0).to_pylist()]
+
+  def __len__(self) -> int:
+    return self._starts[-1]
+
+  def __getitem__(self, index: int) -> str:
+    group = bisect.bisect_right(self._starts, index) - 1
+    if self._cache[0] != group:
+      self._cache = (group, self.group_texts(group))
+    return self._cache[1][index - self._starts[group]]
+
+  def __getstate__(self):  # workers re-read their row groups
+    return {**self.__dict__, "_cache": (-1, [])}
+
+
+def cli_texts(pattern: str, column: str) -> tuple[list[str], Iterator[str]]:
+  """For command-line tools: the files matching `pattern` and a lazy stream of their documents; exits with a
+  message naming the pattern when no file matches."""
+  paths = local_files(pattern)
+  if not paths:
+    raise SystemExit(f"--files {pattern!r} matches no files")
+  return paths, (t for p in paths for t in read_texts(p, True, column))

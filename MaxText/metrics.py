@@ -364,7 +364,7 @@ def format_record(record: Mapping[str, Any], total_steps: int) -> str:
     parts.append(f"{_num(r.pop('tokens_per_s_per_device'), ',.0f')} tok/s/dev")
     parts.append(f"{_num(r.pop('tflops_per_s_per_device'), '.3g')} TFLOP/s/dev")
     mfu_value = r.pop("mfu")
-    parts.append(f"MFU {_num(None if mfu_value is None else 100 * mfu_value, '.1f')}%")
+    parts.append("MFU n/a" if mfu_value is None else f"MFU {100 * mfu_value:.1f}%")
   if "eta_s" in r:
     eta = r.pop("eta_s")
     parts.append(f"ETA {'n/a' if eta is None else format_duration(eta)}")
@@ -383,7 +383,7 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     f"  mean step time       {_num(summary['mean_step_time_s'], '.4g')} s",
     f"  tokens/s/device      {_num(summary['tokens_per_s_per_device'], ',.0f')}",
     f"  TFLOP/s/device       {_num(summary['tflops_per_s_per_device'], '.4g')}",
-    f"  MFU                  {_num(None if mfu_value is None else 100 * mfu_value, '.2f')}%",
+    f"  MFU                  {'n/a' if mfu_value is None else format(100 * mfu_value, '.2f') + '%'}",
     f"  compile steps time   {format_duration(summary['compile_steps_time_s'])}",
     f"  total time           {format_duration(summary['total_time_s'])}",
   ]

@@ -310,7 +310,7 @@ def test_compile_steps_excluded_from_averages(tmp_path):
   assert summary["tokens_per_s_per_device"] == pytest.approx(1000 / (5.5 / 7) / 2)
 
 
-def test_compile_steps_report_no_mfu(tmp_path):
+def test_compile_steps_report_no_mfu(tmp_path, capsys):
   cfg = make_config(tmp_path, "steps=6", "log_period=1", "enable_tensorboard=false")
   with make_logger(cfg) as logger:
     run_steps(logger, [10.0, 5.0, 1.0, 1.0])
@@ -320,6 +320,7 @@ def test_compile_steps_report_no_mfu(tmp_path):
   assert [r["tflops_per_s_per_device"] for r in records[:2]] == [None, None]
   assert records[2]["mfu"] == pytest.approx(1e12 / 1.0 / 2 / 4e12)
   assert records[0]["step_time_s"] == 10.0  # the step time itself is still reported
+  assert "| n/a TFLOP/s/dev | MFU n/a | ETA n/a | z_loss 0.01 (compiling)" in capsys.readouterr().out
 
 
 def test_a_step_that_compiles_later_is_a_compile_step(tmp_path, capsys):

@@ -72,21 +72,44 @@ def _default_device(device: Any | None) -> Any:
   return jax.devices()[0] if device is None else device
 
 
-def peak_flops_per_device(device: Any | None = None) -> float:
-  """Peak FLOP/s of `device` (default: the first JAX device), from DEVICE_SPECS.
+class Peak(NamedTuple):
+  """The peak FLOP/s MFU is measured against, and where it comes from."""
 
-  On CPU (or a kind not in the table) there is no published figure, so the peak is a matmul
-  measured once per process and cached; MFU on CPU is then relative to this measured peak. The
-  CPU devices of one process (e.g. --xla_force_host_platform_device_count=8) share the host's
+  flops: float  # FLOP/s per JAX device
+  source: str  # e.g. "TPU v5e table (bf16)" or "measured float32 matmul, cpu, 1/8 of the host"
+
+  def describe(self) -> str:
+    """One line for a run's start-up header: `peak 0.0312 TFLOP/s/device (measured ...)`."""
+    return f"peak {self.flops / 1e12:.3g} TFLOP/s/device ({self.source})"
+
+
+def peak(device: Any | None = None, dtype: str | None = None) -> Peak:
+  """Peak FLOP/s of `device` (default: the first JAX device) and its source.
+
+  From DEVICE_SPECS when the device kind is listed (the table's bf16 figure whatever `dtype` is, as
+  MaxText reports MFU). Otherwise (CPU, an unlisted kind) there is no published figure: the peak is a
+  square matmul in `dtype` (the run's config.dtype; default float32 on CPU, bfloat16 elsewhere),
+  measured once per process and cached, so MFU is relative to what this host achieves on that dtype.
+  The CPU devices of one process (e.g. --xla_force_host_platform_device_count=8) share the host's
   cores, so each gets an equal share of the host's measured peak.
   """
   device = _default_device(device)
   spec = device_spec(device.device_kind)
   if spec is not None:
-    return spec.peak_flops
-  if device.platform == "cpu":
-    return _measured_peak_flops("cpu") / max(1, len(jax.local_devices(backend="cpu")))
-  return _measured_peak_flops(device.platform)
+    return Peak(spec.peak_flops, f"{spec.name} table, bf16")
+  platform = device.platform
+  dtype = jnp.dtype(dtype or ("float32" if platform == "cpu" else "bfloat16")).name
+  measured = _measured_peak_flops(platform, dtype)
+  source = f"measured {dtype} matmul, {platform}"
+  if platform == "cpu":
+    share = max(1, len(jax.local_devices(backend="cpu")))
+    return Peak(measured / share, source + (f", 1/{share} of the host" if share > 1 else ""))
+  return Peak(measured, source)
+
+
+def peak_flops_per_device(device: Any | None = None, dtype: str | None = None) -> float:
+  """Peak FLOP/s per device for MFU: `peak(device, dtype).flops` (see `peak`)."""
+  return peak(device, dtype).flops
 
 
 def hbm_bytes_per_device(device: Any | None = None) -> int | None:
@@ -95,21 +118,26 @@ def hbm_bytes_per_device(device: Any | None = None) -> int | None:
   return None if spec is None else spec.hbm_bytes
 
 
-@functools.cache
-def _measured_peak_flops(platform: str) -> float:
-  """Best FLOP/s of a square matmul on the first device of `platform`, after a warm-up.
+# Timing budget of the measured peak: at least MIN_RUNS runs, more until MIN_TIMED_S of timed work,
+# never past MAX_TIMED_S (one slow run on a loaded host may exceed it alone). Best of several runs:
+# other processes on a shared host only ever slow a run down, so the fastest is the least disturbed.
+MIN_RUNS, MIN_TIMED_S, MAX_TIMED_S = 5, 0.5, 1.0
 
-  float32 on CPU (its native fast path); bf16 and a larger size elsewhere, to match the table's
-  bf16 peaks. Runs at least 3 times and until ~0.1 s of timed work, so a total of ~0.1-0.5 s.
-  On CPU, 2048 rather than 1024: small matmuls underrate the host (training matmuls beat them).
+
+@functools.cache
+def _measured_peak_flops(platform: str, dtype: str) -> float:
+  """Best FLOP/s of a square `dtype` matmul on the first device of `platform`, after a warm-up.
+
+  2048 on CPU (smaller matmuls underrate the host: training matmuls beat them), 8192 elsewhere.
+  About 0.5-1 s of timed runs plus one warm-up run and the compilation.
   """
-  n, dtype = (2048, jnp.float32) if platform == "cpu" else (8192, jnp.bfloat16)
+  n = 2048 if platform == "cpu" else 8192
   device = jax.local_devices(backend=platform)[0]
   a = jax.device_put(jnp.ones((n, n), dtype), device)
   matmul = jax.jit(jnp.matmul)
   matmul(a, a).block_until_ready()  # compile and warm up outside the timing
   best, spent, runs = float("inf"), 0.0, 0
-  while runs < 3 or (spent < 0.1 and runs < 50):
+  while spent < MAX_TIMED_S and (runs < MIN_RUNS or spent < MIN_TIMED_S):
     start = time.perf_counter()
     matmul(a, a).block_until_ready()
     elapsed = time.perf_counter() - start

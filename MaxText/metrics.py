@@ -2,7 +2,9 @@
 
 The train loop hands `MetricLogger.log` host floats once per step; the logger never touches a
 device, so it adds no synchronisation. Records go out every `log_period` steps, at the last step,
-and for the first two steps of a run (which include compilation and are kept out of averages).
+and for every step that includes compilation: the first two steps of a run, and any later step
+during which JAX finished compiling something (e.g. a new input shape). Those are kept out of the
+averages and report no TFLOP/s or MFU: their time is mostly compiling, not model FLOPs.
 """
 
 from __future__ import annotations
@@ -15,9 +17,13 @@ import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+import jax
+
 from MaxText.config import Config
 
 COMPILE_STEPS = 2  # the first steps after start include jit compilation; timed apart
+# jax.monitoring event recorded when an XLA compilation ends (jax._src.dispatch.BACKEND_COMPILE_EVENT).
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 MAX_EXP_ARG = 709.0  # math.exp overflows a float64 just above this
 
 
@@ -25,29 +31,106 @@ class FlopCount(NamedTuple):
   """Training FLOPs per token (forward + backward); `total` is the sum of the three parts."""
 
   total: float
-  matmul: float  # decoder-layer weight matmuls (attention projections and MLP)
-  attention: float  # the QK^T and AV matmuls of causal self-attention
+  matmul: float  # decoder-layer weight matmuls: attention projections, MLP / routed + shared experts, router
+  attention: float  # the QK^T and AV matmuls of causal (or sliding-window) self-attention
   embedding: float  # the output (unembedding) projection; the input lookup is not a matmul
 
 
-def training_flops_per_token(config: Config) -> FlopCount:
-  """Model FLOPs per trained token, forward + backward (3x the forward), the standard 6·N count.
+class LayerKind(NamedTuple):
+  """What one decoder layer computes, as far as FLOPs go."""
 
-  With D emb_dim, N query heads, K kv heads, H head_dim, F mlp_dim, A len(mlp_activations),
-  L layers, V vocab_size, T max_target_length:
-    matmul    = 6·L·(D·H·(2N + 2K) + (A + 1)·D·F)   q,o: D·N·H each; k,v: D·K·H each; A MLP
-                                                    input projections + 1 output, D·F each
-    embedding = 6·D·V                               the logits projection (tied or not)
-    attention = 6·L·N·H·T                           QK^T and AV: 2 matmuls x 2 FLOPs x T·H·N
-                                                    forward = 4·T·H·N, x3 fwd+bwd, /2 causal
-  2 FLOPs per multiply-add in the forward and 4 in the backward give the 6 per parameter.
+  window: int  # attention keys per query before causality: sliding_window_size, or 0 for global
+  moe: bool  # routed experts (MoeBlock) rather than a dense MLP
+  mla: bool  # multi-head latent attention (deepseek) rather than q/k/v/o projections
+
+
+# Families that alternate local and global layers: the period of the cycle, whose last layer is the
+# global one (models/gemma2.PATTERN: local, global; models/gemma3: LOCAL_PER_GLOBAL local, then global).
+LOCAL_GLOBAL_PERIOD = {"gemma2": 2, "gemma3": 6}
+
+
+def layer_kinds(config: Config) -> tuple[LayerKind, ...]:
+  """One LayerKind per decoder layer, in order, following models/ (checked against the built model in
+  metrics_test)."""
+  moe = config.num_experts > 1  # layers/decoder_layer.feed_forward
+  period = LOCAL_GLOBAL_PERIOD.get(config.decoder_block)
+  kinds = []
+  for i in range(config.num_decoder_layers):
+    window = config.sliding_window_size
+    if period is not None and i % period == period - 1:
+      window = 0
+    if config.decoder_block == "deepseek":  # first_num_dense_layers dense, then MoE; MLA everywhere
+      kinds.append(LayerKind(window, moe and i >= config.first_num_dense_layers, mla=True))
+    else:
+      kinds.append(LayerKind(window, moe, mla=False))
+  return tuple(kinds)
+
+
+def attended_keys(window: int, length: int) -> float:
+  """Mean keys per query of causal attention over `length` positions with a `window` (0: global).
+
+  The continuous (area) count: a causal [T, T] score matrix is T^2/2 (MaxText's convention: half of
+  full attention), a band of width S = min(window, T) below the diagonal is T*S - S^2/2; per query
+  that is S - S^2/(2T), which is T/2 for a global layer.
   """
-  d, h, f, v, t = config.emb_dim, config.head_dim, config.mlp_dim, config.vocab_size, config.max_target_length
-  n, k, layers = config.num_query_heads, config.num_kv_heads, config.num_decoder_layers
-  params_per_layer = d * h * (2 * n + 2 * k) + (len(config.mlp_activations) + 1) * d * f
-  matmul = 6.0 * layers * params_per_layer
-  embedding = 6.0 * d * v
-  attention = 6.0 * layers * n * h * t
+  s = length if window <= 0 else min(window, length)
+  return s - s * s / (2.0 * length)
+
+
+def _attention_params(config: Config, mla: bool) -> int:
+  """Weights of one layer's attention projections, each used once per token."""
+  d, n = config.emb_dim, config.num_query_heads
+  if not mla:  # q, o: D*N*H; k, v: D*K*H
+    return d * config.head_dim * (2 * n + 2 * config.num_kv_heads)
+  nope, rope, v = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+  if config.q_lora_rank:
+    query = d * config.q_lora_rank + config.q_lora_rank * n * (nope + rope)  # wq_a, wq_b
+  else:
+    query = d * n * (nope + rope)
+  kv = d * (config.kv_lora_rank + rope) + config.kv_lora_rank * n * (nope + v)  # wkv_a, wkv_b
+  return query + kv + n * v * d  # + out
+
+
+def _mlp_params(config: Config, moe: bool) -> int:
+  """Weights of one layer's feed-forward block that one token multiplies by (its active parameters)."""
+  d, inputs = config.emb_dim, len(config.mlp_activations)
+  if not moe:
+    return (inputs + 1) * d * config.mlp_dim
+  width = config.base_moe_mlp_dim or config.mlp_dim
+  routed = config.num_experts_per_tok * 3 * d * width  # MoeBlock: wi_0, wi_1, wo per chosen expert
+  shared = (inputs + 1) * d * width * config.shared_experts  # one MlpBlock of width shared_experts x width
+  return routed + shared + d * config.num_experts  # + the router
+
+
+def _attention_flops_forward(config: Config, kind: LayerKind) -> float:
+  """Forward QK^T + AV FLOPs per token of one layer: 2 FLOPs per multiply-add over the attended keys."""
+  if kind.mla:
+    qk, v = config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+  else:
+    qk = v = config.head_dim
+  return 2.0 * attended_keys(kind.window, config.max_target_length) * config.num_query_heads * (qk + v)
+
+
+def training_flops_per_token(config: Config) -> FlopCount:
+  """Model FLOPs per trained token, forward + backward (3x the forward): the standard 6·N count.
+
+  Every weight matmul costs 2 FLOPs per weight per token forward and 4 backward (activation and weight
+  gradients), 6 in all, for the weights a token actually multiplies by:
+    matmul    = 6 · sum over layers (attention projections + feed-forward)
+                attention: q, k, v, o (D·H·(2N + 2K)), or MLA's wq_a/wq_b (or query), wkv_a, wkv_b, out
+                feed-forward: (A + 1)·D·F dense; MoE: k routed experts (3·D·F_e each), the shared experts
+                ((A + 1)·D·F_e·shared) and the router (D·E), F_e = base_moe_mlp_dim or mlp_dim
+    embedding = 6·D·V        the logits projection (tied or not); the input lookup is not a matmul
+    attention = 3 · sum over layers 2·S_eff·N·(H_qk + H_v)
+                QK^T and AV, 2 FLOPs per multiply-add, over S_eff = attended_keys(window, T) keys:
+                T/2 for global causal layers (half of full attention, as MaxText counts it), less for
+                sliding-window layers; MLA's H_qk is qk_nope + qk_rope, H_v is v_head_dim.
+  Not counted: norms, activations, softmax, RoPE, the MoE dispatch (XLA's cost analysis does count them).
+  """
+  kinds = layer_kinds(config)
+  matmul = 6.0 * sum(_attention_params(config, k.mla) + _mlp_params(config, k.moe) for k in kinds)
+  attention = 3.0 * sum(_attention_flops_forward(config, k) for k in kinds)
+  embedding = 6.0 * config.emb_dim * config.vocab_size
   return FlopCount(matmul + attention + embedding, matmul, attention, embedding)
 
 
@@ -117,6 +200,8 @@ class MetricLogger:
     self._last: dict[str, float] = {}
     self._last_eval: dict[str, float] = {}
     self._closed = False
+    self._compiles: list[float] = []  # perf_counter() at the end of each compilation since the last log
+    jax.monitoring.register_event_duration_secs_listener(self._on_event)
     self._file = None
     self._tb = None
     if is_writer:
@@ -136,10 +221,22 @@ class MetricLogger:
   def __exit__(self, *exc_info: Any) -> None:
     self.close()
 
+  def _on_event(self, event: str, duration_s: float, **_: Any) -> None:
+    if event == BACKEND_COMPILE_EVENT:
+      self._compiles.append(time.perf_counter())
+
+  def _compiled_during(self, step_time_s: float) -> bool:
+    """Whether a compilation ended within the last `step_time_s` seconds (and since the previous log):
+    the step just timed included it. Compilations between steps (an eval step's) are not counted."""
+    now, compiles = time.perf_counter(), self._compiles
+    self._compiles = []
+    return any(now - step_time_s <= t <= now for t in compiles)
+
   def log(self, step: int, scalars: Mapping[str, float], step_time_s: float) -> None:
     """Record one finished step. `scalars` are host floats (loss, grad_norm, learning_rate, ...);
-    `step_time_s` is the wall time of that step in seconds, as measured by the caller."""
-    compiling = self._steps_run < COMPILE_STEPS
+    `step_time_s` is the wall time of that step in seconds, as measured by the caller, who calls this
+    right after the step (a compilation within that time marks the step as compiling)."""
+    compiling = self._compiled_during(step_time_s) or self._steps_run < COMPILE_STEPS
     self._steps_run += 1
     self._last = {k: float(v) for k, v in scalars.items()}
     if compiling:
@@ -168,6 +265,8 @@ class MetricLogger:
     if "loss" in record:
       record["perplexity"] = perplexity(record["loss"])
     record.update(self._throughput(step_time_s))
+    if compiling:  # the time is mostly compilation: a FLOP rate from it would be meaningless
+      record["tflops_per_s_per_device"] = record["mfu"] = None
     mean_step = self._mean_step_time()  # compile-step times would inflate the ETA many times over
     record["eta_s"] = None if mean_step is None else max(0, self.config.steps - 1 - step) * mean_step
     record["elapsed_s"] = time.perf_counter() - self._start_time
@@ -222,6 +321,7 @@ class MetricLogger:
     if self._closed:
       return result
     self._closed = True
+    jax.monitoring.unregister_event_duration_listener(self._on_event)
     if self.is_writer:
       print(format_summary(result), flush=True)
       self._file.close()
@@ -264,7 +364,7 @@ def format_record(record: Mapping[str, Any], total_steps: int) -> str:
     parts.append(f"{_num(r.pop('tokens_per_s_per_device'), ',.0f')} tok/s/dev")
     parts.append(f"{_num(r.pop('tflops_per_s_per_device'), '.3g')} TFLOP/s/dev")
     mfu_value = r.pop("mfu")
-    parts.append(f"MFU {_num(None if mfu_value is None else 100 * mfu_value, '.1f')}%")
+    parts.append("MFU n/a" if mfu_value is None else f"MFU {100 * mfu_value:.1f}%")
   if "eta_s" in r:
     eta = r.pop("eta_s")
     parts.append(f"ETA {'n/a' if eta is None else format_duration(eta)}")
@@ -283,7 +383,7 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     f"  mean step time       {_num(summary['mean_step_time_s'], '.4g')} s",
     f"  tokens/s/device      {_num(summary['tokens_per_s_per_device'], ',.0f')}",
     f"  TFLOP/s/device       {_num(summary['tflops_per_s_per_device'], '.4g')}",
-    f"  MFU                  {_num(None if mfu_value is None else 100 * mfu_value, '.2f')}%",
+    f"  MFU                  {'n/a' if mfu_value is None else format(100 * mfu_value, '.2f') + '%'}",
     f"  compile steps time   {format_duration(summary['compile_steps_time_s'])}",
     f"  total time           {format_duration(summary['total_time_s'])}",
   ]

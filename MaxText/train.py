@@ -100,7 +100,7 @@ def run(config: Config, devices: Sequence[Any] | None = None) -> dict[str, Any]:
   mesh = sharding.create_mesh(config, devices)
   global_batch = sharding.global_batch_size(config, mesh)  # fails early on a batch that cannot split
   tx, _ = optimizers.build(config)
-  peak_flops = accelerators.peak_flops_per_device()  # on CPU a measured matmul: outside the mesh context
+  peak_flops = accelerators.peak_flops_per_device(dtype=config.dtype)  # CPU: a measured matmul, outside the mesh
   with sharding.activate(config, mesh), stack_traces(config):
     spec = state_lib.state_spec(config, tx, mesh)
     data = data_lib.make_iterators(config, mesh)

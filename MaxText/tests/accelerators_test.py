@@ -1,6 +1,7 @@
 """Peak FLOP/s table lookup and the measured CPU peak."""
 
 import time
+import types
 
 import jax
 import pytest
@@ -58,5 +59,35 @@ def test_cpu_peak_is_measured_once_and_shared_by_local_devices():
   start = time.perf_counter()
   assert accelerators.peak_flops_per_device(cpu) == first
   assert time.perf_counter() - start < 0.01  # cached, not measured again
-  host = accelerators._measured_peak_flops("cpu")
+  host = accelerators._measured_peak_flops("cpu", "float32")
   assert first == pytest.approx(host / len(jax.local_devices(backend="cpu")))
+
+
+def test_cpu_peak_matches_the_run_dtype_within_the_time_budget():
+  cpu = jax.devices("cpu")[0]
+  start = time.perf_counter()
+  bf16 = accelerators.peak(cpu, "bfloat16")
+  elapsed = time.perf_counter() - start
+  # MAX_TIMED_S of runs, plus one warm-up run and the compilation (generous: the CI host is shared)
+  assert elapsed < accelerators.MAX_TIMED_S + 2.0
+  assert bf16.flops > 0 and "bfloat16" in bf16.source and "1/8 of the host" in bf16.source
+  assert accelerators.peak_flops_per_device(cpu, "bfloat16") == bf16.flops  # cached per dtype
+  assert accelerators.peak(cpu).source.startswith("measured float32")  # CPU default: float32
+  assert bf16.describe().startswith("peak ") and "TFLOP/s/device (measured bfloat16 matmul, cpu" in bf16.describe()
+
+
+def test_peak_takes_the_best_of_several_runs(monkeypatch):
+  """A run slowed down by another process must not lower the peak: the fastest run counts."""
+  elapsed = iter([0.0, 0.5, 10.0, 10.2, 20.0, 20.25, 30.0, 30.5, 40.0, 40.5] + [50.0, 50.5] * 20)
+  monkeypatch.setattr(accelerators.time, "perf_counter", lambda: next(elapsed))
+  monkeypatch.setattr(accelerators, "MIN_TIMED_S", 1.0)
+  monkeypatch.setattr(accelerators, "MAX_TIMED_S", 2.0)
+  flops = accelerators._measured_peak_flops.__wrapped__("cpu", "float32")
+  # runs of 0.5, 0.2, 0.25, 0.5, 0.5 s: MIN_TIMED_S is passed after 4 runs, but MIN_RUNS is 5
+  assert flops == pytest.approx(2 * 2048**3 / 0.2)
+
+
+def test_table_peak_ignores_dtype():
+  tpu = types.SimpleNamespace(device_kind="TPU v5 lite", platform="tpu")
+  assert accelerators.peak(tpu, "float32") == accelerators.Peak(197e12, "TPU v5e table, bf16")
+  assert accelerators.peak_flops_per_device(tpu) == 197e12

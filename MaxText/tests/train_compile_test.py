@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText import accelerators, train, train_compile
+from MaxText import accelerators, sharding, train, train_compile
 from MaxText.config import ConfigError
 from MaxText.tests.train_test import ROOT, cfg, losses
 
@@ -72,6 +72,15 @@ def test_tpu_names_describe_their_topologies(tmp_path, name, grid, devices):
   assert accelerators.compile_topology(name).topology_name == grid
   got = train_compile.topology_devices(cfg(tmp_path, "t", f"compile_topology={name}", "compile_topology_num_slices=2"))
   assert len(got) == 2 * devices and {d.slice_index for d in got} == {0, 1}
+
+
+@pytest.mark.parametrize("slices, mesh", [(1, {"data": 1, "fsdp": 256}), (2, {"data": 2, "fsdp": 256})])
+def test_one_slice_of_many_hosts_is_one_slice(tmp_path, slices, mesh):
+  # libtpu describes a single slice's devices without slice_index; its 64 hosts are still one slice
+  # (they were counted as 64 data-parallel slices, leaving fsdp=4: llama2-7b did not fit).
+  c = cfg(tmp_path, "t", "compile_topology=v5e-256", f"compile_topology_num_slices={slices}")
+  got = sharding.create_mesh(c, train_compile.topology_devices(c)).shape
+  assert {k: got[k] for k in mesh} == mesh
 
 
 @pytest.mark.parametrize("name", ["v5e-3", "v4-12", "v5p-200", "v7x-8", "tpu"])

@@ -87,8 +87,9 @@ def mesh_config(*overrides):
     (["ici_fsdp_parallelism=-1"], 2, False),  # batch only, over data x fsdp
     (["ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"], 2, False),
     (["ici_fsdp_parallelism=2", "ici_tensor_parallelism=4"], 1, True),  # 1 kv head over 4 tensor shards
+    (["ici_fsdp_parallelism=2", "ici_sequence_parallelism=2", "ici_tensor_parallelism=2"], 2, False),  # T gathered
   ],
-  ids=["fsdp8", "data2_fsdp2_tensor2", "mqa_tensor4"],
+  ids=["fsdp8", "data2_fsdp2_tensor2", "mqa_tensor4", "sequence2"],
 )
 def test_sharded_equals_unsharded(mesh_args, kv_heads, repeat_kv):
   """Under the mesh and the base.yml rules the kernel runs per shard (shard_map) and gives the same values."""

@@ -1,0 +1,161 @@
+"""attention=flash: JAX's Pallas splash-attention kernels (TPU), same contract as dot_product_attention.
+
+The kernel works on one batch row of [heads, length, head_dim] arrays with static (causal, local) masks
+and per-token segment ids, so it is vmapped over the batch. Inside an SPMD program a Pallas kernel
+cannot be partitioned by XLA: it runs per shard under `jax.shard_map`, with the batch over the mesh
+axes of `activation_batch` and the heads over those of `activation_heads`, both resolved from the
+active logical axis rules (sharding.activate), so no mesh axis is named here.
+
+On CPU the kernels run in Pallas' interpreter (`interpret=True`): slow, for tests only.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+from jax.sharding import PartitionSpec
+
+# TPU vector lanes: the kernel tiles the sequence in blocks that are multiples of this.
+LANES = 128
+# Largest block first: bigger tiles amortise the per-block overhead; 512 is MaxText's default.
+BLOCK_CHOICES = (512, 256, 128)
+
+Q_AXES = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
+KV_AXES = ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv")
+
+
+def block_size(length: int) -> int:
+  """The largest of BLOCK_CHOICES dividing `length`; ValueError when length is not a multiple of 128."""
+  for block in BLOCK_CHOICES:
+    if length % block == 0:
+      return block
+  raise ValueError(
+    f"attention=flash needs the sequence length to be a multiple of {LANES}; got {length}. "
+    f"Set max_target_length to a multiple of {LANES} (e.g. {math.ceil(length / LANES) * LANES}) "
+    "or use attention=dot_product"
+  )
+
+
+def _splash_mask(heads: int, length: int, sliding_window: int) -> splash_mask.MultiHeadMask:
+  """Causal, and local when 0 < sliding_window < length: query i sees keys j with i - window < j <= i."""
+  if 0 < sliding_window < length:
+    one = splash_mask.LocalMask((length, length), window_size=(sliding_window - 1, 0), offset=0)
+  else:
+    one = splash_mask.CausalMask((length, length))
+  return splash_mask.MultiHeadMask([one] * heads)
+
+
+def _splash(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  segment_ids: jax.Array,
+  *,
+  sliding_window: int,
+  logits_soft_cap: float,
+  interpret: bool,
+) -> jax.Array:
+  """The kernel on local (unsharded) arrays: q [B, T, N, H], k/v [B, T, K, H] -> [B, T, N, H]."""
+  t, n = q.shape[1], q.shape[2]
+  b = block_size(t)
+  sizes = splash.BlockSizes(
+    block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b, block_kv_dkv_compute=b,
+    block_q_dq=b, block_kv_dq=b,
+  )  # fmt: skip
+  kernel = splash.make_splash_mha(
+    _splash_mask(n, t, sliding_window),
+    block_sizes=sizes,
+    attn_logits_soft_cap=logits_soft_cap or None,
+    head_shards=1,  # built per shard, on the local heads and the whole sequence
+    q_seq_shards=1,
+    interpret=interpret,
+  )
+  heads_major = functools.partial(jnp.swapaxes, axis1=1, axis2=2)  # [B, T, N, H] <-> [B, N, T, H]
+  ids = splash.SegmentIds(q=segment_ids, kv=segment_ids)
+  out = jax.vmap(kernel)(heads_major(q), heads_major(k), heads_major(v), ids)
+  return heads_major(out)
+
+
+class ShardPlan(NamedTuple):
+  """How flash_attention splits its arrays over the mesh: the shard_map specs, and whether k/v are
+  first repeated to one head per query head (kv heads too few to split over the heads' mesh axes)."""
+
+  q: PartitionSpec  # q and the output, [B, T, N, H]
+  kv: PartitionSpec  # k and v, [B, T, K, H]
+  segment_ids: PartitionSpec  # [B, T]
+  repeat_kv: bool
+
+
+def _mesh_axes(logical: str, names: tuple[str, ...], mesh: jax.sharding.AbstractMesh) -> tuple[str, ...]:
+  """The mesh axes (present in `mesh`, of size > 1) that the active rules give `logical` within `names`."""
+  spec = nn.logical_to_mesh_axes(names)
+  entry = spec[names.index(logical)] if spec is not None else None
+  axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+  return tuple(a for a in axes if a in mesh.axis_names and mesh.shape[a] > 1)
+
+
+def shard_plan(q_shape: tuple[int, ...], k_shape: tuple[int, ...], mesh: jax.sharding.AbstractMesh) -> ShardPlan:
+  """Batch over activation_batch's mesh axes and heads over activation_heads'; a dimension that does not
+  divide its axes' size stays whole (computed redundantly, still correct). The sequence and head_dim are
+  always whole per shard: the kernel's masks and softmax need the full key range."""
+  size = lambda axes: math.prod(mesh.shape[a] for a in axes)  # noqa: E731
+  batch = _mesh_axes("activation_batch", Q_AXES, mesh)
+  batch = batch if batch and q_shape[0] % size(batch) == 0 else None
+  heads = _mesh_axes("activation_heads", Q_AXES, mesh)
+  heads = heads if heads and q_shape[2] % size(heads) == 0 else None
+  kv_heads = _mesh_axes("activation_kv_heads", KV_AXES, mesh)
+  # GQA keeps query head n on kv head n // G; per shard that holds when both head counts split evenly
+  # over the same axes. Otherwise k/v are repeated to N heads and split like q.
+  repeat_kv = heads is not None and (kv_heads != heads or k_shape[2] % size(heads) != 0)
+  q_spec = PartitionSpec(batch, None, heads, None)
+  return ShardPlan(q=q_spec, kv=q_spec, segment_ids=PartitionSpec(batch, None), repeat_kv=repeat_kv)
+
+
+def flash_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  segment_ids: jax.Array,
+  *,
+  sliding_window: int = 0,
+  logits_soft_cap: float = 0.0,
+  interpret: bool = False,
+) -> jax.Array:
+  """Causal, packing-aware GQA attention through the splash kernels; dot_product_attention's contract.
+
+  q [B, T, N, H] already scaled by the query scale, k/v [B, T, K, H] with N a multiple of K, segment_ids
+  [B, T] int (tokens attend within their own segment id) -> [B, T, N, H] in q's dtype. sliding_window > 0:
+  query i sees keys j with i - window < j <= i. logits_soft_cap > 0: logits -> cap * tanh(logits / cap).
+  T must be a multiple of 128 (ValueError otherwise). interpret=True runs the Pallas interpreter (CPU).
+  Under an active mesh (jax.set_mesh) the kernel runs per shard (shard_plan); without one, directly.
+  """
+  if k.shape != v.shape or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
+    raise ValueError(
+      f"flash_attention needs q [B, T, N, H] and k, v [B, T, K, H] with N a multiple of K; got "
+      f"q {q.shape}, k {k.shape}, v {v.shape}"
+    )
+  if segment_ids.shape != q.shape[:2]:
+    raise ValueError(f"segment_ids must be [B, T] = {q.shape[:2]}; got {segment_ids.shape}")
+  block_size(q.shape[1])  # fail before shard_map with the length the user set, not a per-shard one
+  body = functools.partial(_splash, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, interpret=interpret)
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return body(q, k, v, segment_ids)
+  plan = shard_plan(q.shape, k.shape, mesh)
+  if plan.repeat_kv:
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+  return jax.shard_map(
+    body,
+    mesh=mesh,
+    in_specs=(plan.q, plan.kv, plan.kv, plan.segment_ids),
+    out_specs=plan.q,
+    check_vma=False,  # pallas_call carries no varying-manual-axes annotations
+  )(q, k, v, segment_ids)

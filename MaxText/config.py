@@ -23,7 +23,7 @@ ENV_PREFIX = "M_"
 CHOICES = {
   "dtype": ("bfloat16", "float32", "float16"),
   "weight_dtype": ("float32", "bfloat16"),
-  "attention": ("autoselected", "dot_product", "cudnn_flash_te"),
+  "attention": ("autoselected", "dot_product", "flash", "cudnn_flash_te"),
   "remat_policy": ("full", "minimal", "save_dot_except_mlp", "save_qkv_proj", "none"),
   "dataset_type": ("synthetic", "text", "grain", "tfds", "hf"),
   "tokenizer_type": ("sentencepiece", "tiktoken", "huggingface"),
@@ -343,3 +343,9 @@ def _validate(c: dict[str, Any]) -> None:
   if c["max_num_checkpoints_to_keep"] == 0 or c["max_num_checkpoints_to_keep"] < -1:
     raise ConfigError("max_num_checkpoints_to_keep must be -1 (keep all) or a positive number")
   positive("compile_topology_num_slices", "jax_distributed_initialization_timeout")
+  chunk, length = c["attention_query_chunk"], c["max_target_length"]
+  if chunk < 0 or (chunk and length > chunk and length % chunk):
+    raise ConfigError(
+      f"attention_query_chunk={chunk} must be 0 (off) or divide max_target_length={length}; "
+      f"e.g. attention_query_chunk={math.gcd(length, 512)}"
+    )

@@ -17,6 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.config import Config, ConfigError
 from MaxText.layers import kv_cache
+from MaxText.layers.attention_kernels import flash_attention
 from MaxText.layers.embeddings import apply_rope, rope_attention_factor, scaled_rope_frequencies
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.normalizations import RMSNorm
@@ -69,6 +70,76 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, l
   if logits_soft_cap:
     raise ConfigError("attention=cudnn_flash_te does not support attn_logits_soft_cap; use attention=dot_product")
   return jax.nn.dot_product_attention(q, k, v, mask=mask[:, 0], scale=1.0, implementation="cudnn")
+
+
+def target_platform() -> str:
+  """The platform the program is traced for: the active mesh's (a TPU topology when compiling ahead of
+  time on a CPU), else JAX's default backend."""
+  mesh = jax.sharding.get_abstract_mesh()
+  device = None if mesh.empty else mesh.abstract_device
+  platform = device.platform if device is not None else jax.default_backend()
+  return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
+
+
+def attention_kind(config: Config, length: int, logits_soft_cap: float) -> str:
+  """The kernel for training attention: config.attention, with autoselected resolved for the target
+  platform: flash (Pallas splash) on TPU, cuDNN on NVIDIA GPUs, dot_product elsewhere or where the
+  fused kernel cannot take the shapes (flash: length a multiple of 128; cuDNN: no soft cap)."""
+  if config.attention != "autoselected":
+    return config.attention
+  platform = target_platform()
+  if platform == "tpu" and length % 128 == 0:
+    return "flash"
+  if platform == "gpu" and not logits_soft_cap:
+    return "cudnn_flash_te"
+  return "dot_product"
+
+
+def chunked_dot_product_attention(
+  q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, sliding_window: int, logits_soft_cap: float,
+  chunk: int,
+) -> jax.Array:  # fmt: skip
+  """dot_product_attention over query blocks of `chunk` tokens, each rematerialised in the backward pass:
+  the [B, N, chunk, S] scores of one block are live at a time instead of the whole [B, N, T, S]."""
+  b, t = segment_ids.shape
+  n = t // chunk
+  starts = jnp.arange(n) * chunk
+
+  @jax.checkpoint
+  def block(q_block, start):
+    q_ids = jax.lax.dynamic_slice_in_dim(segment_ids, start, chunk, axis=1)
+    distance = (start + jnp.arange(chunk))[:, None] - jnp.arange(t)[None, :]
+    allowed = (distance >= 0) & ((distance < sliding_window) if sliding_window else True)
+    mask = (allowed[None] & (q_ids[:, :, None] == segment_ids[:, None, :]))[:, None, None]
+    return dot_product_attention(q_block, k, v, mask, logits_soft_cap)
+
+  q_blocks = q.reshape(b, n, chunk, *q.shape[2:]).swapaxes(0, 1)  # [n, B, chunk, N, H]
+  out = jax.lax.map(lambda args: block(*args), (q_blocks, starts))
+  return out.swapaxes(0, 1).reshape(b, t, *out.shape[3:])
+
+
+def attend(
+  config: Config, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, sliding_window: int = 0
+) -> jax.Array:
+  """Training/prefill-free attention (no cache) with the configured kernel: q [B, T, N, Hq] already
+  scaled, k [B, T, K, Hq], v [B, T, K, Hv] -> [B, T, N, Hv]; causal, within segments, local when
+  sliding_window > 0."""
+  cap, t = config.attn_logits_soft_cap, q.shape[1]
+  kind = attention_kind(config, t, cap)
+  if kind == "flash":
+    pad = q.shape[-1] - v.shape[-1]  # MLA: values narrower than queries/keys; zero columns cost little
+    v_full = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, pad))) if pad > 0 else v
+    out = flash_attention(
+      q, k, v_full, segment_ids, sliding_window=sliding_window, logits_soft_cap=cap,
+      interpret=target_platform() != "tpu",
+    )  # fmt: skip
+    return out[..., : v.shape[-1]]
+  if kind == "cudnn_flash_te":
+    return cudnn_attention(q, k, v, attention_mask(segment_ids, sliding_window), cap)
+  chunk = config.attention_query_chunk
+  if 0 < chunk < t and t % chunk == 0:
+    return chunked_dot_product_attention(q, k, v, segment_ids, sliding_window, cap, chunk)
+  return dot_product_attention(q, k, v, attention_mask(segment_ids, sliding_window), cap)
 
 
 class Attention(nnx.Module):
@@ -130,14 +201,11 @@ class Attention(nnx.Module):
       q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
     q = q * self.query_scale
     if cache is None:
-      mask = attention_mask(segment_ids, self.sliding_window)
+      out = attend(self.config, q, k, v, segment_ids, self.sliding_window)
     else:
       cache = kv_cache.update(cache, k, v, positions)
-      k, v, mask = cache.key, cache.value, kv_cache.mask(positions, cache.key.shape[1], self.sliding_window)
-    if self.config.attention == "cudnn_flash_te" and cache is None:
-      out = cudnn_attention(q, k, v, mask, self.config.attn_logits_soft_cap)
-    else:
-      out = dot_product_attention(q, k, v, mask, self.config.attn_logits_soft_cap)
+      mask = kv_cache.mask(positions, cache.key.shape[1], self.sliding_window)
+      out = dot_product_attention(q, cache.key, cache.value, mask, self.config.attn_logits_soft_cap)
     out = nn.with_logical_constraint(
       out, ("activation_batch", "activation_length", "activation_heads", "activation_kv")
     )

@@ -20,7 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.config import Config
 from MaxText.layers import kv_cache
-from MaxText.layers.attention import attention_mask, dot_product_attention
+from MaxText.layers.attention import attend, dot_product_attention
 from MaxText.layers.embeddings import apply_rope, rope_attention_factor, scaled_rope_frequencies, yarn_mscale
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.normalizations import RMSNorm
@@ -72,7 +72,7 @@ class MLAttention(nnx.Module):
     rope_scale = rope_attention_factor(c, c.rope_type)
     k_rope = apply_rope(k_rope[:, :, None, :], positions, inv_freq, rope_scale)  # one shared head
     if cache is None:
-      mask = attention_mask(segment_ids, self.sliding_window)
+      mask = None
     else:
       cache = kv_cache.write(cache, kv_cache.LatentCache(latent, k_rope[:, :, 0]), positions)
       latent, k_rope = cache.latent, cache.rope_key[:, :, None]
@@ -83,7 +83,10 @@ class MLAttention(nnx.Module):
     q_rope = apply_rope(q_rope, positions, inv_freq, rope_scale)
     q = jnp.concatenate([q_nope, q_rope], axis=-1) * self.query_scale
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], rope))], axis=-1)
-    out = dot_product_attention(q, k, v, mask, c.attn_logits_soft_cap)
+    if mask is None:
+      out = attend(c, q, k, v, segment_ids, self.sliding_window)
+    else:
+      out = dot_product_attention(q, k, v, mask, c.attn_logits_soft_cap)
     out = nn.with_logical_constraint(
       out, ("activation_batch", "activation_length", "activation_heads", "activation_kv")
     )

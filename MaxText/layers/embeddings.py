@@ -30,11 +30,13 @@ class Embed(nnx.Module):
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     """tokens [B, T] int -> [B, T, D]; with `iota` a one-hot matmul instead of a gather (use_iota_embed)."""
-    table = self.embedding[...]
+    # Cast before the gather: its gradient (scattered back into the fsdp-sharded table) then moves in
+    # the compute dtype, not in float32 (a [B, T, D] f32 all-to-all per step at scale).
+    table = self.embedding[...].astype(self.dtype)
     if self.iota:
       one_hot = jax.nn.one_hot(tokens, table.shape[0], dtype=table.dtype)
-      return jnp.einsum("BTV,VD->BTD", one_hot, table).astype(self.dtype)
-    return jnp.take(table, tokens, axis=0).astype(self.dtype)
+      return jnp.einsum("BTV,VD->BTD", one_hot, table)
+    return jnp.take(table, tokens, axis=0)
 
   def attend(self, x: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """x [B, T, D] -> logits [B, T, V]."""

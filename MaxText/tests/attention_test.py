@@ -1,0 +1,78 @@
+"""Training attention: the kernel choice per platform and the query-chunked dot product."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from MaxText import config as config_lib
+from MaxText.layers import attention
+
+
+def config(*overrides):
+  return config_lib.load(["MaxText/configs/base.yml", "run_name=t", *overrides])
+
+
+def inputs(b=2, t=256, n=4, k=2, h=32, seed=0):
+  keys = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(keys[0], (b, t, n, h), jnp.float32) * h**-0.5
+  kv = [jax.random.normal(key, (b, t, k, h), jnp.float32) for key in keys[1:]]
+  segments = jnp.concatenate([jnp.ones((b, t // 2), jnp.int32), 2 * jnp.ones((b, t // 2 - 8), jnp.int32)], axis=1)
+  segments = jnp.pad(segments, ((0, 0), (0, 8)))  # a packed batch with padding at the end
+  return q, *kv, segments
+
+
+@pytest.mark.parametrize("window, cap", [(0, 0.0), (48, 0.0), (0, 5.0)])
+def test_chunked_dot_product_equals_the_whole_sequence(window, cap):
+  q, k, v, segments = inputs()
+
+  def whole(q, k, v):
+    return attention.dot_product_attention(q, k, v, attention.attention_mask(segments, window), cap)
+
+  def chunked(q, k, v):
+    return attention.chunked_dot_product_attention(q, k, v, segments, window, cap, chunk=64)
+
+  np.testing.assert_allclose(chunked(q, k, v), whole(q, k, v), rtol=1e-5, atol=1e-6)
+  loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
+  for got, want in zip(jax.grad(loss(chunked), (0, 1, 2))(q, k, v), jax.grad(loss(whole), (0, 1, 2))(q, k, v)):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_attend_chunks_only_when_the_chunk_divides_a_longer_sequence():
+  q, k, v, segments = inputs(t=256)
+  want = attention.dot_product_attention(q, k, v, attention.attention_mask(segments), 0.0)
+  for chunk in (0, 64, 256):
+    c = config(f"attention_query_chunk={chunk}", "max_target_length=256", "attention=dot_product")
+    np.testing.assert_allclose(attention.attend(c, q, k, v, segments), want, rtol=1e-5, atol=1e-6)
+
+
+def test_attention_query_chunk_must_divide_the_length():
+  with pytest.raises(config_lib.ConfigError, match="attention_query_chunk=300 must be 0"):
+    config("attention_query_chunk=300", "max_target_length=2048")
+
+
+def test_autoselected_follows_the_target_platform():
+  c = config("attention=autoselected")
+  assert attention.attention_kind(c, 256, 0.0) == "dot_product"  # CPU, no mesh
+  assert attention.attention_kind(config("attention=flash"), 256, 0.0) == "flash"  # explicit wins
+  pytest.importorskip("libtpu")
+  from jax.experimental import topologies
+
+  try:
+    devices = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu").devices
+  except Exception as e:  # noqa: BLE001 (libtpu present but cannot describe topologies here)
+    pytest.skip(f"no TPU topology description: {e}")
+  with jax.set_mesh(Mesh(np.array(devices).reshape(4), ("fsdp",))):
+    assert attention.target_platform() == "tpu"
+    assert attention.attention_kind(c, 256, 0.0) == "flash"
+    assert attention.attention_kind(c, 200, 0.0) == "dot_product"  # the kernel tiles by 128
+
+
+def test_flash_through_attend_equals_dot_product_for_narrower_values():
+  # MLA's values are narrower than its queries/keys: attend pads them for the kernel.
+  q, k, v, segments = inputs(t=128, h=64)
+  v = v[..., :32]
+  c = config("attention=flash", "max_target_length=128")
+  want = attention.dot_product_attention(q, k, v, attention.attention_mask(segments), 0.0)
+  np.testing.assert_allclose(attention.attend(c, q, k, v, segments), want, rtol=1e-4, atol=1e-5)

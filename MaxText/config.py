@@ -42,6 +42,7 @@ DERIVED = (
   "num_query_heads",
   "num_kv_heads",
   "mlp_dim",
+  "moe_mlp_dim",
   "num_decoder_layers",
   "run_dir",
   "checkpoint_dir",
@@ -232,6 +233,7 @@ def _finalize(values: dict[str, Any]) -> dict[str, Any]:
   out["num_query_heads"] = values["base_num_query_heads"] * 2**heads
   out["num_kv_heads"] = values["base_num_kv_heads"] * 2**heads
   out["mlp_dim"] = values["base_mlp_dim"] * 2**mlp
+  out["moe_mlp_dim"] = (values["base_moe_mlp_dim"] or values["base_mlp_dim"]) * 2**mlp  # routed expert width
   out["num_decoder_layers"] = values["base_num_decoder_layers"] * 2**layers
   if not out["run_name"]:
     out["run_name"] = datetime.datetime.now().strftime("run_%Y%m%d_%H%M%S")

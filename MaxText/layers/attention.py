@@ -18,6 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 from MaxText.config import Config, ConfigError
 from MaxText.layers import kv_cache
 from MaxText.layers.attention_kernels import flash_attention
+from MaxText.layers.axes import HEAD_AXES, KV_HEAD_AXES
 from MaxText.layers.embeddings import apply_rope, rope_attention_factor, scaled_rope_frequencies
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.normalizations import RMSNorm
@@ -182,17 +183,17 @@ class Attention(nnx.Module):
 
   def __call__(
     self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, cache: kv_cache.KVCache | None = None
-  ) -> jax.Array | tuple[jax.Array, kv_cache.KVCache]:
-    """x [B, T, D], positions/segment_ids [B, T] -> [B, T, D].
+  ) -> tuple[jax.Array, kv_cache.KVCache | None]:
+    """x [B, T, D], positions/segment_ids [B, T] -> (out [B, T, D], cache); cache is None in training.
 
     Decoding: with a `cache`, k/v are written into it at `positions` and the queries attend over the
-    whole cache (layers/kv_cache.py); returns (out, updated cache).
+    whole cache (layers/kv_cache.py); the updated cache is returned.
     """
     q = checkpoint_name(self.query(x), "query_proj")
     k = checkpoint_name(self.key(x), "key_proj")
     v = checkpoint_name(self.value(x), "value_proj")
-    q = nn.with_logical_constraint(q, ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
-    k = nn.with_logical_constraint(k, ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv"))
+    q = nn.with_logical_constraint(q, HEAD_AXES)
+    k = nn.with_logical_constraint(k, KV_HEAD_AXES)
     if self.query_norm is not None:
       q, k = self.query_norm(q), self.key_norm(k)
     if self.use_rope:
@@ -206,11 +207,8 @@ class Attention(nnx.Module):
       cache = kv_cache.update(cache, k, v, positions)
       mask = kv_cache.mask(positions, cache.key.shape[1], self.sliding_window)
       out = dot_product_attention(q, cache.key, cache.value, mask, self.config.attn_logits_soft_cap)
-    out = nn.with_logical_constraint(
-      out, ("activation_batch", "activation_length", "activation_heads", "activation_kv")
-    )
-    out = checkpoint_name(self.out(out), "out_proj")
-    return out if cache is None else (out, cache)
+    out = nn.with_logical_constraint(out, HEAD_AXES)
+    return checkpoint_name(self.out(out), "out_proj"), cache
 
   def init_cache(self, batch: int, length: int) -> kv_cache.KVCache:
     """An empty decode cache of `length` slots."""

@@ -22,13 +22,12 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 from jax.sharding import PartitionSpec
 
+from MaxText.layers.axes import HEAD_AXES, KV_HEAD_AXES
+
 # TPU vector lanes: the kernel tiles the sequence in blocks that are multiples of this.
 LANES = 128
 # Largest block first: bigger tiles amortise the per-block overhead; 512 is MaxText's default.
 BLOCK_CHOICES = (512, 256, 128)
-
-Q_AXES = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
-KV_AXES = ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv")
 
 
 def block_size(length: int) -> int:
@@ -106,11 +105,11 @@ def shard_plan(q_shape: tuple[int, ...], k_shape: tuple[int, ...], mesh: jax.sha
   divide its axes' size stays whole (computed redundantly, still correct). The sequence and head_dim are
   always whole per shard: the kernel's masks and softmax need the full key range."""
   size = lambda axes: math.prod(mesh.shape[a] for a in axes)  # noqa: E731
-  batch = _mesh_axes("activation_batch", Q_AXES, mesh)
+  batch = _mesh_axes("activation_batch", HEAD_AXES, mesh)
   batch = batch if batch and q_shape[0] % size(batch) == 0 else None
-  heads = _mesh_axes("activation_heads", Q_AXES, mesh)
+  heads = _mesh_axes("activation_heads", HEAD_AXES, mesh)
   heads = heads if heads and q_shape[2] % size(heads) == 0 else None
-  kv_heads = _mesh_axes("activation_kv_heads", KV_AXES, mesh)
+  kv_heads = _mesh_axes("activation_kv_heads", KV_HEAD_AXES, mesh)
   # GQA keeps query head n on kv head n // G; per shard that holds when both head counts split evenly
   # over the same axes. Otherwise k/v are repeated to N heads and split like q.
   repeat_kv = heads is not None and (kv_heads != heads or k_shape[2] % size(heads) != 0)

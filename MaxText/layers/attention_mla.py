@@ -21,13 +21,14 @@ from jax.ad_checkpoint import checkpoint_name
 from MaxText.config import Config
 from MaxText.layers import kv_cache
 from MaxText.layers.attention import attend, dot_product_attention
+from MaxText.layers.axes import HEAD_AXES
 from MaxText.layers.embeddings import apply_rope, rope_attention_factor, scaled_rope_frequencies, yarn_mscale
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.normalizations import RMSNorm
 
 
 class MLAttention(nnx.Module):
-  """x [B, T, D] -> [B, T, D]; same constructor keywords as Attention (window, RoPE base, norm)."""
+  """x [B, T, D] -> [B, T, D]; same constructor keywords and call contract as Attention."""
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs, sliding_window: int = 0, norm=RMSNorm, **_):
     dt, wdt = jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
@@ -59,13 +60,13 @@ class MLAttention(nnx.Module):
 
   def __call__(
     self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, cache: kv_cache.LatentCache | None = None
-  ) -> jax.Array | tuple[jax.Array, kv_cache.LatentCache]:
-    """x [B, T, D] -> [B, T, D]; with a decode `cache` (the normalised latent and the rotated RoPE key
-    of every position), returns (out, updated cache) and attends over the cache."""
+  ) -> tuple[jax.Array, kv_cache.LatentCache | None]:
+    """x [B, T, D] -> (out [B, T, D], cache); cache is None in training. With a decode `cache` (the
+    normalised latent and the rotated RoPE key of every position), attends over it and returns it updated."""
     nope, rope, _ = self.dims
     c = self.config
     q = checkpoint_name(self._queries(x), "query_proj")
-    q = nn.with_logical_constraint(q, ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
+    q = nn.with_logical_constraint(q, HEAD_AXES)
     latent, k_rope = jnp.split(self.wkv_a(x), [c.kv_lora_rank], axis=-1)  # [B, T, C], [B, T, R]
     latent = self.kv_norm(latent)
     inv_freq = scaled_rope_frequencies(c, rope, c.rope_max_timescale, c.rope_type)
@@ -87,11 +88,8 @@ class MLAttention(nnx.Module):
       out = attend(c, q, k, v, segment_ids, self.sliding_window)
     else:
       out = dot_product_attention(q, k, v, mask, c.attn_logits_soft_cap)
-    out = nn.with_logical_constraint(
-      out, ("activation_batch", "activation_length", "activation_heads", "activation_kv")
-    )
-    out = checkpoint_name(self.out(out), "out_proj")
-    return out if cache is None else (out, cache)
+    out = nn.with_logical_constraint(out, HEAD_AXES)
+    return checkpoint_name(self.out(out), "out_proj"), cache
 
   def init_cache(self, batch: int, length: int) -> kv_cache.LatentCache:
     c, dtype = self.config, jnp.dtype(self.config.dtype)

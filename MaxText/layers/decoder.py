@@ -10,6 +10,7 @@ over a repeating `LayerBlock`; families whose first layers differ (dense, then M
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -20,12 +21,23 @@ from flax import nnx
 
 from MaxText.config import Config, ConfigError
 from MaxText.layers.attention import soft_cap
-from MaxText.layers.decoder_layer import ACTIVATION_AXES, DecoderLayer, dropout
+from MaxText.layers.axes import ACTIVATION_AXES, LOGITS_AXES
+from MaxText.layers.decoder_layer import DecoderLayer, dropout
 from MaxText.layers.embeddings import Embed
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.normalizations import RMSNorm
 
-__all__ = ["ACTIVATION_AXES", "Decoder", "DecoderOutput", "Family", "LayerBlock", "Stack", "dropout", "remat"]
+__all__ = [
+  "ACTIVATION_AXES",
+  "Decoder",
+  "DecoderOutput",
+  "Family",
+  "LayerBlock",
+  "Stack",
+  "alternating_stacks",
+  "dropout",
+  "remat",
+]
 
 _POLICIES = {
   "full": jax.checkpoint_policies.nothing_saveable,
@@ -76,20 +88,30 @@ class LayerBlock(nnx.Module):
 
   def __call__(
     self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, rng: jax.Array | None, cache: Any = None
-  ) -> jax.Array | tuple[jax.Array, Any]:
-    """With a decode `cache` (a tuple, one per sublayer), returns (x, updated cache)."""
+  ) -> tuple[jax.Array, Any]:
+    """The DecoderLayer contract; a decode `cache` is a tuple, one per sublayer (None in training)."""
     new_cache = []
     for i, layer in enumerate(self.sublayers):
       layer_rng = None if rng is None else jax.random.fold_in(rng, i)
-      if cache is None:
-        x = layer(x, positions, segment_ids, layer_rng)
-      else:
-        x, layer_cache = layer(x, positions, segment_ids, layer_rng, cache[i])
-        new_cache.append(layer_cache)
-    return x if cache is None else (x, tuple(new_cache))
+      x, layer_cache = layer(x, positions, segment_ids, layer_rng, None if cache is None else cache[i])
+      new_cache.append(layer_cache)
+    return x, None if cache is None else tuple(new_cache)
 
   def init_cache(self, batch: int, length: int) -> tuple:
     return tuple(layer.init_cache(batch, length) for layer in self.sublayers)
+
+
+def alternating_stacks(config: Config, pattern: tuple[Callable[..., nnx.Module], ...]) -> tuple[Stack, ...]:
+  """Layers cycling through the builders `pattern` (layer i is pattern[i % len]): whole cycles are scanned
+  as one LayerBlock; a shorter remainder cycle, if any, forms a second stack (gemma2, gemma3)."""
+  period = len(pattern)
+  cycles, rest = divmod(config.num_decoder_layers, period)
+  out = []
+  if cycles:
+    out.append(Stack("layers", functools.partial(LayerBlock, makers=pattern), cycles, period))
+  if rest:
+    out.append(Stack("remainder_layers", functools.partial(LayerBlock, makers=pattern[:rest]), 1, rest))
+  return tuple(out)
 
 
 def _stacked_layers(stack: Stack, config: Config, rngs: nnx.Rngs) -> nnx.Module:
@@ -197,7 +219,7 @@ class Decoder(nnx.Module):
     else:
       logits = self.logits_dense(x.astype(logits_dtype)) if c.logits_dot_in_fp32 else self.logits_dense(x)
     logits = soft_cap(logits, c.final_logits_soft_cap)
-    logits = nn.with_logical_constraint(logits, ("activation_batch", "activation_length", "activation_vocab"))
+    logits = nn.with_logical_constraint(logits, LOGITS_AXES)
     return DecoderOutput(logits, aux / c.num_decoder_layers, None if cache is None else new_cache)
 
   def init_cache(self, batch: int, length: int) -> dict[str, Any]:
@@ -225,10 +247,7 @@ class Decoder(nnx.Module):
       (h, aux, index), (unit_params, unit_cache) = carry, inputs
       rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, index)
       unit = nnx.merge(graphdef, unit_params)
-      if unit_cache is None:
-        h = unit(h, positions, segment_ids, rng)
-      else:
-        h, unit_cache = unit(h, positions, segment_ids, rng, unit_cache)
+      h, unit_cache = unit(h, positions, segment_ids, rng, unit_cache)
       h = nn.with_logical_constraint(h, ACTIVATION_AXES)
       return (h, aux + _intermediates_sum(unit), index + 1), unit_cache
 

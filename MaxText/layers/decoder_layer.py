@@ -14,10 +14,10 @@ from flax import nnx
 
 from MaxText.config import Config
 from MaxText.layers.attention import Attention
+from MaxText.layers.axes import ACTIVATION_AXES
 from MaxText.layers.mlp import MlpBlock
+from MaxText.layers.moe import MoeBlock
 from MaxText.layers.normalizations import RMSNorm
-
-ACTIVATION_AXES = ("activation_batch", "activation_length", "activation_embed")
 
 
 def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
@@ -28,22 +28,10 @@ def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
   return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
-def dense_mlp(config: Config, rngs: nnx.Rngs) -> nnx.Module:
-  return MlpBlock(config, rngs=rngs)
-
-
-def feed_forward(config: Config, rngs: nnx.Rngs) -> nnx.Module:
-  """A dense MlpBlock, or a MoeBlock when num_experts > 1."""
-  if config.num_experts > 1:
-    from MaxText.layers.moe import MoeBlock  # noqa: PLC0415 (moe imports this module's helpers)
-
-    return MoeBlock(config, rngs=rngs)
-  return MlpBlock(config, rngs=rngs)
-
-
 class DecoderLayer(nnx.Module):
   """x [B, T, D] -> [B, T, D]. `norm` builds every norm of the layer (RMSNorm or Gemma's 1 + w);
-  `attention` and `mlp` build the attention (Attention, MLAttention) and the feed-forward block."""
+  `attention` and `mlp` are builders `(config, *, rngs)` of the attention (Attention, MLAttention) and
+  the feed-forward block; mlp=None: a MoeBlock when config.num_experts > 1, else an MlpBlock."""
 
   def __init__(
     self,
@@ -55,7 +43,7 @@ class DecoderLayer(nnx.Module):
     rope_max_timescale: float | None = None,
     rope_type: str | None = None,
     attention: Callable[..., nnx.Module] = Attention,
-    mlp: Callable[[Config, nnx.Rngs], nnx.Module] = feed_forward,
+    mlp: Callable[..., nnx.Module] | None = None,
   ):
     args = dict(epsilon=config.normalization_layer_epsilon, dtype=jnp.dtype(config.dtype))
     args["weight_dtype"] = jnp.dtype(config.weight_dtype)
@@ -67,19 +55,19 @@ class DecoderLayer(nnx.Module):
     )
     self.post_self_attention_norm = norm(d, **args) if config.use_post_attn_norm else nnx.data(None)
     self.post_self_attention_layer_norm = norm(d, **args)  # the pre-MLP norm (MaxText's name)
-    self.mlp = mlp(config, rngs)
+    if mlp is None:
+      mlp = MoeBlock if config.num_experts > 1 else MlpBlock
+    self.mlp = mlp(config, rngs=rngs)
     self.post_ffw_norm = norm(d, **args) if config.use_post_ffw_norm else nnx.data(None)
     self.dropout_rate = config.dropout_rate
 
   def __call__(
     self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, rng: jax.Array | None, cache: Any = None
-  ) -> jax.Array | tuple[jax.Array, Any]:
-    """With a decode `cache` (the attention's), returns (x, updated cache)."""
+  ) -> tuple[jax.Array, Any]:
+    """x [B, T, D], positions/segment_ids [B, T] -> (x [B, T, D], cache). `rng`: dropout (None: off);
+    `cache`: the attention's decode cache, returned updated (None in training, and then returned None)."""
     attn_rng, mlp_rng = (None, None) if rng is None else jax.random.split(rng)
-    extra = () if cache is None else (cache,)
-    h = self.self_attention(self.pre_self_attention_layer_norm(x), positions, segment_ids, *extra)
-    if cache is not None:
-      h, cache = h
+    h, cache = self.self_attention(self.pre_self_attention_layer_norm(x), positions, segment_ids, cache)
     if self.post_self_attention_norm is not None:
       h = self.post_self_attention_norm(h)
     x = x + dropout(h, self.dropout_rate, attn_rng)
@@ -88,7 +76,7 @@ class DecoderLayer(nnx.Module):
     if self.post_ffw_norm is not None:
       h = self.post_ffw_norm(h)
     x = x + dropout(h, self.dropout_rate, mlp_rng)
-    return x if cache is None else (x, cache)
+    return x, cache
 
   def init_cache(self, batch: int, length: int) -> Any:
     return self.self_attention.init_cache(batch, length)

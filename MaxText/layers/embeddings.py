@@ -12,7 +12,12 @@ from MaxText.config import Config
 
 
 class Embed(nnx.Module):
-  """Token embedding table [V, D]; `attend` reuses it as the output projection (tied logits)."""
+  """Token embedding table [V, D]; `attend` reuses it as the output projection (tied logits).
+
+  Initialised N(0, 1/D) (fan-in variance scaling over D, as MaxText): with tied logits a unit-RMS final
+  activation then gives logits of unit variance, so a fresh model starts near loss ln(V). Families that
+  scale embeddings by sqrt(D) (gemma) then feed the first layer unit-variance activations.
+  """
 
   def __init__(
     self,
@@ -24,7 +29,7 @@ class Embed(nnx.Module):
     rngs: nnx.Rngs,
     iota: bool = False,
   ):
-    init = nnx.initializers.normal(stddev=1.0)
+    init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=1, out_axis=0)
     self.embedding = nnx.Param(init(rngs.params(), (vocab_size, dim), weight_dtype), out_sharding=("vocab", "embed"))
     self.dtype, self.iota = dtype, iota
 

@@ -9,6 +9,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.config import Config
+from MaxText.layers.axes import MLP_AXES
 from MaxText.layers.linears import DenseGeneral
 
 ACTIVATIONS = {
@@ -22,15 +23,16 @@ ACTIVATIONS = {
 
 class MlpBlock(nnx.Module):
   """y = wo(prod_i act_i(wi_i(x))): with ["silu", "linear"] this is SwiGLU. Biases on every projection
-  with config.mlp_bias or `use_bias` (gpt3)."""
+  with config.mlp_bias or `use_bias` (gpt3). Hidden width F: `mlp_dim`, by default config.mlp_dim (MoE
+  shared experts pass their own)."""
 
-  def __init__(self, config: Config, *, rngs: nnx.Rngs, use_bias: bool = False):
+  def __init__(self, config: Config, *, rngs: nnx.Rngs, use_bias: bool = False, mlp_dim: int | None = None):
     unknown = [a for a in config.mlp_activations if a not in ACTIVATIONS]
     if unknown:
       raise ValueError(f"Unknown mlp_activations {unknown}; choose from {sorted(ACTIVATIONS)}")
     dense = dict(dtype=jnp.dtype(config.dtype), weight_dtype=jnp.dtype(config.weight_dtype), rngs=rngs)
     dense["use_bias"] = use_bias or config.mlp_bias
-    d, f = config.emb_dim, config.mlp_dim
+    d, f = config.emb_dim, config.mlp_dim if mlp_dim is None else mlp_dim
     self.wi = nnx.List([DenseGeneral(d, f, ("embed", "mlp"), **dense) for _ in config.mlp_activations])
     self.wo = DenseGeneral(f, d, ("mlp", "embed"), **dense)
     self.activations = tuple(config.mlp_activations)
@@ -41,5 +43,5 @@ class MlpBlock(nnx.Module):
     for name, wi in zip(self.activations, self.wi):
       h = ACTIVATIONS[name](checkpoint_name(wi(x), "mlpwi"))
       hidden = h if hidden is None else hidden * h
-    hidden = nn.with_logical_constraint(hidden, ("activation_batch", "activation_length", "activation_mlp"))
+    hidden = nn.with_logical_constraint(hidden, MLP_AXES)
     return checkpoint_name(self.wo(hidden), "mlpwo")

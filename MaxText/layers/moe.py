@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from MaxText.config import Config
+from MaxText.layers.axes import ACTIVATION_AXES, EXPERT_EMBED_AXES, EXPERT_MLP_AXES
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.mlp import ACTIVATIONS, MlpBlock
 
@@ -97,11 +98,12 @@ def capacity_mask(experts: jax.Array, num_experts: int, capacity_factor: float) 
 
 class MoeBlock(nnx.Module):
   """x [B, T, D] -> [B, T, D]: sum over the token's top-k experts of weight * wo(act(wi_0 x) * wi_1 x),
-  plus the shared experts' MLP when shared_experts > 0. Expert width: base_moe_mlp_dim or mlp_dim."""
+  plus the shared experts' MLP when shared_experts > 0. Expert width F: config.moe_mlp_dim (scaled like
+  mlp_dim); the shared experts are one MLP of width shared_experts * F, as in DeepSeek and MaxText."""
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs):
     dt, wdt = jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
-    e, d, f = config.num_experts, config.emb_dim, config.base_moe_mlp_dim or config.mlp_dim
+    e, d, f = config.num_experts, config.emb_dim, config.moe_mlp_dim
     self.gate = DenseGeneral(d, e, ("embed", None), dtype=jnp.float32, weight_dtype=wdt, rngs=rngs)
     self.gate_bias = nnx.Param(jnp.zeros((e,), wdt), out_sharding=(None,)) if config.routed_bias else nnx.data(None)
     init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=1, out_axis=2, batch_axis=0)
@@ -110,7 +112,7 @@ class MoeBlock(nnx.Module):
     self.wo = nnx.Param(init(rngs.params(), (e, f, d), wdt), out_sharding=("exp", "mlp", "embed"))
     self.shared_experts = nnx.data(None)
     if config.shared_experts:
-      self.shared_experts = MlpBlock(config.replace(base_mlp_dim=f * config.shared_experts), rngs=rngs)
+      self.shared_experts = MlpBlock(config, rngs=rngs, mlp_dim=f * config.shared_experts)
     self.config, self.num_experts, self.k, self.dtype = config, e, config.num_experts_per_tok, dt
     self.capacity_factor = config.capacity_factor
     self.activation = ACTIVATIONS[config.mlp_activations[0]]
@@ -128,7 +130,7 @@ class MoeBlock(nnx.Module):
     out = out.reshape(b, t, d)
     if self.shared_experts is not None:
       out = out + self.shared_experts(x)
-    return nn.with_logical_constraint(out, ("activation_batch", "activation_length", "activation_embed"))
+    return nn.with_logical_constraint(out, ACTIVATION_AXES)
 
   def _experts(self, tokens: jax.Array, experts: jax.Array) -> jax.Array:
     """tokens [X, D], experts [X, k] -> each assignment's expert output [X, k, D] (dropless)."""
@@ -157,11 +159,11 @@ class MoeBlock(nnx.Module):
     slots = jnp.where(ranks < c, experts * c + ranks, e * c).reshape(-1)  # [A]
     routed = jnp.repeat(tokens.astype(self.dtype), k, axis=0)  # [A, D], assignment order
     buffer = jnp.zeros((e * c, d), self.dtype).at[slots].set(routed, mode="drop").reshape(e, c, d)
-    buffer = nn.with_logical_constraint(buffer, ("activation_exp", "activation_batch_no_exp", "activation_embed"))
+    buffer = nn.with_logical_constraint(buffer, EXPERT_EMBED_AXES)
     wi_0, wi_1, wo = (w[...].astype(self.dtype) for w in (self.wi_0, self.wi_1, self.wo))
     hidden = self.activation(jnp.einsum("ECD,EDF->ECF", buffer, wi_0)) * jnp.einsum("ECD,EDF->ECF", buffer, wi_1)
-    hidden = nn.with_logical_constraint(hidden, ("activation_exp", "activation_batch_no_exp", "activation_mlp"))
+    hidden = nn.with_logical_constraint(hidden, EXPERT_MLP_AXES)
     out = jnp.einsum("ECF,EFD->ECD", hidden, wo)
-    out = nn.with_logical_constraint(out, ("activation_exp", "activation_batch_no_exp", "activation_embed"))
+    out = nn.with_logical_constraint(out, EXPERT_EMBED_AXES)
     out = jnp.take(out.reshape(e * c, d), slots, axis=0, mode="fill", fill_value=0)  # [A, D]
     return out.reshape(x, k, d)

@@ -8,14 +8,15 @@ import functools
 from MaxText.config import Config
 from MaxText.layers.attention_mla import MLAttention
 from MaxText.layers.decoder import Family, Stack
-from MaxText.layers.decoder_layer import DecoderLayer, dense_mlp
+from MaxText.layers.decoder_layer import DecoderLayer
+from MaxText.layers.mlp import MlpBlock
 
 
 def stacks(config: Config) -> tuple[Stack, ...]:
   dense, moe = config.first_num_dense_layers, config.num_decoder_layers - config.first_num_dense_layers
   out = []
   if dense:
-    out.append(Stack("dense_layers", functools.partial(DecoderLayer, attention=MLAttention, mlp=dense_mlp), dense))
+    out.append(Stack("dense_layers", functools.partial(DecoderLayer, attention=MLAttention, mlp=MlpBlock), dense))
   if moe:
     out.append(Stack("moe_layers", functools.partial(DecoderLayer, attention=MLAttention), moe))
   return tuple(out)

@@ -6,10 +6,9 @@ from __future__ import annotations
 import functools
 
 from MaxText.config import Config
-from MaxText.layers.decoder import Family, Stack
+from MaxText.layers.decoder import Family, Stack, alternating_stacks
 from MaxText.layers.decoder_layer import DecoderLayer
 from MaxText.layers.normalizations import gemma_rms_norm
-from MaxText.models.gemma import alternating_stacks
 
 LOCAL_PER_GLOBAL = 5
 

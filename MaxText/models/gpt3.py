@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import functools
 
-from flax import nnx
-
 from MaxText.config import Config
 from MaxText.layers.attention import Attention
 from MaxText.layers.decoder import Family, Stack
@@ -15,13 +13,10 @@ from MaxText.layers.mlp import MlpBlock
 from MaxText.layers.normalizations import LayerNorm
 
 
-def mlp_with_bias(config: Config, rngs: nnx.Rngs) -> MlpBlock:
-  return MlpBlock(config, rngs=rngs, use_bias=True)
-
-
 def stacks(config: Config) -> tuple[Stack, ...]:
   attention = functools.partial(Attention, use_bias=True, use_rope=False)
-  layer = functools.partial(DecoderLayer, norm=LayerNorm, attention=attention, mlp=mlp_with_bias)
+  mlp = functools.partial(MlpBlock, use_bias=True)
+  layer = functools.partial(DecoderLayer, norm=LayerNorm, attention=attention, mlp=mlp)
   return (Stack("layers", layer, config.num_decoder_layers),)
 
 

@@ -1,5 +1,7 @@
-"""The llama2 decoder: shapes, logical axes, causality, packing masks, scan vs unrolled."""
+"""The llama2 decoder: shapes, logical axes, causality, packing masks, scan vs unrolled; every family starts
+near loss ln(vocab)."""
 
+import math
 import os
 
 import jax
@@ -80,3 +82,43 @@ def test_scan_and_unrolled_are_the_same_model():
 def test_unknown_decoder_block():
   with pytest.raises(ValueError, match="llama2"):
     build("decoder_block=llama9")
+
+
+# Each decoder_block as its preset configures it (tied logits, scaled embeddings, MoE, MLA, ...), shrunk.
+MOE = ["num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=32"]
+MLA = ["q_lora_rank=32", "kv_lora_rank=16", "qk_nope_head_dim=16", "qk_rope_head_dim=8", "v_head_dim=16"]
+FAMILY_PRESETS = {
+  "default": ["decoder_block=default"],
+  "llama2": ["model_name=llama2-7b"],
+  "mistral": ["model_name=mistral-7b"],
+  "mixtral": ["model_name=mixtral-8x7b", *MOE],
+  "qwen3": ["model_name=qwen3-30b-a3b", *MOE],
+  "gemma": ["model_name=gemma-2b"],
+  "gemma2": ["model_name=gemma2-2b"],
+  "gemma3": ["model_name=gemma3-4b", "base_num_decoder_layers=7"],  # one local+global cycle and a remainder
+  "deepseek": ["model_name=deepseek3-671b", *MOE, *MLA, "num_experts=8", "n_routing_groups=4", "topk_routing_group=2"]
+  + ["first_num_dense_layers=1", "base_num_decoder_layers=3"],
+  "gpt3": ["model_name=gpt3-175b"],
+}
+FAMILY_TINY = ["base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=4", "base_mlp_dim=128", "head_dim=16"]
+FAMILY_TINY += ["base_num_decoder_layers=2", "vocab_size=512", "max_target_length=16", "dtype=float32"]
+FAMILY_TINY += ["weight_dtype=float32", "override_model_config=true"]
+
+
+def test_every_family_has_a_preset_here():
+  assert set(FAMILY_PRESETS) == set(models.REGISTRY)
+
+
+@pytest.mark.parametrize("block", sorted(FAMILY_PRESETS))
+def test_fresh_model_starts_near_uniform_loss(block):
+  """Random tokens through a freshly initialised model: the loss is within 1 of ln(vocab) (uniform
+  predictions), so tied and untied logits, scaled embeddings and MoE start from unit-variance logits."""
+  preset = [o for o in FAMILY_PRESETS[block] if o.startswith("model_name=")]
+  rest = [o for o in FAMILY_PRESETS[block] if not o.startswith("model_name=")]
+  c = config.load([BASE, "run_name=t", *preset, *FAMILY_TINY, *rest], {})
+  assert c.decoder_block == block
+  model = models.build(c, nnx.Rngs(params=0))
+  ids = jnp.asarray(np.random.default_rng(0).integers(0, c.vocab_size, (4, 17)), jnp.int32)
+  logits = forward(model, ids[:, :-1])
+  loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, ids[:, 1:, None], -1)[..., 0])
+  assert abs(float(loss) - math.log(c.vocab_size)) < 1.0

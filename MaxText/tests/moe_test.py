@@ -117,3 +117,13 @@ def test_sharded_equals_unsharded(capacity_factor):
     got = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))(placed, x)
   assert mesh.shape["expert"] == 2 and mesh.shape["fsdp"] == 2
   np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("base_moe_mlp_dim, expert_width", [(0, 48), (8, 16)])
+def test_expert_widths_scale_once_with_global_parameter_scale(base_moe_mlp_dim, expert_width):
+  """global_parameter_scale=2 doubles mlp widths once: routed experts are moe_mlp_dim wide (base_moe_mlp_dim,
+  or base_mlp_dim = 24 when 0, times 2) and the shared experts one MLP of shared_experts * moe_mlp_dim, as
+  in DeepSeek and MaxText (not scaled a second time)."""
+  layer = block("global_parameter_scale=2", f"base_moe_mlp_dim={base_moe_mlp_dim}", "shared_experts=2")
+  assert layer.wi_0.shape == (4, 16, expert_width)
+  assert layer.shared_experts.wo.kernel.shape == (2 * expert_width, 16)

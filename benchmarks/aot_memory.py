@@ -1,0 +1,101 @@
+"""Per-device memory and compile time of the real train step, compiled ahead of time for TPU topologies.
+
+    python3 benchmarks/aot_memory.py                 # every case below (tens of minutes on 2 cores)
+    python3 benchmarks/aot_memory.py llama2-7b 16b   # cases whose name contains one of these words
+
+Each case runs `MaxText/train_compile.py` in its own process (as a user would) and the table is built
+from its report: arguments (state + batch), temporaries (activations, gradients, scratch), total (what
+XLA:TPU must fit in HBM), all GiB per device, and the compile time. Needs libtpu
+(`DEVICE=tpu bash setup.sh`); no TPU. The cases are the issue's side-by-side cases with upstream MaxText
+(same model, batch, topology and remat policy); see benchmarks/README.md for MaxText's figures.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from typing import NamedTuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Case(NamedTuple):
+  name: str
+  overrides: tuple[str, ...]
+
+
+def case(name: str, *overrides: str) -> Case:
+  return Case(name, overrides)
+
+
+CASES = (
+  case("llama2-7b v5e-256", "model_name=llama2-7b", "compile_topology=v5e-256", "per_device_batch_size=4"),
+  case(
+    "llama2-7b v5e-256 dot_product",
+    "model_name=llama2-7b", "compile_topology=v5e-256", "per_device_batch_size=4", "attention=dot_product",
+  ),
+  case(
+    "16b 2 x v5e-256",
+    "global_parameter_scale=16", "compile_topology=v5e-256", "compile_topology_num_slices=2",
+    "per_device_batch_size=4",
+  ),
+  case(
+    "llama3.1-70b v5p-256",
+    "model_name=llama3.1-70b", "compile_topology=v5p-256", "per_device_batch_size=2", "max_target_length=4096",
+  ),
+  case(
+    "mixtral-8x7b v5p-128",
+    "model_name=mixtral-8x7b", "compile_topology=v5p-128", "per_device_batch_size=4", "max_target_length=4096",
+  ),
+  case(
+    "deepseek3-671b v5p-1024",
+    "model_name=deepseek3-671b", "compile_topology=v5p-1024", "per_device_batch_size=1", "max_target_length=4096",
+  ),
+)  # fmt: skip
+
+REPORT = {
+  "mesh": re.compile(r"mesh (\{.*?\})"),
+  "seconds": re.compile(r"in ([0-9.]+) s"),
+  "args": re.compile(r"arguments ([0-9.]+) GiB"),
+  "temp": re.compile(r"temporaries ([0-9.]+) GiB"),
+  "total": re.compile(r"total ([0-9.]+) GiB"),
+}
+
+
+def run(c: Case) -> dict[str, str]:
+  """One compile in a fresh process: {field: text}, or the error's last line as 'error'."""
+  command = [sys.executable, "MaxText/train_compile.py", "MaxText/configs/base.yml", "log_config=false", *c.overrides]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+  if result.returncode:
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    return {"error": lines[-1][:160] if lines else f"exit {result.returncode}"}
+  found = {k: p.search(result.stdout) for k, p in REPORT.items()}
+  return {k: m.group(1) if m else "?" for k, m in found.items()}
+
+
+def policy(c: Case) -> str:
+  given = dict(o.split("=", 1) for o in c.overrides)
+  return f"{given.get('remat_policy', 'full')}, {given.get('attention', 'autoselected')}"
+
+
+def main(words: list[str]) -> None:
+  cases = [c for c in CASES if not words or any(w in c.name for w in words)]
+  print("| case | remat, attention | mesh (axes > 1) | args GiB | temp GiB | total GiB | compile s |")
+  print("|---|---|---|---|---|---|---|")
+  for c in cases:
+    r = run(c)
+    if "error" in r:
+      print(f"| {c.name} | {policy(c)} | | | | | error: {r['error']} |", flush=True)
+      continue
+    mesh = ", ".join(f"{k} {v}" for k, v in ast.literal_eval(r["mesh"]).items() if v > 1)
+    print(
+      f"| {c.name} | {policy(c)} | {mesh} | {r['args']} | {r['temp']} | {r['total']} | {r['seconds']} |", flush=True
+    )
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

@@ -21,6 +21,28 @@ from MaxText.state import StateSpec, TrainState
 Batch = dict[str, jax.Array]  # int32 [B, T]: inputs, targets, *_segmentation, inputs_position
 
 
+def _lse_and_target(model: Any, hidden: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+  logits = model.logits(hidden).astype(jnp.float32)  # [B, t, V]
+  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  return jax.nn.logsumexp(logits, axis=-1), target_logit
+
+
+def token_logits(model: Any, hidden: jax.Array, targets: jax.Array, tiles: int) -> tuple[jax.Array, jax.Array]:
+  """hidden [B, T, D], targets [B, T] -> (logsumexp over the vocabulary, the target's logit), [B, T] each.
+
+  With tiles > 1 the sequence is cut into `tiles` pieces whose float32 logits [B, T/tiles, V] are made,
+  reduced and (in the backward pass) remade one piece at a time, so the whole [B, T, V] never exists:
+  at a 32K-256K vocabulary those logits are often a step's largest buffer.
+  """
+  if tiles == 1:
+    return _lse_and_target(model, hidden, targets)
+  b, t, d = hidden.shape
+  pieces = (hidden.reshape(b, tiles, t // tiles, d).swapaxes(0, 1), targets.reshape(b, tiles, -1).swapaxes(0, 1))
+  piece = jax.checkpoint(lambda args: _lse_and_target(model, *args))
+  lse, target_logit = jax.lax.map(piece, pieces)  # [tiles, B, T/tiles] each
+  return lse.swapaxes(0, 1).reshape(b, t), target_logit.swapaxes(0, 1).reshape(b, t)
+
+
 def loss_sums(graphdef: nnx.GraphDef, config: Config, params: nnx.State, batch: Batch, rng: jax.Array | None):
   """Summed (not averaged) losses over the non-padding target tokens of `batch`.
 
@@ -30,10 +52,8 @@ def loss_sums(graphdef: nnx.GraphDef, config: Config, params: nnx.State, batch: 
   gradient accumulation and sharding give the same loss as one big batch.
   """
   model = nnx.merge(graphdef, params)
-  out = model.forward(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"], rng)
-  logits = out.logits.astype(jnp.float32)  # [B, T, V]
-  lse = jax.nn.logsumexp(logits, axis=-1)  # [B, T]
-  target_logit = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
+  out = model.forward(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"], rng, hidden_only=True)
+  lse, target_logit = token_logits(model, out.logits, batch["targets"], config.num_vocab_tiling)
   mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
   nll = (lse - target_logit) * mask
   z_loss = config.z_loss_multiplier * jnp.square(lse) * mask

@@ -147,7 +147,7 @@ def _intermediates_sum(module: nnx.Module) -> jax.Array:
 
 
 class DecoderOutput(NamedTuple):
-  logits: jax.Array  # [B, T, V]
+  logits: jax.Array  # [B, T, V]; with forward(..., hidden_only=True) the final hidden states [B, T, D]
   aux_loss: jax.Array  # float32 scalar: the layers' auxiliary losses (MoE load balance), averaged over layers
   cache: Any = None  # decoding: the updated caches, {stack name: per-layer caches}
 
@@ -190,11 +190,14 @@ class Decoder(nnx.Module):
     segment_ids: jax.Array,
     dropout_rng: jax.Array | None = None,
     cache: dict[str, Any] | None = None,
+    hidden_only: bool = False,
   ) -> DecoderOutput:
     """tokens/positions/segment_ids [B, T] -> logits [B, T, V] and the auxiliary loss.
 
     Decoding: `cache` from init_cache; each token's keys/values are written at its position and
     queries attend over the cache (layers/kv_cache.py); the output carries the updated cache.
+    hidden_only: return the final-norm hidden states [B, T, D] in place of logits, for a caller that
+    applies `logits` itself piece by piece (the vocab-tiled loss).
     """
     c = self.config
     x = self.token_embedder(tokens)
@@ -213,14 +216,19 @@ class Decoder(nnx.Module):
       )
       aux, first = aux + stack_aux, first + stack.repeats
     x = self.decoder_norm(x)
+    out = x if hidden_only else self.logits(x)
+    return DecoderOutput(out, aux / c.num_decoder_layers, None if cache is None else new_cache)
+
+  def logits(self, x: jax.Array) -> jax.Array:
+    """Final hidden states [B, T, D] -> logits [B, T, V] (tied or not, soft-capped)."""
+    c = self.config
     logits_dtype = jnp.float32 if c.logits_dot_in_fp32 else jnp.dtype(c.dtype)
     if self.logits_dense is None:
       logits = self.token_embedder.attend(x, logits_dtype)
     else:
       logits = self.logits_dense(x.astype(logits_dtype)) if c.logits_dot_in_fp32 else self.logits_dense(x)
     logits = soft_cap(logits, c.final_logits_soft_cap)
-    logits = nn.with_logical_constraint(logits, LOGITS_AXES)
-    return DecoderOutput(logits, aux / c.num_decoder_layers, None if cache is None else new_cache)
+    return nn.with_logical_constraint(logits, LOGITS_AXES)
 
   def init_cache(self, batch: int, length: int) -> dict[str, Any]:
     """Empty decode caches of `length` slots: per stack, a leading layers axis (scan) or a list."""

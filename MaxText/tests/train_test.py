@@ -79,6 +79,8 @@ def test_scan_remat_and_accumulation_do_not_change_losses(tmp_path):
     ["remat_policy=none"],
     ["remat_policy=none", "scan_layers=false"],
     ["gradient_accumulation_steps=2"],
+    ["num_vocab_tiling=4"],  # logits and loss in 4 sequence pieces
+    ["attention_query_chunk=8", "attention=dot_product"],  # attention in 4 query blocks
   ]
   ref = run_losses(tmp_path, "ref", "per_device_batch_size=2", "remat_policy=full", "scan_layers=true")
   for i, variant in enumerate(variants):

@@ -207,7 +207,7 @@ class Attention(nnx.Module):
       cache = kv_cache.update(cache, k, v, positions)
       mask = kv_cache.mask(positions, cache.key.shape[1], self.sliding_window)
       out = dot_product_attention(q, cache.key, cache.value, mask, self.config.attn_logits_soft_cap)
-    out = nn.with_logical_constraint(out, HEAD_AXES)
+    out = checkpoint_name(nn.with_logical_constraint(out, HEAD_AXES), "context")
     return checkpoint_name(self.out(out), "out_proj"), cache
 
   def init_cache(self, batch: int, length: int) -> kv_cache.KVCache:

@@ -88,7 +88,7 @@ class MLAttention(nnx.Module):
       out = attend(c, q, k, v, segment_ids, self.sliding_window)
     else:
       out = dot_product_attention(q, k, v, mask, c.attn_logits_soft_cap)
-    out = nn.with_logical_constraint(out, HEAD_AXES)
+    out = checkpoint_name(nn.with_logical_constraint(out, HEAD_AXES), "context")
     return checkpoint_name(self.out(out), "out_proj"), cache
 
   def init_cache(self, batch: int, length: int) -> kv_cache.LatentCache:

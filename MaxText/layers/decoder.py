@@ -39,21 +39,37 @@ __all__ = [
   "remat",
 ]
 
-_POLICIES = {
-  "full": jax.checkpoint_policies.nothing_saveable,
-  "minimal": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-  "save_dot_except_mlp": jax.checkpoint_policies.save_only_these_names(
-    "query_proj", "key_proj", "value_proj", "out_proj"
+_cp = jax.checkpoint_policies
+_QKV = ("query_proj", "key_proj", "value_proj")
+# MaxText's remat_policy names. "context" is the attention output before the out projection (the
+# fused kernel's result, expensive to remake); "*_offloaded" keep what they save in pinned host memory.
+POLICIES = {
+  "full": _cp.nothing_saveable,
+  "minimal": _cp.checkpoint_dots_with_no_batch_dims,
+  "minimal_with_context": _cp.save_from_both_policies(
+    _cp.checkpoint_dots_with_no_batch_dims, _cp.save_only_these_names("context")
   ),
-  "save_qkv_proj": jax.checkpoint_policies.save_only_these_names("query_proj", "key_proj", "value_proj"),
-}
+  "minimal_flash": _cp.save_from_both_policies(
+    _cp.checkpoint_dots_with_no_batch_dims, _cp.save_only_these_names("context")
+  ),
+  "save_dot_with_context_except_mlp": _cp.save_only_these_names(*_QKV, "context", "out_proj"),
+  "save_dot_except_mlpwi": _cp.save_only_these_names(*_QKV, "out_proj", "mlpwo"),
+  "save_dot_except_mlp": _cp.save_only_these_names(*_QKV, "out_proj"),
+  "save_qkv_proj": _cp.save_only_these_names(*_QKV),
+  "save_out_proj": _cp.save_only_these_names("out_proj"),
+  "qkv_proj_offloaded": _cp.save_and_offload_only_these_names(
+    names_which_can_be_saved=[], names_which_can_be_offloaded=list(_QKV), offload_src="device",
+    offload_dst="pinned_host",
+  ),
+  "minimal_offloaded": _cp.offload_dot_with_no_batch_dims(offload_src="device", offload_dst="pinned_host"),
+}  # fmt: skip
 
 
 def remat(fn: Callable, policy: str, prevent_cse: bool) -> Callable:
   """Wrap fn in jax.checkpoint with the named remat_policy ("none": store every activation)."""
   if policy == "none":
     return fn
-  return jax.checkpoint(fn, policy=_POLICIES[policy], prevent_cse=prevent_cse)
+  return jax.checkpoint(fn, policy=POLICIES[policy], prevent_cse=prevent_cse)
 
 
 @dataclasses.dataclass(frozen=True)

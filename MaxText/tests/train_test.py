@@ -88,6 +88,14 @@ def test_scan_remat_and_accumulation_do_not_change_losses(tmp_path):
     np.testing.assert_allclose(got, ref, rtol=1e-5, err_msg=str(variant))
 
 
+def test_maxtext_remat_policies_do_not_change_losses(tmp_path):
+  # The attention output ("context") and host offloading (pinned_host memory exists on CPU too).
+  ref = run_losses(tmp_path, "ref", "per_device_batch_size=2", "remat_policy=full")
+  for policy in ("minimal_flash", "save_dot_except_mlpwi", "qkv_proj_offloaded", "minimal_offloaded"):
+    got = run_losses(tmp_path, policy, "per_device_batch_size=2", f"remat_policy={policy}")
+    np.testing.assert_allclose(got, ref, rtol=1e-5, err_msg=policy)
+
+
 def test_loss_falls_and_metrics_are_complete(tmp_path):
   c = cfg(tmp_path, "m", "steps=12", "per_device_batch_size=1", "vocab_size=16", "enable_tensorboard=true")
   summary = train.run(c)

@@ -236,7 +236,8 @@ def individual_scales(scale: int) -> tuple[int, int, int, int]:
 
 
 def _finalize(values: dict[str, Any]) -> dict[str, Any]:
-  """Validate and add derived values. Pure: the same input always gives the same Config."""
+  """Validate and add derived values. Deterministic except for an empty run_name, which becomes the
+  load time; reads no files and changes nothing outside the returned dict."""
   for key, choices in CHOICES.items():
     if values[key] not in choices:
       raise ConfigError(f"{key}={values[key]!r} is not one of {', '.join(map(repr, choices))}")

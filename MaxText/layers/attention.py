@@ -73,6 +73,10 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, l
   return jax.nn.dot_product_attention(q, k, v, mask=mask[:, 0], scale=1.0, implementation="cudnn")
 
 
+# config.CHOICES["attention"] lists the same names (config_test checks they agree).
+KINDS = ("autoselected", "dot_product", "flash", "cudnn_flash_te")
+
+
 def target_platform() -> str:
   """The platform the program is traced for: the active mesh's (a TPU topology when compiling ahead of
   time on a CPU), else JAX's default backend."""

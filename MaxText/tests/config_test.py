@@ -102,3 +102,24 @@ def test_every_yaml_loads(path):
   else:
     c = config.load([path], {})
   assert c.emb_dim > 0
+
+
+def test_choice_sets_agree_with_the_registries_that_implement_them():
+  """config.CHOICES is checked at load; each set must be exactly what the code behind it accepts."""
+  from MaxText import data, models
+  from MaxText.data import tokenizer
+  from MaxText.inference import sampling
+  from MaxText.layers import attention, decoder
+
+  implemented = {
+    "dataset_type": set(data.BACKENDS),
+    "tokenizer_type": set(tokenizer.LOADERS),
+    "remat_policy": set(decoder.POLICIES) | {"none"},
+    "decode_sampling_strategy": set(sampling.STRATEGIES),
+    "attention": set(attention.KINDS),
+  }
+  for key, names in implemented.items():
+    assert set(config.CHOICES[key]) == names, key
+  presets = glob.glob(os.path.join(os.path.dirname(config.__file__), "configs", "models", "*.yml"))
+  blocks = {config.load([BASE, f"model_name={os.path.basename(p)[:-4]}"]).decoder_block for p in presets}
+  assert blocks <= set(models.REGISTRY), blocks - set(models.REGISTRY)

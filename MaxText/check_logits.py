@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from MaxText import checkpointing, models
+from MaxText import checkpointing
 from MaxText import config as config_lib
+from MaxText import state as state_lib
 from MaxText.config import Config, ConfigError
 
 OPTIONS = {"golden_logits_path": str, "atol": float, "rtol": float}
@@ -43,8 +44,8 @@ def compare(golden: np.ndarray, ours: np.ndarray, atol: float, rtol: float) -> R
 
 
 def model_logits(c: Config):
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(params=0))), nnx.Param)
-  model = nnx.merge(graphdef, checkpointing.load_params(c.load_parameters_path, abstract))
+  spec = state_lib.param_spec(c)
+  model = nnx.merge(spec.graphdef, checkpointing.load_params(c.load_parameters_path, spec.abstract))
 
   def run(tokens: np.ndarray) -> np.ndarray:
     t = len(tokens)

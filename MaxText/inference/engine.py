@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 from MaxText import checkpointing, sharding
 from MaxText import state as state_lib
@@ -79,7 +79,10 @@ def _sampled(logits, rng, strategy, vocab, params) -> tuple[jax.Array, jax.Array
   if vocab < logits.shape[-1]:
     valid = jnp.where(jnp.arange(logits.shape[-1]) < vocab, logits, sampling.NEG_INF)
   tokens = sampling.sample(valid, rng, strategy, params)
-  return tokens, sampling.log_probs(logits, tokens)
+  # Replicated: every process reads all rows back to the host (rows of other processes' devices
+  # could not be fetched in a multi-process job); [B] values, a negligible all-gather per step.
+  everywhere = PartitionSpec()
+  return tuple(jax.lax.with_sharding_constraint(x, everywhere) for x in (tokens, sampling.log_probs(logits, tokens)))
 
 
 def prefill_and_sample(graphdef, cache_length, strategy, vocab, params, tokens, lengths, rng, sampling_params):

@@ -25,6 +25,7 @@ from MaxText.config import Config, ConfigError
 
 HELP_FLAGS = ("-h", "--help")
 BASE_YML = os.path.join(config_lib.CONFIG_DIR, "base.yml")
+LOG_HANDLER = "maxtext-launch"  # names our handler on the MaxText logger, so it is added once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,10 +66,10 @@ def setup_logging() -> None:
   logger = logging.getLogger("MaxText")
   logger.setLevel(logging.INFO)
   logger.propagate = False  # libraries that configure the root logger would print each line twice
-  if not any(getattr(h, "_maxtext", False) for h in logger.handlers):
+  if not any(h.get_name() == LOG_HANDLER for h in logger.handlers):
     handler = logging.StreamHandler()
+    handler.set_name(LOG_HANDLER)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
-    handler._maxtext = True
     logger.addHandler(handler)
 
 

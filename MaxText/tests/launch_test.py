@@ -56,5 +56,5 @@ def test_start_loads_the_config_and_logs_once():
   for _ in range(2):
     config = launch.start([BASE, "run_name=x", "steps=3"], USAGE)
   assert config.steps == 3
-  handlers = [h for h in logging.getLogger("MaxText").handlers if getattr(h, "_maxtext", False)]
+  handlers = [h for h in logging.getLogger("MaxText").handlers if h.get_name() == launch.LOG_HANDLER]
   assert len(handlers) == 1

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from MaxText import checkpointing, models
-from MaxText import config as config_lib
+from MaxText import checkpointing, launch
+from MaxText import state as state_lib
 from MaxText.config import Config, ConfigError
 
 OPTIONS = {"golden_logits_path": str, "atol": float, "rtol": float}
@@ -43,8 +43,8 @@ def compare(golden: np.ndarray, ours: np.ndarray, atol: float, rtol: float) -> R
 
 
 def model_logits(c: Config):
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(params=0))), nnx.Param)
-  model = nnx.merge(graphdef, checkpointing.load_params(c.load_parameters_path, abstract))
+  spec = state_lib.param_spec(c)
+  model = nnx.merge(spec.graphdef, checkpointing.load_params(c.load_parameters_path, spec.abstract))
 
   def run(tokens: np.ndarray) -> np.ndarray:
     t = len(tokens)
@@ -54,28 +54,46 @@ def model_logits(c: Config):
   return run
 
 
+USAGE = launch.Usage(
+  command="python3 -m MaxText.check_logits CONFIG.yml load_parameters_path=PARAMS golden_logits_path=FILE.jsonl "
+  "[atol=1e-5] [rtol=1e-5] [key=value ...]",
+  summary="Compare this model's full-sequence logits (float32) with golden ones; exit 1 when any is off.",
+  keys=("load_parameters_path", "model_name", "scan_layers"),
+  options=(
+    ("golden_logits_path", 'JSON lines {"tokens": [...], "logits": [[...], ...]} (logits [T, V]); required'),
+    ("atol", "absolute tolerance (default 1e-5)"),
+    ("rtol", "relative tolerance (default 1e-5)"),
+  ),
+)
+
+
 def split_options(argv: list[str]) -> tuple[list[str], dict]:
+  """(config argv, this command's own options); a bad value is a ConfigError."""
   options = {"atol": 1e-5, "rtol": 1e-5, "golden_logits_path": ""}
   rest = []
   for arg in argv:
     key, _, value = arg.partition("=")
-    if key in OPTIONS:
-      options[key] = OPTIONS[key](value)
-    else:
+    if key not in OPTIONS:
       rest.append(arg)
-  if not options["golden_logits_path"]:
-    raise ConfigError("Set golden_logits_path=FILE.jsonl")
+      continue
+    try:
+      options[key] = OPTIONS[key](value)
+    except ValueError:
+      raise ConfigError(f"{key}={value!r} must be a {OPTIONS[key].__name__}") from None
   return rest, options
 
 
 def main(argv: list[str]) -> int:
-  try:
+  """argv: the arguments after the program name. Returns the exit status (0: every prompt within tolerance)."""
+  with launch.user_errors():
     rest, opts = split_options(argv)
-    c = config_lib.load([*rest, "dtype=float32", "weight_dtype=float32"])
+  # Runs on this host's devices without a mesh: it joins no multi-process job.
+  c = launch.start(rest, USAGE, overrides=("dtype=float32", "weight_dtype=float32"), join_job=False)
+  with launch.user_errors():
+    if not opts["golden_logits_path"]:
+      raise ConfigError("Set golden_logits_path=FILE.jsonl")
     if not c.load_parameters_path:
       raise ConfigError("Set load_parameters_path= to the params to check")
-  except ConfigError as e:
-    sys.exit(f"Config error: {e}")
   run, ok = model_logits(c), True
   with open(opts["golden_logits_path"]) as f:
     for i, line in enumerate(f):

@@ -11,7 +11,6 @@ a text run cached in its run directory, else UTF-8 bytes (MaxText/inference/toke
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -19,9 +18,10 @@ from collections.abc import Sequence
 if __package__ in (None, ""):  # run as a script: import the package from the repository root
   sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from MaxText import config as config_lib
-from MaxText import sharding
-from MaxText.config import Config, ConfigError
+import jax
+
+from MaxText import launch, sharding
+from MaxText.config import Config
 from MaxText.inference import Engine, Generation
 
 SHOWN_ROWS = 4  # rows printed when they differ (sampling)
@@ -41,20 +41,33 @@ def report(config: Config, engine: Engine, result: Generation) -> str:
 
 
 def run(config: Config) -> Generation:
-  mesh = sharding.create_mesh(config)
+  mesh = sharding.create_mesh(config)  # every process's devices after launch.start joined the job
   batch = sharding.global_batch_size(config, mesh)
   engine = Engine.load(config, mesh)
   result = engine.generate([config.prompt] * batch, stop_strings=config.decode_stop_strings)
-  print(report(config, engine, result), flush=True)
+  if jax.process_index() == 0:  # every process holds the same texts
+    print(report(config, engine, result), flush=True)
   return result
 
 
+USAGE = launch.Usage(
+  command='python3 MaxText/decode.py MaxText/configs/base.yml [load_parameters_path=PARAMS] prompt="I love to" '
+  "[key=value ...]",
+  summary="Decode: config -> params (checkpoint, or random weights) -> prefill + generate -> text.",
+  keys=(
+    "prompt", "load_parameters_path", "model_name", "tokenizer_path", "per_device_batch_size",
+    "max_prefill_predict_length", "max_target_length", "decode_max_new_tokens", "decode_sampling_strategy",
+    "decode_sampling_temperature", "decode_sampling_top_k", "decode_sampling_nucleus_p", "decode_seed",
+    "decode_stop_strings", "ici_fsdp_parallelism", "ici_tensor_parallelism",
+  ),
+)  # fmt: skip
+
+
 def main(argv: Sequence[str]) -> None:
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-  try:
-    run(config_lib.load(argv))
-  except ConfigError as e:
-    sys.exit(f"Configuration error: {e}")
+  """argv: the arguments after the program name."""
+  config = launch.start(argv, USAGE)
+  with launch.user_errors():
+    run(config)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import optax
 
 from MaxText.config import Config
+
+
+class Optimizer(NamedTuple):
+  tx: optax.GradientTransformation  # clip -> AdamW, driven by `schedule`
+  schedule: optax.Schedule  # optimizer step -> learning rate (logged by the train step)
 
 
 def learning_rate_schedule(config: Config) -> optax.Schedule:
@@ -21,8 +28,8 @@ def learning_rate_schedule(config: Config) -> optax.Schedule:
   return optax.join_schedules(parts, boundaries)
 
 
-def build(config: Config) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """The optimizer (clip -> AdamW) and its schedule. Gradient accumulation lives in the train step."""
+def build(config: Config) -> Optimizer:
+  """The optimizer (clip -> AdamW) and its schedule, built once. Gradient accumulation lives in the train step."""
   schedule = learning_rate_schedule(config)
   adamw = optax.adamw(
     schedule,
@@ -33,5 +40,5 @@ def build(config: Config) -> tuple[optax.GradientTransformation, optax.Schedule]
     weight_decay=config.adam_weight_decay,
   )
   if config.gradient_clipping_threshold > 0:
-    return optax.chain(optax.clip_by_global_norm(config.gradient_clipping_threshold), adamw), schedule
-  return adamw, schedule
+    return Optimizer(optax.chain(optax.clip_by_global_norm(config.gradient_clipping_threshold), adamw), schedule)
+  return Optimizer(adamw, schedule)

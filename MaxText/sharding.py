@@ -120,9 +120,10 @@ def data_axes(config: Config) -> tuple[str, ...]:
   return tuple(a for group in config.data_sharding for a in group)
 
 
-def input_sharding(config: Config, mesh: Mesh) -> NamedSharding:
-  """Sharding of a [batch, length] input array: the batch over the data_sharding mesh axes."""
-  return NamedSharding(mesh, PartitionSpec(data_axes(config), None))
+def input_sharding(config: Config, mesh: Mesh, rank: int = 2) -> NamedSharding:
+  """Sharding of a [batch, ...] input array of `rank` axes ([batch, length] by default): the batch over
+  the data_sharding mesh axes, the other axes replicated."""
+  return NamedSharding(mesh, PartitionSpec(data_axes(config), *[None] * (rank - 1)))
 
 
 def global_batch_size(config: Config, mesh: Mesh, per_device: float | None = None) -> int:

@@ -1,6 +1,8 @@
-"""The train state: abstract shapes and shardings via jax.eval_shape, then sharded initialisation.
+"""The one owner of the abstract model: graphdef, abstract parameters and their shardings (via
+nnx.eval_shape, nothing allocated), the train state built on them, and sharded initialisation.
 
-Shared by train, train_compile, decode and checkpointing: all of them need the same abstract state.
+Shared by train, train_compile, decode (inference/engine.py), check_logits, the converters and
+checkpointing: all of them need the same model structure and the same parameter layout.
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ class TrainState:
   opt_state: optax.OptState
 
 
+class ParamSpec(NamedTuple):
+  graphdef: nnx.GraphDef  # the model's structure; nnx.merge(graphdef, params) gives a callable model
+  abstract: nnx.State  # nnx.Param variables of jax.ShapeDtypeStruct (with their NamedSharding given a mesh)
+  shardings: nnx.State | None  # NamedSharding per parameter; None when built without a mesh
+
+
 class StateSpec(NamedTuple):
   graphdef: nnx.GraphDef  # the model's structure; merge with params to get a callable model
   abstract: TrainState  # jax.ShapeDtypeStruct leaves carrying their NamedSharding
@@ -32,30 +40,58 @@ class StateSpec(NamedTuple):
   num_params: int
 
 
-def _init_fn(config: Config, tx: optax.GradientTransformation):
-  def init() -> TrainState:
-    model = models.build(config, nnx.Rngs(params=config.init_weights_seed))
-    _, params = nnx.split(model, nnx.Param)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
-
-  return init
+def _model_params(config: Config, seed: int) -> nnx.State:
+  return nnx.split(models.build(config, nnx.Rngs(params=seed)), nnx.Param)[1]
 
 
-def graphdef(config: Config) -> nnx.GraphDef:
-  return nnx.split(nnx.eval_shape(lambda: models.build(config, nnx.Rngs(params=0))), nnx.Param)[0]
+def _with_shardings(abstract, shardings):
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
+def _shardings(tree, config: Config, mesh: Mesh):
+  # Variables map to their logical spec; plain leaves (step, optimizer counters) are replicated.
+  return sharding.logical_to_mesh(nnx.get_partition_spec(tree), mesh, sharding.axis_rules(config))
+
+
+def param_spec(config: Config, mesh: Mesh | None = None) -> ParamSpec:
+  """The model's graphdef and abstract parameters; with a mesh, also where each parameter lives.
+
+  The model is only traced (nnx.eval_shape): no parameter is allocated, so this is cheap for any size.
+  """
+  model = nnx.eval_shape(lambda: models.build(config, nnx.Rngs(params=0)))
+  graphdef, abstract = nnx.split(model, nnx.Param)
+  if mesh is None:
+    return ParamSpec(graphdef, abstract, None)
+  shardings = _shardings(abstract, config, mesh)
+  return ParamSpec(graphdef, _with_shardings(abstract, shardings), shardings)
+
+
+def init_params(config: Config, spec: ParamSpec) -> nnx.State:
+  """Random parameters (init_weights_seed) initialised straight into spec.shardings."""
+  return jax.jit(lambda: _model_params(config, config.init_weights_seed), out_shardings=spec.shardings)()
 
 
 def state_spec(config: Config, tx: optax.GradientTransformation, mesh: Mesh) -> StateSpec:
-  """Shapes, dtypes and shardings of the whole train state, without allocating it."""
-  abstract = jax.eval_shape(_init_fn(config, tx))
-  # Variables map to their logical spec; plain leaves (step, optimizer counters) are replicated.
-  logical = nnx.get_partition_spec(abstract)
-  shardings = sharding.logical_to_mesh(logical, mesh, sharding.axis_rules(config))
-  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-  num_params = sum(x.size for x in jax.tree.leaves(abstract.params))
-  return StateSpec(graphdef(config), abstract, shardings, num_params)
+  """Shapes, dtypes and shardings of the whole train state (param_spec + the optimizer's state)."""
+  params = param_spec(config, mesh)
+  opt_state = jax.eval_shape(tx.init, params.abstract)
+  opt_shardings = _shardings(opt_state, config, mesh)
+  step_sharding = _shardings(jax.ShapeDtypeStruct((), jnp.int32), config, mesh)
+  shardings = TrainState(step=step_sharding, params=params.shardings, opt_state=opt_shardings)
+  abstract = TrainState(
+    step=jax.ShapeDtypeStruct((), jnp.int32, sharding=step_sharding),
+    params=params.abstract,
+    opt_state=_with_shardings(opt_state, opt_shardings),
+  )
+  num_params = sum(x.size for x in jax.tree.leaves(params.abstract))
+  return StateSpec(params.graphdef, abstract, shardings, num_params)
 
 
 def init_state(config: Config, tx: optax.GradientTransformation, spec: StateSpec) -> TrainState:
   """Initialise directly into the sharded layout: each device computes only its own shards."""
-  return jax.jit(_init_fn(config, tx), out_shardings=spec.shardings)()
+
+  def init() -> TrainState:
+    params = _model_params(config, config.init_weights_seed)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+  return jax.jit(init, out_shardings=spec.shardings)()

@@ -6,7 +6,7 @@ python3 MaxText/train.py MaxText/configs/base.yml run_name=NAME key=value ...
 from __future__ import annotations
 
 import contextlib
-import logging
+import dataclasses
 import math
 import os
 import sys
@@ -19,9 +19,9 @@ if __package__ in (None, ""):  # run as a script: import the package from the re
 
 import jax
 import yaml
+from jax.sharding import Mesh
 
-from MaxText import accelerators, checkpointing, distributed, metrics, optimizers, sharding
-from MaxText import config as config_lib
+from MaxText import accelerators, checkpointing, compiled_step, launch, metrics, optimizers, sharding
 from MaxText import data as data_lib
 from MaxText import state as state_lib
 from MaxText import train_step as steps
@@ -94,56 +94,73 @@ def stack_traces(config: Config):
     yield
 
 
+@dataclasses.dataclass(frozen=True)
+class LoopParts:
+  """Everything train_loop needs, built once by run()."""
+
+  mesh: Mesh
+  spec: state_lib.StateSpec
+  restored: checkpointing.Restored  # the starting state and where it came from
+  data: data_lib.Iterators
+  manager: Any  # orbax CheckpointManager, or None without checkpointing
+  step_fn: Any  # jitted (state, batch, rng) -> (state, metrics)
+  global_batch: int  # sequences per step
+  peak_flops: float  # per device, FLOP/s (for MFU)
+
+
 def run(config: Config, devices: Sequence[Any] | None = None) -> dict[str, Any]:
   """Train to config.steps on `devices` (default: all); returns the metrics summary."""
   check_hardware(config)
   mesh = sharding.create_mesh(config, devices)
   global_batch = sharding.global_batch_size(config, mesh)  # fails early on a batch that cannot split
-  tx, _ = optimizers.build(config)
+  optimizer = optimizers.build(config)
   peak_flops = accelerators.peak_flops_per_device(dtype=config.dtype)  # CPU: a measured matmul, outside the mesh
   with sharding.activate(config, mesh), stack_traces(config):
-    spec = state_lib.state_spec(config, tx, mesh)
+    spec = state_lib.state_spec(config, optimizer.tx, mesh)
     data = data_lib.make_iterators(config, mesh)
     manager = checkpointing.create_manager(config)
-    restored = checkpointing.restore_or_init(config, tx, spec, manager)
+    restored = checkpointing.restore_or_init(config, optimizer.tx, spec, manager)
     if restored.data_state is not None:
       data.train.set_state(restored.data_state)
     write_config(config)
     try:
-      return train_loop(config, mesh, tx, spec, restored, data, manager, global_batch, peak_flops)
+      step_fn = train_step_fn(config, mesh, optimizer, spec)
+      parts = LoopParts(mesh, spec, restored, data, manager, step_fn, global_batch, peak_flops)
+      return train_loop(config, parts)
     finally:  # on success or error, let in-flight (async) checkpoints of good steps complete
       if manager is not None:
         manager.wait_until_finished()
         manager.close()
 
 
-def train_step_fn(config: Config, mesh: Any, tx: Any, spec: state_lib.StateSpec) -> Any:
+def train_step_fn(config: Config, mesh: Mesh, optimizer: optimizers.Optimizer, spec: state_lib.StateSpec) -> Any:
   """The jitted train step, or the one train_compile.py saved in compiled_trainstep_file."""
-  if not config.compiled_trainstep_file:
-    return steps.jit_train_step(config, mesh, tx, spec)
-  from MaxText import train_compile  # lazy: only runs that load a compiled step need it
-
-  return train_compile.load_compiled(config, mesh)
+  if config.compiled_trainstep_file:
+    return compiled_step.load_compiled(config, mesh)
+  return steps.jit_train_step(config, mesh, optimizer.tx, spec, optimizer.schedule)
 
 
-def train_loop(config, mesh, tx, spec, restored, data, manager, global_batch, peak_flops) -> dict[str, Any]:
-  state, start = restored.state, int(restored.state.step)
+def train_loop(config: Config, parts: LoopParts) -> dict[str, Any]:
+  """Steps from the restored state to config.steps: log, evaluate, checkpoint; the metrics summary."""
+  state, start = parts.restored.state, int(parts.restored.state.step)
+  data, manager = parts.data, parts.manager
   is_writer = jax.process_index() == 0
   if is_writer:
     print(
-      f"{spec.num_params:,} parameters | global batch {global_batch} x {config.max_target_length} tokens | "
-      f"mesh {dict(mesh.shape)} | start: {restored.source} (step {start})",
+      f"{parts.spec.num_params:,} parameters | global batch {parts.global_batch} x {config.max_target_length} "
+      f"tokens | mesh {dict(parts.mesh.shape)} | start: {parts.restored.source} (step {start})",
       flush=True,
     )
-  step_fn = train_step_fn(config, mesh, tx, spec)
-  eval_fn = steps.jit_eval_step(config, mesh, spec) if data.eval_factory and config.eval_interval > 0 else None
-  tokens_per_step = global_batch * config.max_target_length
+  eval_fn = None
+  if data.eval_factory and config.eval_interval > 0:
+    eval_fn = steps.jit_eval_step(config, parts.mesh, parts.spec)
+  tokens_per_step = parts.global_batch * config.max_target_length
   logger = metrics.MetricLogger(
     config,
-    num_devices=mesh.size,
+    num_devices=parts.mesh.size,
     tokens_per_step=tokens_per_step,
     flops_per_step=metrics.training_flops_per_token(config).total * tokens_per_step,
-    peak_flops_per_device=peak_flops,
+    peak_flops_per_device=parts.peak_flops,
     start_step=start,
     is_writer=is_writer,
   )
@@ -152,7 +169,7 @@ def train_loop(config, mesh, tx, spec, restored, data, manager, global_batch, pe
     for step in range(start, config.steps):
       with profile(config, step, start):
         t0 = time.perf_counter()
-        state, step_metrics = step_fn(state, next(data.train), jax.random.fold_in(dropout_key, step))
+        state, step_metrics = parts.step_fn(state, next(data.train), jax.random.fold_in(dropout_key, step))
         scalars = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
         logger.log(step, scalars, time.perf_counter() - t0)
       if config.nan_check and not math.isfinite(scalars["loss"]):
@@ -176,28 +193,25 @@ def train_loop(config, mesh, tx, spec, restored, data, manager, global_batch, pe
   return logger.summary()
 
 
+USAGE = launch.Usage(
+  command="python3 MaxText/train.py MaxText/configs/base.yml run_name=NAME [key=value ...]",
+  summary="Train a decoder-only LM: config -> mesh -> state -> loop (metrics, eval, checkpoints).",
+  keys=(
+    "run_name", "base_output_directory", "model_name", "steps", "per_device_batch_size", "max_target_length",
+    "learning_rate", "dataset_type", "dataset_path", "tokenizer_path", "enable_checkpointing", "checkpoint_period",
+    "load_parameters_path", "load_full_state_path", "ici_fsdp_parallelism", "dcn_data_parallelism", "log_period",
+    "eval_interval", "compiled_trainstep_file",
+  ),
+)  # fmt: skip
+
+
 def main(argv: Sequence[str]) -> None:
-  # Our own progress messages (data preparation, ...) at INFO; libraries stay at their defaults.
-  handler = logging.StreamHandler()
-  handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
-  logger = logging.getLogger("MaxText")
-  logger.addHandler(handler)
-  logger.setLevel(logging.INFO)
-  logger.propagate = False  # libraries that configure the root logger would print each line twice
-  try:
-    config = config_lib.load(argv[1:])
-  except ConfigError as e:
-    sys.exit(f"Config error: {e}")
-  try:
-    distributed.initialize(config)  # before anything touches a device
-  except distributed.DistributedInitError as e:
-    sys.exit(f"Distributed initialisation failed: {e}")
+  """argv: sys.argv (the program name first)."""
+  config = launch.start(argv[1:], USAGE)
   if config.log_config and jax.process_index() == 0:
     print(config, flush=True)
-  try:
+  with launch.user_errors():
     run(config)
-  except ConfigError as e:
-    sys.exit(f"Config error: {e}")
 
 
 if __name__ == "__main__":

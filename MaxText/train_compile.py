@@ -15,7 +15,6 @@ runs it instead of compiling.
 from __future__ import annotations
 
 import os
-import pickle
 import re
 import sys
 import time
@@ -29,14 +28,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText import accelerators, optimizers, sharding
-from MaxText import config as config_lib
+from MaxText import accelerators, compiled_step, launch, optimizers, sharding
 from MaxText import state as state_lib
 from MaxText import train_step as steps
 from MaxText.config import Config, ConfigError
 
 GiB = 2**30
-FORMAT_VERSION = 1  # of the compiled_trainstep_file pickle
 
 
 class OutOfMemoryError(RuntimeError):
@@ -119,13 +116,13 @@ def shaped_inputs(config: Config, mesh: Mesh) -> tuple[dict[str, jax.ShapeDtypeS
 def compile_train_step(config: Config, devices: Sequence[Any]) -> tuple[Any, CompileReport, Mesh]:
   """Lower and compile steps.jit_train_step (train.py's step, shardings and donation) for `devices`."""
   mesh = sharding.create_mesh(config, devices)
-  tx, _ = optimizers.build(config)
+  tx, schedule = optimizers.build(config)
   with sharding.activate(config, mesh):
     spec = state_lib.state_spec(config, tx, mesh)
     batch, rng = shaped_inputs(config, mesh)
     start = time.perf_counter()
     try:
-      compiled = steps.jit_train_step(config, mesh, tx, spec).lower(spec.abstract, batch, rng).compile()
+      compiled = steps.jit_train_step(config, mesh, tx, spec, schedule).lower(spec.abstract, batch, rng).compile()
     except Exception as e:  # XLA reports an HBM overflow as a compile error (RESOURCE_EXHAUSTED)
       _raise_if_out_of_memory(config, devices[0].device_kind, str(e))
       raise
@@ -211,86 +208,22 @@ def check_fits(config: Config, report: CompileReport, platform: str) -> str | No
   )
 
 
-# Keys that change nothing in the compiled program: where outputs go, how often to log or save, data
-# sources (the batch shape is checked through its own keys). Every other key is compared at load.
-RUNTIME_KEYS = (
-  "run_name", "base_output_directory", "metrics_file", "enable_tensorboard", "log_period", "log_config",
-  "hardware", "steps", "enable_checkpointing", "async_checkpointing", "checkpoint_period",
-  "max_num_checkpoints_to_keep", "load_parameters_path", "load_full_state_path", "dataset_type", "dataset_path",
-  "text_max_documents", "eval_fraction", "data_shuffle_seed", "tokenizer_path", "add_bos", "add_eos", "packing",
-  "eval_interval", "eval_steps", "eval_per_device_batch_size", "profiler", "skip_first_n_steps_for_profiler",
-  "profiler_steps", "collect_stack_trace", "stack_trace_to_cloud", "stack_trace_interval_seconds",
-  "compile_topology", "compile_topology_num_slices", "compiled_trainstep_file", "init_weights_seed",
-  "jax_distributed_initialization_timeout", "nan_check", "run_dir", "checkpoint_dir", "tensorboard_dir",
-  "tokenizer_dir",
+USAGE = launch.Usage(
+  command="python3 MaxText/train_compile.py MaxText/configs/base.yml compile_topology=v5e-256 "
+  "[compile_topology_num_slices=2] [compiled_trainstep_file=step.pickle] [key=value ...]",
+  summary="Compile the real train step ahead of time for a topology and report its memory per device.",
+  keys=(
+    "compile_topology", "compile_topology_num_slices", "compiled_trainstep_file", "model_name",
+    "per_device_batch_size", "max_target_length", "remat_policy", "ici_fsdp_parallelism", "dcn_data_parallelism",
+  ),
 )  # fmt: skip
 
 
-def program_signature(config: Config, mesh: Mesh) -> dict[str, Any]:
-  """What a compiled step depends on: program-relevant config values, the mesh and the devices."""
-  keys = {k: v for k, v in config.to_dict().items() if k not in RUNTIME_KEYS}
-  device = mesh.devices.flat[0]
-  return {"config": keys, "mesh": dict(mesh.shape), "num_devices": mesh.size, "device_kind": device.device_kind}
-
-
-def save_compiled(path: str, compiled: Any, config: Config, mesh: Mesh) -> None:
-  from jax.experimental import serialize_executable  # lazy: only this feature needs it
-
-  executable, in_tree, out_tree = serialize_executable.serialize(compiled)
-  payload = {
-    "format": FORMAT_VERSION,
-    "jax": jax.__version__,
-    "signature": program_signature(config, mesh),
-    "executable": executable,
-    "in_tree": in_tree,
-    "out_tree": out_tree,
-  }
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "wb") as f:
-    pickle.dump(payload, f)
-
-
-def _mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-  found = []
-  for key in ("num_devices", "device_kind", "mesh"):
-    if saved[key] != current[key]:
-      found.append(f"{key}: compiled for {saved[key]}, this run has {current[key]}")
-  for key in sorted(set(saved["config"]) | set(current["config"])):
-    old, new = saved["config"].get(key, "<absent>"), current["config"].get(key, "<absent>")
-    if old != new:
-      found.append(f"{key}: compiled with {old!r}, this run has {new!r}")
-  return found
-
-
-def load_compiled(config: Config, mesh: Mesh) -> Any:
-  """The train step from compiled_trainstep_file, called like jit_train_step's (state, batch, rng).
-
-  Fails with a ConfigError naming every difference when the file was compiled for other shapes,
-  sizes, settings or devices than this run's.
-  """
-  path = config.compiled_trainstep_file
-  if not os.path.isfile(path):
-    raise ConfigError(f"compiled_trainstep_file={path!r} does not exist; write it with train_compile.py")
-  with open(path, "rb") as f:
-    payload = pickle.load(f)
-  if not isinstance(payload, dict) or payload.get("format") != FORMAT_VERSION:
-    raise ConfigError(f"compiled_trainstep_file={path!r} was not written by this version of train_compile.py")
-  if payload["jax"] != jax.__version__:
-    raise ConfigError(f"{path!r} was compiled with jax {payload['jax']}, this is jax {jax.__version__}; recompile")
-  wrong = _mismatches(payload["signature"], program_signature(config, mesh))
-  if wrong:
-    raise ConfigError(
-      f"compiled_trainstep_file={path!r} does not match this run; recompile with train_compile.py or use the "
-      "compiled settings:\n  " + "\n  ".join(wrong)
-    )
-  from jax.experimental import serialize_executable
-
-  return serialize_executable.deserialize_and_load(payload["executable"], payload["in_tree"], payload["out_tree"])
-
-
 def main(argv: Sequence[str]) -> None:
+  """argv: sys.argv (the program name first)."""
+  # One process compiles for the whole topology: it joins no job (and so claims no TPU chips).
+  config = launch.start(argv[1:], USAGE, join_job=False)
   try:
-    config = config_lib.load(argv[1:])
     devices = topology_devices(config)
     compiled, report, mesh = compile_train_step(config, devices)
   except ConfigError as e:
@@ -305,7 +238,7 @@ def main(argv: Sequence[str]) -> None:
   if note:
     print(note, flush=True)
   if config.compiled_trainstep_file:
-    save_compiled(config.compiled_trainstep_file, compiled, config, mesh)
+    compiled_step.save_compiled(config.compiled_trainstep_file, compiled, config, mesh)
     print(f"saved the compiled train step to {config.compiled_trainstep_file}", flush=True)
 
 

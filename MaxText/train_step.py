@@ -1,6 +1,6 @@
 """The jitted steps: pure, module-level `(state, batch, rng) -> (state, metrics)` once their static
-arguments (graphdef, optimizer, config) are bound with functools.partial. train.py, train_compile.py,
-tests and benchmarks all use these same functions.
+arguments (graphdef, optimizer, learning-rate schedule, config) are bound with functools.partial.
+train.py, train_compile.py, tests and benchmarks all use these same functions.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText import optimizers, sharding
+from MaxText import sharding
 from MaxText.config import Config
 from MaxText.state import StateSpec, TrainState
 
@@ -89,12 +89,14 @@ def _grads(graphdef, config, params, batch, rng, data_axes):
 def train_step(
   graphdef: nnx.GraphDef,
   tx: optax.GradientTransformation,
+  schedule: optax.Schedule,
   config: Config,
   state: TrainState,
   batch: Batch,
   rng: jax.Array,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-  """One optimizer step on the global batch; metrics are device scalars."""
+  """One optimizer step on the global batch; metrics are device scalars. `schedule` is the one that
+  drives `tx` (optimizers.build), evaluated here only to log this step's learning rate."""
   data_axes = sharding.data_axes(config)
   grads, aux = _grads(graphdef, config, state.params, batch, rng, data_axes)
   tokens = jnp.maximum(aux["tokens"], 1.0)
@@ -105,7 +107,7 @@ def train_step(
     "loss": aux["nll"] / tokens,
     "grad_norm": optax.global_norm(grads),
     "param_norm": optax.global_norm(params),
-    "learning_rate": optimizers.learning_rate_schedule(config)(state.step),
+    "learning_rate": schedule(state.step),
     "tokens": aux["tokens"],
   }
   # Only the losses this model has: a dense run's log line stays readable.
@@ -128,11 +130,14 @@ def batch_shardings(config: Config, mesh: Mesh) -> dict[str, NamedSharding]:
   return {k: data for k in keys}
 
 
-def jit_train_step(config: Config, mesh: Mesh, tx: optax.GradientTransformation, spec: StateSpec) -> Any:
-  """train_step bound to its static arguments and jitted with shardings; the state is donated."""
+def jit_train_step(
+  config: Config, mesh: Mesh, tx: optax.GradientTransformation, spec: StateSpec, schedule: optax.Schedule
+) -> Any:
+  """train_step bound to its static arguments (tx and schedule from one optimizers.build) and jitted
+  with shardings; the state is donated."""
   replicated = NamedSharding(mesh, PartitionSpec())
   return jax.jit(
-    functools.partial(train_step, spec.graphdef, tx, config),
+    functools.partial(train_step, spec.graphdef, tx, schedule, config),
     in_shardings=(spec.shardings, batch_shardings(config, mesh), replicated),
     out_shardings=(spec.shardings, replicated),
     donate_argnums=0,

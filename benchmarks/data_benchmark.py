@@ -70,11 +70,12 @@ def main(argv: list[str]) -> None:
   synthetic = config.load(base, {})
   grain = config.load([*base, "dataset_type=grain", f"grain_train_files={files}", f"tokenizer_path={model}"], {})
   mesh = sharding.create_mesh(synthetic)
-  tx, _ = optimizers.build(synthetic)
+  tx, schedule = optimizers.build(synthetic)
   with sharding.activate(synthetic, mesh):
     spec = state_lib.state_spec(synthetic, tx, mesh)
     state = state_lib.init_state(synthetic, tx, spec)
-    step_fn = steps.jit_train_step(synthetic, mesh, tx, spec)  # the same shapes and shardings for both datasets
+    # The same shapes and shardings for both datasets.
+    step_fn = steps.jit_train_step(synthetic, mesh, tx, spec, schedule)
     iterators = {"synthetic": data_lib.make_iterators(synthetic, mesh).train}
     iterators["grain"] = data_lib.make_iterators(grain, mesh).train
     times = {name: [] for name in iterators}

@@ -48,13 +48,13 @@ MiB = 2**20
 def measure(c: config.Config, warmup: int = 2, timed: int = 5) -> dict:
   mesh = sharding.create_mesh(c)
   batch = sharding.global_batch_size(c, mesh)
-  tx, _ = optimizers.build(c)
+  tx, schedule = optimizers.build(c)
   peak = accelerators.peak_flops_per_device()
   with sharding.activate(c, mesh):
     spec = state_lib.state_spec(c, tx, mesh)
     state = state_lib.init_state(c, tx, spec)
     batches = data_lib.make_iterators(c, mesh).train
-    step_fn = steps.jit_train_step(c, mesh, tx, spec)
+    step_fn = steps.jit_train_step(c, mesh, tx, spec, schedule)
     first = next(batches)
     t0 = time.perf_counter()
     compiled = step_fn.lower(state, first, jax.random.key(0)).compile()

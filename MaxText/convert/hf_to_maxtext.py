@@ -27,18 +27,9 @@ from flax import nnx
 
 from MaxText import config as config_lib
 from MaxText import models
+from MaxText import state as state_lib
 from MaxText.config import Config, ConfigError
 from MaxText.convert import hf_mapping, streaming
-
-
-def abstract_state(c: Config) -> nnx.State:
-  """The model's Params as an nnx.State of jax.ShapeDtypeStruct (nothing allocated)."""
-  return nnx.state(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(params=0))), nnx.Param)
-
-
-def abstract_params(c: Config) -> dict:
-  """The model's parameters as a pure nested dict of jax.ShapeDtypeStruct (nothing allocated)."""
-  return nnx.to_pure_dict(abstract_state(c))
 
 
 def get(tree: dict, path: tuple) -> Any:
@@ -89,7 +80,7 @@ def convert(hf_path: str, output: str, scan_layers: bool = True, dtype: str = "f
   shape is checked (from the safetensors headers) before anything is written. `dtype` is the storage
   dtype of the checkpoint (bfloat16 halves its size; restores cast to the run's weight_dtype)."""
   c, _ = load_config(hf_path, output, scan_layers)
-  state = abstract_state(c)
+  state = state_lib.param_spec(c).abstract
   abstract = nnx.to_pure_dict(state)
   rules = hf_mapping.rules(c, models.family(c).stacks(c), abstract)
   index = tensor_index(hf_path)

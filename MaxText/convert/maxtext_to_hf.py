@@ -19,12 +19,13 @@ import sys
 
 import jax
 import numpy as np
+from flax import nnx
 
 from MaxText import config as config_lib
 from MaxText import models
+from MaxText import state as state_lib
 from MaxText.config import Config, ConfigError
 from MaxText.convert import hf_mapping, streaming
-from MaxText.convert.hf_to_maxtext import abstract_params
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -52,7 +53,7 @@ def _locate(c: Config, reader: streaming.Reader) -> tuple[Config, tuple[str, ...
   first_missing = None
   for scan in (c.scan_layers, not c.scan_layers):
     layout = c.replace(scan_layers=scan)
-    abstract = abstract_params(layout)
+    abstract = nnx.to_pure_dict(state_lib.param_spec(layout).abstract)
     wanted = [
       tuple(str(streaming.key_name(k)) for k in key) + ("value",)
       for key, _ in jax.tree_util.tree_leaves_with_path(abstract)

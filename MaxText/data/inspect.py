@@ -48,17 +48,33 @@ def split_args(argv: Sequence[str]) -> tuple[list[str], dict]:
   return rest, own
 
 
+def usage():
+  from MaxText import launch
+
+  return launch.Usage(
+    command="python3 -m MaxText.data.inspect MaxText/configs/base.yml dataset_type=grain ... "
+    "[num_batches=2] [rows=4] [eval=true]",
+    summary="Print the first batches of a config's data decoded to text, one segment per line.",
+    keys=(
+      "dataset_type", "dataset_path", "tokenizer_type", "tokenizer_path", "add_bos", "add_eos", "packing",
+      "max_target_length", "per_device_batch_size", "eval_fraction",
+    ),
+    options=(
+      ("num_batches", f"batches to print (default {OWN_ARGS['num_batches']})"),
+      ("rows", f"rows of each batch to print (default {OWN_ARGS['rows']})"),
+      ("eval", "true: the eval split instead of the train split"),
+    ),
+  )  # fmt: skip
+
+
 def main(argv: Sequence[str]) -> None:
+  """argv: the arguments after the program name."""
   import jax
 
-  from MaxText import config as config_lib
-  from MaxText import data, sharding
+  from MaxText import data, launch, sharding
 
   config_argv, own = split_args(argv)
-  try:
-    config = config_lib.load(config_argv)
-  except config_lib.ConfigError as e:
-    sys.exit(f"Config error: {e}")
+  config = launch.start(config_argv, usage())
   mesh = sharding.create_mesh(config)
   its = data.make_iterators(config, mesh)
   if own["eval"] and its.eval_factory is None:

@@ -20,9 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
-from MaxText import checkpointing, models, sharding
+from MaxText import checkpointing, sharding
+from MaxText import state as state_lib
 from MaxText.config import Config, ConfigError
 from MaxText.inference import sampling
 from MaxText.inference import tokenizer as tokenizer_lib
@@ -78,7 +79,10 @@ def _sampled(logits, rng, strategy, vocab, params) -> tuple[jax.Array, jax.Array
   if vocab < logits.shape[-1]:
     valid = jnp.where(jnp.arange(logits.shape[-1]) < vocab, logits, sampling.NEG_INF)
   tokens = sampling.sample(valid, rng, strategy, params)
-  return tokens, sampling.log_probs(logits, tokens)
+  # Replicated: every process reads all rows back to the host (rows of other processes' devices
+  # could not be fetched in a multi-process job); [B] values, a negligible all-gather per step.
+  everywhere = PartitionSpec()
+  return tuple(jax.lax.with_sharding_constraint(x, everywhere) for x in (tokens, sampling.log_probs(logits, tokens)))
 
 
 def prefill_and_sample(graphdef, cache_length, strategy, vocab, params, tokens, lengths, rng, sampling_params):
@@ -100,22 +104,17 @@ def bucket(n: int, cap: int) -> int:
 
 def load_params(config: Config, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State, str]:
   """The model's graphdef and sharded parameters: load_parameters_path, else random (init_weights_seed)."""
-
-  def init():
-    return nnx.split(models.build(config, nnx.Rngs(params=config.init_weights_seed)), nnx.Param)[1]
-
   with sharding.activate(config, mesh):
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(config, nnx.Rngs(params=0))), nnx.Param)
-    shardings = sharding.logical_to_mesh(nnx.get_partition_spec(abstract), mesh, sharding.axis_rules(config))
+    spec = state_lib.param_spec(config, mesh)
+    source = config.load_parameters_path or "random weights (no load_parameters_path)"
     if config.load_parameters_path:
-      abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-      params, source = checkpointing.load_params(config.load_parameters_path, abstract), config.load_parameters_path
+      params = checkpointing.load_params(config.load_parameters_path, spec.abstract)
     else:
-      params, source = jax.jit(init, out_shardings=shardings)(), "random weights (no load_parameters_path)"
+      params = state_lib.init_params(config, spec)
   # Every matmul casts its weights to dtype anyway: cast once, not on every decode step.
   dtype = jnp.dtype(config.dtype)
   cast = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, p))
-  return graphdef, cast(params) if dtype != jnp.dtype(config.weight_dtype) else params, source
+  return spec.graphdef, cast(params) if dtype != jnp.dtype(config.weight_dtype) else params, source
 
 
 class Engine:
@@ -190,10 +189,9 @@ class Engine:
     lengths = np.ones((rows,), np.int32)  # padding rows: one token
     for i, x in enumerate(ids):
       tokens[i, : len(x)], lengths[i] = x, len(x)
-    axes = sharding.data_axes(self.config)
     return (
-      jax.device_put(tokens, NamedSharding(self.mesh, PartitionSpec(axes, None))),
-      jax.device_put(lengths, NamedSharding(self.mesh, PartitionSpec(axes))),
+      jax.device_put(tokens, sharding.input_sharding(self.config, self.mesh)),
+      jax.device_put(lengths, sharding.input_sharding(self.config, self.mesh, rank=1)),
     )
 
   def generate(

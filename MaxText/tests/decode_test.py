@@ -3,6 +3,7 @@ strategies, the generate() API (batching, padding, stops, streaming, log-probs, 
 decode.py and its errors."""
 
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,8 @@ from flax import nnx
 from MaxText import checkpointing, config, decode, models
 from MaxText.config import ConfigError
 from MaxText.inference import Engine, engine, sampling
+from MaxText.tests.conftest import run_processes
+from MaxText.tests.train_test import ROOT
 
 BASE = os.path.join(config.CONFIG_DIR, "base.yml")
 TINY = ["base_emb_dim=32", "base_num_query_heads=4", "base_num_kv_heads=2", "base_mlp_dim=48", "head_dim=8"]
@@ -158,3 +161,18 @@ def test_decode_command_line(capsys):
   out = capsys.readouterr().out
   assert "random weights" in out and "Prompt: 'I love to'" in out and "Time to first token" in out
   assert "(8 rows x 3 steps)" in out
+
+
+@pytest.mark.slow
+def test_two_processes_decode_like_one(tmp_path):
+  """decode.py as 2 processes x 4 CPU devices (jax.distributed, one global 8-device mesh) prints the
+  same greedy text as one process with 8 devices."""
+  args = [BASE, *TINY, "vocab_size=320", "prompt=I love to", "per_device_batch_size=1", "decode_max_new_tokens=6"]
+  args += ["hardware=cpu", "log_config=false"]
+  results = run_processes([sys.executable, "MaxText/decode.py", *args], ROOT, tmp_path, "decode", 2, 4)
+  for rc, log in results:
+    assert rc == 0, log[-3000:]
+  assert "jax.distributed: process 0 of 2" in results[0][1]
+  one = decode.run(config.load(args, {}))
+  assert f"Output: {one.texts[0]!r}" in results[0][1] and "(8 rows x 5 steps)" in results[0][1]
+  assert "Output:" not in results[1][1]  # one process prints

@@ -5,7 +5,6 @@ the start-up plan chosen from the environment."""
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -14,37 +13,18 @@ import pytest
 
 from MaxText import distributed, train
 from MaxText.config import ConfigError
+from MaxText.tests.conftest import free_port, run_processes
 from MaxText.tests.train_test import BASE, ROOT, TINY, cfg
 
 COMMON = ["steps=10", "per_device_batch_size=2", "hardware=cpu", "enable_checkpointing=true"]
 COMMON += ["checkpoint_period=5", "async_checkpointing=false"]
 
 
-def free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def launch(tmp_path, name, processes, devices_per_process, *overrides, timeout=300):
-  """Run train.py as `processes` cooperating processes; returns their CompletedProcess-like results."""
-  port = free_port()
+  """Run train.py as `processes` cooperating processes; returns their (returncode, output) pairs."""
   command = [sys.executable, "MaxText/train.py", BASE, f"run_name={name}", f"base_output_directory={tmp_path}"]
   command += [*TINY, *overrides]
-  procs = []
-  for rank in range(processes):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "NNODES": str(processes), "NODE_RANK": str(rank)}
-    env.update(JAX_COORDINATOR_ADDRESS="127.0.0.1", JAX_COORDINATOR_PORT=str(port))
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
-    log = open(os.path.join(tmp_path, f"{name}.{rank}.log"), "w+")
-    procs.append((subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-  results = []
-  for proc, log in procs:
-    proc.wait(timeout=timeout)
-    log.seek(0)
-    results.append((proc.returncode, log.read()))
-    log.close()
-  return results
+  return run_processes(command, ROOT, tmp_path, name, processes, devices_per_process, timeout)
 
 
 def records(path):

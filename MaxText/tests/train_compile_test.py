@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText import accelerators, sharding, train, train_compile
+from MaxText import accelerators, compiled_step, sharding, train, train_compile
 from MaxText.config import ConfigError
 from MaxText.tests.train_test import ROOT, cfg, losses
 
@@ -100,7 +100,7 @@ def test_saved_step_runs_in_train_with_the_same_losses(tmp_path):
   c = cfg(tmp_path, "compile", *common, "compile_topology=cpu", f"compiled_trainstep_file={path}")
   compiled, report, mesh = train_compile.compile_train_step(c, train_compile.topology_devices(c))
   assert report.num_devices == 8 and report.total_bytes > 0 and report.flops > 0
-  train_compile.save_compiled(path, compiled, c, mesh)
+  compiled_step.save_compiled(path, compiled, c, mesh)
 
   loaded = cfg(tmp_path, "loaded", *common, f"compiled_trainstep_file={path}")
   train.run(loaded)

@@ -1,0 +1,96 @@
+"""A compiled train step saved to compiled_trainstep_file (by train_compile.py) and loaded by train.py.
+
+The file holds the serialized executable and the program signature it was compiled for (the config
+values that shape the program, the mesh and the devices); loading compares that signature with the run's
+and refuses a step compiled for anything else, naming every difference.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from MaxText.config import Config, ConfigError
+
+FORMAT_VERSION = 1  # of the compiled_trainstep_file pickle
+
+
+# Keys that change nothing in the compiled program: where outputs go, how often to log or save, data
+# sources (the batch shape is checked through its own keys). Every other key is compared at load.
+RUNTIME_KEYS = (
+  "run_name", "base_output_directory", "metrics_file", "enable_tensorboard", "log_period", "log_config",
+  "hardware", "steps", "enable_checkpointing", "async_checkpointing", "checkpoint_period",
+  "max_num_checkpoints_to_keep", "load_parameters_path", "load_full_state_path", "dataset_type", "dataset_path",
+  "text_max_documents", "eval_fraction", "data_shuffle_seed", "tokenizer_path", "add_bos", "add_eos", "packing",
+  "eval_interval", "eval_steps", "eval_per_device_batch_size", "profiler", "skip_first_n_steps_for_profiler",
+  "profiler_steps", "collect_stack_trace", "stack_trace_to_cloud", "stack_trace_interval_seconds",
+  "compile_topology", "compile_topology_num_slices", "compiled_trainstep_file", "init_weights_seed",
+  "jax_distributed_initialization_timeout", "nan_check", "run_dir", "checkpoint_dir", "tensorboard_dir",
+  "tokenizer_dir",
+)  # fmt: skip
+
+
+def program_signature(config: Config, mesh: Mesh) -> dict[str, Any]:
+  """What a compiled step depends on: program-relevant config values, the mesh and the devices."""
+  keys = {k: v for k, v in config.to_dict().items() if k not in RUNTIME_KEYS}
+  device = mesh.devices.flat[0]
+  return {"config": keys, "mesh": dict(mesh.shape), "num_devices": mesh.size, "device_kind": device.device_kind}
+
+
+def save_compiled(path: str, compiled: Any, config: Config, mesh: Mesh) -> None:
+  from jax.experimental import serialize_executable  # lazy: only this feature needs it
+
+  executable, in_tree, out_tree = serialize_executable.serialize(compiled)
+  payload = {
+    "format": FORMAT_VERSION,
+    "jax": jax.__version__,
+    "signature": program_signature(config, mesh),
+    "executable": executable,
+    "in_tree": in_tree,
+    "out_tree": out_tree,
+  }
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "wb") as f:
+    pickle.dump(payload, f)
+
+
+def _mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+  found = []
+  for key in ("num_devices", "device_kind", "mesh"):
+    if saved[key] != current[key]:
+      found.append(f"{key}: compiled for {saved[key]}, this run has {current[key]}")
+  for key in sorted(set(saved["config"]) | set(current["config"])):
+    old, new = saved["config"].get(key, "<absent>"), current["config"].get(key, "<absent>")
+    if old != new:
+      found.append(f"{key}: compiled with {old!r}, this run has {new!r}")
+  return found
+
+
+def load_compiled(config: Config, mesh: Mesh) -> Any:
+  """The train step from compiled_trainstep_file, called like jit_train_step's (state, batch, rng).
+
+  Fails with a ConfigError naming every difference when the file was compiled for other shapes,
+  sizes, settings or devices than this run's.
+  """
+  path = config.compiled_trainstep_file
+  if not os.path.isfile(path):
+    raise ConfigError(f"compiled_trainstep_file={path!r} does not exist; write it with train_compile.py")
+  with open(path, "rb") as f:
+    payload = pickle.load(f)
+  if not isinstance(payload, dict) or payload.get("format") != FORMAT_VERSION:
+    raise ConfigError(f"compiled_trainstep_file={path!r} was not written by this version of train_compile.py")
+  if payload["jax"] != jax.__version__:
+    raise ConfigError(f"{path!r} was compiled with jax {payload['jax']}, this is jax {jax.__version__}; recompile")
+  wrong = _mismatches(payload["signature"], program_signature(config, mesh))
+  if wrong:
+    raise ConfigError(
+      f"compiled_trainstep_file={path!r} does not match this run; recompile with train_compile.py or use the "
+      "compiled settings:\n  " + "\n  ".join(wrong)
+    )
+  from jax.experimental import serialize_executable
+
+  return serialize_executable.deserialize_and_load(payload["executable"], payload["in_tree"], payload["out_tree"])

@@ -1,0 +1,102 @@
+"""The one start-up path of every entry point (train, decode, train_compile, check_logits, data.inspect).
+
+`start(argv, usage)` answers -h/--help with the entry point's usage, sets up logging, loads the config
+and joins the multi-process job (distributed.initialize) before anything touches a device; a user's
+mistake exits with one line, "Config error: ...", never a traceback. `user_errors()` gives the same
+exit for errors found later (bad mesh, batch, checkpoint path).
+
+A module of its own rather than part of distributed.py: that one is the multi-host start-up plan and is
+imported by code that never parses a command line; this one is about the command line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import re
+import sys
+from collections.abc import Iterator, Sequence
+
+from MaxText import config as config_lib
+from MaxText import distributed
+from MaxText.config import Config, ConfigError
+
+HELP_FLAGS = ("-h", "--help")
+BASE_YML = os.path.join(config_lib.CONFIG_DIR, "base.yml")
+LOG_HANDLER = "maxtext-launch"  # names our handler on the MaxText logger, so it is added once
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+  """What --help prints for one entry point."""
+
+  command: str  # the command line form, e.g. "python3 MaxText/train.py CONFIG.yml [key=value ...]"
+  summary: str  # what the entry point does, one line
+  keys: tuple[str, ...] = ()  # the config keys it reads most, shown with their base.yml comments
+  options: tuple[tuple[str, str], ...] = ()  # its own key=value options (not config keys) and their help
+
+  def text(self) -> str:
+    lines = [f"usage: {self.command}", "", self.summary]
+    if self.options:
+      lines += ["", "Options of this command (key=value):"]
+      lines += [f"  {name:<28} {text}" for name, text in self.options]
+    comments = _key_comments()
+    lines += ["", "Config keys it reads most (key=value overrides the config file):"]
+    lines += [f"  {key:<28} {comments.get(key, '')}".rstrip() for key in self.keys]
+    lines += ["", f"Every key, with its default and meaning: {os.path.relpath(BASE_YML)}"]
+    return "\n".join(lines)
+
+
+def _key_comments() -> dict[str, str]:
+  """key -> its one-line comment in base.yml (every key has one)."""
+  comments = {}
+  with open(BASE_YML) as f:
+    for line in f:
+      match = re.match(r"^(\w+):.*?\s#\s*(.*)$", line)
+      if match:
+        comments[match.group(1)] = match.group(2).strip()
+  return comments
+
+
+def setup_logging() -> None:
+  """Our own progress messages (MaxText.*: data preparation, loading, ...) at INFO on stderr;
+  libraries stay at their defaults. Idempotent: entry points called twice in one process log once."""
+  logger = logging.getLogger("MaxText")
+  logger.setLevel(logging.INFO)
+  logger.propagate = False  # libraries that configure the root logger would print each line twice
+  if not any(h.get_name() == LOG_HANDLER for h in logger.handlers):
+    handler = logging.StreamHandler()
+    handler.set_name(LOG_HANDLER)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
+    logger.addHandler(handler)
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+  """A ConfigError (a user's mistake: the message says what to change) exits with one line."""
+  try:
+    yield
+  except ConfigError as e:
+    sys.exit(f"Config error: {e}")
+
+
+def start(argv: Sequence[str], usage: Usage, *, overrides: Sequence[str] = (), join_job: bool = True) -> Config:
+  """The config of `argv` (the arguments after the program: CONFIG.yml [key=value ...], then
+  `overrides`), with logging set up and, when join_job, this process in its multi-process job.
+
+  Exits 0 after printing the usage for -h/--help; exits 1 with one line on a config or start-up error.
+  """
+  if any(arg in HELP_FLAGS for arg in argv):
+    print(usage.text(), flush=True)
+    sys.exit(0)
+  setup_logging()
+  with user_errors():
+    config = config_lib.load([*argv, *overrides])
+  if join_job:
+    try:
+      distributed.initialize(config)  # before anything touches a device
+    except distributed.DistributedInitError as e:
+      sys.exit(f"Distributed initialisation failed: {e}")
+  return config

@@ -1,12 +1,136 @@
-"""Tests run on 8 fake CPU devices; XLA_FLAGS must be set before jax is imported. Also the helpers that
-run an entry point as several cooperating processes on 127.0.0.1 (multihost_test, decode_test)."""
+"""Tests run on 8 fake CPU devices; XLA_FLAGS must be set before jax is imported. Also what several test
+modules share: the tiny training config (TINY, cfg, losses), the data fixtures (a small corpus and its
+tokenizer, batch checks, meshes over the first N devices), and the helpers that run an entry point as
+several cooperating processes on 127.0.0.1 (multihost_test, decode_test). Test modules import from here,
+never from each other."""
 
+import json
 import os
 import socket
 import subprocess
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):  # subprocesses set their own
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402 (after XLA_FLAGS)
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from MaxText import config, sharding  # noqa: E402
+from MaxText.data import FIELDS  # noqa: E402
+from MaxText.data import tokenizer as tokenizers  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BASE = os.path.join(ROOT, "MaxText", "configs", "base.yml")
+TINY = [
+  "dataset_type=synthetic",
+  "base_emb_dim=64",
+  "base_num_query_heads=4",
+  "base_num_kv_heads=2",
+  "base_mlp_dim=128",
+  "base_num_decoder_layers=2",
+  "head_dim=16",
+  "vocab_size=256",
+  "max_target_length=32",
+  "dtype=float32",
+  "log_config=false",
+  "log_period=1",
+  "learning_rate=1e-2",
+  "warmup_steps_fraction=0",
+  "enable_checkpointing=false",
+  "enable_tensorboard=false",
+]
+
+
+def cfg(tmp_path, name, *overrides):
+  return config.load([BASE, f"run_name={name}", f"base_output_directory={tmp_path}", *TINY, *overrides], {})
+
+
+def losses(c):
+  with open(c.metrics_file) as f:
+    return [json.loads(line)["loss"] for line in f]
+
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
+
+
+def document(i: int) -> str:
+  """Document i: a few (i even) or many (i odd) pseudo-random words, so rows hold both short and long ones."""
+  rng = np.random.default_rng(i)
+  words = rng.choice(WORDS, size=4 + (i % 2) * 60 + i)
+  return f"Doc {i}: " + " ".join(words) + ".\n"
+
+
+DOCS = [document(i) for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  """(docs glob, tokenizer path) shared by the tests, so each trains no tokenizer of its own."""
+  root = tmp_path_factory.mktemp("corpus")
+  os.makedirs(root / "docs")
+  for i, doc in enumerate(DOCS):
+    (root / "docs" / f"{i:02d}.txt").write_text(doc)
+  model = tokenizers.train_sentencepiece(DOCS, 512, str(root / "tok"))
+  return f"{root}/docs/*.txt", model
+
+
+def data_argv(tmp_path, *overrides):
+  base = [os.path.join(config.CONFIG_DIR, "base.yml"), "run_name=t", f"base_output_directory={tmp_path}"]
+  return [*base, "vocab_size=512", "max_target_length=32", "per_device_batch_size=1", "eval_fraction=0", *overrides]
+
+
+def data_config(tmp_path, *overrides):
+  return config.load(data_argv(tmp_path, *overrides), environ={})
+
+
+def text_config(tmp_path, corpus, *overrides):
+  glob, model = corpus
+  return data_config(tmp_path, "dataset_type=text", f"dataset_path={glob}", f"tokenizer_path={model}", *overrides)
+
+
+def mesh_of(cfg, devices):
+  return sharding.create_mesh(cfg, devices=jax.devices()[:devices])
+
+
+def as_numpy(batch):
+  return {k: np.asarray(v) for k, v in batch.items()}
+
+
+def take_batches(iterator, n):
+  return [as_numpy(next(iterator)) for _ in range(n)]
+
+
+def assert_same_batches(batches_a, batches_b):
+  assert len(batches_a) == len(batches_b)
+  for a, b in zip(batches_a, batches_b):
+    for k in FIELDS:
+      np.testing.assert_array_equal(a[k], b[k])
+
+
+def check_batch(batch, cfg, mesh, global_batch):
+  assert set(batch) == set(FIELDS)
+  for k, v in batch.items():
+    assert v.shape == (global_batch, cfg.max_target_length) and v.dtype == np.int32, k
+    assert v.sharding == sharding.input_sharding(cfg, mesh), k
+  b = as_numpy(batch)
+  has_target = b["targets_segmentation"] != 0
+  # A target is the next token of the same segment; the mask never covers padding.
+  np.testing.assert_array_equal(b["targets"][:, :-1][has_target[:, :-1]], b["inputs"][:, 1:][has_target[:, :-1]])
+  assert not has_target[:, -1].any() and not has_target[b["inputs_segmentation"] == 0].any()
+  assert ((b["inputs_segmentation"] == 0) <= (b["inputs"] == 0)).all()
+  return b
+
+
+def decoded_segments(b, tok):
+  """(decoded text, first token, last token, whether the last has a target) of every document piece."""
+  for row in range(len(b["inputs"])):
+    for seg in np.unique(b["inputs_segmentation"][row][b["inputs_segmentation"][row] > 0]):
+      where = b["inputs_segmentation"][row] == seg
+      ids = b["inputs"][row][where]
+      np.testing.assert_array_equal(b["inputs_position"][row][where], np.arange(len(ids)))
+      yield tok.decode(ids), ids[0], ids[-1], b["targets_segmentation"][row][where][-1] != 0
 
 
 def free_port() -> int:

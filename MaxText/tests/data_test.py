@@ -9,141 +9,73 @@ import pytest
 
 from MaxText import config, sharding
 from MaxText import data as data_package
-from MaxText.data import FIELDS, make_iterators, text
+from MaxText.data import make_iterators, text
 from MaxText.data import tokenizer as tokenizers
 from MaxText.data.batches import process_rows
 from MaxText.data.packing import DocumentRows
-
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
-
-
-def _document(i: int) -> str:
-  """Document i: a few (i even) or many (i odd) pseudo-random words, so rows hold both short and long ones."""
-  rng = np.random.default_rng(i)
-  words = rng.choice(WORDS, size=4 + (i % 2) * 60 + i)
-  return f"Doc {i}: " + " ".join(words) + ".\n"
-
-
-DOCS = [_document(i) for i in range(12)]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-  """(docs glob, tokenizer path) shared by the tests, so each trains no tokenizer of its own."""
-  root = tmp_path_factory.mktemp("corpus")
-  os.makedirs(root / "docs")
-  for i, doc in enumerate(DOCS):
-    (root / "docs" / f"{i:02d}.txt").write_text(doc)
-  model = tokenizers.train_sentencepiece(DOCS, 512, str(root / "tok"))
-  return f"{root}/docs/*.txt", model
-
-
-def _argv(tmp_path, *overrides):
-  base = [os.path.join(config.CONFIG_DIR, "base.yml"), "run_name=t", f"base_output_directory={tmp_path}"]
-  return [*base, "vocab_size=512", "max_target_length=32", "per_device_batch_size=1", "eval_fraction=0", *overrides]
-
-
-def _config(tmp_path, *overrides):
-  return config.load(_argv(tmp_path, *overrides), environ={})
-
-
-def _text_config(tmp_path, corpus, *overrides):
-  glob, model = corpus
-  return _config(tmp_path, "dataset_type=text", f"dataset_path={glob}", f"tokenizer_path={model}", *overrides)
-
-
-def _mesh(cfg, devices):
-  return sharding.create_mesh(cfg, devices=jax.devices()[:devices])
-
-
-def _numpy(batch):
-  return {k: np.asarray(v) for k, v in batch.items()}
-
-
-def _take(iterator, n):
-  return [_numpy(next(iterator)) for _ in range(n)]
-
-
-def _assert_same(batches_a, batches_b):
-  assert len(batches_a) == len(batches_b)
-  for a, b in zip(batches_a, batches_b):
-    for k in FIELDS:
-      np.testing.assert_array_equal(a[k], b[k])
-
-
-def _check_batch(batch, cfg, mesh, global_batch):
-  assert set(batch) == set(FIELDS)
-  for k, v in batch.items():
-    assert v.shape == (global_batch, cfg.max_target_length) and v.dtype == np.int32, k
-    assert v.sharding == sharding.input_sharding(cfg, mesh), k
-  b = _numpy(batch)
-  has_target = b["targets_segmentation"] != 0
-  # A target is the next token of the same segment; the mask never covers padding.
-  np.testing.assert_array_equal(b["targets"][:, :-1][has_target[:, :-1]], b["inputs"][:, 1:][has_target[:, :-1]])
-  assert not has_target[:, -1].any() and not has_target[b["inputs_segmentation"] == 0].any()
-  assert ((b["inputs_segmentation"] == 0) <= (b["inputs"] == 0)).all()
-  return b
+from MaxText.tests.conftest import (
+  DOCS,
+  as_numpy,
+  assert_same_batches,
+  check_batch,
+  data_argv,
+  data_config,
+  decoded_segments,
+  mesh_of,
+  take_batches,
+  text_config,
+)
 
 
 @pytest.mark.parametrize("devices", [1, 8])
 def test_synthetic_batches(tmp_path, devices):
-  cfg = _config(tmp_path, "dataset_type=synthetic", "per_device_batch_size=2", "eval_per_device_batch_size=1")
-  mesh = _mesh(cfg, devices)
+  cfg = data_config(tmp_path, "dataset_type=synthetic", "per_device_batch_size=2", "eval_per_device_batch_size=1")
+  mesh = mesh_of(cfg, devices)
   its = make_iterators(cfg, mesh)
   assert its.tokenizer is None
-  b = _check_batch(next(its.train), cfg, mesh, 2 * devices)
+  b = check_batch(next(its.train), cfg, mesh, 2 * devices)
   assert ((b["inputs"] >= 1) & (b["inputs"] < cfg.vocab_size)).all()
   assert (b["inputs_segmentation"] == 1).all() and (b["inputs_position"] == np.arange(32)).all()
   assert (b["targets_segmentation"][:, :-1] == 1).all()
-  e = _check_batch(next(its.eval_factory()), cfg, mesh, devices)
+  e = check_batch(next(its.eval_factory()), cfg, mesh, devices)
   assert not np.array_equal(e["inputs"], b["inputs"][:devices])
 
 
 def test_synthetic_batch_does_not_depend_on_the_mesh(tmp_path):
-  one = _config(tmp_path, "dataset_type=synthetic", "per_device_batch_size=8")
-  eight = _config(tmp_path, "dataset_type=synthetic", "per_device_batch_size=1")
-  expected = _take(make_iterators(one, _mesh(one, 1)).train, 2)
-  _assert_same(_take(make_iterators(eight, _mesh(eight, 8)).train, 2), expected)
+  one = data_config(tmp_path, "dataset_type=synthetic", "per_device_batch_size=8")
+  eight = data_config(tmp_path, "dataset_type=synthetic", "per_device_batch_size=1")
+  expected = take_batches(make_iterators(one, mesh_of(one, 1)).train, 2)
+  assert_same_batches(take_batches(make_iterators(eight, mesh_of(eight, 8)).train, 2), expected)
 
 
 def test_synthetic_resume(tmp_path):
-  cfg = _config(tmp_path, "dataset_type=synthetic")
-  mesh = _mesh(cfg, 8)
+  cfg = data_config(tmp_path, "dataset_type=synthetic")
+  mesh = mesh_of(cfg, 8)
   train = make_iterators(cfg, mesh).train
-  _take(train, 3)
+  take_batches(train, 3)
   state = json.loads(json.dumps(train.get_state()))  # as a checkpoint stores it
   assert state == {"step": 3}
-  expected = _take(train, 2)
+  expected = take_batches(train, 2)
   resumed = make_iterators(cfg, mesh).train
   resumed.set_state(state)
-  _assert_same(_take(resumed, 2), expected)
+  assert_same_batches(take_batches(resumed, 2), expected)
 
 
 @pytest.mark.parametrize("devices", [1, 8])
 def test_text_batches(tmp_path, corpus, devices):
-  cfg = _text_config(tmp_path, corpus, "eval_fraction=0.2", "eval_per_device_batch_size=2")
-  mesh = _mesh(cfg, devices)
+  cfg = text_config(tmp_path, corpus, "eval_fraction=0.2", "eval_per_device_batch_size=2")
+  mesh = mesh_of(cfg, devices)
   its = make_iterators(cfg, mesh)
   assert its.tokenizer.vocab_size <= cfg.vocab_size
-  _check_batch(next(its.train), cfg, mesh, devices)
-  _check_batch(next(its.eval_factory()), cfg, mesh, 2 * devices)
-
-
-def _segments(b, tok):
-  """(decoded text, first token, last token, whether the last has a target) of every document piece."""
-  for row in range(len(b["inputs"])):
-    for seg in np.unique(b["inputs_segmentation"][row][b["inputs_segmentation"][row] > 0]):
-      where = b["inputs_segmentation"][row] == seg
-      ids = b["inputs"][row][where]
-      np.testing.assert_array_equal(b["inputs_position"][row][where], np.arange(len(ids)))
-      yield tok.decode(ids), ids[0], ids[-1], b["targets_segmentation"][row][where][-1] != 0
+  check_batch(next(its.train), cfg, mesh, devices)
+  check_batch(next(its.eval_factory()), cfg, mesh, 2 * devices)
 
 
 def test_text_packing_keeps_documents_and_masks_their_ends(tmp_path, corpus):
-  cfg = _text_config(tmp_path, corpus)
-  its = make_iterators(cfg, _mesh(cfg, 8))
-  batches = _take(its.train, 4)
-  pieces = [p for b in batches for p in _segments(b, its.tokenizer)]
+  cfg = text_config(tmp_path, corpus)
+  its = make_iterators(cfg, mesh_of(cfg, 8))
+  batches = take_batches(its.train, 4)
+  pieces = [p for b in batches for p in decoded_segments(b, its.tokenizer)]
   assert all(any(piece in doc for doc in DOCS) for piece, *_ in pieces)
   assert max(np.max(b["inputs_segmentation"]) for b in batches) >= 3  # several documents share a row
   assert its.tokenizer.bos_id in [first for _, first, _, _ in pieces]
@@ -152,13 +84,13 @@ def test_text_packing_keeps_documents_and_masks_their_ends(tmp_path, corpus):
 
 
 def test_text_without_packing_one_document_per_row(tmp_path, corpus):
-  cfg = _text_config(tmp_path, corpus, "packing=false", "max_target_length=64")
-  its = make_iterators(cfg, _mesh(cfg, 8))
-  b = _take(its.train, 1)[0]
+  cfg = text_config(tmp_path, corpus, "packing=false", "max_target_length=64")
+  its = make_iterators(cfg, mesh_of(cfg, 8))
+  b = take_batches(its.train, 1)[0]
   seg = b["inputs_segmentation"]
   assert set(np.unique(seg)) <= {0, 1} and (seg == 0).any()
   assert (np.diff(seg, axis=1) <= 0).all()  # the document, then only padding
-  for piece, first, last, _ in _segments(b, its.tokenizer):
+  for piece, first, last, _ in decoded_segments(b, its.tokenizer):
     assert first == its.tokenizer.bos_id
     # Short documents fit whole (BOS .. EOS); long ones are truncated to their start.
     assert piece in DOCS if last == its.tokenizer.eos_id else any(d.startswith(piece) for d in DOCS)
@@ -179,38 +111,38 @@ def test_packed_epochs_cover_every_token_once_and_reshuffle():
 
 
 def test_text_resume_across_epochs(tmp_path, corpus):
-  cfg = _text_config(tmp_path, corpus)
-  mesh = _mesh(cfg, 8)
+  cfg = text_config(tmp_path, corpus)
+  mesh = mesh_of(cfg, 8)
   train = make_iterators(cfg, mesh).train
   rows_per_epoch = train.get_state()["rows_per_epoch"]
-  _take(train, -(-rows_per_epoch // 8))  # into the second epoch
+  take_batches(train, -(-rows_per_epoch // 8))  # into the second epoch
   state = json.loads(json.dumps(train.get_state()))
   assert state["epoch"] == 1 and state["row"] < 8
-  expected = _take(train, 3)
+  expected = take_batches(train, 3)
   resumed = make_iterators(cfg, mesh).train
   resumed.set_state(state)
-  _assert_same(_take(resumed, 3), expected)
+  assert_same_batches(take_batches(resumed, 3), expected)
   with pytest.raises(ValueError, match="cannot\\s+resume exactly"):
     resumed.set_state({**state, "rows_per_epoch": rows_per_epoch + 1})
 
 
 def test_eval_split_is_disjoint_and_restarts(tmp_path, corpus):
-  cfg = _text_config(tmp_path, corpus, "eval_fraction=0.25", "packing=false", "max_target_length=128")
+  cfg = text_config(tmp_path, corpus, "eval_fraction=0.25", "packing=false", "max_target_length=128")
   docs = text.list_documents(cfg)
   names = text.document_names(docs, np.ones(len(DOCS), np.int64))
   train_ids, eval_ids = text.split_documents(docs, names, np.ones(len(DOCS), bool), cfg.eval_fraction)
   assert len(eval_ids) == 3 and not set(train_ids) & set(eval_ids)
-  its = make_iterators(cfg, _mesh(cfg, 8))
+  its = make_iterators(cfg, mesh_of(cfg, 8))
   first, again = next(its.eval_factory()), next(its.eval_factory())
-  _assert_same([_numpy(first)], [_numpy(again)])
+  assert_same_batches([as_numpy(first)], [as_numpy(again)])
   eval_texts = {its.tokenizer.decode(row) for row in np.asarray(first["inputs"])}
   assert eval_texts == {DOCS[i] for i in eval_ids}  # 8 rows cycle over the 3 eval documents
-  assert make_iterators(_text_config(tmp_path, corpus), _mesh(cfg, 8)).eval_factory is None
+  assert make_iterators(text_config(tmp_path, corpus), mesh_of(cfg, 8)).eval_factory is None
 
 
 def test_tokenizer_is_trained_once_and_cached(tmp_path, corpus, monkeypatch):
-  cfg = _config(tmp_path, "dataset_type=text", f"dataset_path={corpus[0]}")
-  mesh = _mesh(cfg, 1)
+  cfg = data_config(tmp_path, "dataset_type=text", f"dataset_path={corpus[0]}")
+  mesh = mesh_of(cfg, 1)
   first = make_iterators(cfg, mesh)
   assert first.tokenizer.path == os.path.join(cfg.tokenizer_dir, "tokenizer.model")
   assert any(f.startswith("corpus-") for f in os.listdir(cfg.tokenizer_dir))
@@ -220,28 +152,28 @@ def test_tokenizer_is_trained_once_and_cached(tmp_path, corpus, monkeypatch):
 
   monkeypatch.setattr(tokenizers, "train_sentencepiece", fail)
   monkeypatch.setattr(text, "tokenize_documents", fail)  # the tokens are cached too
-  _assert_same(_take(make_iterators(cfg, mesh).train, 2), _take(first.train, 2))
+  assert_same_batches(take_batches(make_iterators(cfg, mesh).train, 2), take_batches(first.train, 2))
 
 
 def test_vocab_smaller_than_tokenizer_is_an_error(tmp_path, corpus):
-  cfg = _text_config(tmp_path, corpus, "vocab_size=300")
+  cfg = text_config(tmp_path, corpus, "vocab_size=300")
   with pytest.raises(ValueError, match="raise vocab_size to at least"):
-    make_iterators(cfg, _mesh(cfg, 1))
+    make_iterators(cfg, mesh_of(cfg, 1))
 
 
 def test_corpus_errors(tmp_path, corpus):
-  cfg = _text_config(tmp_path, corpus, f"dataset_path={tmp_path}/nothing/**/*.txt")
+  cfg = text_config(tmp_path, corpus, f"dataset_path={tmp_path}/nothing/**/*.txt")
   with pytest.raises(ValueError, match="matches no files"):
-    make_iterators(cfg, _mesh(cfg, 1))
+    make_iterators(cfg, mesh_of(cfg, 1))
   (tmp_path / "empty").mkdir()
   (tmp_path / "empty" / "a.txt").write_text("")
   (tmp_path / "empty" / "b.txt").write_text(" \n\n")
-  cfg = _text_config(tmp_path, corpus, f"dataset_path={tmp_path}/empty/*.txt")
+  cfg = text_config(tmp_path, corpus, f"dataset_path={tmp_path}/empty/*.txt")
   with pytest.raises(ValueError, match="corpus is empty"):
-    make_iterators(cfg, _mesh(cfg, 1))
+    make_iterators(cfg, mesh_of(cfg, 1))
   (tmp_path / "empty" / "c.txt").write_bytes(b"caf\xe9")
   with pytest.raises(ValueError, match="Cannot decode document .*c.txt"):
-    make_iterators(cfg, _mesh(cfg, 1))
+    make_iterators(cfg, mesh_of(cfg, 1))
 
 
 def _write_jsonl_and_parquet(root, column="text"):
@@ -259,25 +191,25 @@ def _write_jsonl_and_parquet(root, column="text"):
 def test_text_jsonl_and_parquet_documents(tmp_path, corpus):
   (tmp_path / "mixed").mkdir()
   glob = _write_jsonl_and_parquet(tmp_path / "mixed", column="body")
-  cfg = _text_config(tmp_path, corpus, f"dataset_path={glob}", "text_column=body", "packing=false")
+  cfg = text_config(tmp_path, corpus, f"dataset_path={glob}", "text_column=body", "packing=false")
   cfg = cfg.replace(max_target_length=128, eval_fraction=0.25, eval_steps=-1)
-  its = make_iterators(cfg, _mesh(cfg, 4))
-  train = {its.tokenizer.decode(r) for b in _take(its.train, 3) for r in b["inputs"]}
+  its = make_iterators(cfg, mesh_of(cfg, 4))
+  train = {its.tokenizer.decode(r) for b in take_batches(its.train, 3) for r in b["inputs"]}
   evals = [its.tokenizer.decode(r) for b in its.eval_factory() for r in np.asarray(b["inputs"])]
   assert len(evals) == 4 and evals[-1] == ""  # one epoch of 3 held-out documents, the last row padding
   assert train | set(evals[:3]) == set(DOCS) and not train & set(evals)
-  bad = _text_config(tmp_path, corpus, f"dataset_path={glob}")  # the files have no "text" field
+  bad = text_config(tmp_path, corpus, f"dataset_path={glob}")  # the files have no "text" field
   with pytest.raises(ValueError, match="a.jsonl:1 has no text field 'text'"):
-    make_iterators(bad, _mesh(bad, 1))
+    make_iterators(bad, mesh_of(bad, 1))
   (tmp_path / "mixed" / "c.parquet").write_text("not parquet")
-  bad = _text_config(tmp_path, corpus, f"dataset_path={tmp_path}/mixed/c.parquet")
+  bad = text_config(tmp_path, corpus, f"dataset_path={tmp_path}/mixed/c.parquet")
   with pytest.raises(ValueError, match="Cannot read Parquet file .*c.parquet"):
-    make_iterators(bad, _mesh(bad, 1))
+    make_iterators(bad, mesh_of(bad, 1))
 
 
 def test_tokenizer_path_must_exist(tmp_path, corpus):
   with pytest.raises(config.ConfigError, match="tokenizer_path=.*missing.model.* does not exist"):
-    _text_config(tmp_path, corpus, f"tokenizer_path={tmp_path}/missing.model")
+    text_config(tmp_path, corpus, f"tokenizer_path={tmp_path}/missing.model")
 
 
 def test_process_rows_follow_the_sharding():
@@ -328,7 +260,7 @@ def test_two_processes_build_the_single_process_batches(tmp_path, corpus):
 
   write_arrayrecord(DOCS, str(tmp_path / "records"), num_shards=3)
   # The tokenizer is trained (by process 0 only) in the processes' shared run directory.
-  argv = _argv(tmp_path, f"dataset_path={corpus[0]}")
+  argv = data_argv(tmp_path, f"dataset_path={corpus[0]}")
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
@@ -346,7 +278,7 @@ def test_two_processes_build_the_single_process_batches(tmp_path, corpus):
   model = os.path.join(tmp_path, "t", "tokenizer", "tokenizer.model")
   for dataset_type in ("text", "synthetic", "grain"):
     cfg = config.load([*argv, *_two_process_overrides(dataset_type, str(tmp_path)), f"tokenizer_path={model}"], {})
-    expected = _take(make_iterators(cfg, _mesh(cfg, 8)).train, 3)
+    expected = take_batches(make_iterators(cfg, mesh_of(cfg, 8)).train, 3)
     for step in range(3):
       got = np.concatenate([shards[f"{dataset_type}/{step}/{row}"] for row in range(8)])
       if dataset_type != "grain":
@@ -361,7 +293,7 @@ def test_inspect_prints_decoded_segments(tmp_path, corpus, capsys):
   from MaxText.data import inspect
 
   glob, model = corpus
-  inspect.main([*_argv(tmp_path, f"dataset_path={glob}", f"tokenizer_path={model}"), "num_batches=2", "rows=8"])
+  inspect.main([*data_argv(tmp_path, f"dataset_path={glob}", f"tokenizer_path={model}"), "num_batches=2", "rows=8"])
   out = capsys.readouterr().out
   assert "=== batch 1: (8, 32) int32" in out and "row 7:" in out and "batch 2" not in out
   assert "segment 2:" in out and "from position 0 BOS" in out and "has a target" not in out

@@ -14,8 +14,7 @@ from flax import nnx
 from MaxText import checkpointing, config, decode, models
 from MaxText.config import ConfigError
 from MaxText.inference import Engine, engine, sampling
-from MaxText.tests.conftest import run_processes
-from MaxText.tests.train_test import ROOT
+from MaxText.tests.conftest import ROOT, run_processes
 
 BASE = os.path.join(config.CONFIG_DIR, "base.yml")
 TINY = ["base_emb_dim=32", "base_num_query_heads=4", "base_num_kv_heads=2", "base_mlp_dim=48", "head_dim=8"]

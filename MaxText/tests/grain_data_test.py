@@ -10,9 +10,16 @@ from MaxText.data import make_iterators
 from MaxText.data.convert_to_arrayrecord import main as convert_main
 from MaxText.data.convert_to_arrayrecord import write_arrayrecord
 from MaxText.data.grain_data import parse_mixture
-from MaxText.tests.data_test import DOCS, _assert_same, _check_batch, _config, _mesh, _numpy, _segments, _take, corpus
-
-__all__ = ["corpus"]  # a fixture
+from MaxText.tests.conftest import (
+  DOCS,
+  as_numpy,
+  assert_same_batches,
+  check_batch,
+  data_config,
+  decoded_segments,
+  mesh_of,
+  take_batches,
+)
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +33,7 @@ def records(tmp_path_factory):
 
 def _grain_config(tmp_path, corpus, records, *overrides):
   root, _ = records
-  return _config(
+  return data_config(
     tmp_path,
     "dataset_type=grain",
     f"grain_train_files={root}/train-*",
@@ -38,10 +45,10 @@ def _grain_config(tmp_path, corpus, records, *overrides):
 
 def test_grain_batches_pack_documents(tmp_path, corpus, records):
   cfg = _grain_config(tmp_path, corpus, records)
-  mesh = _mesh(cfg, 8)
+  mesh = mesh_of(cfg, 8)
   its = make_iterators(cfg, mesh)
-  batches = [_check_batch(next(its.train), cfg, mesh, 8) for _ in range(3)]
-  pieces = [p for b in batches for p in _segments(b, its.tokenizer)]
+  batches = [check_batch(next(its.train), cfg, mesh, 8) for _ in range(3)]
+  pieces = [p for b in batches for p in decoded_segments(b, its.tokenizer)]
   assert all(any(piece in doc for doc in DOCS) for piece, *_ in pieces)
   assert max(np.max(b["inputs_segmentation"]) for b in batches) >= 3  # several documents share a row
   assert not any(has_target for *_, has_target in pieces)  # no target across documents or rows
@@ -49,22 +56,22 @@ def test_grain_batches_pack_documents(tmp_path, corpus, records):
 
 def test_grain_epochs_cover_each_document_once_and_reshuffle(tmp_path, corpus, records):
   cfg = _grain_config(tmp_path, corpus, records, "packing=false", "max_target_length=128")
-  its = make_iterators(cfg, _mesh(cfg, 4))
-  epochs = [[its.tokenizer.decode(r) for b in _take(its.train, 3) for r in b["inputs"]] for _ in range(2)]
+  its = make_iterators(cfg, mesh_of(cfg, 4))
+  epochs = [[its.tokenizer.decode(r) for b in take_batches(its.train, 3) for r in b["inputs"]] for _ in range(2)]
   assert sorted(epochs[0]) == sorted(DOCS) == sorted(epochs[1]) and epochs[0] != epochs[1]
 
 
 @pytest.mark.parametrize("packing", [True, False])
 def test_grain_resume_is_exact(tmp_path, corpus, records, packing):
   cfg = _grain_config(tmp_path, corpus, records, f"packing={packing}")
-  mesh = _mesh(cfg, 4)
+  mesh = mesh_of(cfg, 4)
   train = make_iterators(cfg, mesh).train
-  _take(train, 5)  # past the end of the first epoch
+  take_batches(train, 5)  # past the end of the first epoch
   state = json.loads(json.dumps(train.get_state()))  # as a checkpoint stores it
-  expected = _take(train, 4)
+  expected = take_batches(train, 4)
   resumed = make_iterators(cfg, mesh).train
   resumed.set_state(state)
-  _assert_same(_take(resumed, 4), expected)
+  assert_same_batches(take_batches(resumed, 4), expected)
   with pytest.raises(ValueError, match="cannot resume"):
     resumed.set_state({**state, "num_shards": 2})
 
@@ -79,8 +86,8 @@ def test_grain_mixture_and_parquet(tmp_path, corpus, records):
     pq.write_table(pa.table({"text": docs}), tmp_path / f"{name}.parquet", row_group_size=2)
   files = f"grain_train_files={tmp_path}/first.parquet,0.75;{tmp_path}/second.parquet,0.25"
   cfg = _grain_config(tmp_path, corpus, records, files, "grain_file_type=parquet", "packing=false")
-  its = make_iterators(cfg.replace(max_target_length=128), _mesh(cfg, 8))
-  texts = [its.tokenizer.decode(r) for b in _take(its.train, 4) for r in b["inputs"]]
+  its = make_iterators(cfg.replace(max_target_length=128), mesh_of(cfg, 8))
+  texts = [its.tokenizer.decode(r) for b in take_batches(its.train, 4) for r in b["inputs"]]
   first = sum(t in DOCS[:6] for t in texts)
   assert first == 24 and len(texts) - first == 8  # 3:1 over 32 rows
 
@@ -91,8 +98,8 @@ def test_grain_one_epoch_eval_counts_every_document_once(tmp_path, corpus, recor
   root, _ = records
   cfg = _grain_config(tmp_path, corpus, records, f"grain_eval_files={root}/eval-*", "packing=false")
   cfg = cfg.replace(max_target_length=128, eval_steps=-1, eval_per_device_batch_size=1.0)
-  its = make_iterators(cfg, _mesh(cfg, 4))
-  batches = [_numpy(b) for b in its.eval_factory()]
+  its = make_iterators(cfg, mesh_of(cfg, 4))
+  batches = [as_numpy(b) for b in its.eval_factory()]
   texts = [its.tokenizer.decode(r) for b in batches for r in b["inputs"]]
   assert len(batches) == 2 and sorted(texts) == sorted(DOCS[:7] + [""])  # 7 documents, then one padding row
   # evaluate() runs the whole epoch and counts each target token once.
@@ -116,7 +123,7 @@ def test_grain_bad_input(tmp_path, corpus, records):
   ):
     (tmp_path / "bad.array_record").write_text("not an array record")
     with pytest.raises(ValueError, match=message):
-      make_iterators(mesh_cfg.replace(grain_train_files=files), _mesh(mesh_cfg, 1))
+      make_iterators(mesh_cfg.replace(grain_train_files=files), mesh_of(mesh_cfg, 1))
     if "bad" in files:
       from array_record.python.array_record_module import ArrayRecordWriter
 
@@ -130,12 +137,12 @@ def test_convert_command(tmp_path, corpus, records):
   (tmp_path / "in.jsonl").write_text("".join(json.dumps({"t": d}) + "\n" for d in DOCS))
   convert_main(["--files", f"{tmp_path}/*.jsonl", "--output_dir", str(tmp_path / "out"), "--text_column", "t"])
   cfg = _grain_config(tmp_path, corpus, records, f"grain_train_files={tmp_path}/out/data-*.array_record")
-  its = make_iterators(cfg.replace(packing=False, max_target_length=128), _mesh(cfg, 4))
-  assert sorted(its.tokenizer.decode(r) for b in _take(its.train, 3) for r in b["inputs"]) == sorted(DOCS)
+  its = make_iterators(cfg.replace(packing=False, max_target_length=128), mesh_of(cfg, 4))
+  assert sorted(its.tokenizer.decode(r) for b in take_batches(its.train, 3) for r in b["inputs"]) == sorted(DOCS)
 
 
 def _train_config(tmp_path, corpus, records, name, *overrides):
-  from MaxText.tests.train_test import BASE, TINY
+  from MaxText.tests.conftest import BASE, TINY
 
   root, _ = records
   grain = ["dataset_type=grain", f"grain_train_files={root}/train-*", f"tokenizer_path={corpus[1]}"]
@@ -168,7 +175,7 @@ def test_grain_training_resumes_exactly_and_stops_at_target_eval_loss(tmp_path, 
 def test_download_dataset_prepares_local_text(tmp_path):
   import subprocess
 
-  from MaxText.tests.train_test import ROOT
+  from MaxText.tests.conftest import ROOT
 
   (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
   script = os.path.join(ROOT, "download_dataset.sh")

@@ -5,9 +5,15 @@ import json
 import pytest
 
 from MaxText.data import make_iterators
-from MaxText.tests.data_test import DOCS, _assert_same, _check_batch, _config, _mesh, _segments, _take, corpus
-
-__all__ = ["corpus"]  # a fixture
+from MaxText.tests.conftest import (
+  DOCS,
+  assert_same_batches,
+  check_batch,
+  data_config,
+  decoded_segments,
+  mesh_of,
+  take_batches,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -17,7 +23,7 @@ def _offline(monkeypatch, tmp_path):
 
 
 def _hf_config(tmp_path, corpus, *overrides):
-  return _config(tmp_path, "dataset_type=hf", f"tokenizer_path={corpus[1]}", "grain_worker_count=0", *overrides)
+  return data_config(tmp_path, "dataset_type=hf", f"tokenizer_path={corpus[1]}", "grain_worker_count=0", *overrides)
 
 
 def test_hf_parquet_batches_and_resume(tmp_path, corpus):
@@ -28,15 +34,15 @@ def test_hf_parquet_batches_and_resume(tmp_path, corpus):
   pq.write_table(pa.table({"text": DOCS[8:]}), tmp_path / "eval.parquet")
   files = [f"hf_train_files={tmp_path}/train.parquet", f"hf_eval_files={tmp_path}/eval.parquet"]
   cfg = _hf_config(tmp_path, corpus, "hf_path=parquet", *files, "eval_steps=-1")
-  mesh = _mesh(cfg, 4)
+  mesh = mesh_of(cfg, 4)
   its = make_iterators(cfg, mesh)
-  pieces = [p for _ in range(2) for p in _segments(_check_batch(next(its.train), cfg, mesh, 4), its.tokenizer)]
+  pieces = [p for _ in range(2) for p in decoded_segments(check_batch(next(its.train), cfg, mesh, 4), its.tokenizer)]
   assert all(any(piece in doc for doc in DOCS[:8]) for piece, *_ in pieces)
   state = json.loads(json.dumps(its.train.get_state()))
-  expected = _take(its.train, 2)
+  expected = take_batches(its.train, 2)
   resumed = make_iterators(cfg, mesh).train
   resumed.set_state(state)
-  _assert_same(_take(resumed, 2), expected)
+  assert_same_batches(take_batches(resumed, 2), expected)
   evals = "".join(its.tokenizer.decode(r) for b in its.eval_factory() for r in b["inputs"])
   assert all(doc in evals or doc[:20] in evals for doc in DOCS[8:])
 
@@ -44,11 +50,11 @@ def test_hf_parquet_batches_and_resume(tmp_path, corpus):
 def test_hf_json_column_and_errors(tmp_path, corpus):
   (tmp_path / "d.jsonl").write_text("".join(json.dumps({"body": d}) + "\n" for d in DOCS))
   cfg = _hf_config(tmp_path, corpus, "hf_path=json", f"hf_train_files={tmp_path}/d.jsonl", "text_column=body")
-  its = make_iterators(cfg.replace(packing=False, max_target_length=128), _mesh(cfg, 4))
-  assert sorted(its.tokenizer.decode(r) for b in _take(its.train, 3) for r in b["inputs"]) == sorted(DOCS)
+  its = make_iterators(cfg.replace(packing=False, max_target_length=128), mesh_of(cfg, 4))
+  assert sorted(its.tokenizer.decode(r) for b in take_batches(its.train, 3) for r in b["inputs"]) == sorted(DOCS)
   with pytest.raises(ValueError, match="no text field 'text'"):
-    make_iterators(cfg.replace(text_column="text"), _mesh(cfg, 1))
+    make_iterators(cfg.replace(text_column="text"), mesh_of(cfg, 1))
   with pytest.raises(ValueError, match="nothing.jsonl' matches no files"):
-    make_iterators(cfg.replace(hf_train_files=f"{tmp_path}/nothing.jsonl"), _mesh(cfg, 1))
+    make_iterators(cfg.replace(hf_train_files=f"{tmp_path}/nothing.jsonl"), mesh_of(cfg, 1))
   with pytest.raises(ValueError, match="Cannot load the Hugging Face dataset hf_path='no_such/dataset'"):
-    make_iterators(cfg.replace(hf_path="no_such/dataset", hf_train_files=""), _mesh(cfg, 1))
+    make_iterators(cfg.replace(hf_path="no_such/dataset", hf_train_files=""), mesh_of(cfg, 1))

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from MaxText import launch
-from MaxText.tests.train_test import BASE, ROOT
+from MaxText.tests.conftest import BASE, ROOT
 
 USAGE = launch.Usage("python3 tool.py CONFIG.yml", "A tool.", keys=("run_name", "steps"), options=(("rows", "n"),))
 

@@ -2,7 +2,6 @@
 near loss ln(vocab)."""
 
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -11,10 +10,9 @@ import pytest
 from flax import nnx
 
 from MaxText import config, models
+from MaxText.tests.conftest import BASE, TINY
 
-BASE = os.path.join(config.CONFIG_DIR, "base.yml")
-TINY = ["base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=2", "base_mlp_dim=128"]
-TINY += ["base_num_decoder_layers=2", "head_dim=16", "vocab_size=128", "max_target_length=16", "dtype=float32"]
+TINY = [*TINY, "vocab_size=128", "max_target_length=16"]  # the shared tiny model, smaller vocabulary and length
 
 
 def build(*overrides):

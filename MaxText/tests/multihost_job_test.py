@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from MaxText.tests.train_test import ROOT
+from MaxText.tests.conftest import ROOT
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 TRAIN = "python3 MaxText/train.py MaxText/configs/base.yml run_name={run}"

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from MaxText.tests.train_test import ROOT
+from MaxText.tests.conftest import ROOT
 
 SSHD = shutil.which("sshd") or ("/usr/sbin/sshd" if os.path.exists("/usr/sbin/sshd") else None)
 

@@ -13,8 +13,7 @@ import pytest
 
 from MaxText import distributed, train
 from MaxText.config import ConfigError
-from MaxText.tests.conftest import free_port, run_processes
-from MaxText.tests.train_test import BASE, ROOT, TINY, cfg
+from MaxText.tests.conftest import BASE, ROOT, TINY, cfg, free_port, run_processes
 
 COMMON = ["steps=10", "per_device_batch_size=2", "hardware=cpu", "enable_checkpointing=true"]
 COMMON += ["checkpoint_period=5", "async_checkpointing=false"]

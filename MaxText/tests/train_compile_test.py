@@ -11,7 +11,7 @@ import pytest
 
 from MaxText import accelerators, compiled_step, sharding, train, train_compile
 from MaxText.config import ConfigError
-from MaxText.tests.train_test import ROOT, cfg, losses
+from MaxText.tests.conftest import ROOT, cfg, losses
 
 BASE = os.path.join("MaxText", "configs", "base.yml")
 

@@ -12,39 +12,10 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText import config, train
+from MaxText import train
 from MaxText import train_step as steps
 from MaxText.config import ConfigError
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BASE = os.path.join(ROOT, "MaxText", "configs", "base.yml")
-TINY = [
-  "dataset_type=synthetic",
-  "base_emb_dim=64",
-  "base_num_query_heads=4",
-  "base_num_kv_heads=2",
-  "base_mlp_dim=128",
-  "base_num_decoder_layers=2",
-  "head_dim=16",
-  "vocab_size=256",
-  "max_target_length=32",
-  "dtype=float32",
-  "log_config=false",
-  "log_period=1",
-  "learning_rate=1e-2",
-  "warmup_steps_fraction=0",
-  "enable_checkpointing=false",
-  "enable_tensorboard=false",
-]
-
-
-def cfg(tmp_path, name, *overrides):
-  return config.load([BASE, f"run_name={name}", f"base_output_directory={tmp_path}", *TINY, *overrides], {})
-
-
-def losses(c):
-  with open(c.metrics_file) as f:
-    return [json.loads(line)["loss"] for line in f]
+from MaxText.tests.conftest import BASE, ROOT, TINY, cfg, losses
 
 
 def run_losses(tmp_path, name, *overrides, devices=None):

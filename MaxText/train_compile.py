@@ -160,11 +160,20 @@ def format_report(report: CompileReport) -> str:
 
 
 def _advice(config: Config) -> str:
-  return (
-    f"lower per_device_batch_size (now {config.per_device_batch_size:g}), rematerialise more with "
-    f"remat_policy=full (now {config.remat_policy}), or shard the state over more devices with "
-    "ici_fsdp_parallelism / dcn_fsdp_parallelism (or a bigger compile_topology)"
+  """Only the changes that would lower this config's memory."""
+  steps = []
+  if config.per_device_batch_size > 1 or config.gradient_accumulation_steps == 1:
+    steps.append(
+      f"lower per_device_batch_size (now {config.per_device_batch_size:g}) or raise gradient_accumulation_steps"
+    )
+  if config.remat_policy != "full":
+    steps.append(f"rematerialise more with remat_policy=full (now {config.remat_policy})")
+  if config.attention == "dot_product" and config.attention_query_chunk != 256:
+    steps.append("use attention=autoselected (fused kernels) or a smaller attention_query_chunk")
+  steps.append(
+    "shard the state over more devices with ici_fsdp_parallelism / dcn_fsdp_parallelism (or a bigger compile_topology)"
   )
+  return "; ".join(steps)
 
 
 _SIZE = r"([0-9.]+\s*[KMGT]i?B?)"

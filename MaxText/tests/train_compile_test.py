@@ -51,7 +51,15 @@ def test_batch_that_cannot_fit_exits_with_out_of_memory():
   )
   assert result.returncode != 0
   assert "Out of memory" in result.stderr and "over" in result.stderr, result.stderr[-3000:]
-  assert "per_device_batch_size (now 64)" in result.stderr and "remat_policy" in result.stderr
+  assert "per_device_batch_size (now 64)" in result.stderr
+  assert "remat_policy=full (now" not in result.stderr  # already full: advice that changes nothing is left out
+
+
+def test_out_of_memory_advice_names_only_changes_that_help(tmp_path):
+  full = train_compile._advice(cfg(tmp_path, "a", "remat_policy=full", "per_device_batch_size=4"))
+  assert "per_device_batch_size (now 4)" in full and "remat_policy" not in full
+  minimal = train_compile._advice(cfg(tmp_path, "b", "remat_policy=minimal", "attention=dot_product"))
+  assert "remat_policy=full (now minimal)" in minimal and "attention=autoselected" in minimal
 
 
 @pytest.mark.parametrize(

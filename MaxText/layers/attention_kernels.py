@@ -15,14 +15,13 @@ import functools
 import math
 from typing import NamedTuple
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 from jax.sharding import PartitionSpec
 
-from MaxText.layers.axes import HEAD_AXES, KV_HEAD_AXES
+from MaxText.layers.axes import HEAD_AXES, KV_HEAD_AXES, mesh_axes
 
 # TPU vector lanes: the kernel tiles the sequence in blocks that are multiples of this.
 LANES = 128
@@ -92,24 +91,16 @@ class ShardPlan(NamedTuple):
   repeat_kv: bool
 
 
-def _mesh_axes(logical: str, names: tuple[str, ...], mesh: jax.sharding.AbstractMesh) -> tuple[str, ...]:
-  """The mesh axes (present in `mesh`, of size > 1) that the active rules give `logical` within `names`."""
-  spec = nn.logical_to_mesh_axes(names)
-  entry = spec[names.index(logical)] if spec is not None else None
-  axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
-  return tuple(a for a in axes if a in mesh.axis_names and mesh.shape[a] > 1)
-
-
 def shard_plan(q_shape: tuple[int, ...], k_shape: tuple[int, ...], mesh: jax.sharding.AbstractMesh) -> ShardPlan:
   """Batch over activation_batch's mesh axes and heads over activation_heads'; a dimension that does not
   divide its axes' size stays whole (computed redundantly, still correct). The sequence and head_dim are
   always whole per shard: the kernel's masks and softmax need the full key range."""
   size = lambda axes: math.prod(mesh.shape[a] for a in axes)  # noqa: E731
-  batch = _mesh_axes("activation_batch", HEAD_AXES, mesh)
+  batch = mesh_axes("activation_batch", HEAD_AXES, mesh)
   batch = batch if batch and q_shape[0] % size(batch) == 0 else None
-  heads = _mesh_axes("activation_heads", HEAD_AXES, mesh)
+  heads = mesh_axes("activation_heads", HEAD_AXES, mesh)
   heads = heads if heads and q_shape[2] % size(heads) == 0 else None
-  kv_heads = _mesh_axes("activation_kv_heads", KV_HEAD_AXES, mesh)
+  kv_heads = mesh_axes("activation_kv_heads", KV_HEAD_AXES, mesh)
   # GQA keeps query head n on kv head n // G; per shard that holds when both head counts split evenly
   # over the same axes. Otherwise k/v are repeated to N heads and split like q.
   repeat_kv = heads is not None and (kv_heads != heads or k_shape[2] % size(heads) != 0)

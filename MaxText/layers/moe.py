@@ -15,6 +15,7 @@ C capacity slots per expert, D model dim, F expert width.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -22,9 +23,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from MaxText.config import Config
-from MaxText.layers.axes import ACTIVATION_AXES, EXPERT_EMBED_AXES, EXPERT_MLP_AXES
+from MaxText.layers.axes import ACTIVATION_AXES, EXPERT_EMBED_AXES, EXPERT_MLP_AXES, MLP_AXES, mesh_axes
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.mlp import ACTIVATIONS, MlpBlock
 
@@ -96,6 +98,22 @@ def capacity_mask(experts: jax.Array, num_experts: int, capacity_factor: float) 
   return expert_ranks(experts, num_experts) < expert_capacity(x, k, num_experts, capacity_factor)
 
 
+def ragged_experts(
+  tokens: jax.Array, experts: jax.Array, wi_0: jax.Array, wi_1: jax.Array, wo: jax.Array, *, num_experts: int,
+  activation,
+) -> jax.Array:  # fmt: skip
+  """tokens [X, D], experts [X, k], weights [E, D, F] / [E, F, D] -> [X, k, D]: the assignments sorted
+  by expert, each expert's contiguous group through jax.lax.ragged_dot, then put back in order."""
+  x, k = experts.shape
+  flat = experts.reshape(-1)  # [A]
+  order = jnp.argsort(flat, stable=True)
+  sorted_tokens = jnp.take(tokens, order // k, axis=0)  # [A, D], grouped by expert
+  sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+  hidden = activation(jax.lax.ragged_dot(sorted_tokens, wi_0, sizes)) * jax.lax.ragged_dot(sorted_tokens, wi_1, sizes)
+  out = jax.lax.ragged_dot(hidden, wo, sizes)  # [A, D]
+  return jnp.zeros_like(out).at[order].set(out).reshape(x, k, -1)
+
+
 class MoeBlock(nnx.Module):
   """x [B, T, D] -> [B, T, D]: sum over the token's top-k experts of weight * wo(act(wi_0 x) * wi_1 x),
   plus the shared experts' MLP when shared_experts > 0. Expert width F: config.moe_mlp_dim (scaled like
@@ -133,19 +151,35 @@ class MoeBlock(nnx.Module):
     return nn.with_logical_constraint(out, ACTIVATION_AXES)
 
   def _experts(self, tokens: jax.Array, experts: jax.Array) -> jax.Array:
-    """tokens [X, D], experts [X, k] -> each assignment's expert output [X, k, D] (dropless)."""
-    x, k = experts.shape
-    flat = experts.reshape(-1)  # [A]
-    order = jnp.argsort(flat, stable=True)
-    sorted_tokens = jnp.take(tokens, order // k, axis=0).astype(self.dtype)  # [A, D], grouped by expert
-    sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
-    wi_0, wi_1, wo = (w[...].astype(self.dtype) for w in (self.wi_0, self.wi_1, self.wo))
-    hidden = self.activation(jax.lax.ragged_dot(sorted_tokens, wi_0, sizes)) * jax.lax.ragged_dot(
-      sorted_tokens, wi_1, sizes
-    )
-    hidden = nn.with_logical_constraint(hidden, (None, "activation_mlp"))
-    out = jax.lax.ragged_dot(hidden, wo, sizes)  # [A, D]
-    return jnp.zeros_like(out).at[order].set(out).reshape(x, k, -1)
+    """tokens [X, D], experts [X, k] -> each assignment's expert output [X, k, D] (dropless).
+
+    Under a mesh each batch shard sorts and computes its own tokens (shard_map over activation_batch's
+    mesh axes, expert widths split over activation_mlp's with a psum of the partial outputs): a global
+    sort would gather every routed token of the batch onto every device. Experts split over an
+    `expert` axis keep the global path (their tokens must move between shards).
+    """
+    weights = tuple(w[...].astype(self.dtype) for w in (self.wi_0, self.wi_1, self.wo))
+    compute = functools.partial(ragged_experts, num_experts=self.num_experts, activation=self.activation)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh_axes("activation_exp", EXPERT_EMBED_AXES, mesh):
+      return compute(tokens.astype(self.dtype), experts, *weights)
+    size = lambda axes: math.prod(mesh.shape[a] for a in axes)  # noqa: E731
+    batch = mesh_axes("activation_batch", ACTIVATION_AXES, mesh)
+    batch = batch if tokens.shape[0] % size(batch) == 0 else ()
+    mlp = mesh_axes("activation_mlp", MLP_AXES, mesh)
+    mlp = mlp if weights[0].shape[-1] % size(mlp) == 0 else ()
+
+    def shard(tokens, experts, wi_0, wi_1, wo):
+      out = compute(tokens.astype(self.dtype), experts, wi_0, wi_1, wo)
+      return jax.lax.psum(out, mlp) if mlp else out  # each shard of F gives a partial sum over F
+
+    b, f = batch or None, mlp or None
+    return jax.shard_map(
+      shard,
+      mesh=mesh,
+      in_specs=(P(b, None), P(b, None), P(None, None, f), P(None, None, f), P(None, f, None)),
+      out_specs=P(b, None, None),
+    )(tokens, experts, *weights)
 
   def _capacity_experts(self, tokens: jax.Array, experts: jax.Array) -> jax.Array:
     """tokens [X, D], experts [X, k] -> [X, k, D]: each kept assignment's expert output, 0 for the

@@ -119,6 +119,31 @@ def test_sharded_equals_unsharded(capacity_factor):
   np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
 
 
+def test_dropless_per_shard_dispatch_equals_unsharded_values_and_gradients():
+  """data x fsdp x tensor mesh, no expert axis: each batch shard routes its own tokens (shard_map) with
+  the expert width split over `tensor`; values and gradients equal the single-device computation."""
+  args = ["ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"]
+  c = config.load([BASE, "run_name=t", *TINY, *args], {})
+  mesh = sharding.create_mesh(c)
+  graphdef, params = nnx.split(block(*args), nnx.Param)
+  x = jax.random.normal(jax.random.key(4), (8, 4, 16))
+
+  def loss(p, x):
+    return jnp.sum(jnp.sin(nnx.merge(graphdef, p)(x)))
+
+  expected, expected_grads = jax.value_and_grad(loss)(params, x)
+  with sharding.activate(c, mesh):
+    shardings = sharding.logical_to_mesh(nnx.get_partition_spec(params), mesh, sharding.axis_rules(c))
+    step = jax.jit(jax.value_and_grad(loss))
+    got, grads = step(jax.device_put(params, shardings), x)
+    assert "shard_map" in str(step.trace(jax.device_put(params, shardings), x).jaxpr)
+  np.testing.assert_allclose(float(got), float(expected), rtol=1e-5)
+  for (path, g), (_, want) in zip(
+    jax.tree_util.tree_leaves_with_path(grads), jax.tree_util.tree_leaves_with_path(expected_grads)
+  ):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-4, atol=1e-5, err_msg=str(path))
+
+
 @pytest.mark.parametrize("base_moe_mlp_dim, expert_width", [(0, 48), (8, 16)])
 def test_expert_widths_scale_once_with_global_parameter_scale(base_moe_mlp_dim, expert_width):
   """global_parameter_scale=2 doubles mlp widths once: routed experts are moe_mlp_dim wide (base_moe_mlp_dim,

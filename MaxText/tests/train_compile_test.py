@@ -2,6 +2,7 @@
 out-of-memory exit, and a compiled step saved on the local 8-device CPU topology then run by train.py."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -16,15 +17,28 @@ from MaxText.tests.conftest import ROOT, cfg, losses
 BASE = os.path.join("MaxText", "configs", "base.yml")
 
 
-def compile_command(*overrides):
+def compile_command(*overrides, env=None):
   command = [sys.executable, "MaxText/train_compile.py", BASE, "log_config=false", *overrides]
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # compile for TPUs; run nothing on one
-  env.pop("XLA_FLAGS", None)
+  base = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # no fake CPU device count here
+  env = {**base, "JAX_PLATFORMS": "cpu", **(env or {})}  # compile for TPUs; run nothing on one
   return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
+def reported_gib(stdout: str, what: str) -> float:
+  """A per-device figure (arguments, temporaries, total) from train_compile's report, in GiB."""
+  match = re.search(rf"{what} ([0-9.]+) GiB", stdout)
+  assert match, stdout[-2000:]
+  return float(match.group(1))
+
+
+# Recorded ceilings (benchmarks/README.md, "Memory at scale"): a change that needs more memory per chip
+# for these steps fails here. Measured 2026-11-23 with jax 0.10.2 + libtpu 0.0.42.1; the issue's
+# MaxText figures for the same cases are 5.18 GiB (7B temporaries) and 11.07 GiB (16B total).
+CEILING_GIB = {"7b_temporaries": 5.40, "16b_total": 10.85}
+
+
 @pytest.mark.slow
-def test_16b_on_two_v5e_256_slices_compiles():
+def test_16b_on_two_v5e_256_slices_fits_under_its_recorded_ceiling():
   result = compile_command(
     "compile_topology=v5e-256", "compile_topology_num_slices=2", "global_parameter_scale=16", "per_device_batch_size=4"
   )
@@ -33,15 +47,20 @@ def test_16b_on_two_v5e_256_slices_compiles():
   assert "'data': 2" in result.stdout and "'fsdp': 256" in result.stdout
   for what in ("arguments", "temporaries", "total", "HBM per device 16.00 GiB", "compiled FLOPs per device"):
     assert what in result.stdout
+  assert reported_gib(result.stdout, "total") <= CEILING_GIB["16b_total"]
 
 
 @pytest.mark.slow
-def test_llama2_7b_on_v5e_256_compiles():
+def test_llama2_7b_on_one_v5e_256_slice_uses_flash_and_fits_under_its_ceiling(tmp_path):
   result = compile_command(
-    "model_name=llama2-7b", "compile_topology=v5e-256", "compile_topology_num_slices=2", "per_device_batch_size=4"
-  )
+    "model_name=llama2-7b", "compile_topology=v5e-256", "per_device_batch_size=4",
+    env={"XLA_FLAGS": f"--xla_dump_to={tmp_path}"},
+  )  # fmt: skip
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-  assert "compiled for 512 x TPU v5 lite" in result.stdout
+  assert "compiled for 256 x TPU v5 lite" in result.stdout and "'fsdp': 256" in result.stdout
+  assert reported_gib(result.stdout, "temporaries") <= CEILING_GIB["7b_temporaries"]
+  (optimized,) = tmp_path.glob("*jit_train_step*after_optimizations.txt")
+  assert "tpu_custom_call" in optimized.read_text()  # attention=autoselected chose the Pallas splash kernel
 
 
 @pytest.mark.slow

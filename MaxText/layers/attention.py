@@ -186,7 +186,12 @@ class Attention(nnx.Module):
     self.use_rope = use_rope
 
   def __call__(
-    self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, cache: kv_cache.KVCache | None = None
+    self,
+    x: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    rng: jax.Array | None = None,  # the layer contract's; attention has no dropout of its own
+    cache: kv_cache.KVCache | None = None,
   ) -> tuple[jax.Array, kv_cache.KVCache | None]:
     """x [B, T, D], positions/segment_ids [B, T] -> (out [B, T, D], cache); cache is None in training.
 

@@ -59,7 +59,12 @@ class MLAttention(nnx.Module):
     return self.wq_b(self.q_norm(self.wq_a(x)))  # [B, T, N, P + R]
 
   def __call__(
-    self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, cache: kv_cache.LatentCache | None = None
+    self,
+    x: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    rng: jax.Array | None = None,  # the layer contract's; attention has no dropout of its own
+    cache: kv_cache.LatentCache | None = None,
   ) -> tuple[jax.Array, kv_cache.LatentCache | None]:
     """x [B, T, D] -> (out [B, T, D], cache); cache is None in training. With a decode `cache` (the
     normalised latent and the rotated RoPE key of every position), attends over it and returns it updated."""

@@ -67,7 +67,7 @@ class DecoderLayer(nnx.Module):
     """x [B, T, D], positions/segment_ids [B, T] -> (x [B, T, D], cache). `rng`: dropout (None: off);
     `cache`: the attention's decode cache, returned updated (None in training, and then returned None)."""
     attn_rng, mlp_rng = (None, None) if rng is None else jax.random.split(rng)
-    h, cache = self.self_attention(self.pre_self_attention_layer_norm(x), positions, segment_ids, cache)
+    h, cache = self.self_attention(self.pre_self_attention_layer_norm(x), positions, segment_ids, None, cache)
     if self.post_self_attention_norm is not None:
       h = self.post_self_attention_norm(h)
     x = x + dropout(h, self.dropout_rate, attn_rng)

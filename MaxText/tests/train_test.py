@@ -12,8 +12,9 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText import checkpointing, train
+from MaxText import checkpointing, optimizers, sharding, train
 from MaxText import data as data_lib
+from MaxText import state as state_lib
 from MaxText import train_step as steps
 from MaxText.config import ConfigError
 from MaxText.tests.conftest import BASE, ROOT, TINY, cfg, losses
@@ -129,6 +130,27 @@ def test_nan_loss_stops_before_checkpointing(tmp_path, monkeypatch):
   with pytest.raises(train.NonFiniteLossError, match="step 2"):
     train.run(c)
   assert sorted(os.listdir(c.checkpoint_dir)) == ["1", "2"]
+
+
+@pytest.mark.parametrize("overrides", [[], ["scan_layers=false", "weight_dtype=bfloat16"], ["num_experts=4"]])
+def test_init_is_bit_identical_to_a_plain_jit(tmp_path, overrides):
+  """state.init_state compiles with INIT_COMPILER_OPTIONS: same values and shardings as jit's defaults."""
+  c = cfg(tmp_path, "init", *overrides)
+  mesh = sharding.create_mesh(c)
+  tx = optimizers.build(c).tx
+  with sharding.activate(c, mesh):
+    spec = state_lib.state_spec(c, tx, mesh)
+    got = state_lib.init_state(c, tx, spec)
+
+    def init():
+      params = state_lib._model_params(c, c.init_weights_seed)
+      return state_lib.TrainState(step=jax.numpy.zeros((), "int32"), params=params, opt_state=tx.init(params))
+
+    want = jax.jit(init, out_shardings=spec.shardings)()
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert g.sharding == w.sharding and g.dtype == w.dtype
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 def test_loop_dispatches_the_next_step_before_reading_this_one(tmp_path, monkeypatch):

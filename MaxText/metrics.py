@@ -1,10 +1,11 @@
 """Training FLOPs, MFU and the metric writers (stdout, JSON lines, TensorBoard).
 
-The train loop hands `MetricLogger.log` host floats once per step; the logger never touches a
-device, so it adds no synchronisation. Records go out every `log_period` steps, at the last step,
-and for every step that includes compilation: the first two steps of a run, and any later step
-during which JAX finished compiling something (e.g. a new input shape). Those are kept out of the
-averages and report no TFLOP/s or MFU: their time is mostly compiling, not model FLOPs.
+The train loop hands `MetricLogger.log` host floats once per step (one step late: it reads step N's
+metrics after dispatching step N+1); the logger never touches a device, so it adds no
+synchronisation. Records go out every `log_period` steps, at the last step, and for every step that
+includes compilation: the first two steps of a run, and any later step during whose dispatch JAX
+finished compiling something (e.g. a new input shape). Those are kept out of the averages and report
+no TFLOP/s or MFU: their time is mostly compiling, not model FLOPs.
 """
 
 from __future__ import annotations
@@ -225,18 +226,25 @@ class MetricLogger:
     if event == BACKEND_COMPILE_EVENT:
       self._compiles.append(time.perf_counter())
 
-  def _compiled_during(self, step_time_s: float) -> bool:
-    """Whether a compilation ended within the last `step_time_s` seconds (and since the previous log):
-    the step just timed included it. Compilations between steps (an eval step's) are not counted."""
-    now, compiles = time.perf_counter(), self._compiles
-    self._compiles = []
-    return any(now - step_time_s <= t <= now for t in compiles)
+  def _compiled_during(self, start: float, end: float) -> bool:
+    """Whether a compilation ended within [start, end] (perf_counter() seconds). Compilations that ended
+    before `end` are forgotten; later ones are kept for the next steps (the loop dispatches step N+1
+    before it logs step N). Compilations outside every step's window (an eval step's) are not counted."""
+    compiles = self._compiles
+    self._compiles = [t for t in compiles if t > end]
+    return any(start <= t <= end for t in compiles)
 
-  def log(self, step: int, scalars: Mapping[str, float], step_time_s: float) -> None:
+  def log(
+    self, step: int, scalars: Mapping[str, float], step_time_s: float, dispatch: tuple[float, float] | None = None
+  ) -> None:
     """Record one finished step. `scalars` are host floats (loss, grad_norm, learning_rate, ...);
-    `step_time_s` is the wall time of that step in seconds, as measured by the caller, who calls this
-    right after the step (a compilation within that time marks the step as compiling)."""
-    compiling = self._compiled_during(step_time_s) or self._steps_run < COMPILE_STEPS
+    `step_time_s` is the wall time of that step in seconds, as measured by the caller. `dispatch` is the
+    (start, end) perf_counter() interval in which the caller dispatched the step: a compilation ending
+    within it marks the step as compiling. Without it the caller calls this right after the step and
+    the window is the last `step_time_s` seconds."""
+    now = time.perf_counter()
+    start, end = dispatch if dispatch is not None else (now - step_time_s, now)
+    compiling = self._compiled_during(start, end) or self._steps_run < COMPILE_STEPS
     self._steps_run += 1
     self._last = {k: float(v) for k, v in scalars.items()}
     if compiling:

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 if __package__ in (None, ""):  # run as a script: import the package from the repository root
   sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,16 +58,23 @@ def evaluate(config: Config, eval_fn: Any, params: Any, eval_factory: Any) -> di
   return {"eval_loss": totals["nll"] / max(totals["tokens"], 1.0), "eval_tokens": totals["tokens"]}
 
 
-@contextlib.contextmanager
-def profile(config: Config, step: int, start: int):
-  """Capture an xplane trace of profiler_steps steps after skip_first_n_steps_for_profiler."""
-  first = start + config.skip_first_n_steps_for_profiler
-  if config.profiler and step == first:
-    jax.profiler.start_trace(config.tensorboard_dir)
-  try:
-    yield
-  finally:
-    if config.profiler and step == first + config.profiler_steps - 1:
+class Profiler:
+  """An xplane trace of profiler_steps steps after skip_first_n_steps_for_profiler: started before the
+  first one is dispatched, stopped once the host has seen the last one complete (dispatch is
+  asynchronous, so stopping right after dispatching it would cut its device work off)."""
+
+  def __init__(self, config: Config, start: int):
+    self.enabled = config.profiler
+    self.first = start + config.skip_first_n_steps_for_profiler
+    self.last = self.first + config.profiler_steps - 1
+    self.logdir = config.tensorboard_dir
+
+  def dispatching(self, step: int) -> None:
+    if self.enabled and step == self.first:
+      jax.profiler.start_trace(self.logdir)
+
+  def finished(self, step: int) -> None:
+    if self.enabled and step == self.last:
       jax.profiler.stop_trace()
 
 
@@ -140,8 +147,83 @@ def train_step_fn(config: Config, mesh: Mesh, optimizer: optimizers.Optimizer, s
   return steps.jit_train_step(config, mesh, optimizer.tx, spec, optimizer.schedule)
 
 
+def check_finite(config: Config, step: int, scalars: dict[str, float]) -> None:
+  """nan_check: stop on a non-finite loss (the loop checks a step before any checkpoint that includes it)."""
+  if config.nan_check and not math.isfinite(scalars["loss"]):
+    raise NonFiniteLossError(
+      f"loss is {scalars['loss']} at step {step}; nothing from this step was checkpointed. "
+      "Lower learning_rate, raise warmup_steps_fraction, set gradient_clipping_threshold, or use "
+      "dtype=float32; the run resumes from its last checkpoint."
+    )
+
+
+class Pending(NamedTuple):
+  """A dispatched step whose metrics the host has not read yet."""
+
+  step: int
+  metrics: dict[str, jax.Array]  # device scalars from the step function
+  dispatch: tuple[float, float]  # perf_counter() before and after the step function call (compiles happen here)
+
+
+class StepReader:
+  """Reads each step's metrics one step late, so the host dispatches step N+1 before it waits for step N
+  and the device never idles while the host logs, checks or fetches data.
+
+  step_time_s of step N = wall time from the host seeing step N-1 complete (or the loop (re)starting:
+  the run's start, the end of an eval or checkpoint pause) to the host seeing step N complete (its
+  metrics read). In a steady state that is the time per step the run actually achieves: the slower of
+  device compute and host work (data, dispatch, logging), the two overlapping. Eval and checkpoint time
+  is not in any step's time.
+  """
+
+  def __init__(self, config: Config, logger: metrics.MetricLogger, profiler: Profiler):
+    self.config, self.logger, self.profiler = config, logger, profiler
+    self.pending: Pending | None = None
+    self.mark = time.perf_counter()
+
+  def restart_clock(self) -> None:
+    """The next step's time starts now (after a pause that is not step time)."""
+    self.mark = time.perf_counter()
+
+  def push(self, pending: Pending) -> None:
+    """Read and log the previous step (it is waited for here), then keep `pending` for later."""
+    self.flush()
+    self.pending = pending
+
+  def flush(self) -> None:
+    """Read, log and check the pending step, if any; raises NonFiniteLossError on a non-finite loss."""
+    if self.pending is None:
+      return
+    done, self.pending = self.pending, None
+    scalars = {k: float(v) for k, v in jax.device_get(done.metrics).items()}
+    now = time.perf_counter()
+    self.logger.log(done.step, scalars, now - self.mark, dispatch=done.dispatch)
+    self.mark = now
+    self.profiler.finished(done.step)
+    check_finite(self.config, done.step, scalars)
+
+
+def make_logger(config: Config, parts: LoopParts, start: int, is_writer: bool) -> metrics.MetricLogger:
+  tokens_per_step = parts.global_batch * config.max_target_length
+  return metrics.MetricLogger(
+    config,
+    num_devices=parts.mesh.size,
+    tokens_per_step=tokens_per_step,
+    flops_per_step=metrics.training_flops_per_token(config).total * tokens_per_step,
+    peak_flops_per_device=parts.peak_flops,
+    start_step=start,
+    is_writer=is_writer,
+  )
+
+
 def train_loop(config: Config, parts: LoopParts) -> dict[str, Any]:
-  """Steps from the restored state to config.steps: log, evaluate, checkpoint; the metrics summary."""
+  """Steps from the restored state to config.steps: log, evaluate, checkpoint; the metrics summary.
+
+  Asynchronous: step N+1 is dispatched before step N's metrics are read (StepReader), and batch N+1 is
+  fetched while step N runs. Steps that evaluate or checkpoint, and the last step, are read at once, so
+  a checkpoint only ever holds a state whose loss was checked, and the data iterator state saved with
+  the checkpoint after step N is the one after exactly N batches (the next batch is fetched after it).
+  """
   state, start = parts.restored.state, int(parts.restored.state.step)
   data, manager = parts.data, parts.manager
   is_writer = jax.process_index() == 0
@@ -154,42 +236,36 @@ def train_loop(config: Config, parts: LoopParts) -> dict[str, Any]:
   eval_fn = None
   if data.eval_factory and config.eval_interval > 0:
     eval_fn = steps.jit_eval_step(config, parts.mesh, parts.spec)
-  tokens_per_step = parts.global_batch * config.max_target_length
-  logger = metrics.MetricLogger(
-    config,
-    num_devices=parts.mesh.size,
-    tokens_per_step=tokens_per_step,
-    flops_per_step=metrics.training_flops_per_token(config).total * tokens_per_step,
-    peak_flops_per_device=parts.peak_flops,
-    start_step=start,
-    is_writer=is_writer,
-  )
   dropout_key = jax.random.key(config.dropout_seed)
-  with logger:
+  profiler = Profiler(config, start)
+  with make_logger(config, parts, start, is_writer) as logger:
+    reader = StepReader(config, logger, profiler)
+    batch = next(data.train) if start < config.steps else None
     for step in range(start, config.steps):
-      with profile(config, step, start):
-        t0 = time.perf_counter()
-        state, step_metrics = parts.step_fn(state, next(data.train), jax.random.fold_in(dropout_key, step))
-        scalars = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
-        logger.log(step, scalars, time.perf_counter() - t0)
-      if config.nan_check and not math.isfinite(scalars["loss"]):
-        raise NonFiniteLossError(
-          f"loss is {scalars['loss']} at step {step}; nothing from this step was checkpointed. "
-          "Lower learning_rate, raise warmup_steps_fraction, set gradient_clipping_threshold, or use "
-          "dtype=float32; the run resumes from its last checkpoint."
-        )
+      profiler.dispatching(step)
+      t0 = time.perf_counter()
+      state, step_metrics = parts.step_fn(state, batch, jax.random.fold_in(dropout_key, step))
+      reader.push(Pending(step, step_metrics, (t0, time.perf_counter())))
       done = step + 1
-      reached = False  # target_eval_loss reached: checkpoint and stop early
-      if eval_fn is not None and (done % config.eval_interval == 0 or done == config.steps):
-        result = evaluate(config, eval_fn, state.params, data.eval_factory)
-        logger.log_eval(step, result)
-        reached = 0 < config.target_eval_loss and result["eval_loss"] <= config.target_eval_loss
-      if manager is not None and (done % config.checkpoint_period == 0 or done == config.steps or reached):
-        checkpointing.save(manager, done, state, data.train.get_state())
-      if reached:
-        if is_writer:
-          print(f"eval_loss {result['eval_loss']:.4f} <= target_eval_loss: stopping at step {done}", flush=True)
-        break
+      evaluating = eval_fn is not None and (done % config.eval_interval == 0 or done == config.steps)
+      saving = manager is not None and (done % config.checkpoint_period == 0 or done == config.steps)
+      if evaluating or saving or done == config.steps:
+        reader.flush()  # this step's loss is checked before anything of it is saved
+        reached = False  # target_eval_loss reached: checkpoint and stop early
+        if evaluating:
+          result = evaluate(config, eval_fn, state.params, data.eval_factory)
+          logger.log_eval(step, result)
+          reached = 0 < config.target_eval_loss and result["eval_loss"] <= config.target_eval_loss
+        if manager is not None and (saving or reached):
+          checkpointing.save(manager, done, state, data.train.get_state())
+        if reached:
+          if is_writer:
+            print(f"eval_loss {result['eval_loss']:.4f} <= target_eval_loss: stopping at step {done}", flush=True)
+          break
+        reader.restart_clock()
+      if done < config.steps:  # fetched while this step runs on the device
+        batch = next(data.train)
+    reader.flush()
   return logger.summary()
 
 

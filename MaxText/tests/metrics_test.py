@@ -392,3 +392,28 @@ def test_plot_writes_png(tmp_path):
   with open(output, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   assert output.stat().st_size > 1000
+
+
+def test_compiles_belong_to_the_step_whose_dispatch_they_end_in(tmp_path):
+  """The async loop logs step N after dispatching step N+1: a compile during N+1's dispatch is N+1's."""
+  import jax
+  import jax.numpy as jnp
+
+  cfg = make_config(tmp_path, "steps=8", "log_period=1", "enable_tensorboard=false")
+  triple = jax.jit(lambda x: 3 * x)
+
+  def dispatch(size):
+    t0 = time.perf_counter()
+    triple(jnp.ones(size)).block_until_ready()
+    return t0, time.perf_counter()
+
+  with make_logger(cfg) as logger:
+    run_steps(logger, [1.0, 1.0])
+    window3 = dispatch(5)  # new shape: compiles
+    window4 = dispatch(6)  # new shape, dispatched before step 3 is logged
+    logger.log(3, {"loss": 1.0}, 1.0, dispatch=window3)
+    window5 = dispatch(6)  # cached
+    logger.log(4, {"loss": 1.0}, 1.0, dispatch=window4)
+    logger.log(5, {"loss": 1.0}, 1.0, dispatch=window5)
+  records = read_jsonl(cfg.metrics_file)
+  assert [r["compiling"] for r in records] == [True, True, True, True, False]

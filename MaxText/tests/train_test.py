@@ -12,7 +12,9 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText import train
+from MaxText import checkpointing, optimizers, sharding, train
+from MaxText import data as data_lib
+from MaxText import state as state_lib
 from MaxText import train_step as steps
 from MaxText.config import ConfigError
 from MaxText.tests.conftest import BASE, ROOT, TINY, cfg, losses
@@ -128,6 +130,101 @@ def test_nan_loss_stops_before_checkpointing(tmp_path, monkeypatch):
   with pytest.raises(train.NonFiniteLossError, match="step 2"):
     train.run(c)
   assert sorted(os.listdir(c.checkpoint_dir)) == ["1", "2"]
+
+
+@pytest.mark.parametrize("overrides", [[], ["scan_layers=false", "weight_dtype=bfloat16"], ["num_experts=4"]])
+def test_init_is_bit_identical_to_a_plain_jit(tmp_path, overrides):
+  """state.init_state compiles with INIT_COMPILER_OPTIONS: same values and shardings as jit's defaults."""
+  c = cfg(tmp_path, "init", *overrides)
+  mesh = sharding.create_mesh(c)
+  tx = optimizers.build(c).tx
+  with sharding.activate(c, mesh):
+    spec = state_lib.state_spec(c, tx, mesh)
+    got = state_lib.init_state(c, tx, spec)
+
+    def init():
+      params = state_lib._model_params(c, c.init_weights_seed)
+      return state_lib.TrainState(step=jax.numpy.zeros((), "int32"), params=params, opt_state=tx.init(params))
+
+    want = jax.jit(init, out_shardings=spec.shardings)()
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert g.sharding == w.sharding and g.dtype == w.dtype
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_loop_dispatches_the_next_step_before_reading_this_one(tmp_path, monkeypatch):
+  events, step_of = [], {}  # step_of: id of a step's metrics dict -> its step
+  real_jit, real_get = steps.jit_train_step, jax.device_get
+
+  def recording(*args):
+    step_fn = real_jit(*args)
+
+    def wrapped(state, batch, rng):
+      state, metrics = step_fn(state, batch, rng)
+      step_of[id(metrics)] = len(step_of)
+      events.append(("dispatch", step_of[id(metrics)]))
+      return state, metrics
+
+    return wrapped
+
+  def device_get(x):
+    if id(x) in step_of:
+      events.append(("read", step_of[id(x)]))
+    return real_get(x)
+
+  monkeypatch.setattr(steps, "jit_train_step", recording)
+  monkeypatch.setattr(jax, "device_get", device_get)
+  c = cfg(tmp_path, "order", "steps=5", "per_device_batch_size=1")
+  train.run(c)
+  assert [e for e in events if e[0] == "read"] == [("read", n) for n in range(5)]
+  for n in range(4):  # step n+1 is on its way before the host waits for step n
+    assert events.index(("dispatch", n + 1)) < events.index(("read", n))
+  assert events[-1] == ("read", 4)  # the last step is read at the end
+  assert len(losses(c)) == 5
+
+
+def test_checkpoint_holds_the_data_state_after_exactly_its_steps(tmp_path, monkeypatch):
+  after = []  # after[k]: the train iterator's state once k batches were taken
+  saved = {}  # checkpoint step -> the data state saved with it
+  real_make, real_save = data_lib.make_iterators, checkpointing.save
+
+  class Counting:
+    def __init__(self, inner):
+      self.inner = inner
+      after.append(inner.get_state())
+
+    def __iter__(self):
+      return self
+
+    def __next__(self):
+      batch = next(self.inner)
+      after.append(self.inner.get_state())
+      return batch
+
+    def get_state(self):
+      return self.inner.get_state()
+
+    def set_state(self, state):
+      self.inner.set_state(state)
+
+  def make_iterators(config, mesh):
+    its = real_make(config, mesh)
+    return its._replace(train=Counting(its.train))
+
+  def save(manager, step, state, data_state):
+    saved[step] = data_state
+    real_save(manager, step, state, data_state)
+
+  monkeypatch.setattr(data_lib, "make_iterators", make_iterators)
+  monkeypatch.setattr(checkpointing, "save", save)
+  common = ["per_device_batch_size=1", "enable_checkpointing=true", "checkpoint_period=2", "async_checkpointing=false"]
+  train.run(cfg(tmp_path, "data_state", "steps=5", *common))
+  assert sorted(saved) == [2, 4, 5]
+  assert len(after) == 6  # the initial state and one per step: nothing fetched past the last step
+  assert len({str(a) for a in after}) == 6  # each batch moves the iterator on
+  for step, state in saved.items():
+    assert state == after[step]
 
 
 @pytest.mark.parametrize(

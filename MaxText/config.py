@@ -360,8 +360,10 @@ def _validate(c: dict[str, Any]) -> None:
     raise ConfigError("max_num_checkpoints_to_keep must be -1 (keep all) or a positive number")
   positive("compile_topology_num_slices", "jax_distributed_initialization_timeout")
   tiles = c["num_vocab_tiling"]
-  if tiles < 1 or c["max_target_length"] % tiles:
-    raise ConfigError(f"num_vocab_tiling={tiles} must be >= 1 and divide max_target_length={c['max_target_length']}")
+  if tiles == 0 or tiles < -1 or (tiles > 0 and c["max_target_length"] % tiles):
+    raise ConfigError(
+      f"num_vocab_tiling={tiles} must be -1 (auto) or a positive divisor of max_target_length={c['max_target_length']}"
+    )
   chunk, length = c["attention_query_chunk"], c["max_target_length"]
   if chunk < 0 or (chunk and length > chunk and length % chunk):
     raise ConfigError(

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import jax
 
 from MaxText.config import Config
+from MaxText.models import gemma2, gemma3
 
 COMPILE_STEPS = 2  # the first steps after start include jit compilation; timed apart
 # jax.monitoring event recorded when an XLA compilation ends (jax._src.dispatch.BACKEND_COMPILE_EVENT).
@@ -46,8 +47,8 @@ class LayerKind(NamedTuple):
 
 
 # Families that alternate local and global layers: the period of the cycle, whose last layer is the
-# global one (models/gemma2.PATTERN: local, global; models/gemma3: LOCAL_PER_GLOBAL local, then global).
-LOCAL_GLOBAL_PERIOD = {"gemma2": 2, "gemma3": 6}
+# global one, taken from the families themselves (gemma2: local, global; gemma3: 5 local, then global).
+LOCAL_GLOBAL_PERIOD = {"gemma2": len(gemma2.PATTERN), "gemma3": gemma3.LOCAL_PER_GLOBAL + 1}
 
 
 def layer_kinds(config: Config) -> tuple[LayerKind, ...]:

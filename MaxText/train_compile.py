@@ -168,8 +168,11 @@ def _advice(config: Config) -> str:
     )
   if config.remat_policy != "full":
     steps.append(f"rematerialise more with remat_policy=full (now {config.remat_policy})")
-  if config.attention == "dot_product" and config.attention_query_chunk != 256:
-    steps.append("use attention=autoselected (fused kernels) or a smaller attention_query_chunk")
+  if config.attention == "dot_product":
+    steps.append(
+      "use attention=autoselected (fused kernels) or a smaller attention_query_chunk "
+      f"(now {config.attention_query_chunk})"
+    )
   steps.append(
     "shard the state over more devices with ici_fsdp_parallelism / dcn_fsdp_parallelism (or a bigger compile_topology)"
   )

@@ -126,11 +126,13 @@ def chunked_dot_product_attention(
 def attend(
   config: Config, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, sliding_window: int = 0
 ) -> jax.Array:
-  """Training/prefill-free attention (no cache) with the configured kernel: q [B, T, N, Hq] already
-  scaled, k [B, T, K, Hq], v [B, T, K, Hv] -> [B, T, N, Hv]; causal, within segments, local when
+  """Attention without a decode cache (training, evaluation) through the configured kernel: q [B, T, N, Hq]
+  already scaled, k [B, T, K, Hq], v [B, T, K, Hv] -> [B, T, N, Hv]; causal, within segments, local when
   sliding_window > 0."""
   cap, t = config.attn_logits_soft_cap, q.shape[1]
   kind = attention_kind(config, t, cap)
+  if kind == "flash" and target_platform() == "gpu":
+    raise ConfigError("attention=flash is the TPU (Pallas splash) kernel; on NVIDIA GPUs use attention=cudnn_flash_te")
   if kind == "flash":
     pad = q.shape[-1] - v.shape[-1]  # MLA: values narrower than queries/keys; zero columns cost little
     v_full = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, pad))) if pad > 0 else v

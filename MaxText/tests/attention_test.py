@@ -76,3 +76,10 @@ def test_flash_through_attend_equals_dot_product_for_narrower_values():
   c = config("attention=flash", "max_target_length=128")
   want = attention.dot_product_attention(q, k, v, attention.attention_mask(segments), 0.0)
   np.testing.assert_allclose(attention.attend(c, q, k, v, segments), want, rtol=1e-4, atol=1e-5)
+
+
+def test_flash_on_a_gpu_points_to_cudnn(monkeypatch):
+  monkeypatch.setattr(attention, "target_platform", lambda: "gpu")
+  q, k, v, segments = inputs(t=128)
+  with pytest.raises(config_lib.ConfigError, match="cudnn_flash_te"):
+    attention.attend(config("attention=flash", "max_target_length=128"), q, k, v, segments)

@@ -34,7 +34,7 @@ def reported_gib(stdout: str, what: str) -> float:
 # Recorded ceilings (benchmarks/README.md, "Memory at scale"): a change that needs more memory per chip
 # for these steps fails here. Measured 2026-11-23 with jax 0.10.2 + libtpu 0.0.42.1; the issue's
 # MaxText figures for the same cases are 5.18 GiB (7B temporaries) and 11.07 GiB (16B total).
-CEILING_GIB = {"7b_temporaries": 5.40, "16b_total": 10.85}
+CEILING_GIB = {"7b_temporaries": 5.40, "16b_total": 9.10}
 
 
 @pytest.mark.slow

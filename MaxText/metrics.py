@@ -54,7 +54,7 @@ LOCAL_GLOBAL_PERIOD = {"gemma2": len(gemma2.PATTERN), "gemma3": gemma3.LOCAL_PER
 def layer_kinds(config: Config) -> tuple[LayerKind, ...]:
   """One LayerKind per decoder layer, in order, following models/ (checked against the built model in
   metrics_test)."""
-  moe = config.num_experts > 1  # layers/decoder_layer.feed_forward
+  moe = config.num_experts > 1  # DecoderLayer builds a MoeBlock then
   period = LOCAL_GLOBAL_PERIOD.get(config.decoder_block)
   kinds = []
   for i in range(config.num_decoder_layers):
@@ -98,7 +98,7 @@ def _mlp_params(config: Config, moe: bool) -> int:
   d, inputs = config.emb_dim, len(config.mlp_activations)
   if not moe:
     return (inputs + 1) * d * config.mlp_dim
-  width = config.base_moe_mlp_dim or config.mlp_dim
+  width = config.moe_mlp_dim  # routed expert width, scaled by global_parameter_scale like mlp_dim
   routed = config.num_experts_per_tok * 3 * d * width  # MoeBlock: wi_0, wi_1, wo per chosen expert
   shared = (inputs + 1) * d * width * config.shared_experts  # one MlpBlock of width shared_experts x width
   return routed + shared + d * config.num_experts  # + the router
@@ -121,7 +121,7 @@ def training_flops_per_token(config: Config) -> FlopCount:
     matmul    = 6 · sum over layers (attention projections + feed-forward)
                 attention: q, k, v, o (D·H·(2N + 2K)), or MLA's wq_a/wq_b (or query), wkv_a, wkv_b, out
                 feed-forward: (A + 1)·D·F dense; MoE: k routed experts (3·D·F_e each), the shared experts
-                ((A + 1)·D·F_e·shared) and the router (D·E), F_e = base_moe_mlp_dim or mlp_dim
+                ((A + 1)·D·F_e·shared) and the router (D·E), F_e = moe_mlp_dim
     embedding = 6·D·V        the logits projection (tied or not); the input lookup is not a matmul
     attention = 3 · sum over layers 2·S_eff·N·(H_qk + H_v)
                 QK^T and AV, 2 FLOPs per multiply-add, over S_eff = attended_keys(window, T) keys:

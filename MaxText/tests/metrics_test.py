@@ -104,6 +104,16 @@ def test_flops_mixtral_8x7b_counts_two_routed_experts(tmp_path):
   assert flops.matmul / (6 * 32 * (41_943_040 + 3 * 4096 * 14336)) == pytest.approx(1.81, abs=0.01)
 
 
+def test_flops_expert_width_scales_with_global_parameter_scale(tmp_path):
+  # A MoE model grown 4x: mlp widths double (base 64 -> 128, expert base 32 -> 64), as MoeBlock builds them.
+  moe = ["num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=32", "base_mlp_dim=64", "base_emb_dim=16"]
+  c = make_config(tmp_path, *moe, "global_parameter_scale=4", "base_num_query_heads=2", "base_num_kv_heads=2")
+  assert c.moe_mlp_dim == 64 and c.emb_dim == 32
+  layer_moe = 2 * 3 * 32 * 64 + 32 * 4  # two routed experts of width 64, and the router
+  attention_proj = 32 * c.head_dim * (2 * c.num_query_heads + 2 * c.num_kv_heads)
+  assert metrics.training_flops_per_token(c).matmul == 6 * c.num_decoder_layers * (attention_proj + layer_moe)
+
+
 def test_flops_deepseek3_671b(tmp_path):
   flops = metrics.training_flops_per_token(preset(tmp_path, "deepseek3-671b", 4096))
   # D=7168 N=128 L=61 (3 dense, F=18432) V=129280; MLA: q_lora 1536, kv_lora 512, nope 128, rope 64, v 128;

@@ -28,15 +28,20 @@ from MaxText.layers.normalizations import RMSNorm
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def attention_mask(segment_ids: jax.Array, sliding_window: int = 0) -> jax.Array:
-  """[B, T] segment ids -> [B, 1, 1, T, S] bool: causal, within the same document, and when
-  sliding_window > 0 local (query i sees keys j with i - window < j <= i)."""
-  t = segment_ids.shape[1]
-  distance = jnp.arange(t)[:, None] - jnp.arange(t)[None, :]  # i - j
+def attention_mask(
+  segment_ids: jax.Array, sliding_window: int = 0, query_start: jax.Array | int = 0, query_length: int | None = None
+) -> jax.Array:
+  """[B, S] segment ids -> [B, 1, 1, T, S] bool for the T = query_length (default S) queries from
+  position query_start: causal, within the same document, and when sliding_window > 0 local (query i
+  sees keys j with i - window < j <= i)."""
+  s = segment_ids.shape[1]
+  t = s if query_length is None else query_length
+  query_ids = segment_ids if t == s else jax.lax.dynamic_slice_in_dim(segment_ids, query_start, t, axis=1)
+  distance = (query_start + jnp.arange(t))[:, None] - jnp.arange(s)[None, :]  # i - j
   allowed = distance >= 0
   if sliding_window:
     allowed &= distance < sliding_window
-  same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
+  same_doc = query_ids[:, :, None] == segment_ids[:, None, :]
   return (allowed[None] & same_doc)[:, None, None]
 
 
@@ -112,10 +117,7 @@ def chunked_dot_product_attention(
 
   @jax.checkpoint
   def block(q_block, start):
-    q_ids = jax.lax.dynamic_slice_in_dim(segment_ids, start, chunk, axis=1)
-    distance = (start + jnp.arange(chunk))[:, None] - jnp.arange(t)[None, :]
-    allowed = (distance >= 0) & ((distance < sliding_window) if sliding_window else True)
-    mask = (allowed[None] & (q_ids[:, :, None] == segment_ids[:, None, :]))[:, None, None]
+    mask = attention_mask(segment_ids, sliding_window, start, chunk)
     return dot_product_attention(q_block, k, v, mask, logits_soft_cap)
 
   q_blocks = q.reshape(b, n, chunk, *q.shape[2:]).swapaxes(0, 1)  # [n, B, chunk, N, H]

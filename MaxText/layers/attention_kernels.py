@@ -21,7 +21,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 from jax.sharding import PartitionSpec
 
-from MaxText.layers.axes import HEAD_AXES, KV_HEAD_AXES, mesh_axes
+from MaxText.layers.axes import HEAD_AXES, KV_HEAD_AXES, axes_size, mesh_axes
 
 # TPU vector lanes: the kernel tiles the sequence in blocks that are multiples of this.
 LANES = 128
@@ -95,7 +95,7 @@ def shard_plan(q_shape: tuple[int, ...], k_shape: tuple[int, ...], mesh: jax.sha
   """Batch over activation_batch's mesh axes and heads over activation_heads'; a dimension that does not
   divide its axes' size stays whole (computed redundantly, still correct). The sequence and head_dim are
   always whole per shard: the kernel's masks and softmax need the full key range."""
-  size = lambda axes: math.prod(mesh.shape[a] for a in axes)  # noqa: E731
+  size = functools.partial(axes_size, mesh=mesh)
   batch = mesh_axes("activation_batch", HEAD_AXES, mesh)
   batch = batch if batch and q_shape[0] % size(batch) == 0 else None
   heads = mesh_axes("activation_heads", HEAD_AXES, mesh)

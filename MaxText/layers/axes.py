@@ -5,6 +5,8 @@ Code that must run per shard (Pallas kernels, the MoE dispatch under shard_map) 
 mesh axes the active rules give a logical name, so it never names a mesh axis itself.
 """
 
+import math
+
 import flax.linen as nn
 import jax
 
@@ -25,3 +27,8 @@ def mesh_axes(logical: str, names: tuple[str, ...], mesh: jax.sharding.AbstractM
   entry = spec[names.index(logical)] if spec is not None else None
   axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
   return tuple(a for a in axes if a in mesh.axis_names and mesh.shape[a] > 1)
+
+
+def axes_size(axes: tuple[str, ...], mesh: jax.sharding.AbstractMesh) -> int:
+  """Devices along `axes` of `mesh` (1 for none): how many pieces a dimension split over them has."""
+  return math.prod(mesh.shape[a] for a in axes)

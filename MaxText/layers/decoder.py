@@ -41,17 +41,16 @@ __all__ = [
 
 _cp = jax.checkpoint_policies
 _QKV = ("query_proj", "key_proj", "value_proj")
+_MINIMAL_WITH_CONTEXT = _cp.save_from_both_policies(
+  _cp.checkpoint_dots_with_no_batch_dims, _cp.save_only_these_names("context")
+)
 # MaxText's remat_policy names. "context" is the attention output before the out projection (the
 # fused kernel's result, expensive to remake); "*_offloaded" keep what they save in pinned host memory.
 POLICIES = {
   "full": _cp.nothing_saveable,
   "minimal": _cp.checkpoint_dots_with_no_batch_dims,
-  "minimal_with_context": _cp.save_from_both_policies(
-    _cp.checkpoint_dots_with_no_batch_dims, _cp.save_only_these_names("context")
-  ),
-  "minimal_flash": _cp.save_from_both_policies(
-    _cp.checkpoint_dots_with_no_batch_dims, _cp.save_only_these_names("context")
-  ),
+  "minimal_with_context": _MINIMAL_WITH_CONTEXT,
+  "minimal_flash": _MINIMAL_WITH_CONTEXT,  # MaxText's second name for the same policy
   "save_dot_with_context_except_mlp": _cp.save_only_these_names(*_QKV, "context", "out_proj"),
   "save_dot_except_mlpwi": _cp.save_only_these_names(*_QKV, "out_proj", "mlpwo"),
   "save_dot_except_mlp": _cp.save_only_these_names(*_QKV, "out_proj"),

@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from MaxText.config import Config
-from MaxText.layers.axes import ACTIVATION_AXES, EXPERT_EMBED_AXES, EXPERT_MLP_AXES, MLP_AXES, mesh_axes
+from MaxText.layers.axes import ACTIVATION_AXES, EXPERT_EMBED_AXES, EXPERT_MLP_AXES, MLP_AXES, axes_size, mesh_axes
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.mlp import ACTIVATIONS, MlpBlock
 
@@ -163,11 +163,10 @@ class MoeBlock(nnx.Module):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh_axes("activation_exp", EXPERT_EMBED_AXES, mesh):
       return compute(tokens.astype(self.dtype), experts, *weights)
-    size = lambda axes: math.prod(mesh.shape[a] for a in axes)  # noqa: E731
     batch = mesh_axes("activation_batch", ACTIVATION_AXES, mesh)
-    batch = batch if tokens.shape[0] % size(batch) == 0 else ()
+    batch = batch if tokens.shape[0] % axes_size(batch, mesh) == 0 else ()
     mlp = mesh_axes("activation_mlp", MLP_AXES, mesh)
-    mlp = mlp if weights[0].shape[-1] % size(mlp) == 0 else ()
+    mlp = mlp if weights[0].shape[-1] % axes_size(mlp, mesh) == 0 else ()
 
     def shard(tokens, experts, wi_0, wi_1, wo):
       out = compute(tokens.astype(self.dtype), experts, wi_0, wi_1, wo)

@@ -314,6 +314,27 @@ def _validate_decoding(c: dict[str, Any]) -> None:
     raise ConfigError("need decode_sampling_temperature >= 0 and 0 < decode_sampling_nucleus_p <= 1")
 
 
+def _validate_pipeline(c: dict[str, Any]) -> None:
+  """Pipeline keys; whether the layers split into the stages is checked where the stacks are known
+  (layers/pipeline.plan, when the model is built)."""
+  stages = c["ici_pipeline_parallelism"] * c["dcn_pipeline_parallelism"]
+  if c["ici_pipeline_parallelism"] < 1 or c["dcn_pipeline_parallelism"] < 1:
+    raise ConfigError("ici_pipeline_parallelism and dcn_pipeline_parallelism must be set (>= 1), not -1")
+  micro, repeats, layers = c["num_pipeline_microbatches"], c["num_pipeline_repeats"], c["pipeline_parallel_layers"]
+  if micro == 0 or micro < -1 or repeats < 1:
+    raise ConfigError(f"need num_pipeline_microbatches -1 or >= 1, num_pipeline_repeats >= 1; got {micro}, {repeats}")
+  if layers == 0 or layers < -1 or layers > c["num_decoder_layers"]:
+    raise ConfigError(f"pipeline_parallel_layers must be -1 (all) or in [1, {c['num_decoder_layers']}], got {layers}")
+  if stages == 1:
+    return
+  if not c["scan_layers"]:
+    raise ConfigError(f"pipelining ({stages} stages) needs scan_layers=true: each stage holds a slice of the stack")
+  if repeats > 1 and 0 < micro < stages:
+    raise ConfigError(
+      f"num_pipeline_repeats={repeats} needs num_pipeline_microbatches >= the {stages} stages, got {micro}"
+    )
+
+
 def _validate(c: dict[str, Any]) -> None:
   """Checks that need no devices; device-dependent ones (mesh, batch) live in sharding.py."""
 
@@ -331,6 +352,7 @@ def _validate(c: dict[str, Any]) -> None:
     )
   _validate_family_options(c)
   _validate_decoding(c)
+  _validate_pipeline(c)
   if len(c["mlp_activations"]) not in (1, 2):
     raise ConfigError(f"mlp_activations takes one or two activations, got {c['mlp_activations']}")
   if not 0.0 <= c["dropout_rate"] < 1.0:

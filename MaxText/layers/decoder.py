@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from MaxText.config import Config, ConfigError
+from MaxText.layers import pipeline
 from MaxText.layers.attention import soft_cap
 from MaxText.layers.axes import ACTIVATION_AXES, LOGITS_AXES
 from MaxText.layers.decoder_layer import DecoderLayer, dropout
@@ -181,6 +182,7 @@ class Decoder(nnx.Module):
         raise ConfigError(f"decoder_block={config.decoder_block} needs trainable_position_size > 0")
       self.position_embedder = Embed(config.trainable_position_size, config.emb_dim, **embed)
     self.stack_specs = family.stacks(config)
+    pipeline.plan(config, self.stack_specs)  # a layer count that does not split fails here, before compiling
     build = _stacked_layers if config.scan_layers else _unrolled_layers
     for stack in self.stack_specs:
       setattr(self, stack.name, build(stack, config, rngs))
@@ -265,6 +267,29 @@ class Decoder(nnx.Module):
     else:
       graphdef, _ = nnx.split(layers[0])
       params = [nnx.split(layer)[1] for layer in layers]
+    piped = pipeline.plan(c, self.stack_specs).get(stack.name, 0) if cache is None else 0
+    if not piped:
+      return self._run_units(graphdef, params, x, positions, segment_ids, dropout_rng, first_index, cache)
+
+    def stage(stage_params, h, stage_positions, stage_segments, index, micro):
+      # Each microbatch draws its own dropout masks (a slice of the whole batch's would need them all).
+      rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, micro)
+      h, aux, _ = self._run_units(graphdef, stage_params, h, stage_positions, stage_segments, rng, index)
+      return h, aux
+
+    head = jax.tree.map(lambda p: p[:piped], params)
+    x, aux = pipeline.run(stage, head, x, positions, segment_ids, pipeline.schedule(c), first_index)
+    if piped < stack.repeats:  # pipeline_parallel_layers left these units out: they run after, unpipelined
+      tail = jax.tree.map(lambda p: p[piped:], params)
+      x, tail_aux, _ = self._run_units(graphdef, tail, x, positions, segment_ids, dropout_rng, first_index + piped)
+      aux = aux + tail_aux
+    return x, aux, None
+
+  def _run_units(self, graphdef, params, x, positions, segment_ids, dropout_rng, first_index, cache=None):
+    """Units (stacked params [n, ...] under scan_layers, else a list) applied in order to x [B, T, D];
+    returns (x, the units' summed auxiliary loss, the updated caches or None). `first_index`: the
+    first unit's index in the model, which seeds its dropout key."""
+    c = self.config
 
     def one_unit(carry, inputs):
       (h, aux, index), (unit_params, unit_cache) = carry, inputs

@@ -1,0 +1,192 @@
+"""SPMD pipeline parallelism over the stage axis, inside the one compiled step.
+
+A scanned layer stack [U, ...] (U units) is viewed as [R, S, U/(R*S), ...]: R repeats (circular
+stages), S stages, each stage holding U/(R*S) consecutive units per repeat. Stage s runs units
+(r*S + s)*n ... (r*S + s + 1)*n - 1 in repeat r, so a microbatch meets every unit in the stack's order
+and the result equals the unpipelined stack (the parameters are the same arrays, only viewed).
+
+The batch is cut into M microbatches. In iteration t stage s works on item k = t - s (item k is
+microbatch k % M in repeat k // M); all stages run at once, as one function vmapped over the stage
+dimension, whose activations are sharded over the stage mesh axis; then every stage's output moves
+one stage on (a roll over that dimension, i.e. a collective permute). Stage 0 reads its input from
+a buffer [M, B/M, T, D] that starts as the microbatches; the last stage writes its output back there,
+where stage 0 picks it up again in the next repeat (hence M >= S when R > 1). After M*R + S - 1
+iterations the buffer holds the stack's output; the S - 1 iterations in which some stage has no item
+are the bubble: (S - 1) / (M*R + S - 1) of the stage-iterations compute nothing useful.
+
+Model code names logical axes only: the stage dimension of activations is `activation_stage`, that of
+the weights `layers`; base.yml's rules map both to the stage mesh axis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from MaxText.config import Config, ConfigError
+from MaxText.layers.axes import ACTIVATION_AXES, mesh_axes
+
+STAGE_AXES = ("activation_stage", *ACTIVATION_AXES)  # [S, B/M, T, D]: one microbatch per stage
+BUFFER_AXES = (None, *ACTIVATION_AXES)  # [M, B/M, T, D]: every microbatch, replicated over stages
+
+# StageFn(params [n, ...], x [b, T, D], positions [b, T], segment_ids [b, T], first_unit, microbatch)
+#   -> (x [b, T, D], aux float32 scalar): n consecutive units of a stack applied to one microbatch.
+StageFn = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+class Schedule(NamedTuple):
+  """How a pipelined stack runs: S stages, M microbatches, R repeats (circular)."""
+
+  stages: int
+  microbatches: int
+  repeats: int
+
+  @property
+  def iterations(self) -> int:
+    return self.microbatches * self.repeats + self.stages - 1
+
+  @property
+  def bubble(self) -> float:
+    """The fraction of stage-iterations that compute nothing useful: (S - 1) / (M*R + S - 1)."""
+    return (self.stages - 1) / self.iterations
+
+
+def num_stages(config: Config) -> int:
+  """Pipeline stages: ici_pipeline_parallelism x dcn_pipeline_parallelism (validated > 0 at load)."""
+  return config.ici_pipeline_parallelism * config.dcn_pipeline_parallelism
+
+
+def schedule(config: Config) -> Schedule | None:
+  """The pipeline schedule, or None when there is one stage (no pipelining)."""
+  stages = num_stages(config)
+  if stages <= 1:
+    return None
+  micro = config.num_pipeline_microbatches
+  return Schedule(stages, stages if micro == -1 else micro, config.num_pipeline_repeats)
+
+
+def plan(config: Config, stacks: Sequence[Any]) -> dict[str, int]:
+  """Units of each stack (by name) that run pipelined: all of them, or with pipeline_parallel_layers=N
+  those among the model's first N layers; the remaining units of a stack run after, unpipelined.
+
+  Raises ConfigError when a stack's pipelined units do not split into stages x repeats.
+  """
+  sched = schedule(config)
+  if sched is None:
+    return {}
+  budget = config.num_decoder_layers if config.pipeline_parallel_layers == -1 else config.pipeline_parallel_layers
+  split = sched.stages * sched.repeats
+  out = {}
+  for stack in stacks:
+    units = min(stack.repeats, max(budget, 0) // stack.layers_per_unit)
+    budget -= stack.repeats * stack.layers_per_unit
+    if units % split:
+      per_unit = f" of {stack.layers_per_unit} layers" if stack.layers_per_unit > 1 else ""
+      raise ConfigError(
+        f"pipelining: {units} units{per_unit} of stack {stack.name!r} do not split into {sched.stages} stages x "
+        f"num_pipeline_repeats={sched.repeats}; change the layer count, the stages or the repeats, or set "
+        "pipeline_parallel_layers to a layer count that splits (the layers after it run unpipelined)"
+      )
+    out[stack.name] = units
+  if not any(out.values()):
+    raise ConfigError(f"pipelining: {sched.stages} stages but no layers to pipeline; raise pipeline_parallel_layers")
+  return out
+
+
+def describe(config: Config) -> str:
+  """One start-up line: stages, microbatches, repeats and the bubble fraction ("" without pipelining)."""
+  sched = schedule(config)
+  if sched is None:
+    return ""
+  return (
+    f"pipeline: {sched.stages} stages x {sched.repeats} repeats, {sched.microbatches} microbatches, "
+    f"{sched.iterations} iterations, bubble {sched.bubble:.1%} (idle stage-iterations)"
+  )
+
+
+def _stage_mesh_axes() -> tuple[str, ...] | None:
+  """The mesh axes that `activation_stage` maps to under the active rules and mesh (None: no sharding)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return None
+  return mesh_axes("activation_stage", STAGE_AXES, mesh) or None
+
+
+def _view(params: nnx.State, sched: Schedule) -> nnx.State:
+  """Stacked params [U, ...] -> [R, S, U/(R*S), ...], the stage dimension on the weights' `layers` axes."""
+
+  def view(var: nnx.Variable) -> nnx.Variable:
+    w = var[...].reshape(sched.repeats, sched.stages, -1, *var.shape[1:])
+    names = tuple(var.get_metadata().get("out_sharding") or (None,) * (w.ndim - 2))  # logical names
+    return var.replace(nn.with_logical_constraint(w, (None, names[0], None, *names[1:])))
+
+  return jax.tree.map(view, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _select_repeat(weights: nnx.State, repeat: jax.Array, sched: Schedule) -> nnx.State:
+  """[R, S, n, ...] -> [S, n, ...]: each stage's units of its current repeat `repeat[s]`."""
+  if sched.repeats == 1:
+    return jax.tree.map(lambda w: w[0], weights)
+  pick = jax.vmap(lambda w, r: jax.lax.dynamic_index_in_dim(w, r, 0, keepdims=False), in_axes=(1, 0))
+  return jax.tree.map(lambda w: pick(w, repeat), weights)
+
+
+def run(
+  stage_fn: StageFn,
+  params: nnx.State,
+  x: jax.Array,
+  positions: jax.Array,
+  segment_ids: jax.Array,
+  sched: Schedule,
+  first_unit: int,
+) -> tuple[jax.Array, jax.Array]:
+  """Apply the stacked units `params` [U, ...] to x [B, T, D] as a pipeline; returns (x [B, T, D], aux),
+  aux being the stack's auxiliary loss summed over units and averaged over microbatches.
+
+  Microbatch m takes rows m, m+M, ... so that every data shard holds a share of each microbatch.
+  """
+  s_, m_, r_ = sched
+  b = x.shape[0]
+  if b % m_:
+    raise ConfigError(f"a batch of {b} rows does not split into num_pipeline_microbatches={m_}; change either")
+  if r_ > 1 and m_ < s_:
+    raise ConfigError(f"num_pipeline_repeats={r_} needs num_pipeline_microbatches >= stages ({s_}), got {m_}")
+  units = jax.tree.leaves(params)[0].shape[0]
+  per_stage = units // (s_ * r_)
+
+  def split(a):  # [B, ...] -> [M, B/M, ...]
+    return a.reshape(b // m_, m_, *a.shape[1:]).swapaxes(0, 1)
+
+  buffer = nn.with_logical_constraint(split(x), BUFFER_AXES)
+  positions, segment_ids = split(positions), split(segment_ids)
+  weights = _view(params, sched)
+  stage_ids = jnp.arange(s_)
+  body = jax.vmap(stage_fn, spmd_axis_name=_stage_mesh_axes())
+
+  def iteration(carry, t):
+    state, buffer, aux = carry  # state [S, B/M, T, D]: each stage's output of the previous iteration
+    items = t - stage_ids
+    valid = (items >= 0) & (items < m_ * r_)
+    items = jnp.clip(items, 0, m_ * r_ - 1)
+    micro, repeat = items % m_, items // m_
+    first = jax.lax.dynamic_index_in_dim(buffer, micro[0], keepdims=False)
+    inputs = jnp.where((stage_ids == 0)[:, None, None, None], first[None], jnp.roll(state, 1, axis=0))
+    inputs = nn.with_logical_constraint(inputs, STAGE_AXES)
+    index = first_unit + (repeat * s_ + stage_ids) * per_stage
+    stage_weights = _select_repeat(weights, repeat, sched)
+    out, stage_aux = body(stage_weights, inputs, positions[micro], segment_ids[micro], index, micro)
+    out = nn.with_logical_constraint(out, STAGE_AXES)
+    done = jnp.where(valid[-1], out[-1], jax.lax.dynamic_index_in_dim(buffer, micro[-1], keepdims=False))
+    buffer = jax.lax.dynamic_update_index_in_dim(buffer, done, micro[-1], 0)
+    aux = aux + jnp.sum(jnp.where(valid, stage_aux, 0.0))
+    return (out, nn.with_logical_constraint(buffer, BUFFER_AXES), aux), None
+
+  state = jnp.zeros((s_, *buffer.shape[1:]), x.dtype)
+  carry = (nn.with_logical_constraint(state, STAGE_AXES), buffer, jnp.zeros((), jnp.float32))
+  (_, buffer, aux), _ = jax.lax.scan(iteration, carry, jnp.arange(sched.iterations))
+  return buffer.swapaxes(0, 1).reshape(x.shape), aux / m_

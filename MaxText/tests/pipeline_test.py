@@ -1,0 +1,113 @@
+"""Pipeline parallelism (layers/pipeline.py): the pipelined step computes the unpipelined step's losses
+and gradients, with the same parameters, on 8 CPU devices; bad pipeline settings fail with ConfigError."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from MaxText import config, sharding, state
+from MaxText import train_step as steps
+from MaxText.config import ConfigError
+from MaxText.layers import pipeline
+
+BASE = os.path.join(config.CONFIG_DIR, "base.yml")
+TINY = [
+  "base_emb_dim=32",
+  "base_num_query_heads=4",
+  "base_num_kv_heads=2",
+  "base_mlp_dim=48",
+  "head_dim=8",
+  "vocab_size=128",
+  "dtype=float32",
+  "max_target_length=16",
+  "dataset_type=synthetic",
+]
+
+
+def load(*overrides):
+  return config.load([BASE, "run_name=t", *TINY, *overrides], {})
+
+
+def batch(rows: int, length: int, vocab: int, seed: int = 0) -> dict:
+  """Random tokens in two packed documents per row, with some padding, so segment ids matter."""
+  rng = np.random.default_rng(seed)
+  tokens = jnp.asarray(rng.integers(1, vocab, (rows, length)), jnp.int32)
+  cut = length // 2
+  segments = np.ones((rows, length), np.int32)
+  segments[:, cut:] = 2
+  segments[::3, -3:] = 0  # padding
+  positions = np.concatenate([np.arange(cut), np.arange(length - cut)])
+  out = {"inputs": tokens, "targets": jnp.roll(tokens, -1, axis=1)}
+  out["inputs_segmentation"] = out["targets_segmentation"] = jnp.asarray(segments)
+  out["inputs_position"] = jnp.asarray(np.broadcast_to(positions, (rows, length)))
+  return out
+
+
+def loss_and_grads(c, params, data):
+  """Summed loss and its gradients under c's mesh, with params placed in c's shardings."""
+  mesh = sharding.create_mesh(c)
+  spec = state.param_spec(c, mesh)
+  with sharding.activate(c, mesh):
+    placed = jax.device_put(params, spec.shardings)
+    fn = jax.jit(jax.value_and_grad(lambda p, b: steps.loss_sums(spec.graphdef, c, p, b, None)[0]))
+    return fn(placed, data)
+
+
+def check_same(reference, *overrides, rows=8, layers=4, extra=()):
+  """The loss and gradients of the pipelined config (overrides) equal the unpipelined one's."""
+  base = load(f"base_num_decoder_layers={layers}", *extra, *reference)
+  piped = load(f"base_num_decoder_layers={layers}", *extra, *overrides)
+  params = state.init_params(base, state.param_spec(base, sharding.create_mesh(base)))
+  params = jax.device_get(params)
+  data = batch(rows, base.max_target_length, base.vocab_size)
+  want_loss, want_grads = loss_and_grads(base, params, data)
+  got_loss, got_grads = loss_and_grads(piped, params, data)
+  np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
+  for got, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+    # Summed (not averaged) gradients: float32 noise from another reduction order scales with their size.
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize(
+  "stages, micro, repeats",
+  [(2, 2, 1), (2, 4, 2), (4, 4, 1), (4, 8, 2), (2, 8, 1)],
+)
+def test_pipelined_loss_and_grads_equal_unpipelined(stages, micro, repeats):
+  layers = stages * repeats * (1 if stages == 4 else 2)
+  check_same(
+    ["ici_fsdp_parallelism=-1"],
+    f"ici_pipeline_parallelism={stages}",
+    "ici_fsdp_parallelism=-1",
+    f"num_pipeline_microbatches={micro}",
+    f"num_pipeline_repeats={repeats}",
+    layers=layers,
+  )
+
+
+def test_schedule_and_bubble():
+  c = load("ici_pipeline_parallelism=4", "num_pipeline_microbatches=8", "num_pipeline_repeats=2")
+  sched = pipeline.schedule(c)
+  assert sched == pipeline.Schedule(stages=4, microbatches=8, repeats=2)
+  assert sched.iterations == 19 and sched.bubble == pytest.approx(3 / 19)
+  assert "bubble 15.8%" in pipeline.describe(c)
+  assert pipeline.schedule(load()) is None and pipeline.describe(load()) == ""
+  assert pipeline.schedule(load("ici_pipeline_parallelism=2")).microbatches == 2  # -1: one per stage
+
+
+def test_bad_pipeline_settings_raise_config_error():
+  from MaxText import models
+
+  with pytest.raises(ConfigError, match="do not split into 4 stages"):
+    models.build(load("ici_pipeline_parallelism=4", "base_num_decoder_layers=6"), nnx.Rngs(0))
+  with pytest.raises(ConfigError, match="scan_layers=true"):
+    load("ici_pipeline_parallelism=2", "scan_layers=false")
+  with pytest.raises(ConfigError, match="microbatches >= the 4 stages"):
+    load("ici_pipeline_parallelism=4", "num_pipeline_microbatches=2", "num_pipeline_repeats=2")
+  with pytest.raises(ConfigError, match="pipeline_parallel_layers"):
+    load("ici_pipeline_parallelism=2", "pipeline_parallel_layers=40")
+  with pytest.raises(ConfigError, match="not -1"):
+    load("ici_pipeline_parallelism=-1")

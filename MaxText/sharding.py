@@ -148,6 +148,13 @@ def global_batch_size(config: Config, mesh: Mesh, per_device: float | None = Non
       f"global batch {batch} does not split into gradient_accumulation_steps={micro} micro-batches "
       f"that each split over {shards} batch shards"
     )
+  stages = config.ici_pipeline_parallelism * config.dcn_pipeline_parallelism
+  pipe = stages if config.num_pipeline_microbatches == -1 else config.num_pipeline_microbatches
+  if stages > 1 and (batch // micro) % pipe:
+    raise ConfigError(
+      f"the {batch // micro} rows a forward pass takes (global batch {batch} / gradient_accumulation_steps={micro}) "
+      f"do not split into {pipe} pipeline microbatches; change num_pipeline_microbatches or per_device_batch_size"
+    )
   return batch
 
 

@@ -26,6 +26,7 @@ from MaxText import data as data_lib
 from MaxText import state as state_lib
 from MaxText import train_step as steps
 from MaxText.config import Config, ConfigError
+from MaxText.layers import pipeline
 
 
 class NonFiniteLossError(RuntimeError):
@@ -233,6 +234,8 @@ def train_loop(config: Config, parts: LoopParts) -> dict[str, Any]:
       f"tokens | mesh {dict(parts.mesh.shape)} | start: {parts.restored.source} (step {start})",
       flush=True,
     )
+    if pipeline.describe(config):
+      print(pipeline.describe(config), flush=True)
   eval_fn = None
   if data.eval_factory and config.eval_interval > 0:
     eval_fn = steps.jit_eval_step(config, parts.mesh, parts.spec)

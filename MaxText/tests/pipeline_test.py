@@ -111,3 +111,15 @@ def test_bad_pipeline_settings_raise_config_error():
     load("ici_pipeline_parallelism=2", "pipeline_parallel_layers=40")
   with pytest.raises(ConfigError, match="not -1"):
     load("ici_pipeline_parallelism=-1")
+
+
+def test_moe_stack_pipelines():
+  """Dropless MoE (the shard_map dispatch runs vmapped over stages) with expert and data sharding."""
+  moe = ["num_experts=4", "num_experts_per_tok=2"]  # the balance loss is per microbatch: not equal
+  check_same(
+    ["ici_fsdp_parallelism=-1"],
+    "ici_pipeline_parallelism=2",
+    "ici_fsdp_parallelism=-1",
+    "num_pipeline_microbatches=4",
+    extra=moe,
+  )

@@ -116,6 +116,17 @@ def logical_to_mesh(spec_tree: Any, mesh: Mesh, rules: Sequence[tuple[str, Any]]
   )
 
 
+def fit(named: NamedSharding, shape: Sequence[int]) -> NamedSharding:
+  """`named` with every dimension of `shape` that its mesh axes do not divide left unsharded: e.g. a stack
+  of one layer under 2 pipeline stages (its `layers` dim cannot split; the other dims keep their axes)."""
+  spec = list(named.spec) + [None] * (len(shape) - len(named.spec))
+  for i, axes in enumerate(spec):
+    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    if shape[i] % math.prod(named.mesh.shape[a] for a in names):
+      spec[i] = None
+  return NamedSharding(named.mesh, PartitionSpec(*spec), memory_kind=named.memory_kind)
+
+
 def data_axes(config: Config) -> tuple[str, ...]:
   return tuple(a for group in config.data_sharding for a in group)
 
@@ -150,10 +161,13 @@ def global_batch_size(config: Config, mesh: Mesh, per_device: float | None = Non
     )
   stages = config.ici_pipeline_parallelism * config.dcn_pipeline_parallelism
   pipe = stages if config.num_pipeline_microbatches == -1 else config.num_pipeline_microbatches
-  if stages > 1 and (batch // micro) % pipe:
+  # A pipeline microbatch is sharded over the batch axes other than `stage` (that one holds the stages).
+  stage_free = math.prod(mesh.shape[a] for a in data_axes(config) if a != "stage")
+  if stages > 1 and ((batch // micro) % pipe or (batch // micro // pipe) % stage_free):
     raise ConfigError(
       f"the {batch // micro} rows a forward pass takes (global batch {batch} / gradient_accumulation_steps={micro}) "
-      f"do not split into {pipe} pipeline microbatches; change num_pipeline_microbatches or per_device_batch_size"
+      f"do not split into {pipe} pipeline microbatches that each split over {stage_free} batch shards; "
+      "change num_pipeline_microbatches or per_device_batch_size"
     )
   return batch
 

@@ -50,7 +50,8 @@ def _with_shardings(abstract, shardings):
 
 def _shardings(tree, config: Config, mesh: Mesh):
   # Variables map to their logical spec; plain leaves (step, optimizer counters) are replicated.
-  return sharding.logical_to_mesh(nnx.get_partition_spec(tree), mesh, sharding.axis_rules(config))
+  named = sharding.logical_to_mesh(nnx.get_partition_spec(tree), mesh, sharding.axis_rules(config))
+  return jax.tree.map(lambda s, a: sharding.fit(s, a.shape), named, tree)
 
 
 def param_spec(config: Config, mesh: Mesh | None = None) -> ParamSpec:

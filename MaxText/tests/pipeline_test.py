@@ -2,6 +2,7 @@
 and gradients, with the same parameters, on 8 CPU devices; bad pipeline settings fail with ConfigError."""
 
 import os
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -164,3 +165,55 @@ def test_checkpoints_move_between_pipelined_and_unpipelined_runs(tmp_path):
     run_losses(tmp_path, name, "steps=2", *first, *common)
     resumed = run_losses(tmp_path, name, "steps=4", *second, *common)  # metrics.jsonl gains steps 3-4
     np.testing.assert_allclose(resumed, ref, rtol=1e-5, err_msg=name)
+
+
+# The issue's reference tiny configs (vocabulary cut to 1024: it plays no part in pipelining), with a
+# second layer where they have one, so that two stages hold a layer each.
+REFERENCE = {
+  "llama2": ["decoder_block=llama2", "base_emb_dim=1024", "base_num_query_heads=8", "base_num_kv_heads=8"]
+  + ["base_mlp_dim=11008", "base_num_decoder_layers=2", "head_dim=128"],
+  "mixtral": ["decoder_block=mistral", "base_emb_dim=1024", "base_num_query_heads=2", "base_num_kv_heads=2"]
+  + ["base_mlp_dim=896", "base_num_decoder_layers=2", "head_dim=16", "num_experts=8", "num_experts_per_tok=2"],
+  "mistral": ["decoder_block=mistral", "base_emb_dim=2048", "base_num_query_heads=1", "base_num_kv_heads=1"]
+  + ["base_mlp_dim=896", "base_num_decoder_layers=2", "head_dim=8"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(REFERENCE))
+def test_reference_tiny_configs_pipelined(tmp_path, name):
+  common = [*REFERENCE[name], "vocab_size=1024", "max_target_length=64", "steps=2", "per_device_batch_size=1"]
+  ref = run_losses(tmp_path, "ref", *common, "ici_fsdp_parallelism=8")
+  got = run_losses(tmp_path, "pp2", *common, *PP2)
+  np.testing.assert_allclose(got, ref, rtol=1e-5)
+
+
+MLA = ["q_lora_rank=0", "kv_lora_rank=16", "qk_nope_head_dim=8", "qk_rope_head_dim=8", "v_head_dim=8"]
+FAMILIES = {
+  # gemma2: 2 units of (local, global); gemma3: 2 units of (5 local, 1 global); deepseek: 2 dense + 2 MoE.
+  "gemma2": (4, ["decoder_block=gemma2", "sliding_window_size=4"]),
+  "gemma3": (12, ["decoder_block=gemma3", "sliding_window_size=4"]),
+  "deepseek": (4, ["decoder_block=deepseek", "num_experts=4", "num_experts_per_tok=2", "first_num_dense_layers=2"]),
+  # 5 layers: the 2 whole (local, global) units are pipelined, the remainder layer runs after them.
+  "gemma2_partial": (5, ["decoder_block=gemma2", "sliding_window_size=4", "pipeline_parallel_layers=4"]),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_stacks_pipeline(family):
+  layers, extra = FAMILIES[family]
+  extra = [*extra, *MLA] if "deepseek" in family else extra
+  check_same(["ici_fsdp_parallelism=-1"], *PP2, layers=layers, extra=extra)
+
+
+def test_launcher_arguments_load(tmp_path):
+  """end_to_end/gpu/pipeline.sh turns its flags into keys that load as a pipelined config."""
+  script = os.path.join(os.path.dirname(config.CONFIG_DIR), "..", "end_to_end", "gpu", "pipeline.sh")
+  flags = ["--dp", "2", "--pp", "4", "--mp", "1", "--batch_size_per_device", "2", "--num_pipeline_microbatches", "8"]
+  out = subprocess.run(
+    ["bash", script, *flags, "--config", BASE, "run_name=t", f"base_output_directory={tmp_path}"],
+    env={**os.environ, "DRY_RUN": "1"}, capture_output=True, text=True, check=True,
+  )  # fmt: skip
+  c = config.load(out.stdout.split(), {})
+  assert (c.ici_data_parallelism, c.ici_pipeline_parallelism, c.ici_tensor_parallelism) == (2, 4, 1)
+  assert pipeline.schedule(c) == pipeline.Schedule(4, 8, 1) and c.per_device_batch_size == 2

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -50,7 +51,12 @@ def _with_shardings(abstract, shardings):
 
 def _shardings(tree, config: Config, mesh: Mesh):
   # Variables map to their logical spec; plain leaves (step, optimizer counters) are replicated.
-  named = sharding.logical_to_mesh(nnx.get_partition_spec(tree), mesh, sharding.axis_rules(config))
+  # Under active logical rules (sharding.activate) nnx.get_partition_spec returns mesh axes already, which
+  # logical_to_mesh then read as unknown logical names: stacked layers lost `stage`. Without rules it
+  # returns the logical names, which logical_to_mesh maps once.
+  with nn.logical_axis_rules(()):
+    specs = nnx.get_partition_spec(tree)
+  named = sharding.logical_to_mesh(specs, mesh, sharding.axis_rules(config))
   return jax.tree.map(lambda s, a: sharding.fit(s, a.shape), named, tree)
 
 

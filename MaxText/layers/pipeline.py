@@ -27,6 +27,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.config import Config, ConfigError
 from MaxText.layers.axes import ACTIVATION_AXES, mesh_axes
@@ -139,11 +140,7 @@ def _view(params: nnx.State, sched: Schedule) -> nnx.State:
 
 
 def _select_repeat(weights: nnx.State, repeat: jax.Array, sched: Schedule) -> nnx.State:
-  """[S, R, n, ...] -> [S, n, ...]: each stage's units of its current repeat `repeat[s]`.
-
-  Constrained to the weights' own sharding: without it XLA kept the loop's weight-gradient accumulator
-  whole across fsdp (every stage's weights unsharded: 59 GiB more per device for llama2-70b).
-  """
+  """[S, R, n, ...] -> [S, n, ...]: each stage's units of its current repeat `repeat[s]`."""
 
   def pick(var: nnx.Variable) -> nnx.Variable:
     if sched.repeats == 1:
@@ -183,6 +180,9 @@ def run(
 
   buffer = nn.with_logical_constraint(split(x), BUFFER_AXES)
   positions, segment_ids = split(positions), split(segment_ids)
+  # Constraining the stacked weights to their own sharding constrains their gradient too: without it XLA
+  # built the gradient of every stage's weights on every stage (twice the weights' size in float32).
+  params = jax.tree.map(lambda var: _constrain(var, var[...], 0), params, is_leaf=_is_var)
   weights = _view(params, sched)
   stage_ids = jnp.arange(s_)
   body = jax.vmap(stage_fn, spmd_axis_name=_stage_mesh_axes())
@@ -195,7 +195,7 @@ def run(
     micro, repeat = items % m_, items // m_
     first = jax.lax.dynamic_index_in_dim(buffer, micro[0], keepdims=False)
     inputs = jnp.where((stage_ids == 0)[:, None, None, None], first[None], jnp.roll(state, 1, axis=0))
-    inputs = nn.with_logical_constraint(inputs, STAGE_AXES)
+    inputs = checkpoint_name(nn.with_logical_constraint(inputs, STAGE_AXES), "pipeline_stage_inputs")
     index = first_unit + (repeat * s_ + stage_ids) * per_stage
     stage_weights = _select_repeat(weights, repeat, sched)
     out, stage_aux = body(stage_weights, inputs, positions[micro], segment_ids[micro], index, micro)
@@ -207,5 +207,8 @@ def run(
 
   state = jnp.zeros((s_, *buffer.shape[1:]), x.dtype)
   carry = (nn.with_logical_constraint(state, STAGE_AXES), buffer, jnp.zeros((), jnp.float32))
+  # The backward pass keeps only each iteration's stage inputs and runs the stages again (under their own
+  # remat_policy): saving more per iteration made XLA keep every stage's weights whole (llama2-70b).
+  iteration = jax.checkpoint(iteration, policy=jax.checkpoint_policies.save_only_these_names("pipeline_stage_inputs"))
   (_, buffer, aux), _ = jax.lax.scan(iteration, carry, jnp.arange(sched.iterations))
   return buffer.swapaxes(0, 1).reshape(x.shape), aux / m_

@@ -180,8 +180,7 @@ def run(
 
   buffer = nn.with_logical_constraint(split(x), BUFFER_AXES)
   positions, segment_ids = split(positions), split(segment_ids)
-  # Constraining the stacked weights to their own sharding constrains their gradient too: without it XLA
-  # built the gradient of every stage's weights on every stage (twice the weights' size in float32).
+  # Constrained to their own sharding, so that their gradient (the constraint's transpose) is too.
   params = jax.tree.map(lambda var: _constrain(var, var[...], 0), params, is_leaf=_is_var)
   weights = _view(params, sched)
   stage_ids = jnp.arange(s_)
@@ -208,7 +207,8 @@ def run(
   state = jnp.zeros((s_, *buffer.shape[1:]), x.dtype)
   carry = (nn.with_logical_constraint(state, STAGE_AXES), buffer, jnp.zeros((), jnp.float32))
   # The backward pass keeps only each iteration's stage inputs and runs the stages again (under their own
-  # remat_policy): saving more per iteration made XLA keep every stage's weights whole (llama2-70b).
+  # remat_policy); otherwise an iteration's residuals would include the weights it selected, with
+  # num_pipeline_repeats > 1 a copy of every stage's weights per iteration.
   iteration = jax.checkpoint(iteration, policy=jax.checkpoint_policies.save_only_these_names("pipeline_stage_inputs"))
   (_, buffer, aux), _ = jax.lax.scan(iteration, carry, jnp.arange(sched.iterations))
   return buffer.swapaxes(0, 1).reshape(x.shape), aux / m_

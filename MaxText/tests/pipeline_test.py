@@ -217,3 +217,16 @@ def test_launcher_arguments_load(tmp_path):
   c = config.load(out.stdout.split(), {})
   assert (c.ici_data_parallelism, c.ici_pipeline_parallelism, c.ici_tensor_parallelism) == (2, 4, 1)
   assert pipeline.schedule(c) == pipeline.Schedule(4, 8, 1) and c.per_device_batch_size == 2
+
+
+def test_stacked_layers_live_only_on_their_stage_devices():
+  """Under the active rules (as train.py and train_compile build the state), every stacked weight's
+  `layers` dim is split over `stage`: a device holds its stage's layers only."""
+  c = load("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=-1", "base_num_decoder_layers=4")
+  mesh = sharding.create_mesh(c)
+  with sharding.activate(c, mesh):
+    spec = state.param_spec(c, mesh)
+  stacked = [(p, s) for p, s in jax.tree_util.tree_flatten_with_path(spec.shardings)[0] if "layers" in str(p[0])]
+  assert stacked
+  for path, named in stacked:
+    assert named.spec[0] == "stage", jax.tree_util.keystr(path)

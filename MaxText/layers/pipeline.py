@@ -186,23 +186,28 @@ def run(
   stage_ids = jnp.arange(s_)
   body = jax.vmap(stage_fn, spmd_axis_name=_stage_mesh_axes())
 
+  # Queue layout: at the start of iteration t, buffer slot j holds microbatch (t + j) % M, so stage 0 reads
+  # slot 0 and the last stage's finished microbatch goes to the fixed slot (1 - S) % M; the buffer then
+  # rolls one slot. Static slots keep every buffer access local to a device (a dynamic index made XLA
+  # gather the whole buffer across the batch shards each iteration).
+  done_slot = (1 - s_) % m_
+
   def iteration(carry, t):
     state, buffer, aux = carry  # state [S, B/M, T, D]: each stage's output of the previous iteration
     items = t - stage_ids
     valid = (items >= 0) & (items < m_ * r_)
     items = jnp.clip(items, 0, m_ * r_ - 1)
     micro, repeat = items % m_, items // m_
-    first = jax.lax.dynamic_index_in_dim(buffer, micro[0], keepdims=False)
-    inputs = jnp.where((stage_ids == 0)[:, None, None, None], first[None], jnp.roll(state, 1, axis=0))
+    inputs = jnp.where((stage_ids == 0)[:, None, None, None], buffer[:1], jnp.roll(state, 1, axis=0))
     inputs = checkpoint_name(nn.with_logical_constraint(inputs, STAGE_AXES), "pipeline_stage_inputs")
     index = first_unit + (repeat * s_ + stage_ids) * per_stage
     stage_weights = _select_repeat(weights, repeat, sched)
     out, stage_aux = body(stage_weights, inputs, positions[micro], segment_ids[micro], index, micro)
     out = nn.with_logical_constraint(out, STAGE_AXES)
-    done = jnp.where(valid[-1], out[-1], jax.lax.dynamic_index_in_dim(buffer, micro[-1], keepdims=False))
-    buffer = jax.lax.dynamic_update_index_in_dim(buffer, done, micro[-1], 0)
+    buffer = buffer.at[done_slot].set(jnp.where(valid[-1], out[-1], buffer[done_slot]))
+    buffer = nn.with_logical_constraint(jnp.roll(buffer, -1, axis=0), BUFFER_AXES)
     aux = aux + jnp.sum(jnp.where(valid, stage_aux, 0.0))
-    return (out, nn.with_logical_constraint(buffer, BUFFER_AXES), aux), None
+    return (out, buffer, aux), None
 
   state = jnp.zeros((s_, *buffer.shape[1:]), x.dtype)
   carry = (nn.with_logical_constraint(state, STAGE_AXES), buffer, jnp.zeros((), jnp.float32))
@@ -211,4 +216,5 @@ def run(
   # num_pipeline_repeats > 1 a copy of every stage's weights per iteration.
   iteration = jax.checkpoint(iteration, policy=jax.checkpoint_policies.save_only_these_names("pipeline_stage_inputs"))
   (_, buffer, aux), _ = jax.lax.scan(iteration, carry, jnp.arange(sched.iterations))
+  buffer = jnp.roll(buffer, sched.iterations, axis=0)  # slot m: microbatch m
   return buffer.swapaxes(0, 1).reshape(x.shape), aux / m_

@@ -217,4 +217,4 @@ def run(
   iteration = jax.checkpoint(iteration, policy=jax.checkpoint_policies.save_only_these_names("pipeline_stage_inputs"))
   (_, buffer, aux), _ = jax.lax.scan(iteration, carry, jnp.arange(sched.iterations))
   buffer = jnp.roll(buffer, sched.iterations, axis=0)  # slot m: microbatch m
-  return buffer.swapaxes(0, 1).reshape(x.shape), aux / m_
+  return nn.with_logical_constraint(buffer.swapaxes(0, 1).reshape(x.shape), ACTIVATION_AXES), aux / m_

@@ -32,6 +32,7 @@ from MaxText import accelerators, compiled_step, launch, optimizers, sharding
 from MaxText import state as state_lib
 from MaxText import train_step as steps
 from MaxText.config import Config, ConfigError
+from MaxText.layers import pipeline
 
 GiB = 2**30
 
@@ -243,6 +244,8 @@ def main(argv: Sequence[str]) -> None:
   except OutOfMemoryError as e:
     sys.exit(f"Out of memory: {e}")
   print(format_report(report), flush=True)
+  if pipeline.describe(config):
+    print(pipeline.describe(config), flush=True)
   try:
     note = check_fits(config, report, devices[0].platform)
   except OutOfMemoryError as e:

@@ -2,7 +2,9 @@
 and gradients, with the same parameters, on 8 CPU devices; bad pipeline settings fail with ConfigError."""
 
 import os
+import re
 import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -230,3 +232,20 @@ def test_stacked_layers_live_only_on_their_stage_devices():
   assert stacked
   for path, named in stacked:
     assert named.spec[0] == "stage", jax.tree_util.keystr(path)
+
+
+@pytest.mark.slow
+def test_llama2_70b_pipelined_over_two_v5e_256_slices_compiles_and_fits():
+  """AOT for TPUs on the CPU (docs/pipeline_parallelism.md): 12.21 GiB per device when recorded."""
+  root = os.path.dirname(os.path.dirname(config.CONFIG_DIR))
+  overrides = ["model_name=llama2-70b", "compile_topology=v5e-256", "compile_topology_num_slices=2"]
+  overrides += ["dcn_pipeline_parallelism=2", "dcn_data_parallelism=1", "per_device_batch_size=2"]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # no fake CPU device count
+  result = subprocess.run(
+    [sys.executable, "MaxText/train_compile.py", BASE, "log_config=false", "num_pipeline_microbatches=4", *overrides],
+    cwd=root, env={**env, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=1200,
+  )  # fmt: skip
+  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+  assert "'stage': 2" in result.stdout and "bubble 20.0%" in result.stdout
+  total = float(re.search(r"total ([0-9.]+) GiB", result.stdout).group(1))
+  assert total <= 12.5

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import optax
 
@@ -26,6 +27,28 @@ def learning_rate_schedule(config: Config) -> optax.Schedule:
   parts.append(optax.constant_schedule(final))
   boundaries = [warmup, total] if warmup else [total]
   return optax.join_schedules(parts, boundaries)
+
+
+def resumed_schedule(config: Config, previous: Mapping[str, Any] | None) -> tuple[Config, str | None]:
+  """The config a resume trains with, and a note for the user when the schedule is kept.
+
+  `previous` is the resolved config the run was started with (its config.yml), None for a fresh run.
+  With learning_rate_schedule_steps=-1 the schedule spans `steps`, so raising steps on a resume would
+  silently stretch it: the learning rate at the resume point would jump up to where the longer cosine
+  is. Instead the schedule of the run being resumed is kept (after its end the rate stays at the final
+  value); an explicit learning_rate_schedule_steps always wins.
+  """
+  if previous is None or config.learning_rate_schedule_steps != -1:
+    return config, None
+  kept = previous.get("learning_rate_schedule_steps_resolved")
+  if not isinstance(kept, int) or kept == config.learning_rate_schedule_steps_resolved:
+    return config, None
+  note = (
+    f"steps={config.steps} on a run started with a {kept}-step learning-rate schedule: keeping that schedule "
+    f"(after step {kept} the rate stays at {config.learning_rate * config.cosine_learning_rate_final_fraction:g}); "
+    f"pass learning_rate_schedule_steps={config.steps} to stretch it to the new length instead"
+  )
+  return config.replace(learning_rate_schedule_steps=kept), note
 
 
 def build(config: Config) -> Optimizer:

@@ -455,6 +455,15 @@ def test_plot_writes_png(tmp_path):
   assert output.stat().st_size > 1000
 
 
+def test_plot_smoothing():
+  assert plot_metrics.smooth([1.0, 2.0, 3.0], 0.0) == [1.0, 2.0, 3.0]
+  assert plot_metrics.smooth([4.0, 4.0, 4.0], 0.9) == pytest.approx([4.0, 4.0, 4.0])  # debiased: no pull to 0
+  got = plot_metrics.smooth([0.0, 10.0], 0.5)
+  assert got[0] == 0.0 and 0.0 < got[1] < 10.0
+  with pytest.raises(SystemExit):
+    plot_metrics.main(["unused.jsonl", "--smoothing", "1.5"])
+
+
 def test_compiles_belong_to_the_step_whose_dispatch_they_end_in(tmp_path):
   """The async loop logs step N after dispatching step N+1: a compile during N+1's dispatch is N+1's."""
   import jax

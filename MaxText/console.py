@@ -123,10 +123,9 @@ class Progress:
     if not self.enabled:
       return
     if self.bar is not None:
-      self.bar.n = step
       if loss is not None:
         self.bar.set_postfix_str(f"loss {loss:.4g}", refresh=False)
-      self.bar.refresh()
+      self.bar.update(step - self.bar.n)  # redraws at most every tqdm mininterval (0.1 s), not every step
     elif time.perf_counter() - self.last_output >= self.interval_s and step < self.total:
       eta = "n/a" if eta_s is None else format_duration(eta_s)
       self.write(f"progress: step {step}/{self.total} | ETA {eta}")

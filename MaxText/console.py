@@ -59,6 +59,7 @@ def run_header(
   the devices' platform (cpu, gpu, tpu)."""
   axes = {k: v for k, v in mesh_shape.items() if v > 1} or {"data": 1}
   devices = math.prod(mesh_shape.values())
+  plural = "device" if devices == 1 else "devices"
   outputs = os.path.abspath(config.run_dir)
   base_note = (
     " (the default; set base_output_directory=... to move it)" if config.base_output_directory == "outputs" else ""
@@ -69,7 +70,7 @@ def run_header(
     f"{config.num_decoder_layers} layers x {config.emb_dim} wide, vocab {config.vocab_size}, {config.dtype}",
     f"  batch    {global_batch} x {config.max_target_length} tokens per step (global), learning_rate "
     f"{config.learning_rate:g} over {config.learning_rate_schedule_steps_resolved} schedule steps",
-    f"  mesh     {' x '.join(f'{k} {v}' for k, v in axes.items())} ({devices} {platform} devices) | {peak}",
+    f"  mesh     {' x '.join(f'{k} {v}' for k, v in axes.items())} ({devices} {platform} {plural}) | {peak}",
     f"  data     {_data_line(config)}",
     f"  outputs  {outputs}/ (config.yml, metrics.jsonl{', tensorboard/' if config.enable_tensorboard else ''}"
     f"{', checkpoints/' if config.enable_checkpointing else ''}){base_note}",

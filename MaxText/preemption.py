@@ -26,7 +26,7 @@ import re
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -68,39 +68,81 @@ def _exit_now(signum: int, when: str) -> None:
   os._exit(128 + signum)
 
 
-def _startup_handler(signum: int, frame: FrameType | None) -> None:
+def _ignore(signum: int, frame: FrameType | None) -> None:
+  """The Python-level handler does nothing: the listener thread acts on the signal (see _Listener)."""
+
+
+def _at_startup(signum: int) -> None:
   _exit_now(signum, "before training started (nothing to save yet)")
 
 
-def install_startup_handlers() -> None:
-  """A signal before training starts exits at once with one line (launch.start calls this first).
+class _Listener:
+  """Acts on SIGNALS from a thread of its own, so even while the main thread sits in C++ (an XLA
+  compile, jax.distributed connecting, a blocking save) a signal is seen at once.
 
-  Exiting from the handler with os._exit rather than raising KeyboardInterrupt/SystemExit: an exception
-  raised while XLA is compiling or jax.distributed is connecting can surface inside C++ callbacks
-  (the old SIGINT-during-compile segfault); there is nothing to save before the first step anyway.
+  Python's C-level handler writes each signal's number to the wakeup fd as it arrives, whatever the
+  main thread is doing; Python-level handlers would run only when the main thread next executes
+  bytecode, and an exception raised there (KeyboardInterrupt) can surface inside C++ callbacks: the
+  old SIGINT-during-compile segfault. `on_signal` is swapped by whoever owns the phase of the run.
   """
-  if threading.current_thread() is not threading.main_thread():
-    return  # signal.signal only works in the main thread (e.g. an entry point run from a worker thread)
-  for signum in SIGNALS:
-    signal.signal(signum, _startup_handler)
+
+  def __init__(self) -> None:
+    self.on_signal: Callable[[int], None] = _at_startup
+    read_fd, self._write_fd = os.pipe()
+    os.set_blocking(self._write_fd, False)  # the C handler must never block
+    self._handlers = {signum: signal.signal(signum, _ignore) for signum in SIGNALS}
+    self._wakeup = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+    threading.Thread(target=self._listen, args=(read_fd,), name="signal-listener", daemon=True).start()
+
+  def _listen(self, read_fd: int) -> None:
+    while data := os.read(read_fd, 64):  # b"": close() closed the write end
+      for signum in data:
+        if signum in SIGNALS:
+          self.on_signal(signum)
+    os.close(read_fd)
+
+  def close(self) -> None:
+    """Give the process its previous signal handling back (train.run called in-process, as tests do)."""
+    signal.set_wakeup_fd(self._wakeup)
+    for signum, handler in self._handlers.items():
+      signal.signal(signum, handler)
+    os.close(self._write_fd)
+
+
+_listener: _Listener | None = None
+
+
+def listener() -> _Listener | None:
+  """The process's signal listener, started on first use; None off the main thread (signal.signal and
+  set_wakeup_fd work only there, e.g. train.run called from a worker thread keeps default handling)."""
+  global _listener
+  if _listener is None and threading.current_thread() is threading.main_thread():
+    _listener = _Listener()
+  return _listener
+
+
+def install_startup_handlers() -> None:
+  """From now on a signal exits at once with one line (launch.start calls this before loading the config):
+  there is nothing to save before the first training step. train.run's Watch takes over for training."""
+  listener()
 
 
 class Watch:
   """Context manager for the training loop: the first SIGTERM/SIGINT/SIGHUP asks for a stop at the next
-  step boundary (`stop_signal`), a second one exits at once. Restores the previous handlers on exit."""
+  step boundary (`stop_signal`), a second one exits at once. On exit the previous behaviour returns."""
 
   def __init__(self, mesh: Mesh):
     self.signum = 0  # the first signal this process received; 0: none
     self.multi = jax.process_count() > 1
     self._pending: jax.Array | None = None  # the reduction dispatched at the previous boundary
-    self._previous: dict[int, Any] = {}
+    self._previous: Callable[[int], None] | None = None
     if self.multi:
       flat = Mesh(np.asarray(mesh.devices).reshape(-1), ("all",))
       self._sharding = NamedSharding(flat, PartitionSpec("all"))
       self._local = len(flat.local_devices)
       self._max = jax.jit(lambda x: x.max(), out_shardings=NamedSharding(flat, PartitionSpec()))
 
-  def _handler(self, signum: int, frame: FrameType | None) -> None:
+  def _on_signal(self, signum: int) -> None:
     if self.signum:
       _exit_now(signum, f"received while stopping after {_name(self.signum)}")
     self.signum = signum
@@ -108,13 +150,19 @@ class Watch:
     sys.stderr.flush()
 
   def __enter__(self) -> Watch:
-    if threading.current_thread() is threading.main_thread():
-      self._previous = {s: signal.signal(s, self._handler) for s in SIGNALS}
+    self._owns_listener = _listener is None  # no launch.start before: give the handlers back afterwards
+    if (listen := listener()) is not None:
+      self._previous, listen.on_signal = listen.on_signal, self._on_signal
     return self
 
   def __exit__(self, *exc: Any) -> None:
-    for signum, handler in self._previous.items():
-      signal.signal(signum, handler)
+    global _listener
+    if self._previous is None or _listener is None:
+      return
+    _listener.on_signal = self._previous
+    if self._owns_listener:
+      _listener.close()
+      _listener = None
 
   def stop_signal(self) -> int:
     """At a step boundary: the signal every process agrees to stop on now, or 0 to go on. Call it at

@@ -93,6 +93,9 @@ class _Listener:
     self._handlers = {signum: signal.signal(signum, _ignore) for signum in SIGNALS}
     self._wakeup = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
     threading.Thread(target=self._listen, args=(read_fd,), name="signal-listener", daemon=True).start()
+    # Forked children (data-loading workers) would write their own Ctrl-C into our pipe: one key press
+    # would look like a second signal. They get the previous handling back instead.
+    os.register_at_fork(after_in_child=self._forget_in_child)
 
   def _listen(self, read_fd: int) -> None:
     while data := os.read(read_fd, 64):  # b"": close() closed the write end
@@ -100,6 +103,13 @@ class _Listener:
         if signum in SIGNALS:
           self.on_signal(signum)
     os.close(read_fd)
+
+  def _forget_in_child(self) -> None:
+    global _listener
+    if _listener is self:
+      _listener = None
+      with contextlib.suppress(ValueError, OSError):  # ValueError: forked from a thread other than main
+        self.close()
 
   def close(self) -> None:
     """Give the process its previous signal handling back (train.run called in-process, as tests do)."""

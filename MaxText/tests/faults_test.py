@@ -185,8 +185,8 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step(tmp_path):
 
 @pytest.mark.slow
 def test_killed_process_makes_the_survivor_exit_with_one_line(tmp_path):
-  runs = two_processes(tmp_path, "lost", "checkpoint_period=2", "async_checkpointing=false")
-  runs[0].wait_for("step 4/")  # checkpoint 2 (and maybe 4) written
+  runs = two_processes(tmp_path, "lost", "checkpoint_period=3", "async_checkpointing=false")
+  runs[0].wait_for("step 4/")  # checkpoint 3 written, the next one (6) not begun: the kill lands in a step
   runs[1].proc.kill()
   killed = time.monotonic()
   rc, output = runs[0].finish(timeout=60)

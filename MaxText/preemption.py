@@ -73,7 +73,7 @@ def _ignore(signum: int, frame: FrameType | None) -> None:
 
 
 def _at_startup(signum: int) -> None:
-  _exit_now(signum, "before training started (nothing to save yet)")
+  _exit_now(signum, "received outside the training loop (nothing to save)")
 
 
 class _Listener:

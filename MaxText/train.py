@@ -264,7 +264,7 @@ def train_loop(config: Config, parts: LoopParts) -> dict[str, Any]:
           if is_writer:
             print(f"eval_loss {result['eval_loss']:.4f} <= target_eval_loss: stopping at step {done}", flush=True)
           break
-        if stop:  # run() waits for the save before the exception leaves it
+        if stop and done < config.steps:  # run() waits for the save before the exception leaves it
           path = os.path.join(config.checkpoint_dir, str(done)) if manager is not None else None
           raise preemption.Stopped(done, parts.watch.signum or stop, path, here=bool(parts.watch.signum))
         reader.restart_clock()

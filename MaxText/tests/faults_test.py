@@ -140,7 +140,7 @@ def test_signal_before_training_exits_at_once_with_one_line():
   proc.wait_for("up")
   proc.proc.send_signal(signal.SIGINT)
   rc, output = proc.finish(timeout=30)
-  assert rc == 128 + signal.SIGINT and "SIGINT before training started" in output
+  assert rc == 128 + signal.SIGINT and "SIGINT received outside the training loop" in output
   assert_clean(output)
 
 

@@ -15,7 +15,7 @@ import time
 import jax
 import pytest
 
-from MaxText import preemption, train
+from MaxText import distributed, preemption, train
 from MaxText.tests.conftest import BASE, ROOT, TINY, cfg, free_port
 
 RUN = ["per_device_batch_size=1", "hardware=cpu", "enable_checkpointing=true", "steps=200"]
@@ -205,3 +205,14 @@ def test_lone_coordinator_exits_with_its_own_message(tmp_path):
   assert result.returncode == 1, result.stderr[-3000:]
   assert "did not all join within 2 s (process 0 of 2" in result.stderr
   assert_clean(result.stderr)
+
+
+def test_initialize_applies_the_configured_timeouts(tmp_path, monkeypatch):
+  seen = {}
+  monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: seen.update(kwargs))
+  monkeypatch.setattr(jax.config, "update", lambda *args: None)  # no gloo switch in this test process
+  monkeypatch.setattr(distributed, "wait_for_coordinator", lambda *args: None)
+  c = cfg(tmp_path, "t", "jax_distributed_heartbeat_timeout=7", "jax_distributed_initialization_timeout=20")
+  distributed.initialize(c, {"JAX_COORDINATOR_ADDRESS": "h0:1", "NNODES": "2", "NODE_RANK": "1"})
+  assert seen["heartbeat_timeout_seconds"] == 7 and seen["shutdown_timeout_seconds"] == 7
+  assert seen["initialization_timeout"] == 20 + distributed.ABORT_MARGIN_S  # ours fires first, with one line

@@ -29,8 +29,8 @@ RUNTIME_KEYS = (
   "eval_interval", "eval_steps", "eval_per_device_batch_size", "profiler", "skip_first_n_steps_for_profiler",
   "profiler_steps", "collect_stack_trace", "stack_trace_to_cloud", "stack_trace_interval_seconds",
   "compile_topology", "compile_topology_num_slices", "compiled_trainstep_file", "init_weights_seed",
-  "jax_distributed_initialization_timeout", "nan_check", "run_dir", "checkpoint_dir", "tensorboard_dir",
-  "tokenizer_dir",
+  "jax_distributed_initialization_timeout", "jax_distributed_heartbeat_timeout", "nan_check", "run_dir",
+  "checkpoint_dir", "tensorboard_dir", "tokenizer_dir",
 )  # fmt: skip
 
 

@@ -358,7 +358,7 @@ def _validate(c: dict[str, Any]) -> None:
     raise ConfigError(f"eval_fraction must be in [0, 1), got {c['eval_fraction']}")
   if c["max_num_checkpoints_to_keep"] == 0 or c["max_num_checkpoints_to_keep"] < -1:
     raise ConfigError("max_num_checkpoints_to_keep must be -1 (keep all) or a positive number")
-  positive("compile_topology_num_slices", "jax_distributed_initialization_timeout")
+  positive("compile_topology_num_slices", "jax_distributed_initialization_timeout", "jax_distributed_heartbeat_timeout")
   tiles = c["num_vocab_tiling"]
   if tiles == 0 or tiles < -1 or (tiles > 0 and c["max_target_length"] % tiles):
     raise ConfigError(

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Iterator, Sequence
 
 from MaxText import config as config_lib
-from MaxText import distributed
+from MaxText import distributed, preemption
 from MaxText.config import Config, ConfigError
 
 HELP_FLAGS = ("-h", "--help")
@@ -92,6 +92,7 @@ def start(argv: Sequence[str], usage: Usage, *, overrides: Sequence[str] = (), j
     print(usage.text(), flush=True)
     sys.exit(0)
   setup_logging()
+  preemption.install_startup_handlers()  # a signal now exits with one line; train.run takes over later
   with user_errors():
     config = config_lib.load([*argv, *overrides])
   if join_job:

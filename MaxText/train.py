@@ -21,7 +21,17 @@ import jax
 import yaml
 from jax.sharding import Mesh
 
-from MaxText import accelerators, checkpointing, compiled_step, console, launch, metrics, optimizers, sharding
+from MaxText import (
+  accelerators,
+  checkpointing,
+  compiled_step,
+  console,
+  launch,
+  metrics,
+  optimizers,
+  preemption,
+  sharding,
+)
 from MaxText import data as data_lib
 from MaxText import state as state_lib
 from MaxText import train_step as steps
@@ -114,6 +124,7 @@ class LoopParts:
   global_batch: int  # sequences per step
   peak: accelerators.Peak  # per-device peak FLOP/s (for MFU) and where it comes from
   started: float  # perf_counter() when the run began: the origin of elapsed_s and the total time
+  watch: preemption.Watch | None = None  # signals: stop (with a checkpoint) at an agreed step boundary
 
 
 def run(config: Config, devices: Sequence[Any] | None = None, started: float | None = None) -> dict[str, Any]:
@@ -127,7 +138,7 @@ def run(config: Config, devices: Sequence[Any] | None = None, started: float | N
   global_batch = sharding.global_batch_size(config, mesh)  # fails early on a batch that cannot split
   optimizer = optimizers.build(config)
   peak = accelerators.peak(dtype=config.dtype)  # CPU: a measured matmul, outside the mesh
-  with sharding.activate(config, mesh), stack_traces(config):
+  with sharding.activate(config, mesh), stack_traces(config), preemption.Watch(mesh) as watch:
     spec = state_lib.state_spec(config, optimizer.tx, mesh)
     data = data_lib.make_iterators(config, mesh)
     manager = checkpointing.create_manager(config)
@@ -139,7 +150,7 @@ def run(config: Config, devices: Sequence[Any] | None = None, started: float | N
     write_config(config)
     try:
       step_fn = train_step_fn(config, mesh, optimizer, spec)
-      parts = LoopParts(mesh, spec, restored, data, manager, step_fn, global_batch, peak, started)
+      parts = LoopParts(mesh, spec, restored, data, manager, step_fn, global_batch, peak, started, watch)
       return train_loop(config, parts)
     finally:  # on success or error, let in-flight (async) checkpoints of good steps complete
       if manager is not None:
@@ -304,9 +315,10 @@ def train_loop(config: Config, parts: LoopParts) -> dict[str, Any]:
       state, step_metrics = parts.step_fn(state, batch, jax.random.fold_in(dropout_key, step))
       reader.push(Pending(step, step_metrics, (t0, time.perf_counter())))
       done = step + 1
-      evaluating = eval_fn is not None and (done % config.eval_interval == 0 or done == config.steps)
-      saving = manager is not None and (done % config.checkpoint_period == 0 or done == config.steps)
-      if evaluating or saving or done == config.steps:
+      stop = parts.watch.stop_signal() if parts.watch else 0  # the same on every process
+      evaluating = eval_fn is not None and (done % config.eval_interval == 0 or done == config.steps) and not stop
+      saving = manager is not None and (done % config.checkpoint_period == 0 or done == config.steps or stop)
+      if evaluating or saving or done == config.steps or stop:
         reader.flush()  # this step's loss is checked before anything of it is saved
         reached = False  # target_eval_loss reached: checkpoint and stop early
         if evaluating:
@@ -320,6 +332,9 @@ def train_loop(config: Config, parts: LoopParts) -> dict[str, Any]:
           if is_writer:
             print(f"eval_loss {result['eval_loss']:.4f} <= target_eval_loss: stopping at step {done}", flush=True)
           break
+        if stop and done < config.steps:  # run() waits for the save before the exception leaves it
+          path = os.path.join(config.checkpoint_dir, str(done)) if manager is not None else None
+          raise preemption.Stopped(done, parts.watch.signum or stop, path, here=bool(parts.watch.signum))
         reader.restart_clock()
       if done < config.steps:  # fetched while this step runs on the device
         batch = next(data.train)
@@ -345,8 +360,12 @@ def main(argv: Sequence[str]) -> None:
   config = launch.start(argv[1:], USAGE)
   if config.log_config and jax.process_index() == 0:
     print(config, flush=True)
-  with launch.user_errors():
-    run(config, started=started)
+  with launch.user_errors(), preemption.lost_processes(config.checkpoint_dir if config.enable_checkpointing else None):
+    try:
+      run(config, started=started)  # raises Stopped only after its checkpoint is written
+    except preemption.Stopped as stopped:
+      print(stopped.line(), file=sys.stderr, flush=True)
+      sys.exit(preemption.EXIT_STOPPED)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,8 @@ class Usage:
     lines += ["", "Config keys it reads most (key=value overrides the config file):"]
     lines += [f"  {key:<28} {comments.get(key, '')}".rstrip() for key in self.keys]
     lines += ["", f"Every key, with its default and meaning: {os.path.relpath(BASE_YML)}"]
+    lines += [f"Recipe names usable in place of CONFIG.yml (MaxText/configs/): {', '.join(config_lib.recipes())}"]
+    lines += ["Guide: README.md and docs/ in the repository."]
     return "\n".join(lines)
 
 

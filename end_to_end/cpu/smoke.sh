@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Smoke run of train.py on synthetic data, then assertions on its metrics file.
 #   bash end_to_end/cpu/smoke.sh [OUTPUT_DIR]
+case "${1:-}" in -h|--help) sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${1:-$(mktemp -d)}"

@@ -1,8 +1,10 @@
 """The shared start-up path: every entry point's --help, one wording for config errors, logging set
 up once."""
 
+import importlib
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -106,3 +108,13 @@ def test_scripts_answer_help_without_running(command):
   result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
   assert result.returncode == 0, result.stderr[-2000:]
   assert "python3 " in result.stdout or "bash " in result.stdout, result.stdout
+
+
+def test_console_scripts_name_callables():
+  with open(os.path.join(ROOT, "pyproject.toml")) as f:  # tomllib is Python 3.11+; the entries are one line each
+    section = f.read().split("[project.scripts]")[1].split("\n[")[0]
+  scripts = dict(re.findall(r'^([\w-]+) = "([\w.:]+)"', section, re.M))
+  assert set(scripts) >= {"maxtext-train", "maxtext-decode", "maxtext-train-compile"}
+  for target in scripts.values():
+    module, name = target.split(":")
+    assert callable(getattr(importlib.import_module(module), name))

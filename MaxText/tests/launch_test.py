@@ -118,3 +118,10 @@ def test_console_scripts_name_callables():
   for target in scripts.values():
     module, name = target.split(":")
     assert callable(getattr(importlib.import_module(module), name))
+
+
+def test_doc_help_prints_the_docstring_for_help_only(capsys):
+  launch.doc_help(["steps=3"], "python3 tool.py [key=value ...]")  # not asked: returns
+  with pytest.raises(SystemExit) as e:
+    launch.doc_help(["--help"], "\npython3 tool.py [key=value ...]\n")
+  assert e.value.code == 0 and capsys.readouterr().out == "python3 tool.py [key=value ...]\n"

@@ -187,14 +187,46 @@ def _apply(values: dict[str, Any], updates: Mapping[str, Any], defaults: Mapping
     values[key] = _coerce(key, value, defaults[key])
 
 
+def recipes() -> list[str]:
+  """The named experiments: every YAML under configs/ except base.yml and the model presets, by name
+  (its path under configs/ without .yml, e.g. "quickstart", "v5e/16b")."""
+  names = []
+  for root, _, files in os.walk(CONFIG_DIR):
+    rel = os.path.relpath(root, CONFIG_DIR)
+    if rel.split(os.sep)[0] == "models":
+      continue
+    for f in files:
+      if f.endswith(".yml") and f != "base.yml":
+        names.append(os.path.normpath(os.path.join(rel, f[:-4])).replace(os.sep, "/"))
+  return sorted(names)
+
+
+def resolve_config_path(name: str) -> str:
+  """A config file path as given, or a recipe name resolved in configs/ ("v5e/16b" ->
+  configs/v5e/16b.yml), so `train.py quickstart` works from any directory."""
+  if os.path.isfile(name):
+    return name
+  for candidate in (os.path.join(CONFIG_DIR, name), os.path.join(CONFIG_DIR, f"{name}.yml")):
+    if os.path.isfile(candidate):
+      return candidate
+  raise ConfigError(
+    f"Config file {name!r} does not exist and is not a recipe name{_suggest(name, recipes())}; "
+    f"give a path to a .yml file or one of: {', '.join(recipes())}"
+  )
+
+
 def load(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Config:
-  """Build the Config from `argv = [config.yml, key=value, ...]` and `M_<KEY>` variables."""
+  """Build the Config from `argv = [config.yml or recipe name, key=value, ...]` and `M_<KEY>` variables."""
   if not argv or "=" in argv[0]:
-    raise ConfigError("Usage: <entry point> path/to/config.yml [key=value ...]")
+    raise ConfigError(
+      "the first argument must be a config file or a recipe name (e.g. MaxText/configs/base.yml or quickstart), "
+      "then key=value overrides"
+    )
   environ = os.environ if environ is None else environ
   defaults = _read_yaml(os.path.join(CONFIG_DIR, "base.yml"))
   values = dict(defaults)
-  _apply(values, _read_yaml(argv[0]), defaults, argv[0])
+  path = resolve_config_path(argv[0])
+  _apply(values, _read_yaml(path), defaults, path)
 
   cli = _parse_overrides(argv[1:])
   env = {k[len(ENV_PREFIX) :].lower(): v for k, v in environ.items() if k.startswith(ENV_PREFIX)}
@@ -314,6 +346,20 @@ def _validate_decoding(c: dict[str, Any]) -> None:
     raise ConfigError("need decode_sampling_temperature >= 0 and 0 < decode_sampling_nucleus_p <= 1")
 
 
+def _validate_tokenizer_path(c: dict[str, Any]) -> None:
+  """A missing tokenizer file is an error, except on synthetic data, which never reads it: MaxText's
+  recipes pass tokenizer_path=assets/tokenizer.llama2 even then, and their command lines run unchanged."""
+  path = c["tokenizer_path"]
+  if not path or path.startswith("gs://") or os.path.exists(path) or c["dataset_type"] == "synthetic":
+    return
+  raise ConfigError(
+    f"tokenizer_path={path!r} does not exist. MaxText's assets/ tokenizers are not shipped here: use the "
+    "tokenizer a Hugging Face checkpoint carries (python3 -m MaxText.convert.hf_to_maxtext copies its "
+    "tokenizer.json), train one on your files (python3 -m MaxText.data.train_tokenizer), or leave "
+    "tokenizer_path empty with dataset_type=text to train one on the corpus (docs/data.md)"
+  )
+
+
 def _validate(c: dict[str, Any]) -> None:
   """Checks that need no devices; device-dependent ones (mesh, batch) live in sharding.py."""
 
@@ -339,9 +385,10 @@ def _validate(c: dict[str, Any]) -> None:
     raise ConfigError(f"warmup_steps_fraction must be in [0, 1], got {c['warmup_steps_fraction']}")
   if c["load_parameters_path"] and c["load_full_state_path"]:
     raise ConfigError("Set at most one of load_parameters_path and load_full_state_path")
-  for key in ("load_parameters_path", "load_full_state_path", "tokenizer_path"):
+  for key in ("load_parameters_path", "load_full_state_path"):
     if c[key] and not c[key].startswith("gs://") and not os.path.exists(c[key]):
       raise ConfigError(f"{key}={c[key]!r} does not exist")
+  _validate_tokenizer_path(c)
   if c["eval_interval"] > 0 and c["eval_steps"] <= 0 and c["eval_steps"] != -1:
     raise ConfigError(f"eval_steps must be > 0 (or -1: one epoch) when eval_interval is set, got {c['eval_steps']}")
   if c["eval_steps"] == -1 and c["dataset_type"] == "synthetic":

@@ -46,6 +46,8 @@ class Usage:
     lines += ["", "Config keys it reads most (key=value overrides the config file):"]
     lines += [f"  {key:<28} {comments.get(key, '')}".rstrip() for key in self.keys]
     lines += ["", f"Every key, with its default and meaning: {os.path.relpath(BASE_YML)}"]
+    lines += [f"Recipe names usable in place of CONFIG.yml (MaxText/configs/): {', '.join(config_lib.recipes())}"]
+    lines += ["Guide: README.md and docs/ in the repository."]
     return "\n".join(lines)
 
 
@@ -82,6 +84,13 @@ def user_errors() -> Iterator[None]:
     sys.exit(f"Config error: {e}")
 
 
+def doc_help(argv: Sequence[str], doc: str | None) -> None:
+  """For scripts whose module docstring is their usage (benchmarks, helpers): -h/--help prints it, exits 0."""
+  if any(arg in HELP_FLAGS for arg in argv):
+    print((doc or "").strip(), flush=True)
+    sys.exit(0)
+
+
 def start(argv: Sequence[str], usage: Usage, *, overrides: Sequence[str] = (), join_job: bool = True) -> Config:
   """The config of `argv` (the arguments after the program: CONFIG.yml [key=value ...], then
   `overrides`), with logging set up and, when join_job, this process in its multi-process job.
@@ -91,6 +100,9 @@ def start(argv: Sequence[str], usage: Usage, *, overrides: Sequence[str] = (), j
   if any(arg in HELP_FLAGS for arg in argv):
     print(usage.text(), flush=True)
     sys.exit(0)
+  if not argv:  # no config at all: the usage, not an error about a missing argument
+    print(usage.text(), file=sys.stderr, flush=True)
+    sys.exit(2)
   setup_logging()
   preemption.install_startup_handlers()  # a signal now exits with one line; train.run takes over later
   with user_errors():
@@ -101,3 +113,22 @@ def start(argv: Sequence[str], usage: Usage, *, overrides: Sequence[str] = (), j
     except distributed.DistributedInitError as e:
       sys.exit(f"Distributed initialisation failed: {e}")
   return config
+
+
+# Console scripts (pyproject.toml [project.scripts]): the entry points by name, from any directory.
+def train_command() -> None:
+  from MaxText import train
+
+  train.main(sys.argv)
+
+
+def decode_command() -> None:
+  from MaxText import decode
+
+  decode.main(sys.argv[1:])
+
+
+def train_compile_command() -> None:
+  from MaxText import train_compile
+
+  train_compile.main(sys.argv)

@@ -98,4 +98,7 @@ def main(words: list[str]) -> None:
 
 
 if __name__ == "__main__":
+  if {"-h", "--help"} & set(sys.argv[1:]):
+    print(__doc__.strip())
+    sys.exit(0)
   main(sys.argv[1:])

@@ -28,7 +28,12 @@ def check(records: list[dict], steps: int | None, keys: list[str], max_final_los
 
 
 def main(argv: list[str]) -> int:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    prog="python3 end_to_end/assert_metrics.py",
+    epilog="More: docs/outputs.md in the repository.",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   parser.add_argument("metrics_file")
   parser.add_argument("--steps", type=int)
   parser.add_argument("--keys", default="loss")

@@ -145,7 +145,12 @@ def _fill(state: nnx.State, leaves: dict[tuple, Any]) -> nnx.State:
 
 
 def main(argv: list[str]) -> None:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    prog="python3 -m MaxText.convert.hf_to_maxtext",
+    epilog="More: docs/models.md in the repository.",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   parser.add_argument("--hf_path", required=True, help="directory with config.json and *.safetensors")
   parser.add_argument("--output", required=True, help="writes OUTPUT/params and OUTPUT/config.yml")
   parser.add_argument("--scan_layers", default="true", choices=("true", "false"), help="layout of the layers")

@@ -39,7 +39,11 @@ def write_arrayrecord(texts: Iterable[str], output_dir: str, prefix: str = "data
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(
+    prog="python3 -m MaxText.data.convert_to_arrayrecord",
+    epilog="More: docs/data.md in the repository.",
+    description=__doc__.splitlines()[0],
+  )
   parser.add_argument("--files", required=True, help="glob of input files ('**' recurses)")
   parser.add_argument("--output_dir", required=True, help="directory for the .array_record files")
   parser.add_argument("--prefix", default="data", help="file name prefix")

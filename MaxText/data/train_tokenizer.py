@@ -16,7 +16,11 @@ from MaxText.data.tokenizer import load_tokenizer, train_sentencepiece
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(
+    prog="python3 -m MaxText.data.train_tokenizer",
+    epilog="More: docs/data.md in the repository.",
+    description=__doc__.splitlines()[0],
+  )
   parser.add_argument("--files", required=True, help="glob of training files ('**' recurses)")
   parser.add_argument("--vocab_size", type=int, required=True, help="at most this many pieces")
   parser.add_argument("--output_dir", required=True, help="writes tokenizer.model and tokenizer.vocab here")

@@ -27,6 +27,8 @@ COMPILE_STEPS = 2  # the first steps after start include jit compilation; timed 
 # jax.monitoring event recorded when an XLA compilation ends (jax._src.dispatch.BACKEND_COMPILE_EVENT).
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 MAX_EXP_ARG = 709.0  # math.exp overflows a float64 just above this
+# Per-step 0/1 flags from the train step: counted into `skipped_steps`, not written per step.
+STEP_FLAGS = ("update_finite", "step_skipped")
 
 
 class FlopCount(NamedTuple):
@@ -199,6 +201,7 @@ class MetricLogger:
     self._window: list[float] = []  # step times since the last record, compile steps excluded
     self._timed_s, self._timed_steps = 0.0, 0  # totals over all steps, compile steps excluded
     self._compile_time_s = 0.0
+    self._skipped = 0  # steps whose update was not applied (non-finite or a spike), this run
     self._last: dict[str, float] = {}
     self._last_eval: dict[str, float] = {}
     self._closed = False
@@ -247,7 +250,10 @@ class MetricLogger:
     start, end = dispatch if dispatch is not None else (now - step_time_s, now)
     compiling = self._compiled_during(start, end) or self._steps_run < COMPILE_STEPS
     self._steps_run += 1
-    self._last = {k: float(v) for k, v in scalars.items()}
+    self._skipped += int(scalars.get("step_skipped", 0.0) > 0)
+    self._last = {k: float(v) for k, v in scalars.items() if k not in STEP_FLAGS}
+    if self._skipped:  # only runs that skipped a step carry the count, so normal log lines stay short
+      self._last["skipped_steps"] = self._skipped
     if compiling:
       self._compile_time_s += step_time_s
       self._emit(self._train_record(step, step_time_s, compiling=True))
@@ -321,6 +327,7 @@ class MetricLogger:
       "mfu": rates["mfu"],
       "compile_steps_time_s": self._compile_time_s,
       "total_time_s": time.perf_counter() - self._start_time,
+      "skipped_steps": self._skipped,
       **self._last_eval,
     }
 
@@ -398,6 +405,8 @@ def format_summary(summary: Mapping[str, Any]) -> str:
   ]
   if "eval_loss" in summary:
     lines.append(f"  final eval loss      {_num(summary['eval_loss'], '.4f')}")
+  if summary.get("skipped_steps"):
+    lines.append(f"  skipped steps        {summary['skipped_steps']} (not applied: non-finite or a loss spike)")
   return "\n".join(lines)
 
 

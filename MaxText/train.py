@@ -29,7 +29,7 @@ from MaxText.config import Config, ConfigError
 
 
 class NonFiniteLossError(RuntimeError):
-  """The loss went NaN/inf; nothing from that step was checkpointed."""
+  """The loss or the update went NaN/inf; that update was not applied and nothing non-finite was saved."""
 
 
 def check_hardware(config: Config) -> None:
@@ -134,10 +134,11 @@ def run(config: Config, devices: Sequence[Any] | None = None) -> dict[str, Any]:
       step_fn = train_step_fn(config, mesh, optimizer, spec)
       parts = LoopParts(mesh, spec, restored, data, manager, step_fn, global_batch, peak_flops)
       return train_loop(config, parts)
+    except NonFiniteLossError as e:  # name the checkpoint a restart resumes from (in-flight saves complete first)
+      raise NonFiniteLossError(f"{e} {checkpointing.resume_point(manager)}") from None
     finally:  # on success or error, let in-flight (async) checkpoints of good steps complete
       if manager is not None:
-        manager.wait_until_finished()
-        manager.close()
+        checkpointing.finish(manager)
 
 
 def train_step_fn(config: Config, mesh: Mesh, optimizer: optimizers.Optimizer, spec: state_lib.StateSpec) -> Any:
@@ -148,13 +149,16 @@ def train_step_fn(config: Config, mesh: Mesh, optimizer: optimizers.Optimizer, s
 
 
 def check_finite(config: Config, step: int, scalars: dict[str, float]) -> None:
-  """nan_check: stop on a non-finite loss (the loop checks a step before any checkpoint that includes it)."""
-  if config.nan_check and not math.isfinite(scalars["loss"]):
-    raise NonFiniteLossError(
-      f"loss is {scalars['loss']} at step {step}; nothing from this step was checkpointed. "
-      "Lower learning_rate, raise warmup_steps_fraction, set gradient_clipping_threshold, or use "
-      "dtype=float32; the run resumes from its last checkpoint."
-    )
+  """nan_check: stop on a non-finite loss or update (the train step did not apply the update; the loop
+  checks a step before any checkpoint that includes it)."""
+  if not config.nan_check or (math.isfinite(scalars["loss"]) and scalars.get("update_finite", 1.0) > 0):
+    return
+  what = f"loss is {scalars['loss']}" if not math.isfinite(scalars["loss"]) else "the update is not finite"
+  raise NonFiniteLossError(
+    f"{what} at step {step} (grad norm {scalars.get('grad_norm')}); that update was not applied or saved. "
+    "Lower learning_rate (or raise warmup_steps_fraction, set gradient_clipping_threshold, use dtype=float32) "
+    "and rerun with the same run_name."
+  )
 
 
 class Pending(NamedTuple):
@@ -263,6 +267,8 @@ def train_loop(config: Config, parts: LoopParts) -> dict[str, Any]:
             print(f"eval_loss {result['eval_loss']:.4f} <= target_eval_loss: stopping at step {done}", flush=True)
           break
         reader.restart_clock()
+      if manager is not None and done % config.checkpoint_period == config.async_checkpoint_max_lag_steps:
+        checkpointing.wait_for_saves(manager)  # bounds what a kill loses: docs/failures.md
       if done < config.steps:  # fetched while this step runs on the device
         batch = next(data.train)
     reader.flush()
@@ -287,7 +293,10 @@ def main(argv: Sequence[str]) -> None:
   if config.log_config and jax.process_index() == 0:
     print(config, flush=True)
   with launch.user_errors():
-    run(config)
+    try:
+      run(config)
+    except (NonFiniteLossError, checkpointing.CheckpointError) as e:  # the message says what to do
+      sys.exit(f"{type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":

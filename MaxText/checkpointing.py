@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import shutil
 from collections.abc import Iterator
@@ -33,6 +34,8 @@ from MaxText.state import StateSpec, TrainState
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax names a step directory being written <step>TMP_SUFFIX[...]
 UNREADABLE_DIR = "checkpoints_unreadable"  # next to checkpoints/: where unreadable steps are moved
+NONFINITE_DIR = "checkpoints_nonfinite"  # next to checkpoints/: steps whose own loss is not finite
+NONFINITE_FILE = "nonfinite_loss_steps.json"  # in the run dir: those steps, recorded when the run stopped
 
 
 class CheckpointError(RuntimeError):
@@ -88,16 +91,42 @@ def committed_steps(directory: str) -> list[int]:
   return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit())
 
 
-def resume_point(manager: ocp.CheckpointManager | None) -> str:
-  """Where a restart with the same run_name begins, for error messages (waits for in-flight saves)."""
+def resume_point(config: Config, manager: ocp.CheckpointManager | None, nonfinite_loss_step: int | None) -> str:
+  """Where a rerun with the same run_name begins, for the non-finite error (waits for in-flight saves).
+
+  A checkpoint at `nonfinite_loss_step` gives that non-finite loss again at any learning rate (the loss of
+  a step depends only on the state before it and the batch, both restored): it is recorded, and the
+  rerun moves it to NONFINITE_DIR and resumes from the one before."""
   if manager is None:
-    return "checkpointing is off, so a restart begins at step 0."
+    return "Checkpointing is off, so a rerun begins at step 0."
   with contextlib.suppress(CheckpointError):  # a failed save is reported by finish(); here it is just not a step
     wait_for_saves(manager)
-  steps = committed_steps(str(manager.directory))
+  steps, note = committed_steps(str(manager.directory)), ""
+  if nonfinite_loss_step in steps:
+    steps.remove(nonfinite_loss_step)
+    if jax.process_index() == 0:
+      (epath.Path(config.run_dir) / NONFINITE_FILE).write_text(json.dumps([nonfinite_loss_step]))
+    note = f" (checkpoint {nonfinite_loss_step} itself gives this loss: the rerun moves it to {NONFINITE_DIR}/)"
   if not steps:
-    return "No checkpoint was saved yet, so a restart begins at step 0."
-  return f"A restart resumes from the last good checkpoint, step {steps[-1]} ({manager.directory / str(steps[-1])})."
+    return f"No earlier checkpoint was saved, so a rerun begins at step 0{note}."
+  last = manager.directory / str(steps[-1])
+  return f"A rerun resumes from the last good checkpoint, step {steps[-1]} ({last}){note}."
+
+
+def _set_aside_nonfinite(config: Config, manager: ocp.CheckpointManager) -> None:
+  """Move the checkpoints recorded by resume_point out of the way, once, before resuming."""
+  record = epath.Path(config.run_dir) / NONFINITE_FILE
+  if not record.exists():
+    return
+  present = set(committed_steps(str(manager.directory)))
+  for step in json.loads(record.read_text()):
+    if step in present:
+      _say(f"checkpoint step {step} gave a non-finite loss; moved it to {_move_aside(config, step, NONFINITE_DIR)}")
+  if jax.process_count() > 1:  # every process sees the moved directories and the record before it goes
+    multihost_utils.sync_global_devices("nonfinite_checkpoints_moved")
+  if jax.process_index() == 0:
+    record.unlink()
+  manager.reload()
 
 
 def _no_space(error: BaseException) -> bool:
@@ -140,6 +169,8 @@ def restore_or_init(
   config: Config, tx: optax.GradientTransformation, spec: StateSpec, manager: ocp.CheckpointManager | None
 ) -> Restored:
   """The starting state, in order of precedence: this run's latest readable checkpoint, then the load_* paths."""
+  if manager is not None:
+    _set_aside_nonfinite(config, manager)
   if manager is not None and manager.all_steps():
     return _restore_latest_good(config, manager, spec.abstract)
   if config.load_full_state_path:
@@ -175,7 +206,8 @@ def _restore_latest_good(config: Config, manager: ocp.CheckpointManager, abstrac
       _say(f"checkpoint step {step} cannot be restored: {failed[-1][1]}")
       continue
     for bad, _ in failed:
-      _say(f"moved unreadable checkpoint step {bad} to {_move_aside(config, bad)}; resuming from step {step}")
+      moved = _move_aside(config, bad, UNREADABLE_DIR)
+      _say(f"moved unreadable checkpoint step {bad} to {moved}; resuming from step {step}")
     if failed:
       if jax.process_count() > 1:  # every process sees the moved directories before anyone saves
         multihost_utils.sync_global_devices("checkpoints_moved_aside")
@@ -189,10 +221,10 @@ def _restore_latest_good(config: Config, manager: ocp.CheckpointManager, abstrac
   )
 
 
-def _move_aside(config: Config, step: int) -> str:
-  """Rename checkpoints/<step> to checkpoints_unreadable/<step>[.N] (writer process); returns the new path."""
+def _move_aside(config: Config, step: int, where: str) -> str:
+  """Rename checkpoints/<step> to <run dir>/<where>/<step>[.N] (writer process); returns the new path."""
   source = epath.Path(config.checkpoint_dir) / str(step)
-  aside = epath.Path(config.run_dir) / UNREADABLE_DIR
+  aside = epath.Path(config.run_dir) / where
   target, n = aside / str(step), 0
   while target.exists():  # an earlier failure of the same step number is kept too
     n += 1

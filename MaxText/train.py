@@ -31,6 +31,10 @@ from MaxText.config import Config, ConfigError
 class NonFiniteLossError(RuntimeError):
   """The loss or the update went NaN/inf; that update was not applied and nothing non-finite was saved."""
 
+  def __init__(self, message: str, loss_step: int | None = None):
+    super().__init__(message)
+    self.loss_step = loss_step  # the step whose loss (a function of the state before it) is not finite
+
 
 def check_hardware(config: Config) -> None:
   backend = jax.default_backend()
@@ -135,7 +139,7 @@ def run(config: Config, devices: Sequence[Any] | None = None) -> dict[str, Any]:
       parts = LoopParts(mesh, spec, restored, data, manager, step_fn, global_batch, peak_flops)
       return train_loop(config, parts)
     except NonFiniteLossError as e:  # name the checkpoint a restart resumes from (in-flight saves complete first)
-      raise NonFiniteLossError(f"{e} {checkpointing.resume_point(manager)}") from None
+      raise NonFiniteLossError(f"{e} {checkpointing.resume_point(config, manager, e.loss_step)}") from None
     finally:  # on success or error, let in-flight (async) checkpoints of good steps complete
       if manager is not None:
         checkpointing.finish(manager)
@@ -153,11 +157,13 @@ def check_finite(config: Config, step: int, scalars: dict[str, float]) -> None:
   checks a step before any checkpoint that includes it)."""
   if not config.nan_check or (math.isfinite(scalars["loss"]) and scalars.get("update_finite", 1.0) > 0):
     return
-  what = f"loss is {scalars['loss']}" if not math.isfinite(scalars["loss"]) else "the update is not finite"
+  loss_finite = math.isfinite(scalars["loss"])
+  what = "the update is not finite" if loss_finite else f"loss is {scalars['loss']}"
   raise NonFiniteLossError(
     f"{what} at step {step} (grad norm {scalars.get('grad_norm')}); that update was not applied or saved. "
     "Lower learning_rate (or raise warmup_steps_fraction, set gradient_clipping_threshold, use dtype=float32) "
-    "and rerun with the same run_name."
+    "and rerun with the same run_name.",
+    loss_step=None if loss_finite else step,
   )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import shutil
 from collections.abc import Iterator
@@ -48,9 +49,23 @@ class Restored(NamedTuple):
   source: str  # "resume from step N" | "load_full_state_path" | "load_parameters_path" | "init"
 
 
+class _NoSpaceTracebacks(logging.Filter):
+  """orbax logs a full traceback from each background save thread that hits ENOSPC; CheckpointError says
+  it in one line, so those records keep their one-line message and lose the traceback."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.exc_info and record.exc_info[1] is not None and _no_space(record.exc_info[1]):
+      record.exc_info, record.exc_text = None, None
+    return True
+
+
+_NO_SPACE_FILTER = _NoSpaceTracebacks()
+
+
 def create_manager(config: Config) -> ocp.CheckpointManager | None:
   if not config.enable_checkpointing:
     return None
+  logging.getLogger("absl").addFilter(_NO_SPACE_FILTER)  # orbax logs through absl; adding twice is a no-op
   options = ocp.CheckpointManagerOptions(
     save_interval_steps=1,  # the train loop decides which steps are due (checkpoint_period, last step)
     max_to_keep=None if config.max_num_checkpoints_to_keep == -1 else config.max_num_checkpoints_to_keep,

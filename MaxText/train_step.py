@@ -137,7 +137,7 @@ def train_step(
   updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
   params = optax.apply_updates(state.params, updates)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite((params, opt_state))
-  # Select, not branch: both states already exist, and XLA fuses the select into the update.
+  # Select, not branch: no host round trip, and both states are live at this point anyway.
   params, opt_state = jax.tree.map(
     lambda new, old: jnp.where(finite, new, old), (params, opt_state), (state.params, state.opt_state)
   )

@@ -37,6 +37,8 @@ BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 MAX_EXP_ARG = 709.0  # math.exp overflows a float64 just above this
 TOKEN_MEANS = ("loss", "z_loss", "moe_load_balance_loss")  # per-token losses: token-weighted over a window
 PLAIN_MEANS = ("grad_norm",)  # per-step values: plain mean over a window
+# Per-step 0/1 flags from the train step: counted into `skipped_steps`, not written per step.
+STEP_FLAGS = ("update_finite", "step_skipped")
 
 
 class FlopCount(NamedTuple):
@@ -235,6 +237,7 @@ class MetricLogger:
     self._compile_time_s = 0.0
     self._last: dict[str, float] = {}  # the last step's scalars
     self._last_record: dict[str, Any] = {}  # the last train record written
+    self._skipped = 0  # steps whose update was not applied (non-finite or a spike), this run
     self._last_eval: dict[str, float] = {}
     self._last_checkpoint: str | None = None
     self._closed = False
@@ -287,7 +290,10 @@ class MetricLogger:
     start, end = dispatch if dispatch is not None else (now - step_time_s, now)
     compiling = self._compiled_during(start, end) or self._steps_run < COMPILE_STEPS
     self._steps_run += 1
-    self._last = {k: float(v) for k, v in scalars.items()}
+    self._skipped += int(scalars.get("step_skipped", 0.0) > 0)
+    self._last = {k: float(v) for k, v in scalars.items() if k not in STEP_FLAGS}
+    if self._skipped:  # only runs that skipped a step carry the count, so normal log lines stay short
+      self._last["skipped_steps"] = self._skipped
     if compiling:
       self._compile_time_s += step_time_s
       self._emit(self._train_record(step, step_time_s, self._last, compiling=True))
@@ -394,6 +400,7 @@ class MetricLogger:
       "compile_steps_time_s": self._compile_time_s,
       "total_time_s": time.perf_counter() - self._start_time,
       "last_checkpoint": self._last_checkpoint,
+      "skipped_steps": self._skipped,
       **self._last_eval,
     }
 
@@ -478,6 +485,8 @@ def format_summary(summary: Mapping[str, Any], config: Config | None = None) -> 
     lines.append(f"  final eval loss      {_num(summary['eval_loss'], '.4f')}")
   if config is not None:
     lines += console.outputs_lines(config, summary.get("last_checkpoint"))
+  if summary.get("skipped_steps"):
+    lines.append(f"  skipped steps        {summary['skipped_steps']} (not applied: non-finite or a loss spike)")
   return "\n".join(lines)
 
 

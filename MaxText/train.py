@@ -39,7 +39,11 @@ from MaxText.config import Config, ConfigError
 
 
 class NonFiniteLossError(RuntimeError):
-  """The loss went NaN/inf; nothing from that step was checkpointed."""
+  """The loss or the update went NaN/inf; that update was not applied and nothing non-finite was saved."""
+
+  def __init__(self, message: str, loss_step: int | None = None):
+    super().__init__(message)
+    self.loss_step = loss_step  # the step whose loss (a function of the state before it) is not finite
 
 
 def check_hardware(config: Config) -> None:
@@ -152,10 +156,11 @@ def run(config: Config, devices: Sequence[Any] | None = None, started: float | N
       step_fn = train_step_fn(config, mesh, optimizer, spec)
       parts = LoopParts(mesh, spec, restored, data, manager, step_fn, global_batch, peak, started, watch)
       return train_loop(config, parts)
+    except NonFiniteLossError as e:  # name the checkpoint a restart resumes from (in-flight saves complete first)
+      raise NonFiniteLossError(f"{e} {checkpointing.resume_point(config, manager, e.loss_step)}") from None
     finally:  # on success or error, let in-flight (async) checkpoints of good steps complete
       if manager is not None:
-        manager.wait_until_finished()
-        manager.close()
+        checkpointing.finish(manager)
 
 
 def already_done(config: Config, start: int) -> bool:
@@ -195,13 +200,18 @@ def train_step_fn(config: Config, mesh: Mesh, optimizer: optimizers.Optimizer, s
 
 
 def check_finite(config: Config, step: int, scalars: dict[str, float]) -> None:
-  """nan_check: stop on a non-finite loss (the loop checks a step before any checkpoint that includes it)."""
-  if config.nan_check and not math.isfinite(scalars["loss"]):
-    raise NonFiniteLossError(
-      f"loss is {scalars['loss']} at step {step}; nothing from this step was checkpointed. "
-      "Lower learning_rate, raise warmup_steps_fraction, set gradient_clipping_threshold, or use "
-      "dtype=float32; the run resumes from its last checkpoint."
-    )
+  """nan_check: stop on a non-finite loss or update (the train step did not apply the update; the loop
+  checks a step before any checkpoint that includes it)."""
+  if not config.nan_check or (math.isfinite(scalars["loss"]) and scalars.get("update_finite", 1.0) > 0):
+    return
+  loss_finite = math.isfinite(scalars["loss"])
+  what = "the update is not finite" if loss_finite else f"loss is {scalars['loss']}"
+  raise NonFiniteLossError(
+    f"{what} at step {step} (grad norm {scalars.get('grad_norm')}); that update was not applied or saved. "
+    "Lower learning_rate (or raise warmup_steps_fraction, set gradient_clipping_threshold, use dtype=float32) "
+    "and rerun with the same run_name.",
+    loss_step=None if loss_finite else step,
+  )
 
 
 class Pending(NamedTuple):
@@ -336,6 +346,8 @@ def train_loop(config: Config, parts: LoopParts) -> dict[str, Any]:
           path = os.path.join(config.checkpoint_dir, str(done)) if manager is not None else None
           raise preemption.Stopped(done, parts.watch.signum or stop, path, here=bool(parts.watch.signum))
         reader.restart_clock()
+      if manager is not None and done % config.checkpoint_period == config.async_checkpoint_max_lag_steps:
+        checkpointing.wait_for_saves(manager)  # bounds what a kill loses: docs/failures.md
       if done < config.steps:  # fetched while this step runs on the device
         batch = next(data.train)
     reader.flush()
@@ -366,6 +378,8 @@ def main(argv: Sequence[str]) -> None:
     except preemption.Stopped as stopped:
       print(stopped.line(), file=sys.stderr, flush=True)
       sys.exit(preemption.EXIT_STOPPED)
+    except (NonFiniteLossError, checkpointing.CheckpointError) as e:  # the message says what to do
+      sys.exit(f"{type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":

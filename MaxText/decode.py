@@ -20,7 +20,7 @@ if __package__ in (None, ""):  # run as a script: import the package from the re
 
 import jax
 
-from MaxText import launch, sharding
+from MaxText import launch, saved_config, sharding
 from MaxText.config import Config
 from MaxText.inference import Engine, Generation
 
@@ -67,6 +67,7 @@ def main(argv: Sequence[str]) -> None:
   """argv: the arguments after the program name."""
   config = launch.start(argv, USAGE)
   with launch.user_errors():
+    saved_config.check(config)  # a checkpoint of another architecture, named before any device work
     run(config)
 
 

@@ -21,7 +21,7 @@ import jax
 import yaml
 from jax.sharding import Mesh
 
-from MaxText import accelerators, checkpointing, compiled_step, launch, metrics, optimizers, sharding
+from MaxText import accelerators, checkpointing, compiled_step, launch, metrics, optimizers, saved_config, sharding
 from MaxText import data as data_lib
 from MaxText import state as state_lib
 from MaxText import train_step as steps
@@ -287,6 +287,8 @@ def main(argv: Sequence[str]) -> None:
   if config.log_config and jax.process_index() == 0:
     print(config, flush=True)
   with launch.user_errors():
+    launch.check_outputs(config)  # before any device work: the mistakes that are knowable now
+    saved_config.check(config)
     run(config)
 
 

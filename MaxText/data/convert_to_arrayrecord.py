@@ -14,6 +14,7 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 
+from MaxText.data.errors import DataError
 from MaxText.data.files import cli_texts
 
 
@@ -34,7 +35,7 @@ def write_arrayrecord(texts: Iterable[str], output_dir: str, prefix: str = "data
     for w in writers:
       w.close()
   if count == 0:
-    raise ValueError("No documents to convert: every input text is empty")
+    raise DataError("No documents to convert: every input text is empty")
   return paths
 
 

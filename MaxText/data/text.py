@@ -212,6 +212,11 @@ def make_iterators(config: Config, mesh: Mesh) -> Iterators:
   corpus = load_corpus(config, docs, tok, texts)
   names = document_names(docs, corpus.counts)
   train_ids, eval_ids = split_documents(docs, names, np.diff(corpus.offsets) > 0, config.eval_fraction)
+  if config.eval_interval > 0 and not len(eval_ids):
+    raise DataError(
+      f"eval_interval={config.eval_interval} but eval_fraction={config.eval_fraction} holds out no document of "
+      f"the {len(train_ids)} under {docs.root!r}; add documents, raise eval_fraction, or set eval_interval=-1"
+    )
   spec, length = sharding.input_sharding(config, mesh), config.max_target_length
 
   def iterator(ids: np.ndarray, seed: int | None, batch: int, one_epoch: bool = False) -> BatchIterator:

@@ -144,6 +144,7 @@ CASES = {
   "experts_per_token": T("num_experts_per_tok", "num_experts=4", "num_experts_per_tok=8"),
   "llama3_rope": T("rope_low_freq_factor", "rope_type=llama3", "rope_low_freq_factor=5"),
   "not_key_value": T("'foo'", "foo"),
+  "tpu_on_cpu": T("hardware=tpu", "hardware=tpu"),
   "missing_params": T("load_parameters_path", "load_parameters_path={d}/nope"),
   "missing_tokenizer": T("tokenizer_path", "tokenizer_path={d}/nope"),
   "grain_without_files": T("grain_train_files", "dataset_type=grain", "tokenizer_path={d}/tok"),

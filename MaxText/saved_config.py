@@ -11,8 +11,12 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import yaml
+from flax import nnx
 
+from MaxText import checkpointing
+from MaxText import state as state_lib
 from MaxText.config import Config, ConfigError
 
 # Keys that decide the shapes or the structure of the saved state: (key, its base_* key when derived).
@@ -77,9 +81,36 @@ def differences(saved: Mapping[str, Any], config: Config, *, layout: bool) -> li
   return diffs
 
 
-def _resuming(config: Config) -> bool:
+def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+  """'a/b/0/kernel' -> shape for every array (or array metadata) leaf; orbax's trailing 'value' dropped."""
+  flat = {}
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: hasattr(x, "shape")):
+    names = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+    flat["/".join(names[:-1] if names[-1] == "value" else names)] = tuple(leaf.shape)
+  return flat
+
+
+def shape_differences(path: str, config: Config) -> list[str]:
+  """'param: saved shape -> this config's shape' for the parameters of the checkpoint at `path` (a
+  params-only or a train-state checkpoint); [] when the shapes agree or the trees differ in layout
+  (scan_layers, which load_parameters_path bridges, or another structure the restore reports)."""
+  try:
+    tree = checkpointing.saved_tree(path)
+  except Exception:  # not an orbax checkpoint we can read: the restore reports it
+    return []
+  saved = _shapes(tree.get("params", tree) if isinstance(tree, dict) else tree)
+  wanted = _shapes(nnx.to_pure_dict(state_lib.param_spec(config).abstract))
+  if set(saved) != set(wanted):
+    return []
+  return [f"{k}: {saved[k]} -> {wanted[k]}" for k in sorted(wanted) if saved[k] != wanted[k]]
+
+
+def _latest_step_dir(config: Config) -> str | None:
   path = config.checkpoint_dir
-  return config.enable_checkpointing and os.path.isdir(path) and any(d.isdigit() for d in os.listdir(path))
+  if not (config.enable_checkpointing and os.path.isdir(path)):
+    return None
+  steps = [int(d) for d in os.listdir(path) if d.isdigit()]
+  return os.path.join(path, str(max(steps)), "state") if steps else None
 
 
 def _config_above(path: str) -> tuple[str, dict[str, Any]] | None:
@@ -92,25 +123,37 @@ def _config_above(path: str) -> tuple[str, dict[str, Any]] | None:
   return None
 
 
+def _shown(diffs: list[str], most: int = 3) -> str:
+  return "; ".join(diffs[:most]) + (f"; and {len(diffs) - most} more" if len(diffs) > most else "")
+
+
 def check(config: Config) -> None:
   """ConfigError naming the differing keys when this run would restore a checkpoint (its own, to resume, or
-  load_full_state_path / load_parameters_path) whose saved config.yml has another architecture.
-  Local paths only: a gs:// run is checked by the restore itself."""
-  if _resuming(config) and not config.run_dir.startswith("gs://"):
+  load_full_state_path / load_parameters_path) whose saved config.yml (or, without one, whose parameter
+  shapes) say it is of another architecture. Local paths only: a gs:// run is checked by the restore itself."""
+  latest = _latest_step_dir(config) if not config.run_dir.startswith("gs://") else None
+  if latest is not None:
     saved = read(config.run_dir)
-    diffs = differences(saved, config, layout=True) if saved else []
+    diffs = differences(saved, config, layout=True) if saved else shape_differences(latest, config)
     if diffs:
       raise ConfigError(
         f"run_name={config.run_name!r} has checkpoints of another architecture in {config.checkpoint_dir!r} "
-        f"({'; '.join(diffs)}); use a new run_name, or the run's own settings to resume it"
+        f"({_shown(diffs)}); use a new run_name, or the run's own settings to resume it"
       )
     return
   for key in ("load_full_state_path", "load_parameters_path"):
     path = config[key]
-    found = _config_above(path) if path and not path.startswith("gs://") else None
-    diffs = differences(found[1], config, layout=key == "load_full_state_path") if found else []
+    if not path or path.startswith("gs://"):
+      continue
+    found = _config_above(path)
+    if found:
+      diffs = differences(found[1], config, layout=key == "load_full_state_path")
+      where = f"per {os.path.join(found[0], 'config.yml')}"
+    else:
+      diffs, where = shape_differences(path, config), "parameter shapes saved -> wanted"
     if diffs:
       raise ConfigError(
-        f"{key}={path!r} holds a model of another architecture (per {os.path.join(found[0], 'config.yml')}: "
-        f"{'; '.join(diffs)}); set those keys to the checkpoint's values (or model_name to its preset)"
+        f"{key}={path!r} holds a model of another architecture ({where}: {_shown(diffs)}); set the architecture keys "
+        "(base_emb_dim, base_num_query_heads, base_num_kv_heads, head_dim, base_mlp_dim, vocab_size, ...) or "
+        "model_name to the checkpoint's"
       )

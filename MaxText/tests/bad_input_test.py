@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import traceback
@@ -21,7 +22,7 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText import decode, train
+from MaxText import checkpointing, config, decode, state, train
 from MaxText.convert import hf_to_maxtext
 from MaxText.data import files
 from MaxText.tests.conftest import BASE, ROOT, TINY
@@ -162,6 +163,12 @@ CASES = {
   "decode_params_other_architecture": Case(
     "decode", ("load_parameters_path={d}/runs/old/checkpoints/1/state",), "load_parameters_path"
   ),
+  "decode_params_no_config_yml": Case("decode", ("load_parameters_path={d}/params128",), "load_parameters_path"),
+  "train_params_no_config_yml": T("load_parameters_path", "load_parameters_path={d}/params128"),
+  "train_full_state_no_config_yml": T("load_full_state_path", "load_full_state_path={d}/params128"),
+  "resume_no_config_yml": T(
+    "run_name='noyml'", "base_output_directory={d}/runs", "run_name=noyml", "enable_checkpointing=true"
+  ),
   "decode_bad_sampling": Case("decode", ("decode_sampling_nucleus_p=0",), "decode_sampling_nucleus_p"),
   # data (the issue's 18): text corpora, tokenizers, grain, hf
   "text_no_match": D("{d}/nope", "dataset_type=text", "dataset_path={d}/nope/*.txt"),
@@ -254,7 +261,16 @@ def scratch(tmp_path_factory, corpus):
   }
   for path, data in files_.items():
     _write(path, data)
+  _save_params(f"{d}/params128", "base_emb_dim=128")
+  shutil.copytree(f"{d}/params128", f"{d}/runs/noyml/checkpoints/1/state")
   return {"d": d, "sp": corpus[1]}
+
+
+def _save_params(path: str, *overrides: str) -> None:
+  """A params-only checkpoint of the TINY model with `overrides`, with no config.yml beside it (zeros)."""
+  c = config.load([BASE, *TINY, *overrides], {})
+  params = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), state.param_spec(c).abstract)
+  checkpointing.save_params(path, params)
 
 
 def _argv(case: Case, scratch: dict) -> list[str]:

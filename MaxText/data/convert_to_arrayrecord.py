@@ -47,8 +47,11 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser.add_argument("--num_shards", type=int, default=1, help="number of output files")
   parser.add_argument("--text_column", default="text", help=".jsonl/.parquet field holding the text")
   args = parser.parse_args(argv)
-  paths, texts = cli_texts(args.files, args.text_column)
-  written = write_arrayrecord(texts, args.output_dir, args.prefix, args.num_shards)
+  from MaxText import launch  # noqa: PLC0415 (launch imports this package)
+
+  with launch.user_errors():
+    paths, texts = cli_texts(args.files, args.text_column)
+    written = write_arrayrecord(texts, args.output_dir, args.prefix, args.num_shards)
   print(f"Wrote {len(written)} ArrayRecord files: {os.path.join(args.output_dir, args.prefix)}-*.array_record")
 
 

@@ -24,7 +24,7 @@ import pytest
 
 from MaxText import checkpointing, config, decode, state, train
 from MaxText.convert import hf_to_maxtext
-from MaxText.data import files
+from MaxText.data import convert_to_arrayrecord, files, inspect, train_tokenizer
 from MaxText.tests.conftest import BASE, ROOT, TINY
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -205,6 +205,13 @@ CASES = {
   "grain_bad_mixture": D("mixture", "dataset_type=grain", "grain_train_files={d}/fake.arrayrecord,0", *SP),
   "grain_unreachable_gs": D("gs://", "dataset_type=grain", "grain_train_files=gs://no-such-bucket-x/*", *SP),
   "hf_no_files": D("{d}/nope", "dataset_type=hf", "hf_path=json", "hf_train_files={d}/nope/*.json", *SP),
+  # the data tools
+  "to_arrayrecord_no_match": Case("to_arrayrecord", ("--files={d}/nope/*", "--output_dir={d}/ar"), "{d}/nope"),
+  "to_arrayrecord_malformed": Case("to_arrayrecord", ("--files={d}/bad.jsonl", "--output_dir={d}/ar"), "bad.jsonl:2"),
+  "train_tokenizer_no_match": Case(
+    "train_tokenizer", ("--files={d}/nope/*", "--vocab_size=64", "--output_dir={d}/t"), "{d}/nope"
+  ),
+  "inspect_no_match": Case("inspect", ("dataset_type=text", "dataset_path={d}/nope/*.txt"), "{d}/nope", False),
   # hf_to_maxtext input
   "convert_no_directory": Case("convert", ("--hf_path={d}/nope", *CONVERT), "{d}/nope"),
   "convert_no_config": Case("convert", ("--hf_path={d}/docs", *CONVERT), "config.json"),
@@ -275,13 +282,21 @@ def _save_params(path: str, *overrides: str) -> None:
 
 def _argv(case: Case, scratch: dict) -> list[str]:
   args = [a.format(**scratch) for a in case.args]
-  if case.entry == "convert":
+  if case.entry in OWN_ARGV:
     return args
   common = [f"base_output_directory={scratch['d']}/out", "run_name=bad", *TINY, "steps=2"]
-  return [BASE, *common, *args] if case.entry == "decode" else ["train.py", BASE, *common, *args]
+  return ["train.py", BASE, *common, *args] if case.entry == "train" else [BASE, *common, *args]
 
 
-MAINS = {"train": train.main, "decode": decode.main, "convert": hf_to_maxtext.main}
+MAINS = {
+  "train": train.main,
+  "decode": decode.main,
+  "inspect": inspect.main,
+  "convert": hf_to_maxtext.main,
+  "to_arrayrecord": convert_to_arrayrecord.main,
+  "train_tokenizer": train_tokenizer.main,
+}
+OWN_ARGV = ("convert", "to_arrayrecord", "train_tokenizer")  # argparse tools: the case's args are all of argv
 
 
 def assert_one_line_exit(outcome: Outcome, names: str) -> None:

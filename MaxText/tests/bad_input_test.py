@@ -1,6 +1,7 @@
 """Bad input: every case runs an entry point's real main and must exit 1 with exactly one line on stderr that
-names the key or path, with no traceback anywhere; a case whose input is knowable from the config alone must
-fail before anything is compiled.
+names the key or path, with no traceback anywhere. A case whose input is knowable from the config alone (or a
+checkpoint's saved config and shapes) must fail before anything is compiled; a data case (found when the files
+are opened) before the train step is built.
 
 Most cases run main in-process (run_main: SystemExit and stderr as the interpreter would produce them, a
 compile counter from jax.monitoring); a few run as real subprocesses to show that the in-process verdict is
@@ -310,9 +311,13 @@ def assert_one_line_exit(outcome: Outcome, names: str) -> None:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bad_input_exits_with_one_line(name, scratch, monkeypatch):
   monkeypatch.setattr(files, "REMOTE_CHECK_TIMEOUT_S", 1.0)  # no network here: storage never answers
+  built = []  # a data error is found once files are opened, but still before the train step is built
+  step_fn = train.train_step_fn
+  monkeypatch.setattr(train, "train_step_fn", lambda *args: built.append(1) or step_fn(*args))
   case = CASES[name]
   outcome = run_main(MAINS[case.entry], _argv(case, scratch))
   assert_one_line_exit(outcome, case.names.format(**scratch))
+  assert not built, f"{name}: the train step was built before the error"
   if case.knowable:
     assert outcome.compiles == 0, f"{name}: {outcome.compiles} compilations before the error"
 

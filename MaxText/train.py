@@ -22,6 +22,7 @@ import yaml
 from jax.sharding import Mesh
 
 from MaxText import accelerators, checkpointing, compiled_step, launch, metrics, optimizers, saved_config, sharding
+from MaxText import config as config_lib
 from MaxText import data as data_lib
 from MaxText import state as state_lib
 from MaxText import train_step as steps
@@ -120,6 +121,7 @@ def run(config: Config, devices: Sequence[Any] | None = None) -> dict[str, Any]:
   check_hardware(config)
   mesh = sharding.create_mesh(config, devices)
   global_batch = sharding.global_batch_size(config, mesh)  # fails early on a batch that cannot split
+  config_lib.check_divisibility(config, dict(mesh.shape))  # and on a model that cannot, before any compile
   optimizer = optimizers.build(config)
   peak_flops = accelerators.peak_flops_per_device(dtype=config.dtype)  # CPU: a measured matmul, outside the mesh
   with sharding.activate(config, mesh), stack_traces(config):

@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # run as a script: import the package from the re
 
 import jax
 
-from MaxText import launch, sharding
+from MaxText import launch, saved_config, sharding
 from MaxText.config import Config
 from MaxText.inference import Engine, Generation
 
@@ -74,6 +74,7 @@ def main(argv: Sequence[str]) -> None:
   # one row unless the command line or M_PER_DEVICE_BATCH_SIZE asks for a batch.
   asked = any(a.startswith("per_device_batch_size=") for a in argv) or "M_PER_DEVICE_BATCH_SIZE" in os.environ
   with launch.user_errors():
+    saved_config.check(config)  # a checkpoint of another architecture, named before any device work
     run(config, rows=None if asked else 1)
 
 

@@ -16,6 +16,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from MaxText import config as config_lib
 from MaxText import models, sharding
 from MaxText.config import Config
 
@@ -50,6 +51,7 @@ def _with_shardings(abstract, shardings):
 
 def _shardings(tree, config: Config, mesh: Mesh):
   # Variables map to their logical spec; plain leaves (step, optimizer counters) are replicated.
+  config_lib.check_divisibility(config, dict(mesh.shape))  # a named key, not an XLA error at placement
   return sharding.logical_to_mesh(nnx.get_partition_spec(tree), mesh, sharding.axis_rules(config))
 
 

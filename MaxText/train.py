@@ -30,8 +30,10 @@ from MaxText import (
   metrics,
   optimizers,
   preemption,
+  saved_config,
   sharding,
 )
+from MaxText import config as config_lib
 from MaxText import data as data_lib
 from MaxText import state as state_lib
 from MaxText import train_step as steps
@@ -140,6 +142,7 @@ def run(config: Config, devices: Sequence[Any] | None = None, started: float | N
   config = keep_schedule_on_resume(config)
   mesh = sharding.create_mesh(config, devices)
   global_batch = sharding.global_batch_size(config, mesh)  # fails early on a batch that cannot split
+  config_lib.check_divisibility(config, dict(mesh.shape))  # and on a model that cannot, before any compile
   optimizer = optimizers.build(config)
   peak = accelerators.peak(dtype=config.dtype)  # CPU: a measured matmul, outside the mesh
   with sharding.activate(config, mesh), stack_traces(config), preemption.Watch(mesh) as watch:
@@ -373,6 +376,8 @@ def main(argv: Sequence[str]) -> None:
   if config.log_config and jax.process_index() == 0:
     print(config, flush=True)
   with launch.user_errors(), preemption.lost_processes(config.checkpoint_dir if config.enable_checkpointing else None):
+    launch.check_outputs(config)  # before any device work: the mistakes that are knowable now
+    saved_config.check(config)
     try:
       run(config, started=started)  # raises Stopped only after its checkpoint is written
     except preemption.Stopped as stopped:

@@ -14,6 +14,7 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 
+from MaxText.data.errors import DataError
 from MaxText.data.files import cli_texts
 
 
@@ -34,7 +35,7 @@ def write_arrayrecord(texts: Iterable[str], output_dir: str, prefix: str = "data
     for w in writers:
       w.close()
   if count == 0:
-    raise ValueError("No documents to convert: every input text is empty")
+    raise DataError("No documents to convert: every input text is empty")
   return paths
 
 
@@ -50,8 +51,11 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser.add_argument("--num_shards", type=int, default=1, help="number of output files")
   parser.add_argument("--text_column", default="text", help=".jsonl/.parquet field holding the text")
   args = parser.parse_args(argv)
-  paths, texts = cli_texts(args.files, args.text_column)
-  written = write_arrayrecord(texts, args.output_dir, args.prefix, args.num_shards)
+  from MaxText import launch  # noqa: PLC0415 (launch imports this package)
+
+  with launch.user_errors():
+    paths, texts = cli_texts(args.files, args.text_column)
+    written = write_arrayrecord(texts, args.output_dir, args.prefix, args.num_shards)
   print(f"Wrote {len(written)} ArrayRecord files: {os.path.join(args.output_dir, args.prefix)}-*.array_record")
 
 

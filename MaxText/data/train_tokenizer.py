@@ -27,8 +27,11 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser.add_argument("--text_column", default="text", help=".jsonl/.parquet field holding the text")
   parser.add_argument("--seed", type=int, default=0, help="seed of the sentence sampling")
   args = parser.parse_args(argv)
-  paths, texts = cli_texts(args.files, args.text_column)
-  path = train_sentencepiece(texts, args.vocab_size, args.output_dir, args.seed)
+  from MaxText import launch  # noqa: PLC0415 (launch imports this package)
+
+  with launch.user_errors():
+    paths, texts = cli_texts(args.files, args.text_column)
+    path = train_sentencepiece(texts, args.vocab_size, args.output_dir, args.seed)
   print(f"{path}: {load_tokenizer(path).vocab_size} pieces from {len(paths)} files")
 
 

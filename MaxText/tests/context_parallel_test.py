@@ -82,7 +82,10 @@ def test_llama_matches_unsplit(mesh):
 
 @pytest.mark.parametrize(
   "mesh",
-  [["ici_context_parallelism=4", "ici_fsdp_parallelism=2"], ["ici_context_parallelism=2", "ici_tensor_parallelism=4"]],
+  [
+    ["ici_context_parallelism=4", "ici_fsdp_parallelism=2"],
+    ["ici_context_parallelism=2", "ici_tensor_parallelism=2", "ici_fsdp_parallelism=2"],
+  ],
 )
 def test_sliding_window_family_matches_unsplit(mesh):
   """gemma2: alternating local (window 12, crossing chunk and shard edges) and global layers, soft caps."""

@@ -118,7 +118,7 @@ class MoeBlock(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     b, t, d = x.shape
     tokens = x.reshape(b * t, d)  # [X, D]
-    routing = route(self.gate(tokens), self.config, None if self.gate_bias is None else self.gate_bias[...])
+    routing = self._route(tokens)
     self.load_balance_loss = nnx.Intermediate(load_balance_loss(routing, self.num_experts))
     if self.capacity_factor > 0 and self.config.capacity_group == "global":
       out = self._capacity_experts(tokens, routing.experts)  # [X, k, D], 0 where dropped
@@ -131,6 +131,24 @@ class MoeBlock(nnx.Module):
     if self.shared_experts is not None:
       out = out + self.shared_experts(x)
     return nn.with_logical_constraint(out, ACTIVATION_AXES)
+
+  def _route(self, tokens: jax.Array) -> Routing:
+    """tokens [X, D] -> Routing, per batch shard under a mesh: the partitioner would all-gather the
+    [X, E] scores of the whole batch for top_k (seen on XLA:CPU), and routing is per token anyway."""
+    logits, config = self.gate(tokens), self.config
+    bias = None if self.gate_bias is None else self.gate_bias[...]
+    mesh = jax.sharding.get_abstract_mesh()
+    batch = () if mesh.empty else mesh_axes("activation_batch", ACTIVATION_AXES, mesh)
+    if not batch or tokens.shape[0] % axes_size(batch, mesh):
+      return route(logits, config, bias)
+    rows = P(batch, None)
+    if bias is None:
+      return jax.shard_map(lambda g: route(g, config), mesh=mesh, in_specs=rows, out_specs=Routing(rows, rows, rows))(
+        logits
+      )
+    return jax.shard_map(
+      lambda g, b: route(g, config, b), mesh=mesh, in_specs=(rows, P(None)), out_specs=Routing(rows, rows, rows)
+    )(logits, bias)
 
   def _experts(self, tokens: jax.Array, experts: jax.Array, length: int) -> jax.Array:
     """tokens [X, D], experts [X, k] -> each assignment's expert output [X, k, D] (dropless).

@@ -3,6 +3,7 @@ losses and gradients, dropless and with per-sequence / per-shard capacity; the c
 routed tokens with all-to-all and never all-gathers them; per-sequence capacity equals a token loop."""
 
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -36,9 +37,10 @@ def loss_fn(graphdef):
 def sharded_step(c, params, graphdef, x):
   """value_and_grad of the loss under c's mesh, and the jitted step (for its HLO)."""
   mesh = sharding.create_mesh(c)
-  with sharding.activate(c, mesh):
+  with sharding.activate(c, mesh):  # as train.py computes the shardings: the experts' dim over `expert`
     shardings = sharding.logical_to_mesh(nnx.get_partition_spec(params), mesh, sharding.axis_rules(c))
     placed = jax.device_put(params, shardings)
+    assert placed["wi_0"].value.sharding.spec[0] == "expert"
     step = jax.jit(jax.value_and_grad(loss_fn(graphdef)))
     value, grads = step(placed, x)
     hlo = step.lower(placed, x).compile().as_text()
@@ -64,3 +66,58 @@ def test_expert_parallel_equals_single_device(ep, mode):
   for (path, g), (_, w) in zip(leaves(grads), leaves(want_grads)):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5, err_msg=str(path))
   assert "all-to-all" in hlo
+
+
+def gathered_shapes(hlo: str) -> list[tuple[int, ...]]:
+  """The result shapes of every all-gather in compiled HLO text."""
+  shapes = []
+  for line in hlo.splitlines():
+    match = re.search(r"= (.*?) all-gather(?:-start)?\(", line)
+    if match:
+      shapes += [tuple(int(n) for n in dims.split(",") if n) for dims in re.findall(r"\w+\[([\d,]*)\]", match[1])]
+  return shapes
+
+
+@pytest.mark.parametrize("extra", [[], ["capacity_factor=0.5", "capacity_group=shard"]], ids=["dropless", "capacity"])
+def test_routed_tokens_move_by_all_to_all_and_are_never_gathered(extra):
+  """fsdp 4 x expert 2: the only all-gathers are of weights (the router's, the local experts' over fsdp);
+  nothing with the batch's 32 tokens or 64 assignments, the experts' dim is never gathered whole."""
+  c = load("ici_expert_parallelism=2", "ici_fsdp_parallelism=-1", *extra)
+  graphdef, params = nnx.split(block(c), nnx.Param)
+  x = jax.random.normal(jax.random.key(0), (8, 4, 16))
+  _, _, hlo = sharded_step(c, params, graphdef, x)
+  assert "all-to-all" in hlo
+  shapes = gathered_shapes(hlo)
+  assert shapes, "expected the FSDP weight gathers"
+  for shape in shapes:
+    assert not {32, 64} & set(shape), f"an all-gather of routed tokens or router scores: {shape}"
+    assert len(shape) != 3 or shape[0] == 4, f"expert weights gathered across `expert`: {shape}"
+
+
+def test_per_sequence_capacity_equals_token_loop():
+  """capacity_group=sequence: each sequence gives each expert ceil(0.5 * 8 * 2 / 8) = 1 slot, filled in
+  token order, on one device (the reference the expert-parallel runs are compared with)."""
+  layer = block(load("capacity_factor=0.5", "capacity_group=sequence"))
+  x = jax.random.normal(jax.random.key(5), (2, 8, 16))
+  tokens = np.asarray(x, np.float64)
+  routing = moe.route(layer.gate(x.reshape(16, 16)), layer.config)
+  experts = np.asarray(routing.experts).reshape(2, 8, 2)
+  weights = np.asarray(routing.weights, np.float64).reshape(2, 8, 2)
+  wi_0, wi_1, wo = (np.asarray(w[...], np.float64) for w in (layer.wi_0, layer.wi_1, layer.wo))
+  want, dropped = np.zeros_like(tokens), 0
+  for s in range(2):
+    seen = np.zeros(8, int)
+    for i in range(8):
+      for e, w in zip(experts[s, i], weights[s, i]):
+        if seen[e] < 1:
+          h = tokens[s, i] @ wi_0[e]
+          want[s, i] += w * ((h / (1 + np.exp(-h))) * (tokens[s, i] @ wi_1[e])) @ wo[e]
+        dropped += seen[e] >= 1
+        seen[e] += 1
+  assert 0 < dropped < 32
+  np.testing.assert_allclose(layer(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_unknown_capacity_group_is_a_config_error():
+  with pytest.raises(config.ConfigError, match="capacity_group"):
+    block(load("capacity_group=batch"))

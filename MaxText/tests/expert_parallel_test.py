@@ -78,6 +78,21 @@ def gathered_shapes(hlo: str) -> list[tuple[int, ...]]:
   return shapes
 
 
+@pytest.mark.parametrize("mode", ["dropless", "sequence"])
+def test_expert_parallel_with_expert_width_over_tensor(mode):
+  """fsdp 2 x tensor 2 x expert 2: each shard's experts compute a partial sum over their slice of F,
+  summed over `tensor` after the return all-to-all."""
+  extra = [] if mode == "dropless" else ["capacity_factor=0.5", "capacity_group=sequence"]
+  c = load("ici_expert_parallelism=2", "ici_tensor_parallelism=2", "ici_fsdp_parallelism=-1", *extra)
+  graphdef, params = nnx.split(block(load(*extra)), nnx.Param)
+  x = jax.random.normal(jax.random.key(7), (8, 4, 16))
+  want, want_grads = jax.value_and_grad(loss_fn(graphdef))(params, x)
+  got, grads, _ = sharded_step(c, params, graphdef, x)
+  np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+  for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("extra", [[], ["capacity_factor=0.5", "capacity_group=shard"]], ids=["dropless", "capacity"])
 def test_routed_tokens_move_by_all_to_all_and_are_never_gathered(extra):
   """fsdp 4 x expert 2: the only all-gathers are of weights (the router's, the local experts' over fsdp);

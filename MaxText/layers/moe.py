@@ -35,9 +35,6 @@ from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.mlp import ACTIVATIONS, MlpBlock
 from MaxText.layers.moe_dispatch import expert_capacity, expert_ranks
 
-__all__ = ["expert_capacity", "expert_ranks"]  # re-exported: they moved to moe_dispatch
-
-
 # Tokens that share an expert's capacity: the whole batch, each sequence (MaxText), each batch shard.
 CAPACITY_GROUPS = ("global", "sequence", "shard")
 
@@ -142,13 +139,10 @@ class MoeBlock(nnx.Module):
     if not batch or tokens.shape[0] % axes_size(batch, mesh):
       return route(logits, config, bias)
     rows = P(batch, None)
+    per_shard = functools.partial(jax.shard_map, mesh=mesh, out_specs=Routing(rows, rows, rows))
     if bias is None:
-      return jax.shard_map(lambda g: route(g, config), mesh=mesh, in_specs=rows, out_specs=Routing(rows, rows, rows))(
-        logits
-      )
-    return jax.shard_map(
-      lambda g, b: route(g, config, b), mesh=mesh, in_specs=(rows, P(None)), out_specs=Routing(rows, rows, rows)
-    )(logits, bias)
+      return per_shard(lambda g: route(g, config), in_specs=rows)(logits)
+    return per_shard(lambda g, b: route(g, config, b), in_specs=(rows, P(None)))(logits, bias)
 
   def _experts(self, tokens: jax.Array, experts: jax.Array, length: int) -> jax.Array:
     """tokens [X, D], experts [X, k] -> each assignment's expert output [X, k, D] (dropless).

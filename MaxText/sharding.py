@@ -108,10 +108,7 @@ def axis_rules(config: Config) -> tuple[tuple[str, Any], ...]:
 
 
 def logical_to_mesh(spec_tree: Any, mesh: Mesh, rules: Sequence[tuple[str, Any]]) -> Any:
-  """Map a tree of logical PartitionSpecs to NamedShardings on `mesh`. Under `activate`, nnx's
-  get_partition_spec already gives mesh axes: each mesh axis maps to itself, or a lone one ('expert' of
-  the MoE weights, 'stage' of `layers`) would fall through the rules to None (replicated)."""
-  rules = (*rules, *((a, a) for a in mesh.axis_names))
+  """Map a tree of logical PartitionSpecs to NamedShardings on `mesh`."""
   return jax.tree.map(
     lambda spec: NamedSharding(mesh, nn.logical_to_mesh_axes(tuple(spec), rules)),
     spec_tree,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import config, sharding
+from MaxText import config, sharding, state
 from MaxText.layers import moe
 
 BASE = os.path.join(config.CONFIG_DIR, "base.yml")
@@ -38,8 +38,7 @@ def sharded_step(c, params, graphdef, x):
   """value_and_grad of the loss under c's mesh, and the jitted step (for its HLO)."""
   mesh = sharding.create_mesh(c)
   with sharding.activate(c, mesh):  # as train.py computes the shardings: the experts' dim over `expert`
-    shardings = sharding.logical_to_mesh(nnx.get_partition_spec(params), mesh, sharding.axis_rules(c))
-    placed = jax.device_put(params, shardings)
+    placed = jax.device_put(params, state._shardings(params, c, mesh))
     assert placed["wi_0"].value.sharding.spec[0] == "expert"
     step = jax.jit(jax.value_and_grad(loss_fn(graphdef)))
     value, grads = step(placed, x)

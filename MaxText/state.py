@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -50,9 +51,13 @@ def _with_shardings(abstract, shardings):
 
 
 def _shardings(tree, config: Config, mesh: Mesh):
-  # Variables map to their logical spec; plain leaves (step, optimizer counters) are replicated.
+  # Variables map to their logical spec; plain leaves (step, optimizer counters) are replicated. The
+  # logical names are read outside the active rules: under them nnx resolves a name with its last rule
+  # only (`embed` -> fsdp, sequence), which left every weight whole across `expert` and `fsdp_transpose`.
   config_lib.check_divisibility(config, dict(mesh.shape))  # a named key, not an XLA error at placement
-  return sharding.logical_to_mesh(nnx.get_partition_spec(tree), mesh, sharding.axis_rules(config))
+  with nn.logical_axis_rules(()):
+    specs = nnx.get_partition_spec(tree)
+  return sharding.logical_to_mesh(specs, mesh, sharding.axis_rules(config))
 
 
 def param_spec(config: Config, mesh: Mesh | None = None) -> ParamSpec:

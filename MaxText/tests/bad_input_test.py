@@ -148,7 +148,7 @@ CASES = {
   "not_key_value": T("'foo'", "foo"),
   "tpu_on_cpu": T("hardware=tpu", "hardware=tpu"),
   "missing_params": T("load_parameters_path", "load_parameters_path={d}/nope"),
-  "missing_tokenizer": T("tokenizer_path", "tokenizer_path={d}/nope"),
+  "missing_tokenizer": T("tokenizer_path", "dataset_type=text", "tokenizer_path={d}/nope"),  # synthetic data reads none
   "grain_without_files": T("grain_train_files", "dataset_type=grain", "tokenizer_path={d}/tok"),
   "hf_without_path": T("hf_path", "dataset_type=hf", "tokenizer_path={d}/tok"),
   # outputs

@@ -270,7 +270,7 @@ def test_checkpoint_holds_the_data_state_after_exactly_its_steps(tmp_path, monke
 @pytest.mark.parametrize(
   "overrides, message",
   [
-    (["ici_fsdp_parallelism=4", "ici_tensor_parallelism=4"], "= 16 != 8 devices per slice"),
+    (["ici_fsdp_parallelism=4", "ici_data_parallelism=4"], "= 16 != 8 devices per slice"),
     (["per_device_batch_size=0.3"], "not a positive whole global batch"),
     (["hardware=tpu"], "hardware=tpu"),
   ],

@@ -16,6 +16,7 @@ PYTHON="${PYTHON:-python3}"
 SOURCE="gs://allennlp-tensorflow-datasets/c4/en/3.0.1"
 
 usage() { sed -n '4,7p' "$0" | sed 's/^# *//' >&2; exit 2; }
+case "${1:-}" in -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 
 convert_c4() {  # $1: root holding c4/en/3.0.1
   [ "${ARRAY_RECORD:-0}" = "1" ] || return 0

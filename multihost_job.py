@@ -32,7 +32,12 @@ XLA_RECIPE = os.path.join(ROOT, "end_to_end", "gpu", "a3mega_xla_flags.sh")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    prog="python3 multihost_job.py",
+    epilog="More: docs/multihost.md in the repository.",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   p.add_argument("--RUN_NAME", required=True, help="job name; code and logs go under gs://<BUCKET_NAME>/<RUN_NAME>/")
   p.add_argument("--BUCKET_NAME", required=True, help="GCS bucket (with or without gs://)")
   p.add_argument("--COMMAND", required=True, help="shell command every host runs from the unpacked code")

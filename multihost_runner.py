@@ -39,7 +39,12 @@ class Host(NamedTuple):
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    prog="python3 multihost_runner.py",
+    epilog="More: docs/multihost.md in the repository.",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   p.add_argument("--COMMAND", required=True, help="shell command to run on every host, from the copied folder")
   p.add_argument("--HOSTS", default="", help="comma-separated [user@]host[:port] reachable over ssh")
   p.add_argument("--TPU_PREFIX", default="", help="TPU VM name (prefix): every slice whose name starts with it")

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Lint, format check and the whole CPU test suite. Run from anywhere; CI calls this.
+#   bash unit_test_and_lint.sh [pytest arguments ...]   # about 9-10 minutes on 2 cores (the slow tier: ~5)
+case "${1:-}" in -h|--help) sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON="${PYTHON:-python3}"

@@ -78,6 +78,11 @@ class Peak(NamedTuple):
   flops: float  # FLOP/s per JAX device
   source: str  # e.g. "TPU v5e table (bf16)" or "measured float32 matmul, cpu, 1/8 of the host"
 
+  @property
+  def measured(self) -> bool:
+    """A measured matmul rather than a published figure: a lower bound on what the device can do."""
+    return self.source.startswith("measured")
+
   def describe(self) -> str:
     """One line for a run's start-up header: `peak 0.0312 TFLOP/s/device (measured ...)`."""
     return f"peak {self.flops / 1e12:.3g} TFLOP/s/device ({self.source})"

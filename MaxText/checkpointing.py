@@ -4,22 +4,43 @@ Layout: <run dir>/checkpoints/<step>/{state, data}: `state` is the TrainState (p
 step), `data` the input iterator's JSON state. Orbax writes each step to a temporary directory and
 renames it when complete, so a crash or kill mid-save leaves the previous checkpoint intact and the
 partial one is ignored. Restores go straight into the sharded layout of the abstract state.
+
+Faults (docs/failures.md): a resume that cannot read the newest step says why in one line, moves that
+step aside to <run dir>/checkpoints_unreadable/ (nothing is deleted) and falls back to the next older
+one; a save that runs out of disk space removes its partial directory and raises CheckpointError.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import json
+import logging
 import os
+import shutil
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from etils import epath
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from MaxText import state as state_lib
 from MaxText.config import Config, ConfigError
 from MaxText.state import StateSpec, TrainState
+
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax names a step directory being written <step>TMP_SUFFIX[...]
+UNREADABLE_DIR = "checkpoints_unreadable"  # next to checkpoints/: where unreadable steps are moved
+NONFINITE_DIR = "checkpoints_nonfinite"  # next to checkpoints/: steps whose own loss is not finite
+NONFINITE_FILE = "nonfinite_loss_steps.json"  # in the run dir: those steps, recorded when the run stopped
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint could not be saved or restored; the message is one line saying what to do."""
 
 
 class Restored(NamedTuple):
@@ -28,9 +49,23 @@ class Restored(NamedTuple):
   source: str  # "resume from step N" | "load_full_state_path" | "load_parameters_path" | "init"
 
 
+class _NoSpaceTracebacks(logging.Filter):
+  """orbax logs a full traceback from each background save thread that hits ENOSPC; CheckpointError says
+  it in one line, so those records keep their one-line message and lose the traceback."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.exc_info and record.exc_info[1] is not None and _no_space(record.exc_info[1]):
+      record.exc_info, record.exc_text = None, None
+    return True
+
+
+_NO_SPACE_FILTER = _NoSpaceTracebacks()
+
+
 def create_manager(config: Config) -> ocp.CheckpointManager | None:
   if not config.enable_checkpointing:
     return None
+  logging.getLogger("absl").addFilter(_NO_SPACE_FILTER)  # orbax logs through absl; adding twice is a no-op
   options = ocp.CheckpointManagerOptions(
     save_interval_steps=1,  # the train loop decides which steps are due (checkpoint_period, last step)
     max_to_keep=None if config.max_num_checkpoints_to_keep == -1 else config.max_num_checkpoints_to_keep,
@@ -42,21 +77,117 @@ def create_manager(config: Config) -> ocp.CheckpointManager | None:
 
 
 def save(manager: ocp.CheckpointManager, step: int, state: TrainState, data_state: dict) -> None:
-  """Save `state` after `step` completed steps with the iterator state that follows it."""
+  """Save `state` after `step` completed steps with the iterator state that follows it. With async saves
+  this returns once the arrays are copied to host memory; an earlier save's write error surfaces here."""
   args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state))
-  manager.save(step, args=args, force=True)
+  with _save_errors(manager):
+    manager.save(step, args=args, force=True)
+
+
+def wait_for_saves(manager: ocp.CheckpointManager) -> None:
+  """Block until every dispatched save is committed (its step directory renamed into place)."""
+  with _save_errors(manager):
+    manager.wait_until_finished()
+
+
+def finish(manager: ocp.CheckpointManager) -> None:
+  """Let in-flight saves complete, then release the manager's threads."""
+  try:
+    wait_for_saves(manager)
+  finally:
+    manager.close()
+
+
+def committed_steps(directory: str) -> list[int]:
+  """The steps whose directories are complete (named <step>, not <step>TMP_SUFFIX...), ascending."""
+  root = epath.Path(directory)
+  if not root.exists():
+    return []
+  return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit())
+
+
+def resume_point(config: Config, manager: ocp.CheckpointManager | None, nonfinite_loss_step: int | None) -> str:
+  """Where a rerun with the same run_name begins, for the non-finite error (waits for in-flight saves).
+
+  A checkpoint at `nonfinite_loss_step` gives that non-finite loss again at any learning rate (the loss of
+  a step depends only on the state before it and the batch, both restored): it is recorded, and the
+  rerun moves it to NONFINITE_DIR and resumes from the one before."""
+  if manager is None:
+    return "Checkpointing is off, so a rerun begins at step 0."
+  with contextlib.suppress(CheckpointError):  # a failed save is reported by finish(); here it is just not a step
+    wait_for_saves(manager)
+  steps, note = committed_steps(str(manager.directory)), ""
+  if nonfinite_loss_step in steps:
+    steps.remove(nonfinite_loss_step)
+    if jax.process_index() == 0:
+      (epath.Path(config.run_dir) / NONFINITE_FILE).write_text(json.dumps([nonfinite_loss_step]))
+    note = f" (checkpoint {nonfinite_loss_step} itself gives this loss: the rerun moves it to {NONFINITE_DIR}/)"
+  if not steps:
+    return f"No earlier checkpoint was saved, so a rerun begins at step 0{note}."
+  last = manager.directory / str(steps[-1])
+  return f"A rerun resumes from the last good checkpoint, step {steps[-1]} ({last}){note}."
+
+
+def _set_aside_nonfinite(config: Config, manager: ocp.CheckpointManager) -> None:
+  """Move the checkpoints recorded by resume_point out of the way, once, before resuming."""
+  record = epath.Path(config.run_dir) / NONFINITE_FILE
+  if not record.exists():
+    return
+  present = set(committed_steps(str(manager.directory)))
+  for step in json.loads(record.read_text()):
+    if step in present:
+      _say(f"checkpoint step {step} gave a non-finite loss; moved it to {_move_aside(config, step, NONFINITE_DIR)}")
+  if jax.process_count() > 1:  # every process sees the moved directories and the record before it goes
+    multihost_utils.sync_global_devices("nonfinite_checkpoints_moved")
+  if jax.process_index() == 0:
+    record.unlink()
+  manager.reload()
+
+
+def _no_space(error: BaseException) -> bool:
+  """Whether `error` (or one it came from) is ENOSPC; tensorstore reports it as a ValueError whose text
+  carries the OS error code."""
+  seen = error
+  while seen is not None:
+    if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+      return True
+    if "No space left on device" in str(seen) or f"os_error_code='{errno.ENOSPC}'" in str(seen):
+      return True
+    seen = seen.__cause__ or seen.__context__
+  return False
+
+
+@contextlib.contextmanager
+def _save_errors(manager: ocp.CheckpointManager) -> Iterator[None]:
+  """Turn a full disk into CheckpointError after removing the partial step directories (the complete
+  ones are untouched); other errors pass through unchanged."""
+  try:
+    yield
+  except Exception as e:
+    if not _no_space(e):
+      raise
+    root = epath.Path(manager.directory)
+    partial = sorted(p.name for p in root.iterdir() if TMP_SUFFIX in p.name) if root.exists() else []
+    if jax.process_index() == 0:  # the directory is shared; one process removes it
+      for name in partial:
+        shutil.rmtree(root / name, ignore_errors=True)
+    steps = committed_steps(str(root))
+    last = f"step {steps[-1]} is the last complete checkpoint" if steps else "no checkpoint is complete"
+    raise CheckpointError(
+      f"no space left on {root} while saving a checkpoint; removed the partial save ({', '.join(partial) or 'none'}); "
+      f"{last}. Free space there (or set base_output_directory elsewhere, or lower max_num_checkpoints_to_keep) "
+      "and restart with the same run_name to resume."
+    ) from e
 
 
 def restore_or_init(
   config: Config, tx: optax.GradientTransformation, spec: StateSpec, manager: ocp.CheckpointManager | None
 ) -> Restored:
-  """The starting state, in order of precedence: this run's latest checkpoint, then the load_* paths."""
-  if manager is not None and manager.latest_step() is not None:
-    step = manager.latest_step()
-    restored = manager.restore(
-      step, args=ocp.args.Composite(state=ocp.args.StandardRestore(spec.abstract), data=ocp.args.JsonRestore())
-    )
-    return Restored(restored.state, restored.data, f"resume from step {step}")
+  """The starting state, in order of precedence: this run's latest readable checkpoint, then the load_* paths."""
+  if manager is not None:
+    _set_aside_nonfinite(config, manager)
+  if manager is not None and manager.all_steps():
+    return _restore_latest_good(config, manager, spec.abstract)
   if config.load_full_state_path:
     return Restored(_restore_tree(config.load_full_state_path, spec.abstract), None, "load_full_state_path")
   fresh = state_lib.init_state(config, tx, spec)
@@ -66,10 +197,71 @@ def restore_or_init(
   return Restored(fresh, None, "init")
 
 
+def _one_line(error: BaseException, limit: int = 300) -> str:
+  text = " ".join(f"{type(error).__name__}: {error}".split())
+  return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _say(message: str) -> None:
+  if jax.process_index() == 0:
+    print(message, flush=True)
+
+
+def _restore_latest_good(config: Config, manager: ocp.CheckpointManager, abstract: TrainState) -> Restored:
+  """Newest step first. A step that fails to restore is named with its reason; once an older step
+  restores, the failed newer ones are moved aside so later restarts and saves do not trip on them. When
+  no step restores (e.g. the model config changed) nothing is moved and CheckpointError says why."""
+  failed: list[tuple[int, str]] = []
+  args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore())
+  for step in sorted(manager.all_steps(), reverse=True):
+    try:
+      restored = manager.restore(step, args=args)
+    except Exception as e:  # orbax/tensorstore raise ValueError, KeyError, JSONDecodeError, OSError, ...
+      failed.append((step, _one_line(e)))
+      _say(f"checkpoint step {step} cannot be restored: {failed[-1][1]}")
+      continue
+    for bad, _ in failed:
+      moved = _move_aside(config, bad, UNREADABLE_DIR)
+      _say(f"moved unreadable checkpoint step {bad} to {moved}; resuming from step {step}")
+    if failed:
+      if jax.process_count() > 1:  # every process sees the moved directories before anyone saves
+        multihost_utils.sync_global_devices("checkpoints_moved_aside")
+      manager.reload()
+    return Restored(restored.state, restored.data, f"resume from step {step}")
+  step, reason = failed[0]
+  raise CheckpointError(
+    f"no checkpoint under {config.checkpoint_dir} can be restored (newest, step {step}: {reason}). If the model "
+    "config changed since they were saved, use a new run_name; if the files are damaged, move the step "
+    "directories aside."
+  )
+
+
+def _move_aside(config: Config, step: int, where: str) -> str:
+  """Rename checkpoints/<step> to <run dir>/<where>/<step>[.N] (writer process); returns the new path."""
+  source = epath.Path(config.checkpoint_dir) / str(step)
+  aside = epath.Path(config.run_dir) / where
+  target, n = aside / str(step), 0
+  while target.exists():  # an earlier failure of the same step number is kept too
+    n += 1
+    target = aside / f"{step}.{n}"
+  if jax.process_index() == 0:
+    aside.mkdir(parents=True, exist_ok=True)
+    source.rename(target)
+  return str(target)
+
+
+def _check_not_step_dir(key: str, path: str) -> None:
+  """A step directory (<step>/{state,data}) is not itself an orbax PyTree checkpoint: say which one is."""
+  root = epath.Path(path)
+  if (root / "state").is_dir() and not (root / "_METADATA").exists():
+    raise ConfigError(f"{key} {path!r} is a checkpoint step directory; set {key}={root / 'state'}")
+
+
 def _restore_tree(path: str, abstract: Any) -> Any:
   path = os.path.abspath(path)
   if not os.path.isdir(path):
     raise ConfigError(f"Checkpoint {path!r} does not exist")
+  _check_not_step_dir("load_full_state_path", path)
   try:
     return ocp.StandardCheckpointer().restore(path, abstract)
   except (ValueError, KeyError, FileNotFoundError) as e:
@@ -87,6 +279,7 @@ def load_params(path: str, abstract_params: Any) -> Any:
   path = os.path.abspath(path)
   if not os.path.isdir(path):
     raise ConfigError(f"load_parameters_path {path!r} does not exist")
+  _check_not_step_dir("load_parameters_path", path)
   tree = saved_tree(path)
   item = {"params": abstract_params} if isinstance(tree, dict) and "params" in tree else abstract_params
   restore_args = ocp.checkpoint_utils.construct_restore_args(item)

@@ -187,14 +187,46 @@ def _apply(values: dict[str, Any], updates: Mapping[str, Any], defaults: Mapping
     values[key] = _coerce(key, value, defaults[key])
 
 
+def recipes() -> list[str]:
+  """The named experiments: every YAML under configs/ except base.yml and the model presets, by name
+  (its path under configs/ without .yml, e.g. "quickstart", "v5e/16b")."""
+  names = []
+  for root, _, files in os.walk(CONFIG_DIR):
+    rel = os.path.relpath(root, CONFIG_DIR)
+    if rel.split(os.sep)[0] == "models":
+      continue
+    for f in files:
+      if f.endswith(".yml") and f != "base.yml":
+        names.append(os.path.normpath(os.path.join(rel, f[:-4])).replace(os.sep, "/"))
+  return sorted(names)
+
+
+def resolve_config_path(name: str) -> str:
+  """A config file path as given, or a recipe name resolved in configs/ ("v5e/16b" ->
+  configs/v5e/16b.yml), so `train.py quickstart` works from any directory."""
+  if os.path.isfile(name):
+    return name
+  for candidate in (os.path.join(CONFIG_DIR, name), os.path.join(CONFIG_DIR, f"{name}.yml")):
+    if os.path.isfile(candidate):
+      return candidate
+  raise ConfigError(
+    f"Config file {name!r} does not exist and is not a recipe name{_suggest(name, recipes())}; "
+    f"give a path to a .yml file or one of: {', '.join(recipes())}"
+  )
+
+
 def load(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Config:
-  """Build the Config from `argv = [config.yml, key=value, ...]` and `M_<KEY>` variables."""
+  """Build the Config from `argv = [config.yml or recipe name, key=value, ...]` and `M_<KEY>` variables."""
   if not argv or "=" in argv[0]:
-    raise ConfigError("Usage: <entry point> path/to/config.yml [key=value ...]")
+    raise ConfigError(
+      "the first argument must be a config file or a recipe name (e.g. MaxText/configs/base.yml or quickstart), "
+      "then key=value overrides"
+    )
   environ = os.environ if environ is None else environ
   defaults = _read_yaml(os.path.join(CONFIG_DIR, "base.yml"))
   values = dict(defaults)
-  _apply(values, _read_yaml(argv[0]), defaults, argv[0])
+  path = resolve_config_path(argv[0])
+  _apply(values, _read_yaml(path), defaults, path)
 
   cli = _parse_overrides(argv[1:])
   env = {k[len(ENV_PREFIX) :].lower(): v for k, v in environ.items() if k.startswith(ENV_PREFIX)}
@@ -335,6 +367,130 @@ def _validate_pipeline(c: dict[str, Any]) -> None:
     )
 
 
+def _validate_tokenizer_path(c: dict[str, Any]) -> None:
+  """A missing tokenizer file is an error, except on synthetic data, which never reads it: MaxText's
+  recipes pass tokenizer_path=assets/tokenizer.llama2 even then, and their command lines run unchanged."""
+  path = c["tokenizer_path"]
+  if not path or path.startswith("gs://") or os.path.exists(path) or c["dataset_type"] == "synthetic":
+    return
+  raise ConfigError(
+    f"tokenizer_path={path!r} does not exist. MaxText's assets/ tokenizers are not shipped here: use the "
+    "tokenizer a Hugging Face checkpoint carries (python3 -m MaxText.convert.hf_to_maxtext copies its "
+    "tokenizer.json), train one on your files (python3 -m MaxText.data.train_tokenizer), or leave "
+    "tokenizer_path empty with dataset_type=text to train one on the corpus (docs/data.md)"
+  )
+
+
+def _validate_optimizer(c: dict[str, Any]) -> None:
+  """Optimizer values that would train silently wrong (a negative step, a division by ~0)."""
+  if c["learning_rate"] < 0:
+    raise ConfigError(f"learning_rate must be >= 0, got {c['learning_rate']}; e.g. learning_rate=3e-4")
+  if c["adam_eps"] <= 0 or c["adam_eps_root"] < 0:
+    raise ConfigError(
+      f"adam_eps must be > 0 and adam_eps_root >= 0 (they keep Adam's update finite), got {c['adam_eps']} and "
+      f"{c['adam_eps_root']}; e.g. adam_eps=1e-8"
+    )
+  for k in ("adam_b1", "adam_b2"):
+    if not 0.0 <= c[k] < 1.0:
+      raise ConfigError(f"{k} must be in [0, 1), got {c[k]}")
+  for k in ("adam_weight_decay", "gradient_clipping_threshold"):
+    if c[k] < 0:
+      raise ConfigError(f"{k} must be >= 0 (0 turns it off), got {c[k]}")
+  if not 0.0 <= c["cosine_learning_rate_final_fraction"] <= 1.0:
+    raise ConfigError(
+      f"cosine_learning_rate_final_fraction must be in [0, 1], got {c['cosine_learning_rate_final_fraction']}"
+    )
+
+
+def _eval_data_missing(c: dict[str, Any]) -> str:
+  """Why eval_interval > 0 would evaluate nothing with this dataset_type ('' when it has eval data)."""
+  kind = c["dataset_type"]
+  if kind == "text" and c["eval_fraction"] == 0:
+    return "eval_fraction=0 holds out no documents; set eval_fraction (e.g. 0.02)"
+  if kind == "grain" and not c["grain_eval_files"]:
+    return "dataset_type=grain has no grain_eval_files; set grain_eval_files"
+  if kind == "hf" and not (c["hf_eval_split"] or c["hf_eval_files"]):
+    return "dataset_type=hf has no hf_eval_split or hf_eval_files; set one"
+  if kind == "tfds" and not c["eval_split"]:
+    return "dataset_type=tfds has eval_split=''; set eval_split"
+  return ""
+
+
+def _validate_head_dims(c: dict[str, Any]) -> None:
+  """RoPE rotates the two halves of each head against each other, so the rotated width must be even."""
+  if c["decoder_block"] == "deepseek":
+    if c["qk_rope_head_dim"] <= 0 or c["qk_rope_head_dim"] % 2:
+      raise ConfigError(
+        f"qk_rope_head_dim must be a positive even number (RoPE pairs halves), got {c['qk_rope_head_dim']}"
+      )
+  elif c["decoder_block"] != "gpt3" and c["head_dim"] % 2:
+    raise ConfigError(
+      f"head_dim={c['head_dim']} does not split into the two halves RoPE rotates; use an even head_dim, "
+      f"e.g. head_dim={c['head_dim'] + 1}"
+    )
+
+
+# Model dimensions whose parameters are sharded along a logical axis: (the key users set, derived key,
+# logical axis in logical_axis_rules). A dimension must divide by the mesh axes its logical axis maps to.
+SHARDED_DIMS = (
+  ("base_emb_dim", "emb_dim", "embed"),
+  ("base_num_query_heads", "num_query_heads", "heads"),
+  ("base_num_kv_heads", "num_kv_heads", "kv_heads"),
+  ("base_mlp_dim", "mlp_dim", "mlp"),
+  ("base_moe_mlp_dim", "moe_mlp_dim", "mlp"),
+  ("vocab_size", "vocab_size", "vocab"),
+  ("num_experts", "num_experts", "exp"),
+)
+
+
+def _unused_dims(c: Any) -> set[str]:
+  """Derived keys of SHARDED_DIMS that no parameter of this model has (so their sharding is moot)."""
+  unused = set()
+  if c["decoder_block"] == "deepseek":
+    unused.add("num_kv_heads")  # MLA: keys and values come from a shared latent, one per query head
+  if c["num_experts"] == 1:
+    unused |= {"num_experts", "moe_mlp_dim"}
+  elif c["first_num_dense_layers"] == 0 and not c["shared_experts"]:
+    unused.add("mlp_dim")
+  return unused
+
+
+def known_axis_sizes(c: Any) -> dict[str, int]:
+  """Mesh axis -> ici x dcn parallelism, for the axes whose size the config alone fixes (no -1)."""
+  names = {"stage": "pipeline"}
+  sizes = {}
+  for axis in c["mesh_axes"]:
+    ici, dcn = c[f"ici_{names.get(axis, axis)}_parallelism"], c[f"dcn_{names.get(axis, axis)}_parallelism"]
+    if ici > 0 and dcn > 0:
+      sizes[axis] = ici * dcn
+  return sizes
+
+
+def check_divisibility(c: Any, axis_sizes: Mapping[str, int]) -> None:
+  """ConfigError naming the key when a sharded model dimension does not divide by its mesh axes.
+
+  `c`: a Config or its values; `axis_sizes`: mesh axis -> size (all of them once the mesh exists, the
+  known ones at load). A logical axis with several rules (embed) is checked against the mesh axes common
+  to all of them, which divide whichever rule flax picks, so the check never rejects a runnable model.
+  """
+  rules: dict[str, list[set[str]]] = {}
+  for name, target in c["logical_axis_rules"]:
+    rules.setdefault(name, []).append({target} if isinstance(target, str) else set(target or ()))
+  unused = _unused_dims(c)
+  for user_key, key, logical in SHARDED_DIMS:
+    if key in unused or logical not in rules:
+      continue
+    axes = sorted(set.intersection(*rules[logical]) & {a for a, n in axis_sizes.items() if n > 1})
+    ways = math.prod(axis_sizes[a] for a in axes)
+    if c[key] % ways:
+      shown = f"{key}={c[key]}" if key == user_key else f"{key}={c[key]} (from {user_key})"
+      over = " x ".join(f"{a}({axis_sizes[a]})" for a in axes)
+      raise ConfigError(
+        f"{shown} does not divide over the mesh axes {over} that shard its '{logical}' axis; make {user_key} "
+        f"a multiple of {ways} or lower the ici_/dcn_ parallelism of {', '.join(axes)}"
+      )
+
+
 def _validate(c: dict[str, Any]) -> None:
   """Checks that need no devices; device-dependent ones (mesh, batch) live in sharding.py."""
 
@@ -350,9 +506,15 @@ def _validate(c: dict[str, Any]) -> None:
     raise ConfigError(
       f"num_query_heads ({c['num_query_heads']}) must be a multiple of num_kv_heads ({c['num_kv_heads']})"
     )
+  _validate_head_dims(c)
   _validate_family_options(c)
   _validate_decoding(c)
   _validate_pipeline(c)
+  _validate_optimizer(c)
+  check_divisibility(c, known_axis_sizes(c))
+  missing_eval = _eval_data_missing(c) if c["eval_interval"] > 0 else ""
+  if missing_eval:
+    raise ConfigError(f"eval_interval={c['eval_interval']} but {missing_eval}, or set eval_interval=-1")
   if len(c["mlp_activations"]) not in (1, 2):
     raise ConfigError(f"mlp_activations takes one or two activations, got {c['mlp_activations']}")
   if not 0.0 <= c["dropout_rate"] < 1.0:
@@ -361,9 +523,10 @@ def _validate(c: dict[str, Any]) -> None:
     raise ConfigError(f"warmup_steps_fraction must be in [0, 1], got {c['warmup_steps_fraction']}")
   if c["load_parameters_path"] and c["load_full_state_path"]:
     raise ConfigError("Set at most one of load_parameters_path and load_full_state_path")
-  for key in ("load_parameters_path", "load_full_state_path", "tokenizer_path"):
+  for key in ("load_parameters_path", "load_full_state_path"):
     if c[key] and not c[key].startswith("gs://") and not os.path.exists(c[key]):
       raise ConfigError(f"{key}={c[key]!r} does not exist")
+  _validate_tokenizer_path(c)
   if c["eval_interval"] > 0 and c["eval_steps"] <= 0 and c["eval_steps"] != -1:
     raise ConfigError(f"eval_steps must be > 0 (or -1: one epoch) when eval_interval is set, got {c['eval_steps']}")
   if c["eval_steps"] == -1 and c["dataset_type"] == "synthetic":
@@ -380,7 +543,7 @@ def _validate(c: dict[str, Any]) -> None:
     raise ConfigError(f"eval_fraction must be in [0, 1), got {c['eval_fraction']}")
   if c["max_num_checkpoints_to_keep"] == 0 or c["max_num_checkpoints_to_keep"] < -1:
     raise ConfigError("max_num_checkpoints_to_keep must be -1 (keep all) or a positive number")
-  positive("compile_topology_num_slices", "jax_distributed_initialization_timeout")
+  positive("compile_topology_num_slices", "jax_distributed_initialization_timeout", "jax_distributed_heartbeat_timeout")
   tiles = c["num_vocab_tiling"]
   if tiles == 0 or tiles < -1 or (tiles > 0 and c["max_target_length"] % tiles):
     raise ConfigError(

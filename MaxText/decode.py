@@ -1,16 +1,17 @@
 """Decode: config -> mesh -> params (checkpoint, or random weights) -> prefill + generate -> text.
 
 python3 MaxText/decode.py MaxText/configs/base.yml run_name=d prompt="I love to"
-python3 MaxText/decode.py MaxText/configs/quickstart.yml \
-  load_parameters_path=outputs/quickstart/checkpoints/400/state prompt="def "
+python3 MaxText/decode.py quickstart load_parameters_path=outputs/quickstart/checkpoints/400/state \
+  prompt="import os" decode_max_new_tokens=64
 
-The prompt is repeated on every row of the batch (per_device_batch_size x devices rows, which must
-split over the mesh's batch axes). No dataset is needed: the tokenizer is tokenizer_path, else the one
-a text run cached in its run directory, else UTF-8 bytes (MaxText/inference/tokenizer.py).
-"""
+One row by default: the prompt decoded once. per_device_batch_size=N on the command line asks for the
+training-style batch instead (the prompt repeated on per_device_batch_size x devices rows, which must split
+over the mesh's batch axes). No dataset is needed: the tokenizer is tokenizer_path, else the one a text run
+cached in its run directory, else UTF-8 bytes (MaxText/inference/tokenizer.py)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -20,7 +21,7 @@ if __package__ in (None, ""):  # run as a script: import the package from the re
 
 import jax
 
-from MaxText import launch, sharding
+from MaxText import launch, saved_config, sharding
 from MaxText.config import Config
 from MaxText.inference import Engine, Generation
 
@@ -35,14 +36,16 @@ def report(config: Config, engine: Engine, result: Generation) -> str:
     lines.append(f"Output{'' if len(shown) == 1 else f' [{i}]'}: {text!r} ({result.completions[i].finish_reason})")
   lines.append(
     f"Time to first token: {result.time_to_first_token_s:.3f} s | decode: {result.decode_tokens_per_s:.1f} tokens/s "
-    f"({len(texts)} rows x {result.num_steps} steps)"
+    f"({len(texts)} row{'' if len(texts) == 1 else 's'} x {result.num_steps} steps)"
   )
   return "\n".join(lines)
 
 
-def run(config: Config) -> Generation:
+def run(config: Config, rows: int | None = None) -> Generation:
+  """Decode `config.prompt` on `rows` rows (padded to the mesh's batch shards), or with rows=None on the
+  config's global batch (per_device_batch_size x devices, which must split over the batch axes)."""
   mesh = sharding.create_mesh(config)  # every process's devices after launch.start joined the job
-  batch = sharding.global_batch_size(config, mesh)
+  batch = sharding.global_batch_size(config, mesh) if rows is None else rows
   engine = Engine.load(config, mesh)
   result = engine.generate([config.prompt] * batch, stop_strings=config.decode_stop_strings)
   if jax.process_index() == 0:  # every process holds the same texts
@@ -51,8 +54,8 @@ def run(config: Config) -> Generation:
 
 
 USAGE = launch.Usage(
-  command='python3 MaxText/decode.py MaxText/configs/base.yml [load_parameters_path=PARAMS] prompt="I love to" '
-  "[key=value ...]",
+  command='python3 MaxText/decode.py CONFIG.yml [load_parameters_path=PARAMS] prompt="I love to" '
+  "[per_device_batch_size=N: a batch instead of one row] [key=value ...]",
   summary="Decode: config -> params (checkpoint, or random weights) -> prefill + generate -> text.",
   keys=(
     "prompt", "load_parameters_path", "model_name", "tokenizer_path", "per_device_batch_size",
@@ -66,8 +69,19 @@ USAGE = launch.Usage(
 def main(argv: Sequence[str]) -> None:
   """argv: the arguments after the program name."""
   config = launch.start(argv, USAGE)
+  logging.getLogger("absl").addFilter(_no_missing_metadata_warning)
+  # A training config's batch (quickstart: 8 rows per device) would decode the same prompt on every row;
+  # one row unless the command line or M_PER_DEVICE_BATCH_SIZE asks for a batch.
+  asked = any(a.startswith("per_device_batch_size=") for a in argv) or "M_PER_DEVICE_BATCH_SIZE" in os.environ
   with launch.user_errors():
-    run(config)
+    saved_config.check(config)  # a checkpoint of another architecture, named before any device work
+    run(config, rows=None if asked else 1)
+
+
+def _no_missing_metadata_warning(record: logging.LogRecord) -> bool:
+  """orbax warns "Metadata file does not exist" on every restore of a params directory without a
+  checkpoint-level metadata file (a train checkpoint's state/, a converted params/): harmless, so hidden."""
+  return "Metadata file does not exist" not in record.getMessage()
 
 
 if __name__ == "__main__":

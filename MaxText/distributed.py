@@ -17,12 +17,15 @@ machine over 127.0.0.1 (the multi-host tests).
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib.util
 import os
 import socket
+import sys
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -30,6 +33,7 @@ import jax
 from MaxText.config import Config
 
 DEFAULT_PORT = 8476  # JAX's usual coordinator port when JAX_COORDINATOR_PORT is not set
+ABORT_MARGIN_S = 5  # JAX's own initialization deadline is this much later than ours, so ours fires first
 
 
 class DistributedInitError(RuntimeError):
@@ -91,20 +95,56 @@ def initialize(config: Config, environ: Mapping[str, str] | None = None) -> None
     return
   # CPU devices need a collectives backend across processes; it changes nothing for GPU/TPU devices.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # JAX's preemption service catches SIGTERM in C++ and only logs it unless asked every step; the train
+  # loop agrees on a stop step itself (preemption.Watch), for SIGINT and SIGHUP too.
+  jax.config.update("jax_enable_preemption_service", False)
   timeout = config.jax_distributed_initialization_timeout
   if p.how == "env" and p.kwargs["process_id"] != 0:
     # JAX aborts the whole process (no exception) when it cannot register; check the address first.
     wait_for_coordinator(p.kwargs["coordinator_address"], timeout, p.describe)
   elif p.how == "env":
     print(f"jax.distributed: {p.describe}; waiting up to {timeout} s for the others", flush=True)
+  timeouts = {
+    "heartbeat_timeout_seconds": config.jax_distributed_heartbeat_timeout,  # a silent process counts as lost
+    "shutdown_timeout_seconds": config.jax_distributed_heartbeat_timeout,  # the exit barrier waits no longer
+    # JAX aborts the process with a C++ stack when its own deadline passes; ours (below) comes first.
+    "initialization_timeout": int(timeout) + ABORT_MARGIN_S,
+  }
   try:
-    jax.distributed.initialize(**p.kwargs, initialization_timeout=timeout)
+    with _deadline(timeout, p.describe):
+      jax.distributed.initialize(**p.kwargs, **timeouts)
   except Exception as e:  # the client raises XlaRuntimeError (DEADLINE_EXCEEDED, UNAVAILABLE, ...)
     raise DistributedInitError(
       f"jax.distributed could not start as {p.describe} within {timeout} s: {e}. Check that process 0 is "
       "running and reachable at that address (firewall, port), that every process has the same NNODES, and "
       "raise jax_distributed_initialization_timeout for slow starts."
     ) from e
+
+
+@contextlib.contextmanager
+def _deadline(timeout: float, describe: str) -> Iterator[None]:
+  """Exit with one line (status 1) if the block has not finished within `timeout` seconds.
+
+  jax.distributed.initialize cannot be interrupted from Python and, when the other processes never
+  register, ends the process with a C++ check failure; a watchdog thread gets the message out first.
+  """
+  finished = threading.Event()
+
+  def watchdog() -> None:
+    if not finished.wait(timeout):
+      sys.stderr.write(
+        f"Distributed initialisation failed: the other processes did not all join within {timeout:g} s "
+        f"({describe}). Start every process (NNODES of them, each with its own NODE_RANK) or raise "
+        "jax_distributed_initialization_timeout.\n"
+      )
+      sys.stderr.flush()
+      os._exit(1)
+
+  threading.Thread(target=watchdog, name="distributed-init-deadline", daemon=True).start()
+  try:
+    yield
+  finally:
+    finished.set()
 
 
 def wait_for_coordinator(address: str, timeout: float, describe: str) -> None:

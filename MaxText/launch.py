@@ -20,12 +20,21 @@ import sys
 from collections.abc import Iterator, Sequence
 
 from MaxText import config as config_lib
-from MaxText import distributed
+from MaxText import distributed, preemption
 from MaxText.config import Config, ConfigError
+from MaxText.data.errors import DataError
 
 HELP_FLAGS = ("-h", "--help")
 BASE_YML = os.path.join(config_lib.CONFIG_DIR, "base.yml")
 LOG_HANDLER = "maxtext-launch"  # names our handler on the MaxText logger, so it is added once
+
+# The errors a user's input causes (their messages say what to change), each with the prefix of its
+# one-line exit. The one list of them: anything else is a bug in MaxText and keeps its traceback.
+USER_ERRORS: tuple[tuple[type[Exception], str], ...] = (
+  (ConfigError, "Config error"),
+  (DataError, "Data error"),
+)
+MAX_MESSAGE_CHARS = 600  # a library's message quoted in ours can run to hundreds of lines
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +55,8 @@ class Usage:
     lines += ["", "Config keys it reads most (key=value overrides the config file):"]
     lines += [f"  {key:<28} {comments.get(key, '')}".rstrip() for key in self.keys]
     lines += ["", f"Every key, with its default and meaning: {os.path.relpath(BASE_YML)}"]
+    lines += [f"Recipe names usable in place of CONFIG.yml (MaxText/configs/): {', '.join(config_lib.recipes())}"]
+    lines += ["Guide: README.md and docs/ in the repository."]
     return "\n".join(lines)
 
 
@@ -73,13 +84,48 @@ def setup_logging() -> None:
     logger.addHandler(handler)
 
 
+def one_line(prefix: str, error: BaseException) -> str:
+  """`prefix: message` on one line: the message's first line (what was wrong and how to fix it comes first;
+  a quoted library message follows), cut to MAX_MESSAGE_CHARS."""
+  lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+  text = lines[0] + (f" [{len(lines) - 1} more lines omitted]" if len(lines) > 1 else "")
+  if len(text) > MAX_MESSAGE_CHARS:
+    text = text[: MAX_MESSAGE_CHARS - 3] + "..."
+  return f"{prefix}: {text}"
+
+
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
-  """A ConfigError (a user's mistake: the message says what to change) exits with one line."""
+  """An error of USER_ERRORS (a user's mistake: the message says what to change) exits 1 with one line."""
   try:
     yield
-  except ConfigError as e:
-    sys.exit(f"Config error: {e}")
+  except tuple(kind for kind, _ in USER_ERRORS) as e:
+    prefix = next(prefix for kind, prefix in USER_ERRORS if isinstance(e, kind))
+    sys.exit(one_line(prefix, e))
+
+
+def check_outputs(config: Config) -> None:
+  """ConfigError naming the key when a local output location cannot be written (checked before any device
+  work, not when the first checkpoint or metrics line is due). gs:// paths are left to their writers."""
+  for key, path in (("base_output_directory", config.run_dir), ("metrics_file", os.path.dirname(config.metrics_file))):
+    if not path or path.startswith("gs://"):
+      continue
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):  # the nearest existing ancestor is where directories get made
+      existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+      raise ConfigError(f"{key}: {existing!r} is a file, so {path!r} cannot be a directory; choose another {key}")
+    if key == "metrics_file" and os.path.isdir(config.metrics_file):
+      raise ConfigError(f"metrics_file={config.metrics_file!r} is a directory; name a file, e.g. {path}/metrics.jsonl")
+    if not os.access(existing, os.W_OK | os.X_OK):
+      raise ConfigError(f"{key}: cannot write under {existing!r} (permission denied); choose a writable {key}")
+
+
+def doc_help(argv: Sequence[str], doc: str | None) -> None:
+  """For scripts whose module docstring is their usage (benchmarks, helpers): -h/--help prints it, exits 0."""
+  if any(arg in HELP_FLAGS for arg in argv):
+    print((doc or "").strip(), flush=True)
+    sys.exit(0)
 
 
 def start(argv: Sequence[str], usage: Usage, *, overrides: Sequence[str] = (), join_job: bool = True) -> Config:
@@ -91,12 +137,37 @@ def start(argv: Sequence[str], usage: Usage, *, overrides: Sequence[str] = (), j
   if any(arg in HELP_FLAGS for arg in argv):
     print(usage.text(), flush=True)
     sys.exit(0)
+  if not argv:  # no config at all: the usage, not an error about a missing argument
+    print(usage.text(), file=sys.stderr, flush=True)
+    sys.exit(2)
   setup_logging()
+  preemption.install_startup_handlers()  # a signal now exits with one line; train.run takes over later
   with user_errors():
     config = config_lib.load([*argv, *overrides])
   if join_job:
+    if config.hardware == "tpu" and not distributed._on_tpu_vm():  # else a 20 s wait for TPU metadata, misreported
+      sys.exit("Config error: hardware=tpu but this machine has no TPU chips; set hardware=auto or run on a TPU VM")
     try:
       distributed.initialize(config)  # before anything touches a device
     except distributed.DistributedInitError as e:
       sys.exit(f"Distributed initialisation failed: {e}")
   return config
+
+
+# Console scripts (pyproject.toml [project.scripts]): the entry points by name, from any directory.
+def train_command() -> None:
+  from MaxText import train
+
+  train.main(sys.argv)
+
+
+def decode_command() -> None:
+  from MaxText import decode
+
+  decode.main(sys.argv[1:])
+
+
+def train_compile_command() -> None:
+  from MaxText import train_compile
+
+  train_compile.main(sys.argv)

@@ -26,6 +26,10 @@ AXIS_KEY = {
   "fsdp": "fsdp",
   "fsdp_transpose": "fsdp_transpose",
   "sequence": "sequence",
+  # MaxText's name for the sequence split of attention. Both `sequence` and `context` split
+  # activation_length and attention treats them alike (layers/context_parallel.py); `context` exists so
+  # MaxText command lines with ici_context_parallelism work, and base.yml also shards params over it.
+  "context": "context",
   "tensor": "tensor",
   "expert": "expert",
   "autoregressive": "autoregressive",

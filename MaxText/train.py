@@ -21,7 +21,19 @@ import jax
 import yaml
 from jax.sharding import Mesh
 
-from MaxText import accelerators, checkpointing, compiled_step, launch, metrics, optimizers, sharding
+from MaxText import (
+  accelerators,
+  checkpointing,
+  compiled_step,
+  console,
+  launch,
+  metrics,
+  optimizers,
+  preemption,
+  saved_config,
+  sharding,
+)
+from MaxText import config as config_lib
 from MaxText import data as data_lib
 from MaxText import state as state_lib
 from MaxText import train_step as steps
@@ -30,7 +42,11 @@ from MaxText.layers import pipeline
 
 
 class NonFiniteLossError(RuntimeError):
-  """The loss went NaN/inf; nothing from that step was checkpointed."""
+  """The loss or the update went NaN/inf; that update was not applied and nothing non-finite was saved."""
+
+  def __init__(self, message: str, loss_step: int | None = None):
+    super().__init__(message)
+    self.loss_step = loss_step  # the step whose loss (a function of the state before it) is not finite
 
 
 def check_hardware(config: Config) -> None:
@@ -113,32 +129,71 @@ class LoopParts:
   manager: Any  # orbax CheckpointManager, or None without checkpointing
   step_fn: Any  # jitted (state, batch, rng) -> (state, metrics)
   global_batch: int  # sequences per step
-  peak_flops: float  # per device, FLOP/s (for MFU)
+  peak: accelerators.Peak  # per-device peak FLOP/s (for MFU) and where it comes from
+  started: float  # perf_counter() when the run began: the origin of elapsed_s and the total time
+  watch: preemption.Watch | None = None  # signals: stop (with a checkpoint) at an agreed step boundary
 
 
-def run(config: Config, devices: Sequence[Any] | None = None) -> dict[str, Any]:
-  """Train to config.steps on `devices` (default: all); returns the metrics summary."""
+def run(config: Config, devices: Sequence[Any] | None = None, started: float | None = None) -> dict[str, Any]:
+  """Train to config.steps on `devices` (default: all); returns the metrics summary. `started`:
+  perf_counter() when the process began its work (main passes it, so the summary's total time includes
+  config loading); default now. A run already at config.steps trains nothing and returns {"steps_run": 0}."""
+  started = time.perf_counter() if started is None else started
   check_hardware(config)
+  config = keep_schedule_on_resume(config)
   mesh = sharding.create_mesh(config, devices)
   global_batch = sharding.global_batch_size(config, mesh)  # fails early on a batch that cannot split
+  config_lib.check_divisibility(config, dict(mesh.shape))  # and on a model that cannot, before any compile
   optimizer = optimizers.build(config)
-  peak_flops = accelerators.peak_flops_per_device(dtype=config.dtype)  # CPU: a measured matmul, outside the mesh
-  with sharding.activate(config, mesh), stack_traces(config):
+  peak = accelerators.peak(dtype=config.dtype)  # CPU: a measured matmul, outside the mesh
+  with sharding.activate(config, mesh), stack_traces(config), preemption.Watch(mesh) as watch:
     spec = state_lib.state_spec(config, optimizer.tx, mesh)
     data = data_lib.make_iterators(config, mesh)
     manager = checkpointing.create_manager(config)
     restored = checkpointing.restore_or_init(config, optimizer.tx, spec, manager)
     if restored.data_state is not None:
       data.train.set_state(restored.data_state)
+    if already_done(config, int(restored.state.step)):
+      return {"steps_run": 0}
     write_config(config)
     try:
       step_fn = train_step_fn(config, mesh, optimizer, spec)
-      parts = LoopParts(mesh, spec, restored, data, manager, step_fn, global_batch, peak_flops)
+      parts = LoopParts(mesh, spec, restored, data, manager, step_fn, global_batch, peak, started, watch)
       return train_loop(config, parts)
+    except NonFiniteLossError as e:  # name the checkpoint a restart resumes from (in-flight saves complete first)
+      raise NonFiniteLossError(f"{e} {checkpointing.resume_point(config, manager, e.loss_step)}") from None
     finally:  # on success or error, let in-flight (async) checkpoints of good steps complete
       if manager is not None:
-        manager.wait_until_finished()
-        manager.close()
+        checkpointing.finish(manager)
+
+
+def already_done(config: Config, start: int) -> bool:
+  """Whether the restored state is already at (or past) config.steps; says so (writer) when it is."""
+  if start < config.steps:
+    return False
+  if jax.process_index() == 0:
+    print(f"already at steps={start}; pass steps=N with N > {start} to train further", flush=True)
+  return True
+
+
+def previous_config(config: Config) -> dict[str, Any] | None:
+  """The config.yml of the run being resumed: present only if this run_name has a checkpoint to resume."""
+  if not config.enable_checkpointing or not os.path.isdir(config.checkpoint_dir):
+    return None
+  path = os.path.join(config.run_dir, "config.yml")
+  if not any(name.isdigit() for name in os.listdir(config.checkpoint_dir)) or not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    return yaml.safe_load(f)
+
+
+def keep_schedule_on_resume(config: Config) -> Config:
+  """A resume that changes steps keeps the learning-rate schedule it started with (see
+  optimizers.resumed_schedule); prints a note when that applies."""
+  config, note = optimizers.resumed_schedule(config, previous_config(config))
+  if note and jax.process_index() == 0:
+    print(f"note: {note}", flush=True)
+  return config
 
 
 def train_step_fn(config: Config, mesh: Mesh, optimizer: optimizers.Optimizer, spec: state_lib.StateSpec) -> Any:
@@ -149,13 +204,18 @@ def train_step_fn(config: Config, mesh: Mesh, optimizer: optimizers.Optimizer, s
 
 
 def check_finite(config: Config, step: int, scalars: dict[str, float]) -> None:
-  """nan_check: stop on a non-finite loss (the loop checks a step before any checkpoint that includes it)."""
-  if config.nan_check and not math.isfinite(scalars["loss"]):
-    raise NonFiniteLossError(
-      f"loss is {scalars['loss']} at step {step}; nothing from this step was checkpointed. "
-      "Lower learning_rate, raise warmup_steps_fraction, set gradient_clipping_threshold, or use "
-      "dtype=float32; the run resumes from its last checkpoint."
-    )
+  """nan_check: stop on a non-finite loss or update (the train step did not apply the update; the loop
+  checks a step before any checkpoint that includes it)."""
+  if not config.nan_check or (math.isfinite(scalars["loss"]) and scalars.get("update_finite", 1.0) > 0):
+    return
+  loss_finite = math.isfinite(scalars["loss"])
+  what = "the update is not finite" if loss_finite else f"loss is {scalars['loss']}"
+  raise NonFiniteLossError(
+    f"{what} at step {step} (grad norm {scalars.get('grad_norm')}); that update was not applied or saved. "
+    "Lower learning_rate (or raise warmup_steps_fraction, set gradient_clipping_threshold, use dtype=float32) "
+    "and rerun with the same run_name.",
+    loss_step=None if loss_finite else step,
+  )
 
 
 class Pending(NamedTuple):
@@ -198,10 +258,11 @@ class StepReader:
     done, self.pending = self.pending, None
     scalars = {k: float(v) for k, v in jax.device_get(done.metrics).items()}
     now = time.perf_counter()
-    self.logger.log(done.step, scalars, now - self.mark, dispatch=done.dispatch)
+    completed = done.step + 1  # logs, evals and checkpoints count steps completed
+    self.logger.log(completed, scalars, now - self.mark, dispatch=done.dispatch)
     self.mark = now
     self.profiler.finished(done.step)
-    check_finite(self.config, done.step, scalars)
+    check_finite(self.config, completed, scalars)
 
 
 def make_logger(config: Config, parts: LoopParts, start: int, is_writer: bool) -> metrics.MetricLogger:
@@ -211,10 +272,35 @@ def make_logger(config: Config, parts: LoopParts, start: int, is_writer: bool) -
     num_devices=parts.mesh.size,
     tokens_per_step=tokens_per_step,
     flops_per_step=metrics.training_flops_per_token(config).total * tokens_per_step,
-    peak_flops_per_device=parts.peak_flops,
+    peak_flops_per_device=parts.peak.flops,
     start_step=start,
     is_writer=is_writer,
+    peak_is_measured=parts.peak.measured,
+    started=parts.started,
+    progress=config.progress_bar,
   )
+
+
+def print_header(config: Config, parts: LoopParts, start: int) -> None:
+  """The run's start-up lines (writer process only); the full config is in <run dir>/config.yml."""
+  if jax.process_index() != 0:
+    return
+  header = console.run_header(
+    config,
+    num_params=parts.spec.num_params,
+    mesh_shape=dict(parts.mesh.shape),
+    global_batch=parts.global_batch,
+    start=start,
+    source=parts.restored.source,
+    peak=parts.peak.describe(),
+    platform=parts.mesh.devices.flat[0].platform,
+  )
+  print(header, flush=True)
+
+
+def checkpoint_path(config: Config, step: int) -> str:
+  """The params of checkpoint `step`, as load_parameters_path and decode.py take them."""
+  return os.path.join(os.path.abspath(config.checkpoint_dir), str(step), "state")
 
 
 def train_loop(config: Config, parts: LoopParts) -> dict[str, Any]:
@@ -228,14 +314,9 @@ def train_loop(config: Config, parts: LoopParts) -> dict[str, Any]:
   state, start = parts.restored.state, int(parts.restored.state.step)
   data, manager = parts.data, parts.manager
   is_writer = jax.process_index() == 0
-  if is_writer:
-    print(
-      f"{parts.spec.num_params:,} parameters | global batch {parts.global_batch} x {config.max_target_length} "
-      f"tokens | mesh {dict(parts.mesh.shape)} | start: {parts.restored.source} (step {start})",
-      flush=True,
-    )
-    if pipeline.describe(config):
-      print(pipeline.describe(config), flush=True)
+  print_header(config, parts, start)
+  if is_writer and pipeline.describe(config):
+    print(pipeline.describe(config), flush=True)
   eval_fn = None
   if data.eval_factory and config.eval_interval > 0:
     eval_fn = steps.jit_eval_step(config, parts.mesh, parts.spec)
@@ -250,22 +331,29 @@ def train_loop(config: Config, parts: LoopParts) -> dict[str, Any]:
       state, step_metrics = parts.step_fn(state, batch, jax.random.fold_in(dropout_key, step))
       reader.push(Pending(step, step_metrics, (t0, time.perf_counter())))
       done = step + 1
-      evaluating = eval_fn is not None and (done % config.eval_interval == 0 or done == config.steps)
-      saving = manager is not None and (done % config.checkpoint_period == 0 or done == config.steps)
-      if evaluating or saving or done == config.steps:
+      stop = parts.watch.stop_signal() if parts.watch else 0  # the same on every process
+      evaluating = eval_fn is not None and (done % config.eval_interval == 0 or done == config.steps) and not stop
+      saving = manager is not None and (done % config.checkpoint_period == 0 or done == config.steps or stop)
+      if evaluating or saving or done == config.steps or stop:
         reader.flush()  # this step's loss is checked before anything of it is saved
         reached = False  # target_eval_loss reached: checkpoint and stop early
         if evaluating:
           result = evaluate(config, eval_fn, state.params, data.eval_factory)
-          logger.log_eval(step, result)
+          logger.log_eval(done, result)
           reached = 0 < config.target_eval_loss and result["eval_loss"] <= config.target_eval_loss
         if manager is not None and (saving or reached):
           checkpointing.save(manager, done, state, data.train.get_state())
+          logger.log_checkpoint(done, checkpoint_path(config, done))
         if reached:
           if is_writer:
             print(f"eval_loss {result['eval_loss']:.4f} <= target_eval_loss: stopping at step {done}", flush=True)
           break
+        if stop and done < config.steps:  # run() waits for the save before the exception leaves it
+          path = os.path.join(config.checkpoint_dir, str(done)) if manager is not None else None
+          raise preemption.Stopped(done, parts.watch.signum or stop, path, here=bool(parts.watch.signum))
         reader.restart_clock()
+      if manager is not None and done % config.checkpoint_period == config.async_checkpoint_max_lag_steps:
+        checkpointing.wait_for_saves(manager)  # bounds what a kill loses: docs/failures.md
       if done < config.steps:  # fetched while this step runs on the device
         batch = next(data.train)
     reader.flush()
@@ -286,11 +374,20 @@ USAGE = launch.Usage(
 
 def main(argv: Sequence[str]) -> None:
   """argv: sys.argv (the program name first)."""
+  started = time.perf_counter()  # the summary's total time counts everything from here (tokenizer training too)
   config = launch.start(argv[1:], USAGE)
   if config.log_config and jax.process_index() == 0:
     print(config, flush=True)
-  with launch.user_errors():
-    run(config)
+  with launch.user_errors(), preemption.lost_processes(config.checkpoint_dir if config.enable_checkpointing else None):
+    launch.check_outputs(config)  # before any device work: the mistakes that are knowable now
+    saved_config.check(config)
+    try:
+      run(config, started=started)  # raises Stopped only after its checkpoint is written
+    except preemption.Stopped as stopped:
+      print(stopped.line(), file=sys.stderr, flush=True)
+      sys.exit(preemption.EXIT_STOPPED)
+    except (NonFiniteLossError, checkpointing.CheckpointError) as e:  # the message says what to do
+      sys.exit(f"{type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":

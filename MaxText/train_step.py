@@ -106,6 +106,12 @@ def _grads(graphdef, config, params, batch, rng, data_axes):
   return acc
 
 
+def all_finite(tree: Any) -> jax.Array:
+  """bool scalar: every floating-point value in `tree` is finite (integer leaves, e.g. counters, pass)."""
+  leaves = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.stack(leaves).all() if leaves else jnp.array(True)
+
+
 def train_step(
   graphdef: nnx.GraphDef,
   tx: optax.GradientTransformation,
@@ -116,19 +122,34 @@ def train_step(
   rng: jax.Array,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer step on the global batch; metrics are device scalars. `schedule` is the one that
-  drives `tx` (optimizers.build), evaluated here only to log this step's learning rate."""
+  drives `tx` (optimizers.build), evaluated here only to log this step's learning rate.
+
+  An update is applied only when the loss, the gradients and the new parameters and optimizer state are
+  all finite: otherwise params and opt_state stay as they were (step still advances, so the data order
+  and checkpoint numbering do not shift), metrics["update_finite"] is 0 and metrics["step_skipped"] 1.
+  Checking the result, not just the loss, catches an overflow one step before it reaches the loss."""
   data_axes = sharding.data_axes(config)
   grads, aux = _grads(graphdef, config, state.params, batch, rng, data_axes)
   tokens = jnp.maximum(aux["tokens"], 1.0)
   grads = jax.tree.map(lambda g: g / tokens, grads)
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  loss, grad_norm = aux["nll"] / tokens, optax.global_norm(grads)
+  extra = {"loss": loss, "grad_norm": grad_norm} if config.skip_step_on_spikes else {}
+  updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
   params = optax.apply_updates(state.params, updates)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite((params, opt_state))
+  # Select, not branch: no host round trip, and both states are live at this point anyway.
+  params, opt_state = jax.tree.map(
+    lambda new, old: jnp.where(finite, new, old), (params, opt_state), (state.params, state.opt_state)
+  )
+  spiked = opt_state.skipped if config.skip_step_on_spikes else jnp.array(False)
   metrics = {
-    "loss": aux["nll"] / tokens,
-    "grad_norm": optax.global_norm(grads),
+    "loss": loss,
+    "grad_norm": grad_norm,
     "param_norm": optax.global_norm(params),
     "learning_rate": schedule(state.step),
     "tokens": aux["tokens"],
+    "update_finite": finite.astype(jnp.float32),
+    "step_skipped": (~finite | spiked).astype(jnp.float32),
   }
   # Only the losses this model has: a dense run's log line stays readable.
   if config.z_loss_multiplier > 0:

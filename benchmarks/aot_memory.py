@@ -54,6 +54,22 @@ CASES = (
     "deepseek3-671b v5p-1024",
     "model_name=deepseek3-671b", "compile_topology=v5p-1024", "per_device_batch_size=1", "max_target_length=4096",
   ),
+  # Expert parallelism (docs/expert_parallelism.md): tokens move to the experts by all-to-all.
+  case(
+    "mixtral-8x7b v5p-128 expert=8 dropless",
+    "model_name=mixtral-8x7b", "compile_topology=v5p-128", "per_device_batch_size=4", "max_target_length=4096",
+    "ici_expert_parallelism=8",
+  ),
+  case(
+    "mixtral-8x7b v5p-128 expert=8 capacity",
+    "model_name=mixtral-8x7b", "compile_topology=v5p-128", "per_device_batch_size=4", "max_target_length=4096",
+    "ici_expert_parallelism=8", "capacity_factor=1.25", "capacity_group=sequence",
+  ),
+  case(
+    "deepseek3-671b v5p-1024 expert=32 capacity",
+    "model_name=deepseek3-671b", "compile_topology=v5p-1024", "per_device_batch_size=1", "max_target_length=4096",
+    "ici_expert_parallelism=32", "capacity_factor=1.0", "capacity_group=sequence",
+  ),
 )  # fmt: skip
 
 REPORT = {
@@ -98,4 +114,7 @@ def main(words: list[str]) -> None:
 
 
 if __name__ == "__main__":
+  if {"-h", "--help"} & set(sys.argv[1:]):
+    print(__doc__.strip())
+    sys.exit(0)
   main(sys.argv[1:])

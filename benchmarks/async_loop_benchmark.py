@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
-from MaxText import checkpointing, config, optimizers, sharding, train  # noqa: E402
+from MaxText import accelerators, checkpointing, config, launch, optimizers, sharding, train  # noqa: E402
 from MaxText import data as data_lib  # noqa: E402
 from MaxText import state as state_lib  # noqa: E402
 
@@ -91,7 +91,8 @@ def mean_step_time(c: config.Config, delay_ms: float, sync: bool) -> float:
     step_fn = train.train_step_fn(c, mesh, optimizer, spec)
     step_fn = blocking(step_fn) if sync else step_fn
     batch = sharding.global_batch_size(c, mesh)
-    parts = train.LoopParts(mesh, spec, restored, data, None, step_fn, batch, peak_flops=1e12)
+    peak = accelerators.Peak(1e12, "fixed for this benchmark")
+    parts = train.LoopParts(mesh, spec, restored, data, None, step_fn, batch, peak, started=time.perf_counter())
     return train.train_loop(c, parts)["mean_step_time_s"]
 
 
@@ -123,4 +124,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+  launch.doc_help(sys.argv[1:], __doc__)
   main(sys.argv[1:])

@@ -92,7 +92,12 @@ def measure(src: str, dst: str, scan_layers: bool, direction: str = "import") ->
 
 
 def main(argv: list[str]) -> None:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    prog="python3 benchmarks/convert_benchmark.py",
+    epilog="More: benchmarks/README.md in the repository.",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   parser.add_argument("--layers", type=int, default=24)
   parser.add_argument("--emb", type=int, default=1024)
   parser.add_argument("--mlp", type=int, default=4096)

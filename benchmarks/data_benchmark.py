@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
 from benchmarks.train_benchmark import BENCHMARK  # noqa: E402
-from MaxText import config, optimizers, sharding  # noqa: E402
+from MaxText import config, launch, optimizers, sharding  # noqa: E402
 from MaxText import data as data_lib  # noqa: E402
 from MaxText import state as state_lib  # noqa: E402
 from MaxText import train_step as steps  # noqa: E402
@@ -104,4 +104,5 @@ def report(times: dict, inputs: dict, workers: int) -> None:
 
 
 if __name__ == "__main__":
+  launch.doc_help(sys.argv[1:], __doc__)
   main(sys.argv[1:])

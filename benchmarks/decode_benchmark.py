@@ -22,7 +22,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.train_benchmark import BENCHMARK  # noqa: E402
-from MaxText import checkpointing, config, sharding  # noqa: E402
+from MaxText import checkpointing, config, launch, sharding  # noqa: E402
 from MaxText.convert import maxtext_to_hf  # noqa: E402
 from MaxText.inference import Engine, engine  # noqa: E402
 
@@ -87,4 +87,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+  launch.doc_help(sys.argv[1:], __doc__)
   main(sys.argv)

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
-from MaxText import accelerators, config, metrics, optimizers, sharding  # noqa: E402
+from MaxText import accelerators, config, launch, metrics, optimizers, sharding  # noqa: E402
 from MaxText import data as data_lib  # noqa: E402
 from MaxText import state as state_lib  # noqa: E402
 from MaxText import train_step as steps  # noqa: E402
@@ -217,4 +217,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+  launch.doc_help(sys.argv[1:], __doc__)
   main(sys.argv)

@@ -16,8 +16,8 @@ def check(records: list[dict], steps: int | None, keys: list[str], max_final_los
   if not train:
     return ["no training records"]
   errors = []
-  if steps is not None and train[-1]["step"] != steps - 1:
-    errors.append(f"last logged step {train[-1]['step']} != {steps - 1}")
+  if steps is not None and train[-1]["step"] != steps:  # steps completed, 1 .. steps
+    errors.append(f"last logged step {train[-1]['step']} != {steps}")
   errors += [f"key {k!r} missing or null in the last record" for k in keys if train[-1].get(k) is None]
   first, final = train[0]["loss"], train[-1]["loss"]
   if max_final_loss is not None and final > max_final_loss:
@@ -28,7 +28,12 @@ def check(records: list[dict], steps: int | None, keys: list[str], max_final_los
 
 
 def main(argv: list[str]) -> int:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    prog="python3 end_to_end/assert_metrics.py",
+    epilog="More: docs/outputs.md in the repository.",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   parser.add_argument("metrics_file")
   parser.add_argument("--steps", type=int)
   parser.add_argument("--keys", default="loss")

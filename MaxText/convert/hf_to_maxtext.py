@@ -26,7 +26,7 @@ import yaml
 from flax import nnx
 
 from MaxText import config as config_lib
-from MaxText import models
+from MaxText import launch, models
 from MaxText import state as state_lib
 from MaxText.config import Config, ConfigError
 from MaxText.convert import hf_mapping, streaming
@@ -45,6 +45,31 @@ def to_maxtext(tensor: np.ndarray, shape: tuple[int, ...], rule: hf_mapping.Rule
   return out if rule.perm is None else out[..., rule.perm]
 
 
+# config.json fields without which the architecture is unknown (a missing one would silently take base.yml's
+# default); gpt2's own names are checked by its mapping.
+REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
+
+
+def read_hf_config(hf_path: str) -> dict[str, Any]:
+  """hf_path/config.json as a dict; ConfigError naming the directory, file or field that is wrong."""
+  if not os.path.isdir(hf_path):
+    raise ConfigError(f"--hf_path {hf_path!r} is not a directory; pass a Hugging Face model directory")
+  path = os.path.join(hf_path, "config.json")
+  if not os.path.isfile(path):
+    raise ConfigError(f"{path!r} does not exist; --hf_path must hold a Hugging Face config.json and *.safetensors")
+  try:
+    with open(path, encoding="utf-8") as f:
+      hf = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ConfigError(f"{path!r} is not valid JSON: {e}") from None
+  if not isinstance(hf, dict):
+    raise ConfigError(f"{path!r} must hold a JSON object, got {type(hf).__name__}")
+  missing = [k for k in REQUIRED_FIELDS if hf.get("model_type") != "gpt2" and k not in hf]
+  if missing:
+    raise ConfigError(f"{path!r} lacks {', '.join(missing)}; it must describe the checkpoint's architecture")
+  return hf
+
+
 def tensor_index(hf_path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
   """HF tensor name -> (the safetensors file holding it, its shape), from the files' headers."""
   files = sorted(glob.glob(os.path.join(hf_path, "*.safetensors")))
@@ -54,16 +79,27 @@ def tensor_index(hf_path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
 
   index = {}
   for path in files:
-    with safe_open(path, "np") as f:
-      index.update({name: (path, tuple(f.get_slice(name).get_shape())) for name in f.keys()})
+    try:
+      with safe_open(path, "np") as f:
+        index.update({name: (path, tuple(f.get_slice(name).get_shape())) for name in f.keys()})
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError) for a damaged file
+      raise ConfigError(
+        f"{path!r} is not a readable safetensors file ({type(e).__name__}: {e}); re-download it"
+      ) from None
   return index
 
 
 def load_config(hf_path: str, output: str, scan_layers: bool) -> tuple[Config, dict[str, Any]]:
-  with open(os.path.join(hf_path, "config.json")) as f:
-    keys = hf_mapping.maxtext_keys(json.load(f))
+  hf = read_hf_config(hf_path)
+  try:
+    keys = hf_mapping.maxtext_keys(hf)
+  except KeyError as e:
+    raise ConfigError(f"{os.path.join(hf_path, 'config.json')!r} lacks the field {e.args[0]!r}") from None
   cfg_path = os.path.join(output, "config.yml")
-  os.makedirs(output, exist_ok=True)
+  try:
+    os.makedirs(output, exist_ok=True)
+  except OSError as e:
+    raise ConfigError(f"--output {output!r} cannot be created: {e.strerror}; choose a writable directory") from None
   if os.path.exists(os.path.join(hf_path, "tokenizer.json")):  # decode.py then needs no tokenizer flags
     tokenizer = os.path.abspath(os.path.join(output, "tokenizer.json"))
     shutil.copyfile(os.path.join(hf_path, "tokenizer.json"), tokenizer)
@@ -145,7 +181,12 @@ def _fill(state: nnx.State, leaves: dict[tuple, Any]) -> nnx.State:
 
 
 def main(argv: list[str]) -> None:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    prog="python3 -m MaxText.convert.hf_to_maxtext",
+    epilog="More: docs/models.md in the repository.",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   parser.add_argument("--hf_path", required=True, help="directory with config.json and *.safetensors")
   parser.add_argument("--output", required=True, help="writes OUTPUT/params and OUTPUT/config.yml")
   parser.add_argument("--scan_layers", default="true", choices=("true", "false"), help="layout of the layers")
@@ -157,7 +198,7 @@ def main(argv: list[str]) -> None:
   try:
     path = convert(args.hf_path, args.output, args.scan_layers == "true", args.dtype)
   except ConfigError as e:
-    sys.exit(f"Conversion error: {e}")
+    sys.exit(launch.one_line("Conversion error", e))
   print(f"Wrote {path} and {os.path.join(args.output, 'config.yml')}")
 
 

@@ -106,7 +106,12 @@ def convert(c: Config, output: str, dtype: str = "float32") -> None:
 
 
 def main(argv: list[str]) -> None:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    prog="python3 -m MaxText.convert.maxtext_to_hf",
+    epilog="More: docs/models.md in the repository.",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   parser.add_argument("config", nargs="+", help="CONFIG.yml load_parameters_path=... [key=value ...]")
   parser.add_argument("--output", required=True, help="Hugging Face directory to write")
   parser.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype of the written tensors")

@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 from MaxText.config import Config
 from MaxText.data import grain_data, hf_data, synthetic, text, tfds_data
 from MaxText.data.batches import FIELDS, BatchIterator, BatchSource, Iterators
+from MaxText.data.errors import DataError
 from MaxText.data.tokenizer import Tokenizer
 
 __all__ = ["FIELDS", "BACKENDS", "BatchIterator", "BatchSource", "Iterators", "Tokenizer", "make_iterators"]
@@ -29,5 +30,5 @@ BACKENDS = {
 def make_iterators(config: Config, mesh: Mesh) -> Iterators:
   """Train iterator (endless), eval factory (fresh iterator per call; None without eval data), tokenizer."""
   if config.dataset_type not in BACKENDS:
-    raise ValueError(f"dataset_type={config.dataset_type!r} is not one of {', '.join(sorted(BACKENDS))}")
+    raise DataError(f"dataset_type={config.dataset_type!r} is not one of {', '.join(sorted(BACKENDS))}")
   return BACKENDS[config.dataset_type](config, mesh)

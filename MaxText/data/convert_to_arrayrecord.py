@@ -14,6 +14,7 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 
+from MaxText.data.errors import DataError
 from MaxText.data.files import cli_texts
 
 
@@ -34,20 +35,27 @@ def write_arrayrecord(texts: Iterable[str], output_dir: str, prefix: str = "data
     for w in writers:
       w.close()
   if count == 0:
-    raise ValueError("No documents to convert: every input text is empty")
+    raise DataError("No documents to convert: every input text is empty")
   return paths
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(
+    prog="python3 -m MaxText.data.convert_to_arrayrecord",
+    epilog="More: docs/data.md in the repository.",
+    description=__doc__.splitlines()[0],
+  )
   parser.add_argument("--files", required=True, help="glob of input files ('**' recurses)")
   parser.add_argument("--output_dir", required=True, help="directory for the .array_record files")
   parser.add_argument("--prefix", default="data", help="file name prefix")
   parser.add_argument("--num_shards", type=int, default=1, help="number of output files")
   parser.add_argument("--text_column", default="text", help=".jsonl/.parquet field holding the text")
   args = parser.parse_args(argv)
-  paths, texts = cli_texts(args.files, args.text_column)
-  written = write_arrayrecord(texts, args.output_dir, args.prefix, args.num_shards)
+  from MaxText import launch  # noqa: PLC0415 (launch imports this package)
+
+  with launch.user_errors():
+    paths, texts = cli_texts(args.files, args.text_column)
+    written = write_arrayrecord(texts, args.output_dir, args.prefix, args.num_shards)
   print(f"Wrote {len(written)} ArrayRecord files: {os.path.join(args.output_dir, args.prefix)}-*.array_record")
 
 

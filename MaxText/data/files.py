@@ -14,15 +14,21 @@ import itertools
 import json
 import logging
 import os
+import threading
 import tokenize
 from collections.abc import Iterator, Sequence
 
 from etils import epath
 
+from MaxText.data.errors import DataError
+
 log = logging.getLogger(__name__)
 
 MULTI_DOCUMENT = (".jsonl", ".json", ".parquet")  # files holding one document per line / row
 REMOTE_PREFIXES = ("gs://",)  # paths handed to the readers unexpanded
+# Without network or credentials the storage client retries for minutes (and array_record would sit in
+# it); a remote pattern that lists nothing in this long fails with one line instead.
+REMOTE_CHECK_TIMEOUT_S = 30.0
 
 
 def local_files(pattern: str) -> list[str]:
@@ -31,14 +37,50 @@ def local_files(pattern: str) -> list[str]:
 
 
 def expand(pattern: str) -> list[str]:
-  """`local_files(pattern)`, or [pattern] for a remote path (its reader resolves it); ValueError naming the
+  """`local_files(pattern)`, or [pattern] for a remote path (its reader resolves it); DataError naming the
   pattern when no local file matches."""
   if pattern.startswith(REMOTE_PREFIXES):
+    check_remote(pattern)
     return [pattern]
   paths = local_files(pattern)
   if not paths:
-    raise ValueError(f"{pattern!r} matches no files")
+    raise DataError(f"{pattern!r} matches no files")
   return paths
+
+
+def _first_remote_match(pattern: str) -> epath.Path | None:
+  """The first file matching the remote `pattern` (its wildcards only after the fixed directories)."""
+  parts = pattern.split("/")
+  fixed = list(itertools.takewhile(lambda part: not any(c in part for c in "*?["), parts))
+  if len(fixed) == len(parts):
+    return epath.Path(pattern) if epath.Path(pattern).exists() else None
+  return next(iter(epath.Path("/".join(fixed)).glob("/".join(parts[len(fixed) :]))), None)
+
+
+def check_remote(pattern: str, timeout_s: float | None = None) -> None:
+  """DataError naming `pattern` unless it matches a file within timeout_s (REMOTE_CHECK_TIMEOUT_S)."""
+  timeout_s = REMOTE_CHECK_TIMEOUT_S if timeout_s is None else timeout_s
+  answer: list = []
+
+  def probe() -> None:
+    try:
+      answer.append(_first_remote_match(pattern))
+    except Exception as e:  # the storage clients raise their own types (auth, DNS, HTTP)
+      answer.append(e)
+
+  thread = threading.Thread(target=probe, daemon=True)  # daemon: a stuck client does not hold up the exit
+  thread.start()
+  thread.join(timeout_s)
+  if not answer:
+    raise DataError(
+      f"{pattern!r}: no answer from storage within {timeout_s:g} s; check network access and credentials "
+      "(gcloud auth application-default login) or use a local path"
+    )
+  if isinstance(answer[0], Exception):
+    reason = (str(answer[0]).strip().splitlines() or [""])[0]
+    raise DataError(f"Cannot list {pattern!r}: {type(answer[0]).__name__}: {reason}; check the path and credentials")
+  if answer[0] is None:
+    raise DataError(f"{pattern!r} matches no files")
 
 
 def glob_root(pattern: str) -> str:
@@ -54,7 +96,7 @@ def read_document(path: str, strict: bool) -> str:
   try:
     data = epath.Path(path).read_bytes()
   except OSError as e:
-    raise ValueError(f"Cannot read document {path!r}: {e}") from None
+    raise DataError(f"Cannot read document {path!r}: {e}") from None
   try:
     if path.endswith(".py"):
       encoding, _ = tokenize.detect_encoding(iter(data.splitlines(keepends=True)).__next__)
@@ -62,14 +104,14 @@ def read_document(path: str, strict: bool) -> str:
     return data.decode("utf-8")
   except (UnicodeDecodeError, SyntaxError, LookupError) as e:
     if strict:
-      raise ValueError(f"Cannot decode document {path!r} as text: {e}") from None
+      raise DataError(f"Cannot decode document {path!r} as text: {e}") from None
     log.info("Skipping undecodable document %s: %s", path, e)
     return ""
 
 
 def read_texts(path: str, strict: bool, column: str) -> list[str]:
   """The documents of one file: `column` of each line of a .jsonl/.json file or row of a .parquet file; any
-  other file is one document. ValueError naming the file (and line) that cannot be read or lacks `column`."""
+  other file is one document. DataError naming the file (and line) that cannot be read or lacks `column`."""
   if path.endswith((".jsonl", ".json")):
     return read_jsonl(path, column)
   if path.endswith(".parquet"):
@@ -86,15 +128,15 @@ def read_jsonl(path: str, column: str) -> list[str]:
     try:
       record = json.loads(line)
     except json.JSONDecodeError as e:
-      raise ValueError(f"{path}:{number} is not a JSON object: {e}") from None
+      raise DataError(f"{path}:{number} is not a JSON object: {e}") from None
     if not isinstance(record, dict) or not isinstance(record.get(column), str):
-      raise ValueError(f"{path}:{number} has no text field {column!r} (set text_column to the field holding the text)")
+      raise DataError(f"{path}:{number} has no text field {column!r} (set text_column to the field holding the text)")
     texts.append(record[column])
   return texts
 
 
 def read_parquet_column(path: str, column: str) -> list[str]:
-  """The string column `column` of a Parquet file (nulls as ""); ValueError naming the file or the column."""
+  """The string column `column` of a Parquet file (nulls as ""); DataError naming the file or the column."""
   source = ParquetSource([path], column)
   return [text for group in range(source.num_groups) for text in source.group_texts(group)]
 
@@ -114,9 +156,9 @@ class ParquetSource:
       try:
         meta = pq.ParquetFile(path).metadata
       except (OSError, ValueError) as e:  # pyarrow's errors subclass these
-        raise ValueError(f"Cannot read Parquet file {path!r}: {e}") from None
+        raise DataError(f"Cannot read Parquet file {path!r}: {e}") from None
       if column not in meta.schema.names:
-        raise ValueError(
+        raise DataError(
           f"Parquet file {path!r} has no column {column!r} (columns: {', '.join(meta.schema.names)}); set text_column"
         )
       for g in range(meta.num_row_groups):
@@ -137,7 +179,7 @@ class ParquetSource:
     try:
       table = pq.ParquetFile(self._paths[file]).read_row_group(g, columns=[self._column])
     except (OSError, ValueError) as e:
-      raise ValueError(f"Cannot read row group {g} of Parquet file {self._paths[file]!r}: {e}") from None
+      raise DataError(f"Cannot read row group {g} of Parquet file {self._paths[file]!r}: {e}") from None
     return [t or "" for t in table.column(0).to_pylist()]
 
   def __len__(self) -> int:

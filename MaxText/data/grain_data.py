@@ -27,6 +27,7 @@ from MaxText import sharding
 from MaxText.config import Config
 from MaxText.data import tokenizer as tokenizers
 from MaxText.data.batches import Iterators, Rows, assemble_batch, process_rows
+from MaxText.data.errors import DataError
 from MaxText.data.files import ParquetSource, expand
 
 
@@ -45,7 +46,7 @@ def parse_mixture(spec: str) -> list[tuple[str, float]]:
     except ValueError:
       parts.append((item, 1.0))  # a comma inside the glob itself
   if not parts or any(w <= 0 for _, w in parts):
-    raise ValueError(f"Cannot parse the file mixture {spec!r}: expected 'glob' or 'glob1,0.7;glob2,0.3' (weights > 0)")
+    raise DataError(f"Cannot parse the file mixture {spec!r}: expected 'glob' or 'glob1,0.7;glob2,0.3' (weights > 0)")
   total = sum(w for _, w in parts)
   return [(p, w / total) for p, w in parts]
 
@@ -61,15 +62,15 @@ def record_text(record: Any, column: str) -> str:
       return record
   if isinstance(record, dict):
     if column not in record:
-      raise ValueError(f"Record has no text field {column!r} (fields: {', '.join(map(str, record))}); set text_column")
+      raise DataError(f"Record has no text field {column!r} (fields: {', '.join(map(str, record))}); set text_column")
     return record_text(record[column], column) if not isinstance(record[column], str) else record[column]
   if not isinstance(record, str):
-    raise ValueError(f"Record of type {type(record).__name__} holds no text")
+    raise DataError(f"Record of type {type(record).__name__} holds no text")
   return record
 
 
 def open_source(paths: Sequence[str], file_type: str, column: str) -> Any:
-  """A random-access source over `paths`; ValueError naming an unreadable file, an empty source, or no text."""
+  """A random-access source over `paths`; DataError naming an unreadable file, an empty source, or no text."""
   if file_type == "parquet":
     source = ParquetSource(paths, column)
   else:
@@ -77,22 +78,22 @@ def open_source(paths: Sequence[str], file_type: str, column: str) -> Any:
 
     for path in paths:
       if not path.startswith("gs://") and not os.access(path, os.R_OK):
-        raise ValueError(f"Cannot read ArrayRecord file {path!r}")
+        raise DataError(f"Cannot read ArrayRecord file {path!r}")
     try:
       source = ArrayRecordDataSource(list(paths))
     except Exception as e:  # array_record raises RuntimeError/ValueError/OSError by version
-      raise ValueError(f"Cannot read ArrayRecord files {', '.join(paths)}: {e}") from None
+      raise DataError(f"Cannot read ArrayRecord files {', '.join(paths)}: {e}") from None
   return check_source(source, ", ".join(paths), column)
 
 
 def check_source(source: Any, where: str, column: str) -> Any:
-  """`source` when it is non-empty and its first record has text; else ValueError naming `where`."""
+  """`source` when it is non-empty and its first record has text; else DataError naming `where`."""
   if len(source) == 0:
-    raise ValueError(f"The dataset {where} is empty")
+    raise DataError(f"The dataset {where} is empty")
   try:
     record_text(source[0], column)
   except ValueError as e:
-    raise ValueError(f"{where}: {e}") from None
+    raise DataError(f"{where}: {e}") from None
   return source
 
 
@@ -229,7 +230,7 @@ class GrainBatches:
 
   def set_state(self, state: dict[str, Any]) -> None:
     if state.get("num_shards") != self._shard.count or len(state.get("shards", [])) != jax.process_count():
-      raise ValueError(
+      raise DataError(
         f"Data state for {state.get('num_shards')} shards / {len(state.get('shards', []))} processes cannot resume "
         f"{self._shard.count} shards / {jax.process_count()} processes exactly: keep the data layout of the run"
       )

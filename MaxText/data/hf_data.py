@@ -16,12 +16,13 @@ from jax.sharding import Mesh
 from MaxText.config import Config
 from MaxText.data import tokenizer as tokenizers
 from MaxText.data.batches import Iterators
+from MaxText.data.errors import DataError
 from MaxText.data.files import expand
 from MaxText.data.grain_data import Component, check_source, make_pipeline
 
 
 def load_split(config: Config, split: str, files: str) -> Any:
-  """One split as a random-access `datasets.Dataset`; ValueError naming hf_path / the files on failure."""
+  """One split as a random-access `datasets.Dataset`; DataError naming hf_path / the files on failure."""
   import datasets
 
   data_files = None
@@ -37,7 +38,7 @@ def load_split(config: Config, split: str, files: str) -> Any:
       split=split,
     )
   except Exception as e:  # datasets raises many types (FileNotFoundError, DatasetNotFoundError, ValueError...)
-    raise ValueError(f"Cannot load the Hugging Face dataset {where}: {type(e).__name__}: {e}") from None
+    raise DataError(f"Cannot load the Hugging Face dataset {where}: {type(e).__name__}: {e}") from None
 
 
 def make_iterators(config: Config, mesh: Mesh) -> Iterators:

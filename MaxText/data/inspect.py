@@ -75,8 +75,9 @@ def main(argv: Sequence[str]) -> None:
 
   config_argv, own = split_args(argv)
   config = launch.start(config_argv, usage())
-  mesh = sharding.create_mesh(config)
-  its = data.make_iterators(config, mesh)
+  with launch.user_errors():
+    mesh = sharding.create_mesh(config)
+    its = data.make_iterators(config, mesh)
   if own["eval"] and its.eval_factory is None:
     sys.exit("This config has no eval data")
   batches = its.eval_factory() if own["eval"] else its.train

@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 from MaxText import sharding
 from MaxText.config import Config
 from MaxText.data.batches import BatchIterator, Iterators
+from MaxText.data.errors import DataError
 
 TRAIN_STREAM, EVAL_STREAM = 0, 1
 
@@ -23,7 +24,7 @@ class SyntheticRows:
 
   def __init__(self, seed: int, stream: int, vocab_size: int, length: int, global_batch: int):
     if vocab_size < 2:
-      raise ValueError(f"Synthetic data draws tokens from [1, vocab_size); vocab_size={vocab_size} leaves none")
+      raise DataError(f"Synthetic data draws tokens from [1, vocab_size); vocab_size={vocab_size} leaves none")
     self._seed, self._stream = seed, stream
     self._vocab_size, self._length, self._global_batch = vocab_size, length, global_batch
 
@@ -42,7 +43,7 @@ class SyntheticRows:
 
   def next_row(self, state: dict[str, Any]) -> int:
     if set(state) != {"step"}:
-      raise ValueError(f"Synthetic data state must be {{'step': n}}, got {state}")
+      raise DataError(f"Synthetic data state must be {{'step': n}}, got {state}")
     return int(state["step"]) * self._global_batch
 
 

@@ -31,6 +31,7 @@ from MaxText.config import Config
 from MaxText.data import files
 from MaxText.data import tokenizer as tokenizers
 from MaxText.data.batches import BatchIterator, Iterators
+from MaxText.data.errors import DataError
 from MaxText.data.packing import DocumentRows
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ def list_documents(config: Config) -> Documents:
     pattern = os.path.expanduser(config.dataset_path)
     paths = sorted(os.path.abspath(p) for p in files.local_files(pattern))
     if not paths:
-      raise ValueError(f"dataset_path={config.dataset_path!r} matches no files (for a directory, use 'dir/**/*.txt')")
+      raise DataError(f"dataset_path={config.dataset_path!r} matches no files (for a directory, use 'dir/**/*.txt')")
     docs = Documents(paths, files.glob_root(pattern), strict=True)
   else:
     root = sysconfig.get_paths()["stdlib"]
@@ -81,14 +82,14 @@ def document_names(docs: Documents, counts: np.ndarray) -> list[str]:
 def split_documents(
   docs: Documents, names: Sequence[str], nonempty: np.ndarray, eval_fraction: float
 ) -> tuple[np.ndarray, np.ndarray]:
-  """(train ids, eval ids) among the non-empty documents; raises ValueError when there is no training data.
+  """(train ids, eval ids) among the non-empty documents; raises DataError when there is no training data.
 
   The eval documents are the round(eval_fraction * n) (at least one when eval_fraction > 0 and n > 1)
   with the smallest hash of their `document_names`: fixed by the corpus, not by order or seed.
   """
   ids = np.flatnonzero(nonempty)
   if len(ids) == 0:
-    raise ValueError(f"The corpus is empty: all {len(names)} documents under {docs.root!r} have no text")
+    raise DataError(f"The corpus is empty: all {len(names)} documents under {docs.root!r} have no text")
   n_eval = min(len(ids) - 1, max(int(eval_fraction > 0), round(eval_fraction * len(ids))))
   rank = sorted(ids, key=lambda i: hashlib.sha256(names[i].encode()).digest())
   eval_ids = np.array(sorted(rank[:n_eval]), dtype=np.int64)
@@ -109,7 +110,7 @@ def get_tokenizer(config: Config, train_texts: Callable[[], Sequence[str]]) -> t
     return tokenizers.load_for_config(config)
   path = os.path.join(config.tokenizer_dir, tokenizers.MODEL_FILE)
   if config.tokenizer_type != "sentencepiece":
-    raise ValueError(f"tokenizer_type={config.tokenizer_type} needs tokenizer_path (only SentencePiece is trained)")
+    raise DataError(f"tokenizer_type={config.tokenizer_type} needs tokenizer_path (only SentencePiece is trained)")
   if jax.process_index() == 0 and not os.path.isfile(path):
     start = time.perf_counter()
     tokenizers.train_sentencepiece(train_texts(), config.vocab_size, config.tokenizer_dir, config.data_shuffle_seed)
@@ -117,7 +118,7 @@ def get_tokenizer(config: Config, train_texts: Callable[[], Sequence[str]]) -> t
     log.info("Trained a tokenizer (vocab_size=%d) in %.1f s: %s", config.vocab_size, seconds, path)
   _sync("maxtext_data_tokenizer")
   if not os.path.isfile(path):
-    raise ValueError(
+    raise DataError(
       f"Process {jax.process_index()} cannot see the tokenizer {path!r} that process 0 trained: put "
       "base_output_directory on a filesystem all hosts share, or set tokenizer_path"
     )
@@ -190,7 +191,7 @@ def _save(prefix: str, corpus: Corpus) -> None:
 
 
 def read_all(config: Config, docs: Documents) -> Texts:
-  """Every document of the corpus; ValueError naming a file that cannot be read or lacks text_column."""
+  """Every document of the corpus; DataError naming a file that cannot be read or lacks text_column."""
   per_file = [files.read_texts(p, docs.strict, config.text_column) for p in docs.paths]
   return Texts(list(itertools.chain.from_iterable(per_file)), np.array([len(t) for t in per_file], np.int64))
 
@@ -211,6 +212,11 @@ def make_iterators(config: Config, mesh: Mesh) -> Iterators:
   corpus = load_corpus(config, docs, tok, texts)
   names = document_names(docs, corpus.counts)
   train_ids, eval_ids = split_documents(docs, names, np.diff(corpus.offsets) > 0, config.eval_fraction)
+  if config.eval_interval > 0 and not len(eval_ids):
+    raise DataError(
+      f"eval_interval={config.eval_interval} but eval_fraction={config.eval_fraction} holds out no document of "
+      f"the {len(train_ids)} under {docs.root!r}; add documents, raise eval_fraction, or set eval_interval=-1"
+    )
   spec, length = sharding.input_sharding(config, mesh), config.max_target_length
 
   def iterator(ids: np.ndarray, seed: int | None, batch: int, one_epoch: bool = False) -> BatchIterator:

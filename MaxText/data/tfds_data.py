@@ -16,11 +16,12 @@ from jax.sharding import Mesh
 from MaxText.config import Config
 from MaxText.data import tokenizer as tokenizers
 from MaxText.data.batches import Iterators
+from MaxText.data.errors import DataError
 from MaxText.data.grain_data import Component, check_source, make_pipeline
 
 
 def data_source(config: Config, split: str) -> Any:
-  """Random access to `split` of dataset_name; ValueError naming the dataset, data_dir and split on failure."""
+  """Random access to `split` of dataset_name; DataError naming the dataset, data_dir and split on failure."""
   import tensorflow_datasets as tfds
 
   where = f"TFDS dataset {config.dataset_name!r} split {split!r} in dataset_path={config.dataset_path!r}"
@@ -28,7 +29,7 @@ def data_source(config: Config, split: str) -> Any:
     source = tfds.data_source(config.dataset_name, split=split, data_dir=config.dataset_path or None, download=False)
   except Exception as e:  # tfds raises DatasetNotFoundError, AssertionError, NotImplementedError (tfrecord) ...
     hint = " (prepare it with file_format=array_record, or convert it: see download_dataset.sh)"
-    raise ValueError(f"Cannot open the {where}: {type(e).__name__}: {e}{hint}") from None
+    raise DataError(f"Cannot open the {where}: {type(e).__name__}: {e}{hint}") from None
   return check_source(source, where, config.text_column)
 
 

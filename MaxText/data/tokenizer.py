@@ -15,6 +15,8 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 import sentencepiece as spm
 
+from MaxText.data.errors import DataError
+
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 MODEL_FILE = "tokenizer.model"
 # Training "sentences" are runs of this many lines, so pieces can learn to end in a newline.
@@ -60,31 +62,31 @@ class Tokenizer:
 
 
 def load_tokenizer(path: str, tokenizer_type: str = "sentencepiece") -> Tokenizer:
-  """The tokenizer at `path`; ValueError naming the path when it is missing or not of `tokenizer_type`.
+  """The tokenizer at `path`; DataError naming the path when it is missing or not of `tokenizer_type`.
 
   sentencepiece: a .model file; tiktoken: a BPE ranks file (Llama 3's tokenizer.model); huggingface: a
   tokenizer.json file or a directory holding one.
   """
   if tokenizer_type not in LOADERS:
-    raise ValueError(f"tokenizer_type={tokenizer_type!r} is not one of {', '.join(LOADERS)}")
+    raise DataError(f"tokenizer_type={tokenizer_type!r} is not one of {', '.join(LOADERS)}")
   if not os.path.exists(path):
-    raise ValueError(f"Tokenizer {path!r} does not exist; set tokenizer_path to a {tokenizer_type} tokenizer file")
+    raise DataError(f"Tokenizer {path!r} does not exist; set tokenizer_path to a {tokenizer_type} tokenizer file")
   try:
     return LOADERS[tokenizer_type](path)
   except Exception as e:  # each library raises its own types
-    raise ValueError(f"Tokenizer {path!r} is not a {tokenizer_type} tokenizer: {e}") from None
+    raise DataError(f"Tokenizer {path!r} is not a {tokenizer_type} tokenizer: {e}") from None
 
 
 def check_tokenizer(tok: Tokenizer, vocab_size: int, add_bos: bool, add_eos: bool) -> None:
-  """ValueError when the model's embedding cannot hold the tokenizer's ids, or a wanted BOS/EOS is missing."""
+  """DataError when the model's embedding cannot hold the tokenizer's ids, or a wanted BOS/EOS is missing."""
   if tok.vocab_size > vocab_size:
-    raise ValueError(
+    raise DataError(
       f"Tokenizer {tok.path!r} has {tok.vocab_size} pieces but vocab_size={vocab_size}: "
       f"raise vocab_size to at least {tok.vocab_size}"
     )
   for flag, wanted, piece_id in (("add_bos", add_bos, tok.bos_id), ("add_eos", add_eos, tok.eos_id)):
     if wanted and piece_id < 0:
-      raise ValueError(f"Tokenizer {tok.path!r} has no {flag[4:].upper()} piece; set {flag}=false")
+      raise DataError(f"Tokenizer {tok.path!r} has no {flag[4:].upper()} piece; set {flag}=false")
 
 
 def load_for_config(config) -> Tokenizer:
@@ -149,8 +151,8 @@ def train_sentencepiece(
     )
   except RuntimeError as e:
     if seen[0] == 0:
-      raise ValueError("No text to train a tokenizer on: every document is empty") from None
-    raise ValueError(f"Training a SentencePiece tokenizer with vocab_size={vocab_size} failed: {e}") from None
+      raise DataError("No text to train a tokenizer on: every document is empty") from None
+    raise DataError(f"Training a SentencePiece tokenizer with vocab_size={vocab_size} failed: {e}") from None
   path = os.path.join(output_dir, MODEL_FILE)
   os.replace(prefix + ".vocab", os.path.join(output_dir, "tokenizer.vocab"))
   os.replace(prefix + ".model", path)

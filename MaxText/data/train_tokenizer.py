@@ -16,15 +16,22 @@ from MaxText.data.tokenizer import load_tokenizer, train_sentencepiece
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(
+    prog="python3 -m MaxText.data.train_tokenizer",
+    epilog="More: docs/data.md in the repository.",
+    description=__doc__.splitlines()[0],
+  )
   parser.add_argument("--files", required=True, help="glob of training files ('**' recurses)")
   parser.add_argument("--vocab_size", type=int, required=True, help="at most this many pieces")
   parser.add_argument("--output_dir", required=True, help="writes tokenizer.model and tokenizer.vocab here")
   parser.add_argument("--text_column", default="text", help=".jsonl/.parquet field holding the text")
   parser.add_argument("--seed", type=int, default=0, help="seed of the sentence sampling")
   args = parser.parse_args(argv)
-  paths, texts = cli_texts(args.files, args.text_column)
-  path = train_sentencepiece(texts, args.vocab_size, args.output_dir, args.seed)
+  from MaxText import launch  # noqa: PLC0415 (launch imports this package)
+
+  with launch.user_errors():
+    paths, texts = cli_texts(args.files, args.text_column)
+    path = train_sentencepiece(texts, args.vocab_size, args.output_dir, args.seed)
   print(f"{path}: {load_tokenizer(path).vocab_size} pieces from {len(paths)} files")
 
 

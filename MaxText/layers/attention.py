@@ -7,6 +7,7 @@ projection biases.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -16,7 +17,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.config import Config, ConfigError
-from MaxText.layers import kv_cache
+from MaxText.layers import context_parallel, kv_cache
 from MaxText.layers.attention_kernels import flash_attention
 from MaxText.layers.axes import HEAD_AXES, KV_HEAD_AXES
 from MaxText.layers.embeddings import apply_rope, rope_attention_factor, scaled_rope_frequencies
@@ -28,21 +29,30 @@ from MaxText.layers.normalizations import RMSNorm
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
+def index_mask(
+  q_segments: jax.Array, k_segments: jax.Array, q_index: jax.Array, k_index: jax.Array, sliding_window: int = 0
+) -> jax.Array:
+  """Queries' segment ids [B, T] and places in the sequence [T], keys' [B, S] and [S] -> [B, 1, 1, T, S]
+  bool: causal by place, within the same document, and when sliding_window > 0 local (query i sees keys
+  j with i - window < j <= i). Places, not array positions, so a reordered or split sequence
+  (context parallelism) masks as the original one."""
+  distance = q_index[:, None] - k_index[None, :]  # i - j
+  allowed = distance >= 0
+  if sliding_window:
+    allowed &= distance < sliding_window
+  same_doc = q_segments[:, :, None] == k_segments[:, None, :]
+  return (allowed[None] & same_doc)[:, None, None]
+
+
 def attention_mask(
   segment_ids: jax.Array, sliding_window: int = 0, query_start: jax.Array | int = 0, query_length: int | None = None
 ) -> jax.Array:
   """[B, S] segment ids -> [B, 1, 1, T, S] bool for the T = query_length (default S) queries from
-  position query_start: causal, within the same document, and when sliding_window > 0 local (query i
-  sees keys j with i - window < j <= i)."""
+  position query_start: index_mask over the sequence in its original order."""
   s = segment_ids.shape[1]
   t = s if query_length is None else query_length
   query_ids = segment_ids if t == s else jax.lax.dynamic_slice_in_dim(segment_ids, query_start, t, axis=1)
-  distance = (query_start + jnp.arange(t))[:, None] - jnp.arange(s)[None, :]  # i - j
-  allowed = distance >= 0
-  if sliding_window:
-    allowed &= distance < sliding_window
-  same_doc = query_ids[:, :, None] == segment_ids[:, None, :]
-  return (allowed[None] & same_doc)[:, None, None]
+  return index_mask(query_ids, segment_ids, query_start + jnp.arange(t), jnp.arange(s), sliding_window)
 
 
 def soft_cap(x: jax.Array, cap: float) -> jax.Array:
@@ -97,6 +107,9 @@ def attention_kind(config: Config, length: int, logits_soft_cap: float) -> str:
   fused kernel cannot take the shapes (flash: length a multiple of 128; cuDNN: no soft cap)."""
   if config.attention != "autoselected":
     return config.attention
+  if context_parallel.num_shards() > 1:
+    # The kernels see a whole sequence; dot_product runs context-parallel (layers/context_parallel.py).
+    return "dot_product"
   platform = target_platform()
   if platform == "tpu" and length % 128 == 0:
     return "flash"
@@ -105,24 +118,68 @@ def attention_kind(config: Config, length: int, logits_soft_cap: float) -> str:
   return "dot_product"
 
 
+def whole_sequence(segment_ids: jax.Array) -> context_parallel.LocalTokens:
+  """The mask inputs of an unsplit sequence in its original order: queries and keys are all tokens."""
+  index = jnp.arange(segment_ids.shape[1], dtype=jnp.int32)
+  return context_parallel.LocalTokens(segment_ids, segment_ids, index, index)
+
+
 def chunked_dot_product_attention(
-  q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, sliding_window: int, logits_soft_cap: float,
-  chunk: int,
+  q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, sliding_window: int,
+  logits_soft_cap: float, chunk: int, tokens: context_parallel.LocalTokens | None = None,
 ) -> jax.Array:  # fmt: skip
   """dot_product_attention over query blocks of `chunk` tokens, each rematerialised in the backward pass:
-  the [B, N, chunk, S] scores of one block are live at a time instead of the whole [B, N, T, S]."""
-  b, t = segment_ids.shape
+  the [B, N, chunk, S] scores of one block are live at a time instead of the whole [B, N, T, S].
+  `tokens` (default: whole_sequence(segment_ids)) places the T queries and S keys for the mask."""
+  tokens = whole_sequence(segment_ids) if tokens is None else tokens
+  b, t = q.shape[:2]
   n = t // chunk
-  starts = jnp.arange(n) * chunk
 
   @jax.checkpoint
-  def block(q_block, start):
-    mask = attention_mask(segment_ids, sliding_window, start, chunk)
+  def block(q_block, q_segments, q_index):
+    mask = index_mask(q_segments, tokens.k_segments, q_index, tokens.k_index, sliding_window)
     return dot_product_attention(q_block, k, v, mask, logits_soft_cap)
 
   q_blocks = q.reshape(b, n, chunk, *q.shape[2:]).swapaxes(0, 1)  # [n, B, chunk, N, H]
-  out = jax.lax.map(lambda args: block(*args), (q_blocks, starts))
+  segments = tokens.q_segments.reshape(b, n, chunk).swapaxes(0, 1)  # [n, B, chunk]
+  out = jax.lax.map(lambda args: block(*args), (q_blocks, segments, tokens.q_index.reshape(n, chunk)))
   return out.swapaxes(0, 1).reshape(b, t, *out.shape[3:])
+
+
+def local_attention(
+  q: jax.Array, k: jax.Array, v: jax.Array, tokens: context_parallel.LocalTokens, *, sliding_window: int,
+  logits_soft_cap: float, chunk: int,
+) -> jax.Array:  # fmt: skip
+  """dot_product attention of one context shard's queries over all keys (context_parallel.LocalAttention),
+  in query blocks of `chunk` when chunk divides the local length."""
+  t = q.shape[1]
+  if 0 < chunk < t and t % chunk == 0:
+    return chunked_dot_product_attention(q, k, v, None, sliding_window, logits_soft_cap, chunk, tokens)
+  mask = index_mask(tokens.q_segments, tokens.k_segments, tokens.q_index, tokens.k_index, sliding_window)
+  return dot_product_attention(q, k, v, mask, logits_soft_cap)
+
+
+def context_parallel_shards(config: Config, length: int) -> int:
+  """How many pieces context parallelism splits the attention of a `length`-token sequence into under the
+  active mesh and rules: 1 when the sequence is whole or the configured kernel is not dot_product (flash
+  and cuDNN then see the whole sequence, gathered by XLA, as before context parallelism)."""
+  shards = context_parallel.num_shards()
+  if shards == 1 or attention_kind(config, length, config.attn_logits_soft_cap) != "dot_product":
+    return 1
+  multiple = 2 * shards if config.context_parallel_load_balance else shards
+  if length % multiple:
+    raise ConfigError(
+      f"context parallelism splits the sequence into {shards} shards"
+      f"{' of 2 chunks each (context_parallel_load_balance)' if multiple > shards else ''}: "
+      f"max_target_length={length} must be a multiple of {multiple}"
+    )
+  return shards
+
+
+def load_balanced(config: Config, length: int) -> bool:
+  """Whether training attention expects the balanced layout (context_parallel.balance): the decoder
+  reorders its inputs when this holds, and attend reads the same answer."""
+  return config.context_parallel_load_balance and context_parallel_shards(config, length) > 1
 
 
 def attend(
@@ -130,7 +187,10 @@ def attend(
 ) -> jax.Array:
   """Attention without a decode cache (training, evaluation) through the configured kernel: q [B, T, N, Hq]
   already scaled, k [B, T, K, Hq], v [B, T, K, Hv] -> [B, T, N, Hv]; causal, within segments, local when
-  sliding_window > 0."""
+  sliding_window > 0.
+
+  Under context parallelism (context_parallel_shards > 1) the arrays come split along T and, when
+  load_balanced, in the balanced layout the decoder made; attention then runs per shard."""
   cap, t = config.attn_logits_soft_cap, q.shape[1]
   kind = attention_kind(config, t, cap)
   if kind == "flash" and target_platform() == "gpu":
@@ -146,6 +206,9 @@ def attend(
   if kind == "cudnn_flash_te":
     return cudnn_attention(q, k, v, attention_mask(segment_ids, sliding_window), cap)
   chunk = config.attention_query_chunk
+  if context_parallel_shards(config, t) > 1:
+    local = functools.partial(local_attention, sliding_window=sliding_window, logits_soft_cap=cap, chunk=chunk)
+    return context_parallel.attention(local, q, k, v, segment_ids, balanced=load_balanced(config, t))
   if 0 < chunk < t and t % chunk == 0:
     return chunked_dot_product_attention(q, k, v, segment_ids, sliding_window, cap, chunk)
   return dot_product_attention(q, k, v, attention_mask(segment_ids, sliding_window), cap)

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from MaxText.config import Config, ConfigError
-from MaxText.layers import pipeline
-from MaxText.layers.attention import soft_cap
+from MaxText.layers import context_parallel, pipeline
+from MaxText.layers.attention import load_balanced, soft_cap
 from MaxText.layers.axes import ACTIVATION_AXES, LOGITS_AXES
 from MaxText.layers.decoder_layer import DecoderLayer, dropout
 from MaxText.layers.embeddings import Embed
@@ -217,6 +217,10 @@ class Decoder(nnx.Module):
     applies `logits` itself piece by piece (the vocab-tiled loss).
     """
     c = self.config
+    # Context parallelism with load balancing: the layers run on the balanced layout, undone at the end.
+    shards = context_parallel.num_shards() if cache is None and load_balanced(c, tokens.shape[1]) else 1
+    if shards > 1:
+      tokens, positions, segment_ids = (context_parallel.balance(a, shards) for a in (tokens, positions, segment_ids))
     x = self.token_embedder(tokens)
     if self.position_embedder is not None:
       x = x + self.position_embedder(positions)
@@ -234,6 +238,7 @@ class Decoder(nnx.Module):
       aux, first = aux + stack_aux, first + stack.repeats
     x = self.decoder_norm(x)
     out = x if hidden_only else self.logits(x)
+    out = context_parallel.unbalance(out, shards) if shards > 1 else out
     return DecoderOutput(out, aux / c.num_decoder_layers, None if cache is None else new_cache)
 
   def logits(self, x: jax.Array) -> jax.Array:

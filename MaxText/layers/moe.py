@@ -2,11 +2,14 @@
 group-limited choice as in DeepSeek V2/V3), top-k routing, gated expert MLPs and optional shared experts.
 
 Dropless by default: the token->expert assignments are sorted by expert and each expert's contiguous
-group goes through jax.lax.ragged_dot. capacity_factor > 0 gives each expert a fixed buffer of
+group goes through jax.lax.ragged_dot (moe_dispatch.dropless, per batch shard; over an `expert` axis the
+assignments move to their experts' shards by all-to-all). capacity_factor > 0 gives each expert a fixed buffer of
 C = ceil(capacity_factor * tokens * k / experts) slots (static, at most tokens): assignments are
 scattered into an [E, C, D] buffer in token order (earlier tokens win), the experts run as one batched
 einsum over it (E sharded over `expert`, C over the other batch axes) and the outputs are gathered
-back; assignments beyond capacity are dropped (contribute 0, cost nothing). The Switch-style
+back; assignments beyond capacity are dropped (contribute 0, cost nothing). That is capacity_group=global;
+sequence and shard count the capacity per sequence or per batch shard and dispatch per shard with
+all-to-all over `expert` (moe_dispatch.capacity). The Switch-style
 load-balancing loss E * sum_e(f_e * p_e) (f_e: assignments to e per token, p_e: mean router
 probability of e) is recorded as an nnx.Intermediate, which the decoder collects into the objective.
 Einsum letters: E experts, X tokens (B*T flattened), R routed slots per token (k), A assignments (X*k),
@@ -16,7 +19,6 @@ C capacity slots per expert, D model dim, F expert width.
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -25,10 +27,16 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from MaxText.config import Config
+from MaxText.config import Config, ConfigError
+from MaxText.layers import moe_dispatch
+from MaxText.layers.attention import target_platform
 from MaxText.layers.axes import ACTIVATION_AXES, EXPERT_EMBED_AXES, EXPERT_MLP_AXES, MLP_AXES, axes_size, mesh_axes
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.mlp import ACTIVATIONS, MlpBlock
+from MaxText.layers.moe_dispatch import expert_capacity, expert_ranks
+
+# Tokens that share an expert's capacity: the whole batch, each sequence (MaxText), each batch shard.
+CAPACITY_GROUPS = ("global", "sequence", "shard")
 
 
 class Routing(NamedTuple):
@@ -75,43 +83,10 @@ def load_balance_loss(routing: Routing, num_experts: int) -> jax.Array:
   return num_experts * jnp.sum(fraction * jnp.mean(routing.probs, axis=0))
 
 
-def expert_capacity(tokens: int, k: int, num_experts: int, capacity_factor: float) -> int:
-  """Slots per expert: ceil(capacity_factor * tokens * k / experts), at most `tokens` (a token picks an
-  expert at most once, so more slots could never fill)."""
-  return min(math.ceil(capacity_factor * tokens * k / num_experts), tokens)
-
-
-def expert_ranks(experts: jax.Array, num_experts: int) -> jax.Array:
-  """[X, k] expert ids -> [X, k] int32: each assignment's rank among its expert's assignments in
-  (token, slot) order, so earlier tokens come first. A stable sort, no [A, E] one-hot."""
-  flat = experts.reshape(-1)  # [A]
-  order = jnp.argsort(flat, stable=True)
-  sizes = jnp.bincount(flat, length=num_experts)
-  starts = jnp.cumsum(sizes) - sizes  # first sorted position of each expert's group
-  ranks = jnp.arange(flat.shape[0]) - starts[flat[order]]
-  return jnp.zeros_like(flat).at[order].set(ranks).reshape(experts.shape)
-
-
 def capacity_mask(experts: jax.Array, num_experts: int, capacity_factor: float) -> jax.Array:
   """[X, k] -> [X, k] bool: the assignment is within its expert's capacity (in token order)."""
   x, k = experts.shape
   return expert_ranks(experts, num_experts) < expert_capacity(x, k, num_experts, capacity_factor)
-
-
-def ragged_experts(
-  tokens: jax.Array, experts: jax.Array, wi_0: jax.Array, wi_1: jax.Array, wo: jax.Array, *, num_experts: int,
-  activation,
-) -> jax.Array:  # fmt: skip
-  """tokens [X, D], experts [X, k], weights [E, D, F] / [E, F, D] -> [X, k, D]: the assignments sorted
-  by expert, each expert's contiguous group through jax.lax.ragged_dot, then put back in order."""
-  x, k = experts.shape
-  flat = experts.reshape(-1)  # [A]
-  order = jnp.argsort(flat, stable=True)
-  sorted_tokens = jnp.take(tokens, order // k, axis=0)  # [A, D], grouped by expert
-  sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-  hidden = activation(jax.lax.ragged_dot(sorted_tokens, wi_0, sizes)) * jax.lax.ragged_dot(sorted_tokens, wi_1, sizes)
-  out = jax.lax.ragged_dot(hidden, wo, sizes)  # [A, D]
-  return jnp.zeros_like(out).at[order].set(out).reshape(x, k, -1)
 
 
 class MoeBlock(nnx.Module):
@@ -133,50 +108,95 @@ class MoeBlock(nnx.Module):
       self.shared_experts = MlpBlock(config, rngs=rngs, mlp_dim=f * config.shared_experts)
     self.config, self.num_experts, self.k, self.dtype = config, e, config.num_experts_per_tok, dt
     self.capacity_factor = config.capacity_factor
+    if config.capacity_group not in CAPACITY_GROUPS:
+      raise ConfigError(f"capacity_group={config.capacity_group!r} is not one of {', '.join(CAPACITY_GROUPS)}")
     self.activation = ACTIVATIONS[config.mlp_activations[0]]
 
   def __call__(self, x: jax.Array) -> jax.Array:
     b, t, d = x.shape
     tokens = x.reshape(b * t, d)  # [X, D]
-    routing = route(self.gate(tokens), self.config, None if self.gate_bias is None else self.gate_bias[...])
+    routing = self._route(tokens)
     self.load_balance_loss = nnx.Intermediate(load_balance_loss(routing, self.num_experts))
-    if self.capacity_factor > 0:
+    if self.capacity_factor > 0 and self.config.capacity_group == "global":
       out = self._capacity_experts(tokens, routing.experts)  # [X, k, D], 0 where dropped
+    elif self.capacity_factor > 0:
+      out = self._grouped_capacity_experts(tokens, routing.experts, t)
     else:
-      out = self._experts(tokens, routing.experts)  # [X, k, D]
+      out = self._experts(tokens, routing.experts, t)  # [X, k, D]
     out = jnp.einsum("XRD,XR->XD", out.astype(jnp.float32), routing.weights).astype(self.dtype)
     out = out.reshape(b, t, d)
     if self.shared_experts is not None:
       out = out + self.shared_experts(x)
     return nn.with_logical_constraint(out, ACTIVATION_AXES)
 
-  def _experts(self, tokens: jax.Array, experts: jax.Array) -> jax.Array:
+  def _route(self, tokens: jax.Array) -> Routing:
+    """tokens [X, D] -> Routing, per batch shard under a mesh: the partitioner would all-gather the
+    [X, E] scores of the whole batch for top_k (seen on XLA:CPU), and routing is per token anyway."""
+    logits, config = self.gate(tokens), self.config
+    bias = None if self.gate_bias is None else self.gate_bias[...]
+    mesh = jax.sharding.get_abstract_mesh()
+    batch = () if mesh.empty else mesh_axes("activation_batch", ACTIVATION_AXES, mesh)
+    if not batch or tokens.shape[0] % axes_size(batch, mesh):
+      return route(logits, config, bias)
+    rows = P(batch, None)
+    per_shard = functools.partial(jax.shard_map, mesh=mesh, out_specs=Routing(rows, rows, rows))
+    if bias is None:
+      return per_shard(lambda g: route(g, config), in_specs=rows)(logits)
+    return per_shard(lambda g, b: route(g, config, b), in_specs=(rows, P(None)))(logits, bias)
+
+  def _experts(self, tokens: jax.Array, experts: jax.Array, length: int) -> jax.Array:
     """tokens [X, D], experts [X, k] -> each assignment's expert output [X, k, D] (dropless).
 
     Under a mesh each batch shard sorts and computes its own tokens (shard_map over activation_batch's
     mesh axes, expert widths split over activation_mlp's with a psum of the partial outputs): a global
-    sort would gather every routed token of the batch onto every device. Experts split over an
-    `expert` axis keep the global path (their tokens must move between shards).
+    sort would gather every routed token of the batch onto every device. With experts split over an
+    `expert` axis (one of the batch axes), the tokens go to their experts' shards and back
+    (moe_dispatch.dropless); the weights are never gathered across `expert`.
     """
+    compute = functools.partial(moe_dispatch.dropless, num_experts=self.num_experts, activation=self.activation)
+    compute = functools.partial(compute, ragged=target_platform() != "cpu")
+    return self._per_shard(compute, tokens, experts, length, whole_sequences=False)
+
+  def _grouped_capacity_experts(self, tokens: jax.Array, experts: jax.Array, length: int) -> jax.Array:
+    """Capacity counted per sequence or per batch shard (capacity_group), as MaxText counts it."""
+    per_sequence = self.config.capacity_group == "sequence"
+
+    def compute(tokens, experts, *weights, **ep):
+      groups = tokens.shape[0] // length if per_sequence else 1
+      return moe_dispatch.capacity(
+        tokens, experts, *weights, num_experts=self.num_experts, groups=groups,
+        capacity_factor=self.capacity_factor, activation=self.activation, **ep,
+      )  # fmt: skip
+
+    return self._per_shard(compute, tokens, experts, length, per_sequence)
+
+  def _per_shard(self, compute, tokens: jax.Array, experts: jax.Array, length: int, whole_sequences: bool):
+    """compute(tokens, experts, wi_0, wi_1, wo, ep_axes=, ep=) per batch shard under the active mesh
+    (on the whole batch with ep=1 where there is none or the batch does not split evenly)."""
     weights = tuple(w[...].astype(self.dtype) for w in (self.wi_0, self.wi_1, self.wo))
-    compute = functools.partial(ragged_experts, num_experts=self.num_experts, activation=self.activation)
+    tokens = tokens.astype(self.dtype)
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh_axes("activation_exp", EXPERT_EMBED_AXES, mesh):
-      return compute(tokens.astype(self.dtype), experts, *weights)
+    if mesh.empty:
+      return compute(tokens, experts, *weights, ep_axes=(), ep=1)
     batch = mesh_axes("activation_batch", ACTIVATION_AXES, mesh)
-    batch = batch if tokens.shape[0] % axes_size(batch, mesh) == 0 else ()
+    ep_axes = mesh_axes("activation_exp", EXPERT_EMBED_AXES, mesh)
+    rows = tokens.shape[0] // length if whole_sequences else tokens.shape[0]
+    ep = axes_size(ep_axes, mesh)
+    if rows % axes_size(batch, mesh) or not set(ep_axes) <= set(batch) or self.num_experts % ep:
+      # Uneven splits (tiny batches; experts not split evenly) run as one global dispatch.
+      return compute(tokens, experts, *weights, ep_axes=(), ep=1)
     mlp = mesh_axes("activation_mlp", MLP_AXES, mesh)
     mlp = mlp if weights[0].shape[-1] % axes_size(mlp, mesh) == 0 else ()
 
     def shard(tokens, experts, wi_0, wi_1, wo):
-      out = compute(tokens.astype(self.dtype), experts, wi_0, wi_1, wo)
+      out = compute(tokens, experts, wi_0, wi_1, wo, ep_axes=ep_axes, ep=ep)
       return jax.lax.psum(out, mlp) if mlp else out  # each shard of F gives a partial sum over F
 
-    b, f = batch or None, mlp or None
+    b, e, f = batch or None, ep_axes or None, mlp or None
     return jax.shard_map(
       shard,
       mesh=mesh,
-      in_specs=(P(b, None), P(b, None), P(None, None, f), P(None, None, f), P(None, f, None)),
+      in_specs=(P(b, None), P(b, None), P(e, None, f), P(e, None, f), P(e, f, None)),
       out_specs=P(b, None, None),
     )(tokens, experts, *weights)
 

@@ -162,6 +162,11 @@ def test_decode_command_line(capsys):
   assert "(8 rows x 3 steps)" in out
 
 
+def test_decode_command_line_decodes_one_row_unless_a_batch_is_asked_for(capsys):
+  decode.main([BASE, *TINY, "vocab_size=320", "prompt=I love to", "decode_max_new_tokens=4"])
+  assert "(1 row x 3 steps)" in capsys.readouterr().out  # not base.yml's per_device_batch_size x 8 devices
+
+
 @pytest.mark.slow
 def test_two_processes_decode_like_one(tmp_path):
   """decode.py as 2 processes x 4 CPU devices (jax.distributed, one global 8-device mesh) prints the

@@ -279,8 +279,9 @@ def test_mfu_and_perplexity():
 
 
 def run_steps(logger, times, start=0):
+  """Log one step per time, numbered by steps completed: start + 1, start + 2, ..."""
   for i, t in enumerate(times):
-    step = start + i
+    step = start + i + 1
     logger.log(step, {"loss": 5.0 - 0.1 * step, "grad_norm": 1.0, "learning_rate": 1e-3, "z_loss": 0.01}, t)
 
 
@@ -289,17 +290,18 @@ def test_records_every_log_period_and_last_step(tmp_path, capsys):
   with make_logger(cfg) as logger:
     run_steps(logger, [1.0] * 25)
   records = read_jsonl(cfg.metrics_file)
-  assert [r["step"] for r in records] == [0, 1, 10, 20, 24]
+  assert [r["step"] for r in records] == [1, 2, 10, 20, 25]
   assert [r["compiling"] for r in records] == [True, True, False, False, False]
   keys = {"step", "loss", "perplexity", "grad_norm", "learning_rate", "step_time_s", "tokens_per_s_per_device"}
   keys |= {"tflops_per_s_per_device", "mfu", "eta_s", "elapsed_s", "compiling", "z_loss"}
   assert all(set(r) == keys for r in records)
-  assert records[2]["loss"] == pytest.approx(4.0) and records[2]["perplexity"] == pytest.approx(math.exp(4.0))
-  assert records[2]["eta_s"] == pytest.approx(14.0)  # steps 11..24 left at 1 s each
+  # the loss of step 10's record is the mean over its window, steps 3..10 (1 and 2 are compile steps)
+  assert records[2]["loss"] == pytest.approx(4.35) and records[2]["perplexity"] == pytest.approx(math.exp(4.35))
+  assert records[2]["eta_s"] == pytest.approx(15.0)  # steps 11..25 left at 1 s each
   assert records[0]["eta_s"] is None  # nothing timed yet besides compilation
   out = capsys.readouterr().out
-  assert "step 10/25 | loss 4 | ppl 54.6 | grad 1 | lr 1.0e-03 | 1 s/step | 500 tok/s/dev" in out
-  assert "MFU 12.5% | ETA 14s" in out and "(compiling)" in out and "Training summary" in out
+  assert "step 10/25 | loss 4.35 | ppl 77.5 | grad 1 | lr 1.0e-03 | 1 s/step | 500 tok/s/dev" in out
+  assert "MFU 12.5% | ETA 15s" in out and "(compiling)" in out and "Training summary" in out
 
 
 def test_compile_steps_excluded_from_averages(tmp_path):
@@ -308,13 +310,13 @@ def test_compile_steps_excluded_from_averages(tmp_path):
   run_steps(logger, [30.0, 20.0, 0.5, 0.5, 0.5, 0.5, 0.5, 1.5, 1.5], start=3)
   summary = logger.close()
   records = read_jsonl(cfg.metrics_file)
-  assert [r["step"] for r in records] == [3, 4, 5, 10, 11]
-  # own times for the compile steps 3 and 4; then the means of the windows {5}, {6..10}, {11}
-  assert [r["step_time_s"] for r in records] == pytest.approx([30.0, 20.0, 0.5, 0.7, 1.5])
+  assert [r["step"] for r in records] == [4, 5, 10, 12]
+  # own times for the compile steps 4 and 5; then the means of the windows {6..10}, {11, 12}
+  assert [r["step_time_s"] for r in records] == pytest.approx([30.0, 20.0, 0.5, 1.5])
   assert summary["steps_run"] == 9
   assert summary["mean_step_time_s"] == pytest.approx(5.5 / 7)
   assert summary["compile_steps_time_s"] == 50.0
-  assert summary["final_loss"] == pytest.approx(5.0 - 1.1)
+  assert summary["final_loss"] == pytest.approx(5.0 - 1.15)  # the mean over the last window, steps 11 and 12
   # 1e12 FLOPs / (5.5/7 s) / 2 devices / 4e12 peak
   assert summary["mfu"] == pytest.approx(1e12 / (5.5 / 7) / 2 / 4e12)
   assert summary["tokens_per_s_per_device"] == pytest.approx(1000 / (5.5 / 7) / 2)
@@ -341,14 +343,14 @@ def test_a_step_that_compiles_later_is_a_compile_step(tmp_path, capsys):
   double = jax.jit(lambda x: 2 * x)
   with make_logger(cfg) as logger:
     run_steps(logger, [1.0, 1.0, 1.0])
-    logger.log(3, {"loss": 1.0}, 5.0)  # a step with no compilation in it
+    logger.log(4, {"loss": 1.0}, 5.0)  # a step with no compilation in it
     double(jnp.ones(3)).block_until_ready()  # compiled between two steps (like an eval step's compile)
     t0 = time.perf_counter()
     double(jnp.ones(4)).block_until_ready()  # a new shape: compiled within the step
-    logger.log(4, {"loss": 1.0}, time.perf_counter() - t0)
+    logger.log(5, {"loss": 1.0}, time.perf_counter() - t0)
     t0 = time.perf_counter()
     double(jnp.ones(4)).block_until_ready()  # cached
-    logger.log(5, {"loss": 1.0}, time.perf_counter() - t0)
+    logger.log(6, {"loss": 1.0}, time.perf_counter() - t0)
     summary = logger.summary()
   records = read_jsonl(cfg.metrics_file)
   assert [r["compiling"] for r in records] == [True, True, False, False, True, False]
@@ -379,8 +381,8 @@ def test_eval_records_and_non_writer(tmp_path, capsys):
 def test_non_finite_loss_is_null_in_json(tmp_path):
   cfg = make_config(tmp_path, "steps=2", "enable_tensorboard=false")
   with make_logger(cfg) as logger:
-    logger.log(0, {"loss": math.nan}, 1.0)
-    logger.log(1, {"loss": 1e4}, 1.0)
+    logger.log(1, {"loss": math.nan}, 1.0)
+    logger.log(2, {"loss": 1e4}, 1.0)
   records = read_jsonl(cfg.metrics_file)
   assert records[0]["loss"] is None and records[1]["perplexity"] is None
 
@@ -392,16 +394,74 @@ def test_tensorboard_event_file(tmp_path):
   assert glob.glob(os.path.join(cfg.tensorboard_dir, "events.out.tfevents*"))
 
 
+def test_window_means_are_token_weighted(tmp_path):
+  cfg = make_config(tmp_path, "steps=6", "log_period=3", "enable_tensorboard=false")
+  with make_logger(cfg) as logger:
+    run_steps(logger, [1.0, 1.0])  # the compile steps, logged alone
+    for step, loss, tokens, grad in ((3, 1.0, 100.0, 1.0), (4, 9.0, 100.0, 2.0), (5, 4.0, 300.0, 6.0)):
+      logger.log(step, {"loss": loss, "tokens": tokens, "grad_norm": grad, "learning_rate": step * 1e-3}, 1.0)
+    logger.log(6, {"loss": 2.0, "tokens": 50.0, "grad_norm": 1.0, "learning_rate": 6e-3}, 1.0)
+  records = read_jsonl(cfg.metrics_file)
+  assert [r["step"] for r in records] == [1, 2, 3, 6]
+  assert records[2]["loss"] == 1.0  # a window of one step
+  window = records[3]  # steps 4, 5, 6
+  assert window["loss"] == pytest.approx((9.0 * 100 + 4.0 * 300 + 2.0 * 50) / 450)
+  assert window["grad_norm"] == pytest.approx(3.0)  # a plain mean
+  assert window["learning_rate"] == 6e-3  # the last step's
+
+
+def test_measured_peak_is_raised_so_mfu_stays_below_one(tmp_path, capsys):
+  cfg = make_config(tmp_path, "steps=4", "log_period=1", "enable_tensorboard=false")
+  # 1e12 FLOPs in 0.1 s on 2 devices is 5e12 FLOP/s per device, more than the measured 4e12
+  with make_logger(cfg, peak_is_measured=True) as logger:
+    run_steps(logger, [1.0, 1.0, 0.1, 0.2])
+  records = read_jsonl(cfg.metrics_file)
+  assert records[2]["mfu"] == pytest.approx(1.0) and records[3]["mfu"] == pytest.approx(0.5)
+  assert logger.summary()["peak_tflops_per_s_per_device"] == pytest.approx(5.0)
+  assert "beats the measured peak" in capsys.readouterr().out
+  with make_logger(make_config(tmp_path / "table", "steps=3", "enable_tensorboard=false")) as logger:
+    run_steps(logger, [1.0, 1.0, 0.1])  # a table peak is not raised: MFU > 1 would mean wrong FLOPs
+  assert logger.summary()["peak_tflops_per_s_per_device"] == pytest.approx(4.0)
+
+
+def test_no_tensorboard_file_without_records(tmp_path):
+  cfg = make_config(tmp_path, "steps=3", "log_period=1")
+  with make_logger(cfg, start_step=3):
+    pass
+  assert not os.path.exists(cfg.tensorboard_dir)
+
+
+def test_summary_names_the_outputs(tmp_path, capsys):
+  cfg = make_config(tmp_path, "steps=2", "enable_tensorboard=true")
+  with make_logger(cfg, started=time.perf_counter() - 75.0) as logger:
+    run_steps(logger, [1.0, 1.0])
+    logger.log_checkpoint(2, "/ckpt/2/state")
+  out = capsys.readouterr().out
+  assert "step 2/2 | checkpoint saved: /ckpt/2/state" in out
+  assert "total time           1m15s" in out  # counted from `started`, not from the logger's creation
+  assert "load_parameters_path=/ckpt/2/state" in out and f"tensorboard --logdir {cfg.tensorboard_dir}" in out
+  assert f"python3 -m MaxText.plot_metrics {cfg.metrics_file}" in out
+
+
 def test_plot_writes_png(tmp_path):
   cfg = make_config(tmp_path, "steps=30", "log_period=5", "enable_tensorboard=false")
   with make_logger(cfg) as logger:
     run_steps(logger, [1.0] * 30)
-    logger.log_eval(29, {"loss": 2.5})
+    logger.log_eval(30, {"loss": 2.5})
   output = tmp_path / "plots" / "loss.png"
   assert plot_metrics.main([cfg.metrics_file, "--output", str(output)]) == 0
   with open(output, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   assert output.stat().st_size > 1000
+
+
+def test_plot_smoothing():
+  assert plot_metrics.smooth([1.0, 2.0, 3.0], 0.0) == [1.0, 2.0, 3.0]
+  assert plot_metrics.smooth([4.0, 4.0, 4.0], 0.9) == pytest.approx([4.0, 4.0, 4.0])  # debiased: no pull to 0
+  got = plot_metrics.smooth([0.0, 10.0], 0.5)
+  assert got[0] == 0.0 and 0.0 < got[1] < 10.0
+  with pytest.raises(SystemExit):
+    plot_metrics.main(["unused.jsonl", "--smoothing", "1.5"])
 
 
 def test_compiles_belong_to_the_step_whose_dispatch_they_end_in(tmp_path):

@@ -25,6 +25,7 @@ def test_minus_one_is_filled():
     "fsdp",
     "fsdp_transpose",
     "sequence",
+    "context",
     "tensor",
     "expert",
     "autoregressive",
@@ -64,7 +65,9 @@ def test_logical_rules_map_to_mesh_axes():
   rules = sharding.axis_rules(c)
   got = sharding.logical_to_mesh({"w": PartitionSpec("embed", "mlp"), "n": PartitionSpec("norm")}, mesh, rules)
   # mlp takes fsdp_transpose first, so embed falls back to its second rule.
-  assert got["w"].spec == PartitionSpec(("fsdp", "sequence", "expert"), ("fsdp_transpose", "tensor", "autoregressive"))
+  assert got["w"].spec == PartitionSpec(
+    ("fsdp", "sequence", "context", "expert"), ("fsdp_transpose", "tensor", "autoregressive")
+  )
   assert got["n"].spec == PartitionSpec(None)
   assert sharding.input_sharding(c, mesh).spec == PartitionSpec(
     ("data", "stage", "fsdp", "fsdp_transpose", "expert"), None

@@ -89,7 +89,7 @@ def test_loss_falls_and_metrics_are_complete(tmp_path):
   summary = train.run(c)
   with open(c.metrics_file) as f:
     records = [json.loads(line) for line in f]
-  assert [r["step"] for r in records] == list(range(12))
+  assert [r["step"] for r in records] == list(range(1, 13))  # steps completed, as checkpoints are named
   for key in ("loss", "perplexity", "grad_norm", "learning_rate", "step_time_s", "tokens_per_s_per_device"):
     assert key in records[-1]
   assert records[-1]["mfu"] > 0 and records[-1]["tflops_per_s_per_device"] > 0
@@ -110,6 +110,31 @@ def test_resume_is_exact(tmp_path):
   assert sorted(os.listdir(split.checkpoint_dir)) == ["3", "6"]
   assert summary["steps_run"] == 3
   assert losses(split) == losses(full)  # bit-exact: same params, optimizer state and data order
+
+
+def test_finished_run_says_so_and_a_longer_resume_keeps_the_schedule(tmp_path, capsys):
+  common = ["per_device_batch_size=1", "enable_checkpointing=true", "async_checkpointing=false"]
+  common += ["enable_tensorboard=true", "learning_rate=1e-2", "cosine_learning_rate_final_fraction=0.1"]
+  first = cfg(tmp_path, "r", "steps=4", *common)
+  train.run(first)
+  events = lambda: sorted(os.listdir(first.tensorboard_dir))  # noqa: E731
+  assert len(events()) == 1
+  capsys.readouterr()
+  assert train.run(first) == {"steps_run": 0}
+  assert "already at steps=4; pass steps=N with N > 4 to train further" in capsys.readouterr().out
+  assert len(events()) == 1  # nothing logged, no (empty) events file
+  longer = cfg(tmp_path, "r", "steps=7", *common)
+  assert train.run(longer)["steps_run"] == 3
+  out = capsys.readouterr().out
+  assert "keeping that schedule" in out and "learning_rate_schedule_steps=7" in out
+  with open(longer.metrics_file) as f:
+    lrs = [json.loads(line)["learning_rate"] for line in f]
+  assert lrs[4:] == pytest.approx([1e-3] * 3)  # past the first run's 4-step schedule: the final rate
+  stretched = cfg(tmp_path, "r", "steps=9", "learning_rate_schedule_steps=9", *common)
+  train.run(stretched)  # an explicit schedule length wins
+  with open(stretched.metrics_file) as f:
+    assert all(json.loads(line)["learning_rate"] > 1e-3 for line in list(f)[7:])
+  assert len(events()) == 3
 
 
 def test_load_parameters_and_full_state(tmp_path):
@@ -142,7 +167,7 @@ def test_nan_loss_stops_before_checkpointing(tmp_path, monkeypatch):
 
   monkeypatch.setattr(steps, "jit_train_step", poisoned)
   c = cfg(tmp_path, "nan", "steps=6", "per_device_batch_size=1", "enable_checkpointing=true", "checkpoint_period=1")
-  with pytest.raises(train.NonFiniteLossError, match="step 2"):
+  with pytest.raises(train.NonFiniteLossError, match="step 3"):  # the third step's update made state.step 3
     train.run(c)
   assert sorted(os.listdir(c.checkpoint_dir)) == ["1", "2"]
 
@@ -245,7 +270,7 @@ def test_checkpoint_holds_the_data_state_after_exactly_its_steps(tmp_path, monke
 @pytest.mark.parametrize(
   "overrides, message",
   [
-    (["ici_fsdp_parallelism=4", "ici_tensor_parallelism=4"], "= 16 != 8 devices per slice"),
+    (["ici_fsdp_parallelism=4", "ici_data_parallelism=4"], "= 16 != 8 devices per slice"),
     (["per_device_batch_size=0.3"], "not a positive whole global batch"),
     (["hardware=tpu"], "hardware=tpu"),
   ],

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README quick-start training run, asserting that the loss falls by at least 30%.
 #   bash end_to_end/cpu/quickstart.sh [OUTPUT_DIR]
+case "${1:-}" in -h|--help) sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${1:-$(mktemp -d)}"

@@ -5,6 +5,7 @@
 #     bash end_to_end/gpu/launch.sh MaxText/configs/base.yml run_name=gpu_run [key=value ...]
 # Under Slurm, NNODES/NODE_RANK/JAX_COORDINATOR_ADDRESS default from SLURM_NNODES/SLURM_NODEID/the first node.
 # XLA_FLAGS: the A3 Mega recipe (a3mega_xla_flags.sh) unless XLA_RECIPE=none.
+case "${1:-}" in -h|--help) sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 if [ -n "${SLURM_JOB_ID:-}" ]; then

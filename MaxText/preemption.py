@@ -1,0 +1,252 @@
+"""Signals, preemption and lost processes: stop at a step boundary with a checkpoint, or exit with one line.
+
+Exit statuses (documented in docs/failures.md):
+
+- EXIT_STOPPED (75): SIGTERM, SIGINT or SIGHUP during training; the run saved a checkpoint at the step it
+  names (unless checkpointing is off) and a restart with the same run_name resumes there. 75 is
+  sysexits' EX_TEMPFAIL, "try again later", which is what a preempted run wants from its scheduler.
+- 128 + signal (130 SIGINT, 143 SIGTERM, 129 SIGHUP): a second signal during the stop, or any signal
+  before training starts (nothing to save yet); the shell's own convention for "killed by a signal".
+- EXIT_PROCESS_LOST (76): another process of a multi-process job died; this one stops at once.
+
+How the processes of a job agree on the step: every step boundary each process contributes the signal
+it has seen (0: none) to a max all-reduce over all devices, read one step later (by then the step that
+follows it has completed anyway, so the read does not stall the device). Every process reads the same
+reduction at the same boundary, so all stop after the same step and save the same checkpoint. This is
+a small collective per step of our own rather than JAX's preemption sync manager, because that one
+hears only SIGTERM (not SIGINT or SIGHUP), swallows it with a log line when nobody asks, and cannot
+be told about a signal a Python handler caught.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any
+
+import jax
+import numpy as np
+from etils import epath
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+EXIT_STOPPED = 75
+EXIT_PROCESS_LOST = 76
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _name(signum: int) -> str:
+  return signal.Signals(signum).name
+
+
+class Stopped(Exception):
+  """Training stopped on a signal after `step` steps; raised once the checkpoint (if any) is written."""
+
+  def __init__(self, step: int, signum: int, checkpoint: str | None, here: bool):
+    self.step, self.signum, self.checkpoint, self.here = step, signum, checkpoint, here
+    super().__init__(self.line())
+
+  def line(self) -> str:
+    who = "received" if self.here else "received by another process of this job"
+    saved = f"checkpoint saved to {self.checkpoint}" if self.checkpoint else "checkpointing is off, nothing saved"
+    return (
+      f"Stopped at step {self.step}: {_name(self.signum)} {who}; {saved}. Restart with the same run_name to "
+      f"resume (exit status {EXIT_STOPPED})."
+    )
+
+
+def _exit_now(signum: int, when: str) -> None:
+  """One line on stderr, then exit 128 + signum without unwinding (no atexit, no waiting for saves)."""
+  sys.stderr.write(f"{_name(signum)} {when}: exiting at once with status {128 + signum}.\n")
+  sys.stderr.flush()
+  sys.stdout.flush()
+  os._exit(128 + signum)
+
+
+def _ignore(signum: int, frame: FrameType | None) -> None:
+  """The Python-level handler does nothing: the listener thread acts on the signal (see _Listener)."""
+
+
+def _at_startup(signum: int) -> None:
+  _exit_now(signum, "received outside the training loop (nothing to save)")
+
+
+class _Listener:
+  """Acts on SIGNALS from a thread of its own, so even while the main thread sits in C++ (an XLA
+  compile, jax.distributed connecting, a blocking save) a signal is seen at once.
+
+  Python's C-level handler writes each signal's number to the wakeup fd as it arrives, whatever the
+  main thread is doing; Python-level handlers would run only when the main thread next executes
+  bytecode, and an exception raised there (KeyboardInterrupt) can surface inside C++ callbacks: the
+  old SIGINT-during-compile segfault. `on_signal` is swapped by whoever owns the phase of the run.
+  """
+
+  def __init__(self) -> None:
+    self.on_signal: Callable[[int], None] = _at_startup
+    read_fd, self._write_fd = os.pipe()
+    os.set_blocking(self._write_fd, False)  # the C handler must never block
+    self._handlers = {signum: signal.signal(signum, _ignore) for signum in SIGNALS}
+    self._wakeup = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+    threading.Thread(target=self._listen, args=(read_fd,), name="signal-listener", daemon=True).start()
+    # Forked children (data-loading workers) would write their own Ctrl-C into our pipe: one key press
+    # would look like a second signal. They get the previous handling back instead.
+    os.register_at_fork(after_in_child=self._forget_in_child)
+
+  def _listen(self, read_fd: int) -> None:
+    while data := os.read(read_fd, 64):  # b"": close() closed the write end
+      for signum in data:
+        if signum in SIGNALS:
+          self.on_signal(signum)
+    os.close(read_fd)
+
+  def _forget_in_child(self) -> None:
+    global _listener
+    if _listener is self:
+      _listener = None
+      with contextlib.suppress(ValueError, OSError):  # ValueError: forked from a thread other than main
+        self.close()
+
+  def close(self) -> None:
+    """Give the process its previous signal handling back (train.run called in-process, as tests do)."""
+    signal.set_wakeup_fd(self._wakeup)
+    for signum, handler in self._handlers.items():
+      signal.signal(signum, handler)
+    os.close(self._write_fd)
+
+
+_listener: _Listener | None = None
+
+
+def listener() -> _Listener | None:
+  """The process's signal listener, started on first use; None off the main thread (signal.signal and
+  set_wakeup_fd work only there, e.g. train.run called from a worker thread keeps default handling)."""
+  global _listener
+  if _listener is None and threading.current_thread() is threading.main_thread():
+    _listener = _Listener()
+  return _listener
+
+
+def install_startup_handlers() -> None:
+  """From now on a signal exits at once with one line (launch.start calls this before loading the config):
+  there is nothing to save before the first training step. train.run's Watch takes over for training."""
+  listener()
+
+
+class Watch:
+  """Context manager for the training loop: the first SIGTERM/SIGINT/SIGHUP asks for a stop at the next
+  step boundary (`stop_signal`), a second one exits at once. On exit the previous behaviour returns."""
+
+  def __init__(self, mesh: Mesh):
+    self.signum = 0  # the first signal this process received; 0: none
+    self.multi = jax.process_count() > 1
+    self._pending: jax.Array | None = None  # the reduction dispatched at the previous boundary
+    self._previous: Callable[[int], None] | None = None
+    if self.multi:
+      flat = Mesh(np.asarray(mesh.devices).reshape(-1), ("all",))
+      self._sharding = NamedSharding(flat, PartitionSpec("all"))
+      self._local = len(flat.local_devices)
+      self._max = jax.jit(lambda x: x.max(), out_shardings=NamedSharding(flat, PartitionSpec()))
+
+  def _on_signal(self, signum: int) -> None:
+    if self.signum:
+      _exit_now(signum, f"received while stopping after {_name(self.signum)}")
+    self.signum = signum
+    sys.stderr.write(f"{_name(signum)} received: stopping at the next step boundary (a second signal exits now).\n")
+    sys.stderr.flush()
+
+  def __enter__(self) -> Watch:
+    self._owns_listener = _listener is None  # no launch.start before: give the handlers back afterwards
+    if (listen := listener()) is not None:
+      self._previous, listen.on_signal = listen.on_signal, self._on_signal
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    global _listener
+    if self._previous is None or _listener is None:
+      return
+    _listener.on_signal = self._previous
+    if self._owns_listener:
+      _listener.close()
+      _listener = None
+
+  def stop_signal(self) -> int:
+    """At a step boundary: the signal every process agrees to stop on now, or 0 to go on. Call it at
+    every boundary on every process (multi-process: it takes part in a collective)."""
+    if not self.multi:
+      return self.signum
+    local = np.full((self._local,), self.signum, np.int32)
+    flags = jax.make_array_from_process_local_data(self._sharding, local, (self._sharding.mesh.size,))
+    previous, self._pending = self._pending, self._max(flags)
+    return 0 if previous is None else int(np.asarray(previous.addressable_data(0)))
+
+
+# ---------------------------------------------------------------------------------------------- lost processes
+
+
+def latest_checkpoint(checkpoint_dir: str) -> int | None:
+  """The newest complete step under checkpoint_dir (orbax renames a step's directory when complete)."""
+  path = epath.Path(checkpoint_dir)
+  if not path.exists():
+    return None
+  steps = [int(p.name) for p in path.iterdir() if re.fullmatch(r"\d+", p.name)]
+  return max(steps, default=None)
+
+
+def lost_processes_message(error: BaseException, checkpoint_dir: str | None) -> str:
+  """One line: which process was lost (when the coordinator can tell) and where a restart resumes."""
+  who = _lost_process_names()
+  step = latest_checkpoint(checkpoint_dir) if checkpoint_dir else None
+  resume = f"from checkpoint {step} ({checkpoint_dir}/{step})" if step is not None else "from the start (no checkpoint)"
+  cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+  return (
+    f"Lost {who} of this {jax.process_count()}-process job ({cause[:200]}); process {jax.process_index()} stops. "
+    f"Restart the whole job: it resumes {resume} (exit status {EXIT_PROCESS_LOST})."
+  )
+
+
+def _lost_process_names() -> str:
+  """'process 1' (or 'processes 1, 3') from the coordination service, within a few seconds; else 'a process'."""
+  from jax._src import distributed as jax_distributed
+
+  client, found = jax_distributed.global_state.client, []
+  if jax.process_count() == 2:  # the one other process; the coordinator may not know yet (heartbeats)
+    return f"process {1 - jax.process_index()}"
+  if client is None:
+    return "a process"
+
+  def ask() -> None:
+    everyone = list(range(jax.process_count()))
+    with contextlib.suppress(Exception):  # the coordinator itself may be the one that is gone
+      live = set(client.get_live_nodes(everyone))
+      found.extend(p for p in everyone if p not in live)
+
+  asker = threading.Thread(target=ask, daemon=True)
+  asker.start()
+  asker.join(timeout=5.0)
+  if not found:
+    return "a process" if jax.process_index() != 0 else "a process (not the coordinator)"
+  return ("process " if len(found) == 1 else "processes ") + ", ".join(map(str, found))
+
+
+PEER_LOST = re.compile(r"gloo|connection|peer|unavailable|socket|heartbeat|coordination", re.IGNORECASE)
+
+
+@contextlib.contextmanager
+def lost_processes(checkpoint_dir: str | None) -> Iterator[None]:
+  """Multi-process runs: a runtime error from the collectives (a peer died: gloo's 'connection reset',
+  a DCN failure) exits at once with one line. os._exit, because JAX's atexit shutdown would wait for
+  the dead process and then abort with a C++ stack."""
+  try:
+    yield
+  except jax.errors.JaxRuntimeError as e:
+    if jax.process_count() == 1 or not PEER_LOST.search(str(e)):
+      raise
+    sys.stderr.write(lost_processes_message(e, checkpoint_dir) + "\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(EXIT_PROCESS_LOST)

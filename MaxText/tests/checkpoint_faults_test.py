@@ -1,0 +1,200 @@
+"""Checkpoint faults: a resume falls back past unreadable steps (truncated, zeroed or deleted array files,
+garbage metadata, a missing item, an empty step directory), moving them aside with one line each; a
+model change fails with one line and moves nothing; a step directory given as load_*_path is named; a
+full disk removes the partial save and ends in one line; an async save commits within
+async_checkpoint_max_lag_steps, so a kill loses at most checkpoint_period + that many steps."""
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from MaxText import checkpointing, optimizers, sharding, train
+from MaxText import state as state_lib
+from MaxText.config import ConfigError
+from MaxText.tests.conftest import BASE, ROOT, TINY, cfg
+
+COMMON = ["per_device_batch_size=1", "enable_checkpointing=true", "checkpoint_period=2", "steps=4"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """A run directory with checkpoints 2 and 4, written asynchronously."""
+  root = tmp_path_factory.mktemp("trained")
+  train.run(cfg(root, "r", *COMMON, "async_checkpointing=true"))
+  return root
+
+
+def _copy(trained, tmp_path):
+  shutil.copytree(trained / "r", tmp_path / "r")
+  return cfg(tmp_path, "r", *COMMON)
+
+
+def _restore(c):
+  tx = optimizers.build(c).tx
+  mesh = sharding.create_mesh(c)
+  with sharding.activate(c, mesh):
+    spec = state_lib.state_spec(c, tx, mesh)
+    manager = checkpointing.create_manager(c)
+    try:
+      return checkpointing.restore_or_init(c, tx, spec, manager)
+    finally:
+      if manager is not None:
+        manager.close()
+
+
+def _array_files(step_dir):
+  found = []
+  for dirpath, _, names in os.walk(os.path.join(step_dir, "state")):
+    if os.path.basename(dirpath) == "d":  # tensorstore's data files (ocdbt and its process subdirectories)
+      found += [os.path.join(dirpath, n) for n in names]
+  assert found
+  return found
+
+
+def _truncate(step_dir):
+  for f in _array_files(step_dir):
+    os.truncate(f, 10)
+
+
+def _zero(step_dir):
+  for f in _array_files(step_dir):
+    size = os.path.getsize(f)
+    with open(f, "wb") as out:
+      out.write(b"\0" * size)
+
+
+def _delete(step_dir):
+  for f in _array_files(step_dir):
+    os.remove(f)
+
+
+def _garbage_metadata(step_dir):
+  with open(os.path.join(step_dir, "state", "_METADATA"), "w") as f:
+    f.write("{not json")
+
+
+CORRUPTIONS = {
+  "truncated": _truncate,
+  "zeroed": _zero,
+  "deleted": _delete,
+  "garbage_metadata": _garbage_metadata,
+  "no_state": lambda d: shutil.rmtree(os.path.join(d, "state")),
+  "no_data": lambda d: shutil.rmtree(os.path.join(d, "data")),
+}
+
+
+@pytest.mark.parametrize("name", CORRUPTIONS)
+def test_unreadable_latest_step_is_moved_aside_and_the_previous_one_resumes(trained, tmp_path, capsys, name):
+  c = _copy(trained, tmp_path)
+  CORRUPTIONS[name](os.path.join(c.checkpoint_dir, "4"))
+  restored = _restore(c)
+  assert restored.source == "resume from step 2" and int(restored.state.step) == 2
+  assert restored.data_state is not None
+  out = capsys.readouterr().out
+  assert "checkpoint step 4 cannot be restored: " in out
+  assert f"moved unreadable checkpoint step 4 to {c.run_dir}/checkpoints_unreadable/4; resuming from step 2" in out
+  assert sorted(os.listdir(c.checkpoint_dir)) == ["2"]
+  assert os.listdir(os.path.join(c.run_dir, checkpointing.UNREADABLE_DIR)) == ["4"]  # kept, not deleted
+
+
+def test_empty_newer_step_directory_is_moved_aside(trained, tmp_path, capsys):
+  c = _copy(trained, tmp_path)
+  os.makedirs(os.path.join(c.checkpoint_dir, "6"))
+  assert _restore(c).source == "resume from step 4"
+  assert "checkpoint step 6 cannot be restored" in capsys.readouterr().out
+  assert sorted(os.listdir(c.checkpoint_dir)) == ["2", "4"]
+
+
+def test_changed_model_fails_in_one_line_and_moves_nothing(trained, tmp_path):
+  _copy(trained, tmp_path)
+  c = cfg(tmp_path, "r", *COMMON, "base_mlp_dim=96")
+  with pytest.raises(checkpointing.CheckpointError, match=r"newest, step 4: .*use a new run_name") as e:
+    _restore(c)
+  assert "\n" not in str(e.value)
+  assert sorted(os.listdir(c.checkpoint_dir)) == ["2", "4"]
+
+
+@pytest.mark.parametrize("key", ["load_parameters_path", "load_full_state_path"])
+def test_step_directory_as_load_path_names_its_state_item(trained, tmp_path, key):
+  step_dir = os.path.join(trained, "r", "checkpoints", "4")
+  c = cfg(tmp_path, "fresh", "per_device_batch_size=1", f"{key}={step_dir}")
+  with pytest.raises(ConfigError, match=f"is a checkpoint step directory; set {key}={step_dir}/state"):
+    _restore(c)
+
+
+NO_SPACE = "RESOURCE_EXHAUSTED: Error writing \"a/0\": No space left on device [os_error_code='28']"
+
+
+def test_disk_full_removes_the_partial_save_and_says_so(trained, tmp_path, monkeypatch):
+  # Injected: the save of step 6 fails the way tensorstore reports ENOSPC, after orbax created its
+  # temporary directory (the tmpfs test below does it for real where mounting is allowed).
+  c = _copy(trained, tmp_path)
+  manager = checkpointing.create_manager(c)
+  real_save = manager.save
+
+  def full_disk(step, *args, **kwargs):
+    if step == 6:
+      os.makedirs(os.path.join(c.checkpoint_dir, f"6{checkpointing.TMP_SUFFIX}", "state"))
+      raise ValueError(NO_SPACE)
+    return real_save(step, *args, **kwargs)
+
+  monkeypatch.setattr(manager, "save", full_disk)
+  with pytest.raises(checkpointing.CheckpointError, match="no space left on .*step 4 is the last complete") as e:
+    checkpointing.save(manager, 6, {"x": 1}, {})
+  manager.close()
+  assert f"6{checkpointing.TMP_SUFFIX}" in str(e.value)
+  assert sorted(os.listdir(c.checkpoint_dir)) == ["2", "4"]
+  assert checkpointing._no_space(OSError(errno.ENOSPC, "No space left on device"))
+
+
+def _mount_tmpfs(path, size):
+  os.makedirs(path)
+  result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True)
+  if result.returncode != 0:
+    pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN); the injected disk-full test covers the logic")
+
+
+@pytest.mark.slow
+def test_disk_full_on_a_real_small_filesystem(trained, tmp_path):
+  one = sum(
+    os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(trained / "r" / "checkpoints" / "2") for f in fs
+  )
+  mount = str(tmp_path / "small")
+  _mount_tmpfs(mount, int(1.5 * one) + 64 * 1024)  # room for the first checkpoint and the metrics, not a second
+  try:
+    args = [BASE, "run_name=d", f"base_output_directory={mount}", *TINY, *COMMON, "async_checkpointing=true"]
+    result = subprocess.run([sys.executable, "MaxText/train.py", *args], cwd=ROOT, capture_output=True, text=True)
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 1 and last.startswith("CheckpointError: no space left on "), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr  # orbax's background-thread errors keep one line each
+    assert sorted(os.listdir(os.path.join(mount, "d", "checkpoints"))) == ["2"]  # the partial save is gone
+  finally:
+    subprocess.run(["umount", mount], check=False)
+
+
+@pytest.mark.slow
+def test_kill_after_an_async_save_loses_at_most_period_plus_lag(tmp_path):
+  period, lag = 5, 1
+  args = [BASE, "run_name=k", f"base_output_directory={tmp_path}", *TINY, "per_device_batch_size=1", "steps=2000"]
+  args += ["enable_checkpointing=true", f"checkpoint_period={period}", f"async_checkpoint_max_lag_steps={lag}"]
+  metrics_file = os.path.join(tmp_path, "k", "metrics.jsonl")
+  proc = subprocess.Popen([sys.executable, "MaxText/train.py", *args], cwd=ROOT, stdout=subprocess.DEVNULL)
+  logged, deadline = -1, time.time() + 240
+  while logged < 3 * period + lag and time.time() < deadline and proc.poll() is None:
+    if os.path.exists(metrics_file):
+      with open(metrics_file) as f:
+        lines = [line for line in f if line.endswith("\n")]
+      logged = json.loads(lines[-1])["step"] if lines else -1
+    time.sleep(0.01)
+  proc.kill()
+  proc.wait()
+  assert logged >= 3 * period + lag, "the run must be killed mid-way"
+  # Step `logged` was read after its loop iteration, which waited for the save `lag` steps before it.
+  committed = checkpointing.committed_steps(os.path.join(tmp_path, "k", "checkpoints"))
+  assert committed and committed[-1] >= period * ((logged + 1 - lag) // period), (logged, committed)

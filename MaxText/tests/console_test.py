@@ -1,0 +1,67 @@
+"""What a run prints besides its records: the header, the progress line, the closing outputs."""
+
+import io
+import os
+
+from MaxText import console
+from MaxText.tests.conftest import cfg
+
+
+class FakeTerminal(io.StringIO):
+  def isatty(self):
+    return True
+
+
+def test_header_is_short_and_names_the_outputs(tmp_path):
+  c = cfg(tmp_path, "h", "steps=7")
+  text = console.run_header(
+    c,
+    num_params=1_234_567,
+    mesh_shape={"data": 1, "fsdp": 8, "tensor": 1},
+    global_batch=8,
+    start=0,
+    source="init",
+    peak="peak 0.05 TFLOP/s/device (measured float32 matmul, cpu)",
+    platform="cpu",
+  )
+  lines = text.splitlines()
+  assert len(lines) <= 8
+  assert lines[0] == "run h: steps 0 -> 7 | start: init"
+  assert "1.23M parameters" in text and "8 x 32 tokens per step" in text
+  assert "fsdp 8 (8 cpu devices) | peak 0.05 TFLOP/s/device" in text
+  assert f"outputs  {os.path.abspath(c.run_dir)}/" in text
+  assert "the default" not in text  # base_output_directory was given
+  default = cfg(tmp_path, "h", "base_output_directory=outputs")
+  assert "set base_output_directory=" in console.run_header(
+    default, num_params=1, mesh_shape={"data": 1}, global_batch=1, start=0, source="init", peak="", platform="cpu"
+  )
+
+
+def test_progress_bar_on_a_terminal_only(capsys):
+  terminal = FakeTerminal()
+  bar = console.Progress(total=10, initial=0, enabled=True, stream=terminal)
+  for step in range(1, 4):
+    bar.update(step, loss=2.0, eta_s=7.0)
+  bar.write("step 3/10 | loss 2")
+  bar.close()
+  assert "3/10" in terminal.getvalue() and "loss 2" in terminal.getvalue()
+  assert capsys.readouterr().out == "step 3/10 | loss 2\n"  # records go to stdout, the bar to the terminal
+
+  log = io.StringIO()  # not a terminal: no bar, a plain line only after interval_s without output
+  quiet = console.Progress(total=10, initial=0, enabled=True, stream=log, interval_s=3600)
+  quiet.update(1, loss=2.0, eta_s=9.0)
+  assert log.getvalue() == "" and capsys.readouterr().out == ""
+  plain = console.Progress(total=10, initial=0, enabled=True, stream=log, interval_s=0)
+  plain.update(4, loss=2.0, eta_s=75.0)
+  assert capsys.readouterr().out == "progress: step 4/10 | ETA 1m15s\n"
+  off = console.Progress(total=10, initial=0, enabled=False, stream=FakeTerminal(), interval_s=0)
+  off.update(4, loss=2.0, eta_s=1.0)
+  assert off.bar is None and capsys.readouterr().out == ""
+
+
+def test_outputs_lines(tmp_path):
+  c = cfg(tmp_path, "o", "enable_tensorboard=true")
+  text = "\n".join(console.outputs_lines(c, "/x/checkpoints/5/state"))
+  assert "load_parameters_path=/x/checkpoints/5/state" in text
+  assert f"tensorboard --logdir {os.path.abspath(c.tensorboard_dir)}" in text
+  assert "last checkpoint" not in "\n".join(console.outputs_lines(c, None))

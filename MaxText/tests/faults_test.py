@@ -1,0 +1,218 @@
+"""Signals, preemption and lost processes with real processes (train.py on 127.0.0.1, CPU devices): the
+first signal checkpoints at the next step boundary and exits 75 with one line, a second exits at once
+(128 + signal), every process of a job stops at the same step, and a lost process makes the others exit
+76 with one line. See docs/failures.md."""
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import pytest
+
+from MaxText import distributed, preemption, train
+from MaxText.tests.conftest import BASE, ROOT, TINY, cfg, free_port
+
+RUN = ["per_device_batch_size=1", "hardware=cpu", "enable_checkpointing=true", "steps=200"]
+NO_TRACE = ("Traceback", "Check failure", "Segmentation")
+
+
+class Process:
+  """train.py (or any command) in a subprocess whose combined output is read line by line as it comes."""
+
+  def __init__(self, command, env):
+    self.proc = subprocess.Popen(
+      command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    self.lines, self._queue = [], queue.Queue()
+    threading.Thread(target=self._read, daemon=True).start()
+
+  def _read(self):
+    for line in self.proc.stdout:
+      self._queue.put(line)
+    self._queue.put(None)
+
+  def wait_for(self, text, timeout=180):
+    """Read output until a line contains `text`; fails on end of output or timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+      line = self._queue.get(timeout=max(deadline - time.monotonic(), 0.01))
+      assert line is not None, f"ended before {text!r}:\n" + "".join(self.lines[-30:])
+      self.lines.append(line)
+      if text in line:
+        return line
+
+  def finish(self, timeout=180):
+    """(exit status, the whole output)."""
+    self.proc.wait(timeout=timeout)
+    while (line := self._queue.get(timeout=30)) is not None:
+      self.lines.append(line)
+    return self.proc.returncode, "".join(self.lines)
+
+
+def train_command(tmp_path, name, *overrides):
+  command = [sys.executable, "-u", "MaxText/train.py", BASE, f"run_name={name}", f"base_output_directory={tmp_path}"]
+  return [*command, *TINY, *RUN, *overrides]
+
+
+def start(tmp_path, name, *overrides, devices=2, rank=None, port=None):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+  if rank is not None:
+    env.update(JAX_COORDINATOR_ADDRESS="127.0.0.1", JAX_COORDINATOR_PORT=str(port), NNODES="2", NODE_RANK=str(rank))
+  return Process(train_command(tmp_path, name, *overrides), env)
+
+
+def checkpoints(tmp_path, name):
+  path = os.path.join(tmp_path, name, "checkpoints")
+  return sorted(int(p) for p in os.listdir(path) if p.isdigit()) if os.path.isdir(path) else []
+
+
+def stopped_line(output):
+  lines = [line for line in output.splitlines() if line.startswith("Stopped at step ")]
+  assert len(lines) == 1, output[-3000:]
+  return lines[0]
+
+
+def stopped_step(output):
+  return int(stopped_line(output).split()[3].rstrip(":"))
+
+
+def assert_clean(output):
+  assert not any(marker in output for marker in NO_TRACE), output[-3000:]
+
+
+@pytest.mark.slow
+def test_sigterm_during_async_saves_checkpoints_that_step_and_resumes(tmp_path):
+  # checkpoint_period=1 with async saves: a save is in flight whenever the signal lands.
+  run = start(tmp_path, "term", "checkpoint_period=1", "async_checkpointing=true")
+  run.wait_for("step 3/")
+  run.proc.send_signal(signal.SIGTERM)
+  rc, output = run.finish()
+  assert rc == preemption.EXIT_STOPPED, output[-3000:]
+  assert_clean(output)
+  step = stopped_step(output)
+  assert "SIGTERM received; checkpoint saved to" in stopped_line(output)
+  assert 4 <= step < 200 and checkpoints(tmp_path, "term")[-1] == step
+
+  resumed = cfg(tmp_path, "term", *RUN[:3], f"steps={step + 2}", "checkpoint_period=100")
+  assert train.run(resumed)["steps_run"] == 2
+  with open(resumed.metrics_file) as f:
+    logged = [json.loads(line)["step"] for line in f]
+  assert logged[-2:] == [step, step + 1] and checkpoints(tmp_path, "term")[-1] == step + 2
+
+
+@pytest.mark.slow
+def test_sigint_during_compile_checkpoints_step_one(tmp_path):
+  run = start(tmp_path, "int", "checkpoint_period=100")
+  run.wait_for("parameters |")  # printed just before the first step compiles
+  run.proc.send_signal(signal.SIGINT)
+  rc, output = run.finish()
+  assert rc == preemption.EXIT_STOPPED, output[-3000:]
+  assert_clean(output)
+  assert stopped_line(output).startswith("Stopped at step 1: SIGINT received; checkpoint saved to")
+  assert checkpoints(tmp_path, "int") == [1]
+
+
+@pytest.mark.slow
+def test_second_signal_exits_at_once(tmp_path):
+  run = start(tmp_path, "twice", "checkpoint_period=100")
+  run.wait_for("parameters |")
+  run.proc.send_signal(signal.SIGTERM)
+  run.wait_for("SIGTERM received: stopping at the next step boundary")  # the listener thread: even mid-compile
+  sent = time.monotonic()
+  run.proc.send_signal(signal.SIGTERM)
+  rc, output = run.finish()
+  assert rc == 128 + signal.SIGTERM and time.monotonic() - sent < 10, output[-3000:]
+  assert "exiting at once with status 143" in output and "Stopped at step" not in output
+  assert_clean(output)
+
+
+def test_signal_before_training_exits_at_once_with_one_line():
+  code = (
+    "from MaxText import preemption; import time; preemption.install_startup_handlers(); print('up'); time.sleep(60)"
+  )
+  proc = Process([sys.executable, "-u", "-c", code], {**os.environ, "JAX_PLATFORMS": "cpu"})
+  proc.wait_for("up")
+  proc.proc.send_signal(signal.SIGINT)
+  rc, output = proc.finish(timeout=30)
+  assert rc == 128 + signal.SIGINT and "SIGINT received outside the training loop" in output
+  assert_clean(output)
+
+
+def test_watch_sees_a_signal_and_gives_the_handlers_back(tmp_path):
+  before = signal.getsignal(signal.SIGTERM)
+  with preemption.Watch(jax.sharding.Mesh(jax.devices(), ("all",))) as watch:
+    assert watch.stop_signal() == 0
+    os.kill(os.getpid(), signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while not watch.signum and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert watch.stop_signal() == signal.SIGTERM
+  assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_latest_checkpoint_ignores_unfinished_saves(tmp_path):
+  for name in ("3", "12", "20.orbax-checkpoint-tmp-1", "notes"):
+    os.makedirs(tmp_path / name)
+  assert preemption.latest_checkpoint(str(tmp_path)) == 12
+  assert preemption.latest_checkpoint(str(tmp_path / "missing")) is None
+
+
+def two_processes(tmp_path, name, *overrides):
+  port, common = free_port(), ["dcn_data_parallelism=2", "ici_fsdp_parallelism=-1", *overrides]
+  return [start(tmp_path, name, *common, rank=rank, port=port) for rank in range(2)]
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step(tmp_path):
+  runs = two_processes(tmp_path, "pair", "checkpoint_period=100", "async_checkpointing=false")
+  runs[0].wait_for("step 3/")  # process 0 writes the metrics
+  runs[1].proc.send_signal(signal.SIGTERM)
+  results = [run.finish() for run in runs]
+  for rc, output in results:
+    assert rc == preemption.EXIT_STOPPED, output[-3000:]
+    assert_clean(output)
+  steps = [stopped_step(output) for _, output in results]
+  assert steps[0] == steps[1] and checkpoints(tmp_path, "pair") == [steps[0]]
+  assert "SIGTERM received by another process" in stopped_line(results[0][1])
+  assert "SIGTERM received;" in stopped_line(results[1][1])
+
+
+@pytest.mark.slow
+def test_killed_process_makes_the_survivor_exit_with_one_line(tmp_path):
+  runs = two_processes(tmp_path, "lost", "checkpoint_period=3", "async_checkpointing=false")
+  runs[0].wait_for("step 4/")  # checkpoint 3 written, the next one (6) not begun: the kill lands in a step
+  runs[1].proc.kill()
+  killed = time.monotonic()
+  rc, output = runs[0].finish(timeout=60)
+  assert rc == preemption.EXIT_PROCESS_LOST and time.monotonic() - killed < 30, output[-3000:]
+  assert_clean(output)
+  lines = [line for line in output.splitlines() if line.startswith("Lost process 1 of this 2-process job")]
+  assert len(lines) == 1, output[-3000:]
+  assert f"resumes from checkpoint {checkpoints(tmp_path, 'lost')[-1]}" in lines[0]
+
+
+def test_lone_coordinator_exits_with_its_own_message(tmp_path):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}"}
+  env.update(NNODES="2", NODE_RANK="0")
+  command = [*train_command(tmp_path, "alone"), "jax_distributed_initialization_timeout=2"]
+  result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1, result.stderr[-3000:]
+  assert "did not all join within 2 s (process 0 of 2" in result.stderr
+  assert_clean(result.stderr)
+
+
+def test_initialize_applies_the_configured_timeouts(tmp_path, monkeypatch):
+  seen = {}
+  monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: seen.update(kwargs))
+  monkeypatch.setattr(jax.config, "update", lambda *args: None)  # no gloo switch in this test process
+  monkeypatch.setattr(distributed, "wait_for_coordinator", lambda *args: None)
+  c = cfg(tmp_path, "t", "jax_distributed_heartbeat_timeout=7", "jax_distributed_initialization_timeout=20")
+  distributed.initialize(c, {"JAX_COORDINATOR_ADDRESS": "h0:1", "NNODES": "2", "NODE_RANK": "1"})
+  assert seen["heartbeat_timeout_seconds"] == 7 and seen["shutdown_timeout_seconds"] == 7
+  assert seen["initialization_timeout"] == 20 + distributed.ABORT_MARGIN_S  # ours fires first, with one line

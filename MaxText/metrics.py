@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Mapping
@@ -26,7 +25,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from MaxText import console
+from MaxText import console, paths
 from MaxText.config import Config
 from MaxText.console import format_duration
 from MaxText.models import gemma2, gemma3
@@ -247,8 +246,7 @@ class MetricLogger:
     self._tb = None
     self._progress = console.Progress(config.steps, start_step, enabled=is_writer and progress)
     if is_writer:
-      os.makedirs(os.path.dirname(os.path.abspath(config.metrics_file)), exist_ok=True)
-      self._file = open(config.metrics_file, "a")  # a resumed run appends to its own file
+      self._file = paths.AppendFile(config.metrics_file)  # a resumed run appends to its own file (local or gs://)
 
   def _tensorboard(self) -> Any:
     """The TensorBoard writer, opened on first use (a resume appends a new events file to the same logdir,
@@ -382,7 +380,8 @@ class MetricLogger:
       for key, value in record.items():
         if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
           tb.add_scalar(_tb_tag(key), value, record["step"])
-      tb.flush()
+      if not paths.is_remote(self.config.tensorboard_dir):  # a gs:// events file is re-uploaded whole at each
+        tb.flush()  # flush: there the writer's own timer (flush_secs) and close() do it
 
   def summary(self) -> dict[str, Any]:
     """Run totals; timing means exclude the compile steps (None when no step was timed). final_loss is

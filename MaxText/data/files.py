@@ -20,12 +20,13 @@ from collections.abc import Iterator, Sequence
 
 from etils import epath
 
+from MaxText import paths
 from MaxText.data.errors import DataError
 
 log = logging.getLogger(__name__)
 
 MULTI_DOCUMENT = (".jsonl", ".json", ".parquet")  # files holding one document per line / row
-REMOTE_PREFIXES = ("gs://",)  # paths handed to the readers unexpanded
+REMOTE_PREFIXES = paths.REMOTE_PREFIXES  # paths handed to the readers unexpanded
 # Without network or credentials the storage client retries for minutes (and array_record would sit in
 # it); a remote pattern that lists nothing in this long fails with one line instead.
 REMOTE_CHECK_TIMEOUT_S = 30.0
@@ -83,8 +84,30 @@ def check_remote(pattern: str, timeout_s: float | None = None) -> None:
     raise DataError(f"{pattern!r} matches no files")
 
 
+def remote_files(pattern: str) -> list[str]:
+  """Sorted objects matching the remote glob `pattern` (`**` recurses); DataError naming it when none match or
+  storage does not answer within REMOTE_CHECK_TIMEOUT_S."""
+  parts = pattern.split("/")
+  fixed = list(itertools.takewhile(lambda part: not any(c in part for c in "*?["), parts))
+  if len(fixed) == len(parts):
+    check_remote(pattern)
+    return [pattern]
+  root = epath.Path("/".join(fixed))
+  try:
+    found = paths.with_timeout(lambda: sorted(str(p) for p in root.glob("/".join(parts[len(fixed) :]))), repr(pattern))
+  except paths.StorageError as e:
+    raise DataError(str(e)) from None
+  if not found:
+    raise DataError(f"{pattern!r} matches no files")
+  return found
+
+
 def glob_root(pattern: str) -> str:
   """Absolute directory above the first wildcard of `pattern` (its parent directory when it has none)."""
+  if paths.is_remote(pattern):
+    parts = pattern.split("/")
+    fixed = list(itertools.takewhile(lambda part: not any(c in part for c in "*?["), parts))
+    return "/".join(fixed) if len(fixed) < len(parts) else paths.dirname(pattern)
   parts = pattern.split(os.sep)
   fixed = list(itertools.takewhile(lambda part: not any(c in part for c in "*?["), parts))
   root = os.sep.join(fixed) if len(fixed) < len(parts) else os.path.dirname(pattern)

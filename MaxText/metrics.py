@@ -244,6 +244,7 @@ class MetricLogger:
     jax.monitoring.register_event_duration_secs_listener(self._on_event)
     self._file = None
     self._tb = None
+    self._tb_mirror: paths.DirMirror | None = None  # a gs:// tensorboard_dir: events written locally, copied up
     self._progress = console.Progress(config.steps, start_step, enabled=is_writer and progress)
     if is_writer:
       self._file = paths.AppendFile(config.metrics_file)  # a resumed run appends to its own file (local or gs://)
@@ -254,7 +255,11 @@ class MetricLogger:
     if self._tb is None and self.config.enable_tensorboard:
       from tensorboardX import SummaryWriter  # lazy: pulls in protobuf; only the writer needs it
 
-      self._tb = SummaryWriter(logdir=self.config.tensorboard_dir)
+      logdir = self.config.tensorboard_dir
+      if paths.is_remote(logdir):
+        self._tb_mirror = paths.DirMirror(logdir)
+        logdir = self._tb_mirror.local
+      self._tb = SummaryWriter(logdir=logdir)
     return self._tb
 
   def __enter__(self) -> MetricLogger:
@@ -380,8 +385,9 @@ class MetricLogger:
       for key, value in record.items():
         if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
           tb.add_scalar(_tb_tag(key), value, record["step"])
-      if not paths.is_remote(self.config.tensorboard_dir):  # a gs:// events file is re-uploaded whole at each
-        tb.flush()  # flush: there the writer's own timer (flush_secs) and close() do it
+      tb.flush()
+      if self._tb_mirror is not None:
+        self._tb_mirror.sync()
 
   def summary(self) -> dict[str, Any]:
     """Run totals; timing means exclude the compile steps (None when no step was timed). final_loss is
@@ -416,6 +422,8 @@ class MetricLogger:
       self._file.close()
       if self._tb is not None:
         self._tb.close()
+      if self._tb_mirror is not None:
+        self._tb_mirror.close()
     return result
 
 

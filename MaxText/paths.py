@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -226,3 +227,30 @@ def wait_for(path: str, timeout_s: float, what: str, poll_s: float = 1.0) -> Non
         "process sees the same base_output_directory"
       )
     time.sleep(poll_s)
+
+
+class DirMirror:
+  """A fresh local directory whose files are copied to the remote directory `remote` (each file whose size
+  changed) at most every MIRROR_SYNC_S seconds and at close; for writers that write only local files
+  (TensorBoard's event writer talks to GCS itself, but re-uploads whole files and retries for minutes)."""
+
+  def __init__(self, remote: str, sync_s: float = MIRROR_SYNC_S):
+    self.remote, self._sync_s, self._synced = remote, sync_s, time.monotonic()
+    self.local = tempfile.mkdtemp(prefix="maxtext-mirror-")
+    self._sizes: dict[str, int] = {}
+
+  def sync(self, force: bool = False) -> None:
+    if not force and time.monotonic() - self._synced < self._sync_s:
+      return
+    changed = []
+    for name in sorted(os.listdir(self.local)):
+      size = os.path.getsize(os.path.join(self.local, name))
+      if self._sizes.get(name) != size:
+        changed.append(os.path.join(self.local, name))
+        self._sizes[name] = size
+    publish(changed, self.remote)
+    self._synced = time.monotonic()
+
+  def close(self) -> None:
+    self.sync(force=True)
+    shutil.rmtree(self.local, ignore_errors=True)

@@ -205,9 +205,10 @@ def local_copy(path: str) -> str:
     if os.path.isfile(local) and os.path.getsize(local) == len(data):
       continue
     os.makedirs(os.path.dirname(local), exist_ok=True)
-    with open(local + ".tmp", "wb") as f:
+    tmp = f"{local}.{os.getpid()}.tmp"  # processes of one host may fetch the same file at once
+    with open(tmp, "wb") as f:
       f.write(data)
-    os.replace(local + ".tmp", local)
+    os.replace(tmp, local)
   return target
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from MaxText import config as config_lib
 from MaxText import launch, paths, train
-from MaxText.tests.conftest import BASE, DOCS, ROOT, TINY, free_port
+from MaxText.tests.conftest import BASE, DOCS, ROOT, TINY, free_port, run_processes
 from MaxText.tests.gcs_emulator import gcs_env
 
 pytest.importorskip("gcp_storage_emulator", reason="TEST=1 bash setup.sh installs it (requirements-test.txt)")
@@ -117,9 +117,12 @@ def test_train_resume_and_load_on_a_bucket_are_exact(bucket):
   params = gcfg(bucket, "params", "steps=1", f"load_parameters_path={state}", "per_device_batch_size=1")
   train.run(params)
   assert remote_losses(params)[0] < remote_losses(full)[0]
+  from MaxText import decode
+
+  generated = decode.run(gcfg(bucket, "dec", f"load_parameters_path={state}", "per_device_batch_size=1"), rows=1)
+  assert generated is not None
 
 
-@pytest.mark.slow
 def test_text_data_tokenizer_and_cache_in_a_bucket(bucket):
   """dataset_path is a gs:// glob; the trained tokenizer and token cache are published to the run directory
   in the bucket, and a second run (with an empty local cache) reuses them; tokenizer_path takes gs://."""
@@ -142,3 +145,25 @@ def test_text_data_tokenizer_and_cache_in_a_bucket(bucket):
   assert (next(again.train)["inputs"] == batch["inputs"]).all()
   by_path = gcfg(bucket, "u", *text, f"tokenizer_path={c.tokenizer_dir}/tokenizer.model")
   assert data_lib.make_iterators(by_path, mesh).tokenizer.vocab_size == first.tokenizer.vocab_size
+
+
+@pytest.mark.slow
+def test_two_processes_without_a_shared_disk_share_the_tokenizer_through_the_bucket(bucket, tmp_path):
+  """Each process has its own temporary directory (its local caches); process 0 trains the tokenizer and
+  tokenizes the corpus, process 1 waits for both in the bucket; a rerun resumes from the gs:// checkpoint."""
+  for i, doc in enumerate(DOCS):
+    paths.Path(f"{bucket}/docs/{i:02d}.txt").write_text(doc)
+  command = [sys.executable, "MaxText/train.py", BASE, "run_name=mh", f"base_output_directory={bucket}", *TINY]
+  command += ["dataset_type=text", f"dataset_path={bucket}/docs/*.txt", "vocab_size=512", "eval_interval=-1"]
+  command += ["enable_checkpointing=true", "async_checkpointing=false", "per_device_batch_size=1"]
+
+  def rank_env(rank):
+    os.makedirs(tmp_path / f"tmp{rank}", exist_ok=True)
+    return {"TMPDIR": str(tmp_path / f"tmp{rank}")}
+
+  for steps in (2, 3):
+    results = run_processes([*command, f"steps={steps}"], ROOT, tmp_path, f"mh{steps}", 2, 2, 300, rank_env)
+    for code, out in results:
+      assert code == 0, out[-3000:]
+  assert paths.listdir(f"{bucket}/mh/checkpoints") == ["2", "3"]
+  assert len(paths.Path(f"{bucket}/mh/metrics.jsonl").read_text().splitlines()) == 3

@@ -199,7 +199,10 @@ def local_copy(path: str) -> str:
     return path
   source = Path(path)
   target = os.path.join(local_dir_for(dirname(path)), source.name)
-  items = [(p, os.path.join(target, p.name)) for p in source.iterdir()] if source.is_dir() else [(source, target)]
+  if source.is_dir():  # its files (a Hugging Face model or tokenizer directory), not its subdirectories
+    items = [(p, os.path.join(target, p.name)) for p in source.iterdir() if p.is_file()]
+  else:
+    items = [(source, target)]
   for remote, local in items:
     data = remote.read_bytes()
     if os.path.isfile(local) and os.path.getsize(local) == len(data):
@@ -216,6 +219,14 @@ def publish(local_files: list[str], remote_dir: str) -> None:
   """Copy `local_files` into the remote directory; the last one marks the set complete (readers wait for it)."""
   for local in local_files:
     Path(join(remote_dir, os.path.basename(local))).write_bytes(epath.Path(local).read_bytes())
+
+
+def publish_tree(local_dir: str, remote_dir: str) -> None:
+  """Copy every file under `local_dir` to the same relative path under `remote_dir`."""
+  for root, _, names in os.walk(local_dir):
+    for name in names:
+      rel = os.path.relpath(os.path.join(root, name), local_dir)
+      Path(join(remote_dir, *rel.split(os.sep))).write_bytes(epath.Path(root, name).read_bytes())
 
 
 def wait_for(path: str, timeout_s: float, what: str, poll_s: float = 1.0) -> None:

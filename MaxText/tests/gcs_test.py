@@ -167,3 +167,19 @@ def test_two_processes_without_a_shared_disk_share_the_tokenizer_through_the_buc
       assert code == 0, out[-3000:]
   assert paths.listdir(f"{bucket}/mh/checkpoints") == ["2", "3"]
   assert len(paths.Path(f"{bucket}/mh/metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_hf_to_maxtext_reads_and_writes_a_bucket(bucket, tmp_path):
+  """--hf_path and --output on gs://: the converted params load from the bucket as load_parameters_path."""
+  from benchmarks import convert_benchmark
+  from MaxText import checkpointing
+  from MaxText.convert import hf_to_maxtext
+
+  local = str(tmp_path / "hf")
+  convert_benchmark.write_llama(local, layers=2, emb=64, mlp=128, vocab=256, heads=4)
+  for name in os.listdir(local):
+    paths.Path(f"{bucket}/hf/{name}").write_bytes((tmp_path / "hf" / name).read_bytes())
+  params = hf_to_maxtext.convert(f"{bucket}/hf", f"{bucket}/converted")
+  assert params == f"{bucket}/converted/params"
+  assert "config.yml" in paths.listdir(f"{bucket}/converted")
+  assert "params" in checkpointing.saved_tree(params)

@@ -117,6 +117,8 @@ def test_train_resume_and_load_on_a_bucket_are_exact(bucket):
   params = gcfg(bucket, "params", "steps=1", f"load_parameters_path={state}", "per_device_batch_size=1")
   train.run(params)
   assert remote_losses(params)[0] < remote_losses(full)[0]
+  resumed = gcfg(bucket, "fullstate", "steps=7", f"load_full_state_path={state}", "per_device_batch_size=1")
+  assert train.run(resumed)["steps_run"] == 1  # continues at step 6
   from MaxText import decode
 
   generated = decode.run(gcfg(bucket, "dec", f"load_parameters_path={state}", "per_device_batch_size=1"), rows=1)

@@ -14,7 +14,6 @@ import itertools
 import json
 import logging
 import os
-import threading
 import tokenize
 from collections.abc import Iterator, Sequence
 
@@ -61,26 +60,11 @@ def _first_remote_match(pattern: str) -> epath.Path | None:
 def check_remote(pattern: str, timeout_s: float | None = None) -> None:
   """DataError naming `pattern` unless it matches a file within timeout_s (REMOTE_CHECK_TIMEOUT_S)."""
   timeout_s = REMOTE_CHECK_TIMEOUT_S if timeout_s is None else timeout_s
-  answer: list = []
-
-  def probe() -> None:
-    try:
-      answer.append(_first_remote_match(pattern))
-    except Exception as e:  # the storage clients raise their own types (auth, DNS, HTTP)
-      answer.append(e)
-
-  thread = threading.Thread(target=probe, daemon=True)  # daemon: a stuck client does not hold up the exit
-  thread.start()
-  thread.join(timeout_s)
-  if not answer:
-    raise DataError(
-      f"{pattern!r}: no answer from storage within {timeout_s:g} s; check network access and credentials "
-      "(gcloud auth application-default login) or use a local path"
-    )
-  if isinstance(answer[0], Exception):
-    reason = (str(answer[0]).strip().splitlines() or [""])[0]
-    raise DataError(f"Cannot list {pattern!r}: {type(answer[0]).__name__}: {reason}; check the path and credentials")
-  if answer[0] is None:
+  try:
+    found = paths.with_timeout(lambda: _first_remote_match(pattern), f"Cannot list {pattern!r}", timeout_s)
+  except paths.StorageError as e:
+    raise DataError(str(e)) from None
+  if found is None:
     raise DataError(f"{pattern!r} matches no files")
 
 
@@ -94,7 +78,8 @@ def remote_files(pattern: str) -> list[str]:
     return [pattern]
   root = epath.Path("/".join(fixed))
   try:
-    found = paths.with_timeout(lambda: sorted(str(p) for p in root.glob("/".join(parts[len(fixed) :]))), repr(pattern))
+    rest = "/".join(parts[len(fixed) :])
+    found = paths.with_timeout(lambda: sorted(str(p) for p in root.glob(rest)), repr(pattern), REMOTE_CHECK_TIMEOUT_S)
   except paths.StorageError as e:
     raise DataError(str(e)) from None
   if not found:

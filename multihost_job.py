@@ -11,8 +11,10 @@ Steps: (1) a .tar.gz of --SCRIPT_DIR is uploaded to gs://<BUCKET_NAME>/<RUN_NAME
 google-cloud-storage; (2) a startup script that downloads it, runs --COMMAND with every host's log
 saved and uploads the logs to gs://<BUCKET_NAME>/<RUN_NAME>/logs/ at the end; (3) the queued
 resource (TPU) or custom job (Vertex, with the replica pools, the JAX_COORDINATOR_*/NNODES/NODE_RANK/
-GPUS_PER_NODE environment and the A3 Mega XLA flags) is created with gcloud. --DRY_RUN prints every
-command and file instead of running or uploading anything.
+GPUS_PER_NODE environment and the A3 Mega XLA flags) is created with gcloud; (4) TPU: when the command
+ends, worker 0 of slice 0 deletes the queued resource after --DELETE_AFTER_S seconds (not with
+--KEEP_TPUS; the submit output prints the delete command). --DRY_RUN prints every command and file
+instead of running or uploading anything.
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   tpu.add_argument("--ZONE", default="", help="zone of the TPUs (default: gcloud's)")
   tpu.add_argument("--VERSION", default="tpu-ubuntu2204-base", help="TPU VM runtime version")
   tpu.add_argument("--CQR_EXTRA_ARGS", default="", help="extra flags for `queued-resources create`")
+  tpu.add_argument("--KEEP_TPUS", action="store_true", help="keep the queued resource when the job ends")
+  tpu.add_argument(
+    "--DELETE_AFTER_S", type=int, default=300, help="seconds worker 0 waits for the other workers' logs before deleting"
+  )
   gpu = p.add_argument_group("GPU (Vertex AI custom job)")
   gpu.add_argument("--NUM_NODES", type=int, default=1, help="GPU nodes (one process each)")
   gpu.add_argument("--REGION", default="us-central1", help="Vertex AI region")
@@ -106,6 +112,25 @@ gcloud storage cp gs://{bucket}/{code_object(args)} code.tar.gz && tar -xzf code
 status=$?
 echo "exit status $status" >> {log}
 gcloud storage cp {log} gs://{bucket}/{run}/logs/
+{tpu_cleanup(args)}"""
+
+
+def delete_command(args: argparse.Namespace) -> list[str]:
+  """The gcloud command that deletes the job's queued resource (and its TPU VMs)."""
+  command = ["gcloud", "alpha", "compute", "tpus", "queued-resources", "delete", args.RUN_NAME, "--force", "--quiet"]
+  return command + [f"--project={args.PROJECT}"] * bool(args.PROJECT) + [f"--zone={args.ZONE}"] * bool(args.ZONE)
+
+
+def tpu_cleanup(args: argparse.Namespace) -> str:
+  """Startup-script lines: worker 0 of slice 0 deletes the queued resource when the job ends, after
+  --DELETE_AFTER_S seconds in which the other workers finish and upload their logs (none with --KEEP_TPUS)."""
+  if args.KEEP_TPUS:
+    return f"# --KEEP_TPUS: the queued resource stays; delete it with: {shlex.join(delete_command(args))}\n"
+  return f"""# The job has ended: worker 0 of slice 0 releases the TPUs once the others have uploaded their logs.
+if [ "${{MEGASCALE_SLICE_ID:-0}}" = 0 ] && [ "$TPU_WORKER_ID" = 0 ]; then
+  sleep {args.DELETE_AFTER_S}
+  {shlex.join(delete_command(args))} --async
+fi
 """
 
 
@@ -212,6 +237,9 @@ def main(argv: list[str]) -> int:
     if subprocess.run(command).returncode:
       return 1
   print(f"multihost_job: submitted {args.RUN_NAME}; logs will appear in gs://{args.BUCKET_NAME}/{args.RUN_NAME}/logs/")
+  if args.PLATFORM == "tpu":
+    when = "is kept (--KEEP_TPUS)" if args.KEEP_TPUS else "is deleted when the job ends"
+    print(f"multihost_job: the queued resource {when}; to delete it now: {shlex.join(delete_command(args))}")
   return 0
 
 

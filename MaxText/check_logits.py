@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from MaxText import checkpointing, launch
+from MaxText import checkpointing, launch, paths
 from MaxText import state as state_lib
 from MaxText.config import Config, ConfigError
 
@@ -95,7 +95,7 @@ def main(argv: list[str]) -> int:
     if not c.load_parameters_path:
       raise ConfigError("Set load_parameters_path= to the params to check")
   run, ok = model_logits(c), True
-  with open(opts["golden_logits_path"]) as f:
+  with paths.Path(opts["golden_logits_path"]).open() as f:  # local or gs://
     for i, line in enumerate(f):
       row = json.loads(line)
       r = compare(np.asarray(row["logits"], np.float32), run(np.asarray(row["tokens"])), opts["atol"], opts["rtol"])

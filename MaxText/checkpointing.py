@@ -16,7 +16,6 @@ import contextlib
 import errno
 import json
 import logging
-import os
 import shutil
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -29,6 +28,7 @@ from etils import epath
 from flax import nnx
 from jax.experimental import multihost_utils
 
+from MaxText import paths
 from MaxText import state as state_lib
 from MaxText.config import Config, ConfigError
 from MaxText.state import StateSpec, TrainState
@@ -73,7 +73,7 @@ def create_manager(config: Config) -> ocp.CheckpointManager | None:
     create=True,
     cleanup_tmp_directories=True,
   )
-  return ocp.CheckpointManager(os.path.abspath(config.checkpoint_dir), options=options, item_names=("state", "data"))
+  return ocp.CheckpointManager(paths.absolute(config.checkpoint_dir), options=options, item_names=("state", "data"))
 
 
 def save(manager: ocp.CheckpointManager, step: int, state: TrainState, data_state: dict) -> None:
@@ -258,8 +258,8 @@ def _check_not_step_dir(key: str, path: str) -> None:
 
 
 def _restore_tree(path: str, abstract: Any) -> Any:
-  path = os.path.abspath(path)
-  if not os.path.isdir(path):
+  path = paths.absolute(path)
+  if not paths.with_timeout(lambda: paths.isdir(path), f"load_full_state_path={path!r}"):
     raise ConfigError(f"Checkpoint {path!r} does not exist")
   _check_not_step_dir("load_full_state_path", path)
   try:
@@ -276,8 +276,8 @@ def saved_tree(path: str) -> Any:
 
 def load_params(path: str, abstract_params: Any) -> Any:
   """Params from `path`: a params-only checkpoint, or a train-state checkpoint's `params` subtree."""
-  path = os.path.abspath(path)
-  if not os.path.isdir(path):
+  path = paths.absolute(path)
+  if not paths.with_timeout(lambda: paths.isdir(path), f"load_parameters_path={path!r}"):
     raise ConfigError(f"load_parameters_path {path!r} does not exist")
   _check_not_step_dir("load_parameters_path", path)
   tree = saved_tree(path)
@@ -348,6 +348,6 @@ def _unstacked(target: Any) -> Any:
 def save_params(path: str, params: Any) -> None:
   """Write a params-only checkpoint usable as load_parameters_path."""
   checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(os.path.abspath(path), {"params": params})
+  checkpointer.save(paths.absolute(path), {"params": params})
   checkpointer.wait_until_finished()
   jax.effects_barrier()

@@ -7,13 +7,13 @@ and refuses a step compiled for anything else, naming every difference.
 
 from __future__ import annotations
 
-import os
 import pickle
 from typing import Any
 
 import jax
 from jax.sharding import Mesh
 
+from MaxText import paths
 from MaxText.config import Config, ConfigError
 
 FORMAT_VERSION = 1  # of the compiled_trainstep_file pickle
@@ -54,9 +54,8 @@ def save_compiled(path: str, compiled: Any, config: Config, mesh: Mesh) -> None:
     "in_tree": in_tree,
     "out_tree": out_tree,
   }
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "wb") as f:
-    pickle.dump(payload, f)
+  paths.makedirs(paths.dirname(paths.absolute(path)))
+  paths.Path(path).write_bytes(pickle.dumps(payload))
 
 
 def _mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -78,10 +77,9 @@ def load_compiled(config: Config, mesh: Mesh) -> Any:
   sizes, settings or devices than this run's.
   """
   path = config.compiled_trainstep_file
-  if not os.path.isfile(path):
+  if not paths.with_timeout(lambda: paths.isfile(path), f"compiled_trainstep_file={path!r}"):
     raise ConfigError(f"compiled_trainstep_file={path!r} does not exist; write it with train_compile.py")
-  with open(path, "rb") as f:
-    payload = pickle.load(f)
+  payload = pickle.loads(paths.Path(path).read_bytes())
   if not isinstance(payload, dict) or payload.get("format") != FORMAT_VERSION:
     raise ConfigError(f"compiled_trainstep_file={path!r} was not written by this version of train_compile.py")
   if payload["jax"] != jax.__version__:

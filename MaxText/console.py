@@ -4,12 +4,12 @@ between records, and where the outputs went at the end (docs/outputs.md shows ea
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from collections.abc import Mapping
 from typing import Any, TextIO
 
+from MaxText import paths
 from MaxText.config import Config
 
 PROGRESS_INTERVAL_S = 60.0  # without a terminal: a plain progress line when nothing was printed for this long
@@ -60,7 +60,7 @@ def run_header(
   axes = {k: v for k, v in mesh_shape.items() if v > 1} or {"data": 1}
   devices = math.prod(mesh_shape.values())
   plural = "device" if devices == 1 else "devices"
-  outputs = os.path.abspath(config.run_dir)
+  outputs = paths.absolute(config.run_dir)
   base_note = (
     " (the default; set base_output_directory=... to move it)" if config.base_output_directory == "outputs" else ""
   )
@@ -80,15 +80,15 @@ def run_header(
 
 def outputs_lines(config: Config, last_checkpoint: str | None) -> list[str]:
   """The closing summary's pointers to what the run wrote, with the commands that read them."""
-  lines = [f"  run directory        {os.path.abspath(config.run_dir)}"]
+  lines = [f"  run directory        {paths.absolute(config.run_dir)}"]
   if last_checkpoint:
     lines.append(f"  last checkpoint      {last_checkpoint}")
     decode = f"python3 MaxText/decode.py MaxText/configs/base.yml load_parameters_path={last_checkpoint}"
     lines.append(f"    generate:          {decode}")
-  lines.append(f"  metrics              {os.path.abspath(config.metrics_file)}")
-  lines.append(f"    plot:              python3 -m MaxText.plot_metrics {os.path.abspath(config.metrics_file)}")
+  lines.append(f"  metrics              {paths.absolute(config.metrics_file)}")
+  lines.append(f"    plot:              python3 -m MaxText.plot_metrics {paths.absolute(config.metrics_file)}")
   if config.enable_tensorboard:
-    lines.append(f"    TensorBoard:       tensorboard --logdir {os.path.abspath(config.tensorboard_dir)}")
+    lines.append(f"    TensorBoard:       tensorboard --logdir {paths.absolute(config.tensorboard_dir)}")
   return lines
 
 

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Iterator, Sequence
 
 from MaxText import config as config_lib
-from MaxText import distributed, preemption
+from MaxText import distributed, paths, preemption
 from MaxText.config import Config, ConfigError
 from MaxText.data.errors import DataError
 
@@ -33,6 +33,7 @@ LOG_HANDLER = "maxtext-launch"  # names our handler on the MaxText logger, so it
 USER_ERRORS: tuple[tuple[type[Exception], str], ...] = (
   (ConfigError, "Config error"),
   (DataError, "Data error"),
+  (paths.StorageError, "Storage error"),
 )
 MAX_MESSAGE_CHARS = 600  # a library's message quoted in ours can run to hundreds of lines
 
@@ -105,10 +106,15 @@ def user_errors() -> Iterator[None]:
 
 
 def check_outputs(config: Config) -> None:
-  """ConfigError naming the key when a local output location cannot be written (checked before any device
-  work, not when the first checkpoint or metrics line is due). gs:// paths are left to their writers."""
-  for key, path in (("base_output_directory", config.run_dir), ("metrics_file", os.path.dirname(config.metrics_file))):
-    if not path or path.startswith("gs://"):
+  """ConfigError naming the key when a local output location cannot be written, StorageError when a gs://
+  one is not a writable bucket (checked before any device work, not when the first checkpoint or metrics
+  line is due). Only process 0 writes outputs, so only it checks."""
+  for key, path in (("base_output_directory", config.run_dir), ("metrics_file", paths.dirname(config.metrics_file))):
+    if paths.is_remote(path):
+      if jax_process_index() == 0:
+        paths.check_writable(path, key)
+      continue
+    if not path:
       continue
     existing = os.path.abspath(path)
     while not os.path.exists(existing):  # the nearest existing ancestor is where directories get made
@@ -119,6 +125,12 @@ def check_outputs(config: Config) -> None:
       raise ConfigError(f"metrics_file={config.metrics_file!r} is a directory; name a file, e.g. {path}/metrics.jsonl")
     if not os.access(existing, os.W_OK | os.X_OK):
       raise ConfigError(f"{key}: cannot write under {existing!r} (permission denied); choose a writable {key}")
+
+
+def jax_process_index() -> int:
+  import jax  # lazy: --help and config errors answer without importing jax
+
+  return jax.process_index()
 
 
 def doc_help(argv: Sequence[str], doc: str | None) -> None:

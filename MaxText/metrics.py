@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Mapping
@@ -26,7 +25,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from MaxText import console
+from MaxText import console, paths
 from MaxText.config import Config
 from MaxText.console import format_duration
 from MaxText.models import gemma2, gemma3
@@ -245,10 +244,10 @@ class MetricLogger:
     jax.monitoring.register_event_duration_secs_listener(self._on_event)
     self._file = None
     self._tb = None
+    self._tb_mirror: paths.DirMirror | None = None  # a gs:// tensorboard_dir: events written locally, copied up
     self._progress = console.Progress(config.steps, start_step, enabled=is_writer and progress)
     if is_writer:
-      os.makedirs(os.path.dirname(os.path.abspath(config.metrics_file)), exist_ok=True)
-      self._file = open(config.metrics_file, "a")  # a resumed run appends to its own file
+      self._file = paths.AppendFile(config.metrics_file)  # a resumed run appends to its own file (local or gs://)
 
   def _tensorboard(self) -> Any:
     """The TensorBoard writer, opened on first use (a resume appends a new events file to the same logdir,
@@ -256,7 +255,11 @@ class MetricLogger:
     if self._tb is None and self.config.enable_tensorboard:
       from tensorboardX import SummaryWriter  # lazy: pulls in protobuf; only the writer needs it
 
-      self._tb = SummaryWriter(logdir=self.config.tensorboard_dir)
+      logdir = self.config.tensorboard_dir
+      if paths.is_remote(logdir):
+        self._tb_mirror = paths.DirMirror(logdir)
+        logdir = self._tb_mirror.local
+      self._tb = SummaryWriter(logdir=logdir)
     return self._tb
 
   def __enter__(self) -> MetricLogger:
@@ -383,6 +386,8 @@ class MetricLogger:
         if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
           tb.add_scalar(_tb_tag(key), value, record["step"])
       tb.flush()
+      if self._tb_mirror is not None:
+        self._tb_mirror.sync()
 
   def summary(self) -> dict[str, Any]:
     """Run totals; timing means exclude the compile steps (None when no step was timed). final_loss is
@@ -417,6 +422,8 @@ class MetricLogger:
       self._file.close()
       if self._tb is not None:
         self._tb.close()
+      if self._tb_mirror is not None:
+        self._tb_mirror.close()
     return result
 
 

@@ -19,13 +19,15 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from MaxText import paths
+
 DEFAULT_SMOOTHING = 0.6  # weight of the running average per record, as TensorBoard's slider
 MAX_PPL_LOSS = 30.0  # no perplexity axis past this loss: exp() of it is not readable
 
 
 def read_records(path: str) -> list[dict[str, Any]]:
   """The JSON objects of a JSON-lines file, skipping blank lines."""
-  with open(path) as f:
+  with paths.Path(path).open() as f:  # local or gs://
     return [json.loads(line) for line in f if line.strip()]
 
 
@@ -106,9 +108,10 @@ def plot(metrics_path: str, output: str, smoothing: float = DEFAULT_SMOOTHING) -
     if ax.get_legend_handles_labels()[0]:
       ax.legend(loc="upper right")
   axes[-1].set_xlabel("step")
-  fig.suptitle(os.path.basename(os.path.dirname(os.path.abspath(metrics_path))) or metrics_path)
-  os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-  fig.savefig(output, dpi=100)
+  fig.suptitle(os.path.basename(paths.dirname(paths.absolute(metrics_path))) or metrics_path)
+  paths.makedirs(paths.dirname(paths.absolute(output)))
+  with paths.Path(output).open("wb") as f:  # local or gs://
+    fig.savefig(f, dpi=100, format="png")
   return output
 
 

@@ -29,6 +29,7 @@ from MaxText import (
   launch,
   metrics,
   optimizers,
+  paths,
   preemption,
   saved_config,
   sharding,
@@ -59,9 +60,8 @@ def write_config(config: Config) -> None:
   """Record the resolved config next to the run's outputs (writer process only)."""
   if jax.process_index() != 0:
     return
-  os.makedirs(config.run_dir, exist_ok=True)
-  with open(os.path.join(config.run_dir, "config.yml"), "w") as f:
-    yaml.safe_dump(config.to_dict(), f, sort_keys=True)
+  paths.makedirs(config.run_dir)
+  paths.Path(paths.join(config.run_dir, "config.yml")).write_text(yaml.safe_dump(config.to_dict(), sort_keys=True))
 
 
 def evaluate(config: Config, eval_fn: Any, params: Any, eval_factory: Any) -> dict[str, float]:
@@ -178,13 +178,12 @@ def already_done(config: Config, start: int) -> bool:
 
 def previous_config(config: Config) -> dict[str, Any] | None:
   """The config.yml of the run being resumed: present only if this run_name has a checkpoint to resume."""
-  if not config.enable_checkpointing or not os.path.isdir(config.checkpoint_dir):
+  if not config.enable_checkpointing or not paths.isdir(config.checkpoint_dir):
     return None
-  path = os.path.join(config.run_dir, "config.yml")
-  if not any(name.isdigit() for name in os.listdir(config.checkpoint_dir)) or not os.path.isfile(path):
+  path = paths.join(config.run_dir, "config.yml")
+  if not any(name.isdigit() for name in paths.listdir(config.checkpoint_dir)) or not paths.isfile(path):
     return None
-  with open(path) as f:
-    return yaml.safe_load(f)
+  return yaml.safe_load(paths.Path(path).read_text())
 
 
 def keep_schedule_on_resume(config: Config) -> Config:
@@ -300,7 +299,7 @@ def print_header(config: Config, parts: LoopParts, start: int) -> None:
 
 def checkpoint_path(config: Config, step: int) -> str:
   """The params of checkpoint `step`, as load_parameters_path and decode.py take them."""
-  return os.path.join(os.path.abspath(config.checkpoint_dir), str(step), "state")
+  return paths.join(paths.absolute(config.checkpoint_dir), str(step), "state")
 
 
 def train_loop(config: Config, parts: LoopParts) -> dict[str, Any]:
@@ -349,7 +348,7 @@ def train_loop(config: Config, parts: LoopParts) -> dict[str, Any]:
             print(f"eval_loss {result['eval_loss']:.4f} <= target_eval_loss: stopping at step {done}", flush=True)
           break
         if stop and done < config.steps:  # run() waits for the save before the exception leaves it
-          path = os.path.join(config.checkpoint_dir, str(done)) if manager is not None else None
+          path = paths.join(config.checkpoint_dir, str(done)) if manager is not None else None
           raise preemption.Stopped(done, parts.watch.signum or stop, path, here=bool(parts.watch.signum))
         reader.restart_clock()
       if manager is not None and done % config.checkpoint_period == config.async_checkpoint_max_lag_steps:

@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 from typing import Any
 
 import jax
@@ -26,7 +27,7 @@ import yaml
 from flax import nnx
 
 from MaxText import config as config_lib
-from MaxText import launch, models
+from MaxText import launch, models, paths
 from MaxText import state as state_lib
 from MaxText.config import Config, ConfigError
 from MaxText.convert import hf_mapping, streaming
@@ -89,7 +90,8 @@ def tensor_index(hf_path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
   return index
 
 
-def load_config(hf_path: str, output: str, scan_layers: bool) -> tuple[Config, dict[str, Any]]:
+def load_config(hf_path: str, output: str, scan_layers: bool, final: str = "") -> tuple[Config, dict[str, Any]]:
+  """OUTPUT/config.yml written and loaded; `final`: where OUTPUT ends up (its tokenizer_path points there)."""
   hf = read_hf_config(hf_path)
   try:
     keys = hf_mapping.maxtext_keys(hf)
@@ -101,8 +103,8 @@ def load_config(hf_path: str, output: str, scan_layers: bool) -> tuple[Config, d
   except OSError as e:
     raise ConfigError(f"--output {output!r} cannot be created: {e.strerror}; choose a writable directory") from None
   if os.path.exists(os.path.join(hf_path, "tokenizer.json")):  # decode.py then needs no tokenizer flags
-    tokenizer = os.path.abspath(os.path.join(output, "tokenizer.json"))
-    shutil.copyfile(os.path.join(hf_path, "tokenizer.json"), tokenizer)
+    tokenizer = paths.join(paths.absolute(final or output), "tokenizer.json")
+    shutil.copyfile(os.path.join(hf_path, "tokenizer.json"), os.path.join(output, "tokenizer.json"))
     keys = {**keys, "tokenizer_type": "huggingface", "tokenizer_path": tokenizer}
   with open(cfg_path, "w") as f:
     f.write("# Converted from a Hugging Face checkpoint by MaxText.convert.hf_to_maxtext.\n")
@@ -114,8 +116,31 @@ def load_config(hf_path: str, output: str, scan_layers: bool) -> tuple[Config, d
 def convert(hf_path: str, output: str, scan_layers: bool = True, dtype: str = "float32") -> str:
   """Write OUTPUT/config.yml and OUTPUT/params; returns the params path. Every tensor's presence and
   shape is checked (from the safetensors headers) before anything is written. `dtype` is the storage
-  dtype of the checkpoint (bfloat16 halves its size; restores cast to the run's weight_dtype)."""
-  c, _ = load_config(hf_path, output, scan_layers)
+  dtype of the checkpoint (bfloat16 halves its size; restores cast to the run's weight_dtype).
+
+  Either path may be gs://: a remote hf_path is fetched to a local copy (safetensors reads local files),
+  a remote output is written to a local staging directory and then uploaded."""
+  if paths.is_remote(hf_path):
+    if not paths.with_timeout(lambda: paths.isdir(hf_path), f"--hf_path {hf_path!r}"):
+      raise ConfigError(f"--hf_path {hf_path!r} is not a directory; pass a Hugging Face model directory")
+    hf_path = paths.local_copy(hf_path)
+  if not paths.is_remote(output):
+    return _convert(hf_path, output, scan_layers, dtype)
+  paths.check_writable(output, "--output")
+  staging = tempfile.mkdtemp(prefix="maxtext-convert-")
+  try:
+    _convert(hf_path, staging, scan_layers, dtype, final=output)
+    stale = paths.Path(paths.join(output, "params"))
+    if stale.exists():
+      stale.rmtree()
+    paths.publish_tree(staging, output)
+  finally:
+    shutil.rmtree(staging, ignore_errors=True)
+  return paths.join(output, "params")
+
+
+def _convert(hf_path: str, output: str, scan_layers: bool, dtype: str, final: str = "") -> str:
+  c, _ = load_config(hf_path, output, scan_layers, final)
   state = state_lib.param_spec(c).abstract
   abstract = nnx.to_pure_dict(state)
   rules = hf_mapping.rules(c, models.family(c).stacks(c), abstract)
@@ -199,7 +224,9 @@ def main(argv: list[str]) -> None:
     path = convert(args.hf_path, args.output, args.scan_layers == "true", args.dtype)
   except ConfigError as e:
     sys.exit(launch.one_line("Conversion error", e))
-  print(f"Wrote {path} and {os.path.join(args.output, 'config.yml')}")
+  except paths.StorageError as e:
+    sys.exit(launch.one_line("Storage error", e))
+  print(f"Wrote {path} and {paths.join(args.output, 'config.yml')}")
 
 
 if __name__ == "__main__":

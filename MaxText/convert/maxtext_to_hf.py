@@ -76,6 +76,11 @@ def convert(c: Config, output: str, dtype: str = "float32") -> None:
 
   if not c.load_parameters_path:
     raise ConfigError("Set load_parameters_path= to the MaxText params to export")
+  if c.load_parameters_path.startswith("gs://"):  # streaming.Reader opens local tensorstore files
+    raise ConfigError(
+      f"Export reads local checkpoints only: copy {c.load_parameters_path!r} with "
+      "`gcloud storage cp -r` and set load_parameters_path to the copy"
+    )
   if not os.path.isdir(c.load_parameters_path):
     raise ConfigError(f"load_parameters_path {c.load_parameters_path!r} does not exist")
   reader = streaming.Reader(c.load_parameters_path)

@@ -14,18 +14,18 @@ import itertools
 import json
 import logging
 import os
-import threading
 import tokenize
 from collections.abc import Iterator, Sequence
 
 from etils import epath
 
+from MaxText import paths
 from MaxText.data.errors import DataError
 
 log = logging.getLogger(__name__)
 
 MULTI_DOCUMENT = (".jsonl", ".json", ".parquet")  # files holding one document per line / row
-REMOTE_PREFIXES = ("gs://",)  # paths handed to the readers unexpanded
+REMOTE_PREFIXES = paths.REMOTE_PREFIXES  # paths handed to the readers unexpanded
 # Without network or credentials the storage client retries for minutes (and array_record would sit in
 # it); a remote pattern that lists nothing in this long fails with one line instead.
 REMOTE_CHECK_TIMEOUT_S = 30.0
@@ -60,31 +60,39 @@ def _first_remote_match(pattern: str) -> epath.Path | None:
 def check_remote(pattern: str, timeout_s: float | None = None) -> None:
   """DataError naming `pattern` unless it matches a file within timeout_s (REMOTE_CHECK_TIMEOUT_S)."""
   timeout_s = REMOTE_CHECK_TIMEOUT_S if timeout_s is None else timeout_s
-  answer: list = []
-
-  def probe() -> None:
-    try:
-      answer.append(_first_remote_match(pattern))
-    except Exception as e:  # the storage clients raise their own types (auth, DNS, HTTP)
-      answer.append(e)
-
-  thread = threading.Thread(target=probe, daemon=True)  # daemon: a stuck client does not hold up the exit
-  thread.start()
-  thread.join(timeout_s)
-  if not answer:
-    raise DataError(
-      f"{pattern!r}: no answer from storage within {timeout_s:g} s; check network access and credentials "
-      "(gcloud auth application-default login) or use a local path"
-    )
-  if isinstance(answer[0], Exception):
-    reason = (str(answer[0]).strip().splitlines() or [""])[0]
-    raise DataError(f"Cannot list {pattern!r}: {type(answer[0]).__name__}: {reason}; check the path and credentials")
-  if answer[0] is None:
+  try:
+    found = paths.with_timeout(lambda: _first_remote_match(pattern), f"Cannot list {pattern!r}", timeout_s)
+  except paths.StorageError as e:
+    raise DataError(str(e)) from None
+  if found is None:
     raise DataError(f"{pattern!r} matches no files")
+
+
+def remote_files(pattern: str) -> list[str]:
+  """Sorted objects matching the remote glob `pattern` (`**` recurses); DataError naming it when none match or
+  storage does not answer within REMOTE_CHECK_TIMEOUT_S."""
+  parts = pattern.split("/")
+  fixed = list(itertools.takewhile(lambda part: not any(c in part for c in "*?["), parts))
+  if len(fixed) == len(parts):
+    check_remote(pattern)
+    return [pattern]
+  root = epath.Path("/".join(fixed))
+  try:
+    rest = "/".join(parts[len(fixed) :])
+    found = paths.with_timeout(lambda: sorted(str(p) for p in root.glob(rest)), repr(pattern), REMOTE_CHECK_TIMEOUT_S)
+  except paths.StorageError as e:
+    raise DataError(str(e)) from None
+  if not found:
+    raise DataError(f"{pattern!r} matches no files")
+  return found
 
 
 def glob_root(pattern: str) -> str:
   """Absolute directory above the first wildcard of `pattern` (its parent directory when it has none)."""
+  if paths.is_remote(pattern):
+    parts = pattern.split("/")
+    fixed = list(itertools.takewhile(lambda part: not any(c in part for c in "*?["), parts))
+    return "/".join(fixed) if len(fixed) < len(parts) else paths.dirname(pattern)
   parts = pattern.split(os.sep)
   fixed = list(itertools.takewhile(lambda part: not any(c in part for c in "*?["), parts))
   root = os.sep.join(fixed) if len(fixed) < len(parts) else os.path.dirname(pattern)

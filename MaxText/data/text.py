@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from MaxText import sharding
+from MaxText import paths, sharding
 from MaxText.config import Config
 from MaxText.data import files
 from MaxText.data import tokenizer as tokenizers
@@ -36,6 +36,9 @@ from MaxText.data.packing import DocumentRows
 
 log = logging.getLogger(__name__)
 CACHE_FORMAT = 2  # bump when the cached token layout changes
+# With a gs:// tokenizer_dir, how long the other processes wait (after the barrier that follows process 0's
+# work) for its tokenizer or token cache to appear in the bucket before they stop with one line.
+PUBLISH_WAIT_S = 120.0
 ENCODE_CHUNK = 256  # documents per tokenizer call: bounds the memory held in Python lists
 read_document = files.read_document  # how this backend reads one file (benchmarks/data_benchmark.py times it)
 
@@ -50,10 +53,13 @@ def list_documents(config: Config) -> Documents:
   """The files of the corpus: `dataset_path` (glob, `**` recursive) or the stdlib's *.py files."""
   if config.dataset_path:
     pattern = os.path.expanduser(config.dataset_path)
-    paths = sorted(os.path.abspath(p) for p in files.local_files(pattern))
-    if not paths:
+    if paths.is_remote(pattern):
+      found = files.remote_files(pattern)
+    else:
+      found = sorted(os.path.abspath(p) for p in files.local_files(pattern))
+    if not found:
       raise DataError(f"dataset_path={config.dataset_path!r} matches no files (for a directory, use 'dir/**/*.txt')")
-    docs = Documents(paths, files.glob_root(pattern), strict=True)
+    docs = Documents(found, files.glob_root(pattern), strict=True)
   else:
     root = sysconfig.get_paths()["stdlib"]
     docs = Documents(_stdlib_sources(root), root, strict=False)
@@ -105,24 +111,33 @@ def _sync(name: str) -> None:
 
 
 def get_tokenizer(config: Config, train_texts: Callable[[], Sequence[str]]) -> tokenizers.Tokenizer:
-  """tokenizer_path, or the one cached in tokenizer_dir, or (process 0) one trained on `train_texts()`."""
+  """tokenizer_path, or the one cached in tokenizer_dir, or (process 0) one trained on `train_texts()`.
+
+  A gs:// tokenizer_dir is trained into a local directory (local_dir_for) and published to the bucket; the
+  other processes wait for it there (PUBLISH_WAIT_S) and fetch a local copy."""
   if config.tokenizer_path:
     return tokenizers.load_for_config(config)
-  path = os.path.join(config.tokenizer_dir, tokenizers.MODEL_FILE)
   if config.tokenizer_type != "sentencepiece":
     raise DataError(f"tokenizer_type={config.tokenizer_type} needs tokenizer_path (only SentencePiece is trained)")
-  if jax.process_index() == 0 and not os.path.isfile(path):
+  published = paths.join(config.tokenizer_dir, tokenizers.MODEL_FILE)
+  local_dir = paths.local_dir_for(config.tokenizer_dir)
+  if jax.process_index() == 0 and not paths.isfile(published):
     start = time.perf_counter()
-    tokenizers.train_sentencepiece(train_texts(), config.vocab_size, config.tokenizer_dir, config.data_shuffle_seed)
+    path = tokenizers.train_sentencepiece(train_texts(), config.vocab_size, local_dir, config.data_shuffle_seed)
+    if paths.is_remote(published):  # the model file last: its presence marks a complete tokenizer
+      paths.publish([os.path.join(local_dir, "tokenizer.vocab"), path], config.tokenizer_dir)
     seconds = time.perf_counter() - start
-    log.info("Trained a tokenizer (vocab_size=%d) in %.1f s: %s", config.vocab_size, seconds, path)
+    log.info("Trained a tokenizer (vocab_size=%d) in %.1f s: %s", config.vocab_size, seconds, published)
   _sync("maxtext_data_tokenizer")
-  if not os.path.isfile(path):
+  if paths.is_remote(published):
+    paths.wait_for(published, PUBLISH_WAIT_S, "The tokenizer")
+    return tokenizers.load_for_config(config.replace(tokenizer_path=published))
+  if not os.path.isfile(published):
     raise DataError(
-      f"Process {jax.process_index()} cannot see the tokenizer {path!r} that process 0 trained: put "
-      "base_output_directory on a filesystem all hosts share, or set tokenizer_path"
+      f"Process {jax.process_index()} cannot see the tokenizer {published!r} that process 0 trained: put "
+      "base_output_directory on a filesystem all hosts share (or a gs:// bucket), or set tokenizer_path"
     )
-  return tokenizers.load_for_config(config.replace(tokenizer_path=path))
+  return tokenizers.load_for_config(config.replace(tokenizer_path=published))
 
 
 class Texts(NamedTuple):
@@ -142,10 +157,14 @@ def _cache_prefix(config: Config, docs: Documents, tok: tokenizers.Tokenizer) ->
     key = [CACHE_FORMAT, hashlib.sha256(f.read()).hexdigest(), config.add_bos, config.add_eos, docs.strict]
   key += [config.tokenizer_type, config.text_column]
   for path in docs.paths:
-    stat = os.stat(path)
-    key.append([path, stat.st_size, stat.st_mtime_ns])
+    if paths.is_remote(path):  # an object's generation changes with every rewrite, as a file's mtime does
+      stat = paths.Path(path).stat()
+      key.append([path, stat.length, str(stat.mtime)])
+    else:
+      stat = os.stat(path)
+      key.append([path, stat.st_size, stat.st_mtime_ns])
   digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:20]
-  return os.path.join(config.tokenizer_dir, f"corpus-{digest}")
+  return paths.join(config.tokenizer_dir, f"corpus-{digest}")
 
 
 def tokenize_documents(config: Config, tok: tokenizers.Tokenizer, texts: Texts) -> Corpus:
@@ -164,19 +183,30 @@ def tokenize_documents(config: Config, tok: tokenizers.Tokenizer, texts: Texts) 
 
 
 def load_corpus(config: Config, docs: Documents, tok: tokenizers.Tokenizer, texts: Callable[[], Texts]) -> Corpus:
-  """The tokenized corpus, from the cache in tokenizer_dir or tokenized (by process 0) and cached."""
+  """The tokenized corpus, from the cache in tokenizer_dir or tokenized (by process 0) and cached. A gs://
+  cache is written locally, published to the bucket and memory-mapped from a local copy."""
   prefix = _cache_prefix(config, docs, tok)
-  if jax.process_index() == 0 and not os.path.isfile(prefix + ".offsets.npy"):
+  remote = paths.is_remote(prefix)
+  local = os.path.join(paths.local_dir_for(paths.dirname(prefix)), os.path.basename(prefix)) if remote else prefix
+  marker = prefix + ".offsets.npy"  # written last: its presence marks a complete cache
+  if jax.process_index() == 0 and not paths.isfile(marker):
     start = time.perf_counter()
     corpus = tokenize_documents(config, tok, texts())
-    _save(prefix, corpus)
+    _save(local, corpus)
+    if remote:
+      paths.publish([f"{local}.{name}.npy" for name in ("tokens", "counts", "offsets")], paths.dirname(prefix))
     seconds = time.perf_counter() - start
     log.info("Tokenized %d documents (%d tokens) in %.1f s", len(corpus.offsets) - 1, len(corpus.tokens), seconds)
   _sync("maxtext_data_corpus")
-  if not os.path.isfile(prefix + ".offsets.npy"):  # hosts without a shared filesystem tokenize for themselves
+  if remote:
+    paths.wait_for(marker, PUBLISH_WAIT_S, "The tokenized corpus")
+    local = os.path.join(os.path.dirname(paths.local_copy(marker)), os.path.basename(prefix))
+    for name in ("tokens", "counts"):
+      paths.local_copy(f"{prefix}.{name}.npy")
+  elif not os.path.isfile(marker):  # hosts without a shared filesystem tokenize for themselves
     return tokenize_documents(config, tok, texts())
   loaded = {
-    name: np.load(f"{prefix}.{name}.npy", mmap_mode="r" if name == "tokens" else None) for name in Corpus._fields
+    name: np.load(f"{local}.{name}.npy", mmap_mode="r" if name == "tokens" else None) for name in Corpus._fields
   }
   return Corpus(**loaded)
 

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 import sentencepiece as spm
 
+from MaxText import paths
 from MaxText.data.errors import DataError
 
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
@@ -69,8 +70,10 @@ def load_tokenizer(path: str, tokenizer_type: str = "sentencepiece") -> Tokenize
   """
   if tokenizer_type not in LOADERS:
     raise DataError(f"tokenizer_type={tokenizer_type!r} is not one of {', '.join(LOADERS)}")
-  if not os.path.exists(path):
+  found = paths.with_timeout(lambda: paths.exists(path), f"Tokenizer {path!r}") if paths.is_remote(path) else None
+  if not (found or os.path.exists(path)):
     raise DataError(f"Tokenizer {path!r} does not exist; set tokenizer_path to a {tokenizer_type} tokenizer file")
+  path = paths.local_copy(path)  # the tokenizer libraries open local files only
   try:
     return LOADERS[tokenizer_type](path)
   except Exception as e:  # each library raises its own types

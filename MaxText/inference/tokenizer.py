@@ -5,11 +5,11 @@ a model with random weights or one trained on token ids still decodes without an
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from MaxText import paths
 from MaxText.config import Config, ConfigError
 from MaxText.data import tokenizer as tokenizers
 
@@ -36,10 +36,10 @@ class ByteTokenizer:
 
 def for_decoding(config: Config):
   """tokenizer_path, else <run dir>/tokenizer/tokenizer.model (trained by a text run), else bytes."""
-  cached = os.path.join(config.tokenizer_dir, tokenizers.MODEL_FILE)
+  cached = paths.join(config.tokenizer_dir, tokenizers.MODEL_FILE)
   if config.tokenizer_path:
     tok = tokenizers.load_tokenizer(config.tokenizer_path, config.tokenizer_type)
-  elif os.path.isfile(cached):
+  elif paths.isfile(cached):
     tok = tokenizers.load_tokenizer(cached)
   else:
     log.warning("No tokenizer_path and no tokenizer cached in %s: using UTF-8 bytes as tokens", config.tokenizer_dir)

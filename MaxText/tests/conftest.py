@@ -139,15 +139,17 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def run_processes(command, cwd, log_dir, name, processes, devices_per_process, timeout=300):
+def run_processes(command, cwd, log_dir, name, processes, devices_per_process, timeout=300, rank_env=None):
   """Run `command` as `processes` processes of one jax.distributed job (coordinator on 127.0.0.1, CPU
-  devices, gloo collectives); returns [(returncode, combined output)] in rank order."""
+  devices, gloo collectives); returns [(returncode, combined output)] in rank order. rank_env(rank): extra
+  environment variables of that process (e.g. its own TMPDIR, as on a host with its own disk)."""
   port = free_port()
   procs = []
   for rank in range(processes):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "NNODES": str(processes), "NODE_RANK": str(rank)}
     env.update(JAX_COORDINATOR_ADDRESS="127.0.0.1", JAX_COORDINATOR_PORT=str(port))
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
+    env.update(rank_env(rank) if rank_env else {})
     log = open(os.path.join(log_dir, f"{name}.{rank}.log"), "w+")
     procs.append((subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
   results = []

@@ -1,0 +1,268 @@
+"""User paths, local or gs://: the one place MaxText decides how a path a user gave is read or written.
+
+Every path a user gives (outputs, checkpoints, data, tokenizers, converter inputs and outputs) goes
+through etils `epath`, the path type orbax, grain and tfds use; for gs:// it reaches the bucket through
+gcsfs (fsspec), and orbax's array data through tensorstore. Pointing both at a GCS emulator takes two
+environment variables (docs/cloud_storage.md): STORAGE_EMULATOR_HOST (gcsfs, google-cloud-storage,
+TensorBoard's writer) and TENSORSTORE_GCS_HTTP_URL (tensorstore).
+
+Local paths keep plain `os` semantics (absolute paths, `~` expansion), so local runs behave as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from etils import epath
+
+REMOTE_PREFIXES = ("gs://",)  # paths that name objects in a bucket, never a local file
+# Without network or credentials the storage clients retry for minutes; a probe that has no answer in this
+# long fails with one line naming the path instead.
+PROBE_TIMEOUT_S = 30.0
+MIRROR_SYNC_S = 30.0  # a remote append-only file (metrics.jsonl) is re-uploaded at most this often, and at close
+
+T = TypeVar("T")
+
+# gcsfs asks each bucket for its (hierarchical namespace) type through a client that wants default
+# credentials, and logs a warning for every path when it cannot: noise, the plain API is used either way.
+logging.getLogger("gcsfs").setLevel(logging.ERROR)
+
+
+class StorageError(OSError):
+  """A path the config names cannot be reached, listed or written; the message names it and what to check."""
+
+
+def is_remote(path: str | os.PathLike | None) -> bool:
+  """Whether `path` names an object store location (gs://...) rather than a local file."""
+  return bool(path) and os.fspath(path).startswith(REMOTE_PREFIXES)
+
+
+def absolute(path: str) -> str:
+  """`path` as an absolute string: local paths through os.path.abspath (after `~`), remote ones unchanged
+  (os.path.abspath would turn gs://b into ./gs:/b, a local directory)."""
+  return path if is_remote(path) else os.path.abspath(os.path.expanduser(path))
+
+
+def join(path: str, *parts: str) -> str:
+  """`path`/`parts` as a string; keeps the gs:// scheme."""
+  return os.fspath(epath.Path(path).joinpath(*parts)) if is_remote(path) else os.path.join(path, *parts)
+
+
+def dirname(path: str) -> str:
+  """The parent of `path` as a string; keeps the gs:// scheme."""
+  return os.fspath(epath.Path(path).parent) if is_remote(path) else os.path.dirname(path)
+
+
+def Path(path: str | os.PathLike) -> epath.Path:  # noqa: N802 (reads like the type it returns)
+  """The epath of `path`; local paths made absolute first."""
+  return epath.Path(absolute(os.fspath(path)))
+
+
+def exists(path: str) -> bool:
+  return Path(path).exists()
+
+
+def isdir(path: str) -> bool:
+  return Path(path).is_dir()
+
+
+def isfile(path: str) -> bool:
+  """Whether `path` is a file (a remote object)."""
+  return Path(path).is_file()
+
+
+def makedirs(path: str) -> None:
+  """Create `path` and its parents (a no-op on a bucket, whose directories are prefixes)."""
+  Path(path).mkdir(parents=True, exist_ok=True)
+
+
+def listdir(path: str) -> list[str]:
+  """The names directly under `path`; [] when it does not exist."""
+  root = Path(path)
+  return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+
+
+def bucket_of(path: str) -> str:
+  """gs://bucket of a remote path."""
+  return "/".join(path.split("/")[:3])
+
+
+def with_timeout(fn: Callable[[], T], what: str, timeout_s: float | None = None) -> T:
+  """fn() run in a daemon thread; StorageError naming `what` when it raises or has no answer in timeout_s
+  (PROBE_TIMEOUT_S). For the first touch of a remote path, where a missing network or credentials would
+  otherwise retry for minutes."""
+  timeout_s = PROBE_TIMEOUT_S if timeout_s is None else timeout_s
+  answer: list[Any] = []
+
+  def call() -> None:
+    try:
+      answer.append((True, fn()))
+    except Exception as e:  # the storage clients raise their own types (auth, DNS, HTTP)
+      answer.append((False, e))
+
+  thread = threading.Thread(target=call, daemon=True)  # daemon: a stuck client does not hold up the exit
+  thread.start()
+  thread.join(timeout_s)
+  if not answer:
+    raise StorageError(
+      f"{what}: no answer from storage within {timeout_s:g} s; check network access and credentials "
+      "(gcloud auth application-default login) or use a local path"
+    )
+  ok, value = answer[0]
+  if not ok:
+    reason = (str(value).strip().splitlines() or [""])[0][:300]
+    raise StorageError(f"{what}: {type(value).__name__}: {reason}; check the path, the bucket and credentials")
+  return value
+
+
+def check_writable(path: str, key: str, timeout_s: float | None = None) -> None:
+  """StorageError naming `key` unless `path`'s bucket exists and takes a write, within timeout_s.
+
+  Writes and deletes a small marker object under `path`: the one check that catches a missing bucket,
+  missing credentials and a missing permission alike, before any device work."""
+  marker = Path(path) / f".maxtext-write-check-{os.getpid()}"
+
+  def probe() -> None:
+    if not epath.Path(bucket_of(path)).exists():
+      raise FileNotFoundError(f"bucket {bucket_of(path)} does not exist")
+    marker.write_text("ok")
+    marker.unlink()
+
+  with_timeout(probe, f"{key}={path!r}", timeout_s)
+
+
+def download(path: str) -> str:
+  """A local copy of the remote file `path` (a temporary file) for readers that take only local files."""
+  fd, local = tempfile.mkstemp(suffix="-" + os.path.basename(path))
+  with os.fdopen(fd, "wb") as f:
+    f.write(Path(path).read_bytes())
+  return local
+
+
+class AppendFile:
+  """An append-only text file at a local or remote path: local ones are appended to directly; remote ones
+  (object stores cannot append) are kept in a local temporary copy, seeded with the object's current text
+  so a resumed run appends, and uploaded whole at most every MIRROR_SYNC_S seconds and at close."""
+
+  def __init__(self, path: str, sync_s: float = MIRROR_SYNC_S):
+    self.path, self._sync_s, self._synced = path, sync_s, 0.0
+    if not is_remote(path):
+      os.makedirs(os.path.dirname(absolute(path)), exist_ok=True)
+      self._file = open(path, "a")
+      return
+    fd, self._local = tempfile.mkstemp(suffix="-" + os.path.basename(path))
+    remote = Path(path)
+    with os.fdopen(fd, "w") as f:
+      f.write(remote.read_text() if remote.exists() else "")
+    self._file = open(self._local, "a")
+
+  def write(self, text: str) -> None:
+    self._file.write(text)
+
+  def flush(self, force: bool = False) -> None:
+    self._file.flush()
+    if is_remote(self.path) and (force or time.monotonic() - self._synced >= self._sync_s):
+      Path(self.path).write_bytes(epath.Path(self._local).read_bytes())
+      self._synced = time.monotonic()
+
+  def close(self) -> None:
+    if self._file.closed:
+      return
+    self.flush(force=True)
+    self._file.close()
+    if is_remote(self.path):
+      os.unlink(self._local)
+
+
+def local_dir_for(path: str) -> str:
+  """A local directory standing for `path`: `path` itself when local; for a remote directory a fixed one
+  under the system temporary directory (the same on every run, so its files serve as a cache)."""
+  if not is_remote(path):
+    return absolute(path)
+  digest = hashlib.sha256(path.encode()).hexdigest()[:16]
+  return os.path.join(tempfile.gettempdir(), "maxtext-gcs-cache", digest)
+
+
+def local_copy(path: str) -> str:
+  """A local file (or directory of files) with the contents of `path`: `path` itself when local; for a
+  remote one a copy in local_dir_for(its parent), fetched unless a copy of the same size is there. For the
+  libraries that open only local files (sentencepiece, tiktoken, tokenizers, numpy memory maps)."""
+  if not is_remote(path):
+    return path
+  source = Path(path)
+  target = os.path.join(local_dir_for(dirname(path)), source.name)
+  if source.is_dir():  # its files (a Hugging Face model or tokenizer directory), not its subdirectories
+    items = [(p, os.path.join(target, p.name)) for p in source.iterdir() if p.is_file()]
+  else:
+    items = [(source, target)]
+  for remote, local in items:
+    data = remote.read_bytes()
+    if os.path.isfile(local) and os.path.getsize(local) == len(data):
+      continue
+    os.makedirs(os.path.dirname(local), exist_ok=True)
+    tmp = f"{local}.{os.getpid()}.tmp"  # processes of one host may fetch the same file at once
+    with open(tmp, "wb") as f:
+      f.write(data)
+    os.replace(tmp, local)
+  return target
+
+
+def publish(local_files: list[str], remote_dir: str) -> None:
+  """Copy `local_files` into the remote directory; the last one marks the set complete (readers wait for it)."""
+  for local in local_files:
+    Path(join(remote_dir, os.path.basename(local))).write_bytes(epath.Path(local).read_bytes())
+
+
+def publish_tree(local_dir: str, remote_dir: str) -> None:
+  """Copy every file under `local_dir` to the same relative path under `remote_dir`."""
+  for root, _, names in os.walk(local_dir):
+    for name in names:
+      rel = os.path.relpath(os.path.join(root, name), local_dir)
+      Path(join(remote_dir, *rel.split(os.sep))).write_bytes(epath.Path(root, name).read_bytes())
+
+
+def wait_for(path: str, timeout_s: float, what: str, poll_s: float = 1.0) -> None:
+  """Return once `path` exists; StorageError naming `what` and `path` after timeout_s seconds."""
+  deadline = time.monotonic() + timeout_s
+  while not exists(path):
+    if time.monotonic() > deadline:
+      raise StorageError(
+        f"{what} {path!r} did not appear within {timeout_s:g} s; process 0 writes it: check its log, or that every "
+        "process sees the same base_output_directory"
+      )
+    time.sleep(poll_s)
+
+
+class DirMirror:
+  """A fresh local directory whose files are copied to the remote directory `remote` (each file whose size
+  changed) at most every MIRROR_SYNC_S seconds and at close; for writers that write only local files
+  (TensorBoard's event writer talks to GCS itself, but re-uploads whole files and retries for minutes)."""
+
+  def __init__(self, remote: str, sync_s: float = MIRROR_SYNC_S):
+    self.remote, self._sync_s, self._synced = remote, sync_s, time.monotonic()
+    self.local = tempfile.mkdtemp(prefix="maxtext-mirror-")
+    self._sizes: dict[str, int] = {}
+
+  def sync(self, force: bool = False) -> None:
+    if not force and time.monotonic() - self._synced < self._sync_s:
+      return
+    changed = []
+    for name in sorted(os.listdir(self.local)):
+      size = os.path.getsize(os.path.join(self.local, name))
+      if self._sizes.get(name) != size:
+        changed.append(os.path.join(self.local, name))
+        self._sizes[name] = size
+    publish(changed, self.remote)
+    self._synced = time.monotonic()
+
+  def close(self) -> None:
+    self.sync(force=True)
+    shutil.rmtree(self.local, ignore_errors=True)

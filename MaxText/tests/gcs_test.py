@@ -1,0 +1,187 @@
+"""gs:// end to end against a local GCS emulator (MaxText/tests/gcs_emulator.py): outputs, checkpoints and
+exact resume, decode from a bucket, text data and tokenizers in a bucket, and the one-line errors for a
+missing bucket. Every client (gcsfs through epath, tensorstore through orbax, google-cloud-storage through
+TensorBoard's writer) reaches the emulator through the environment variables of gcs_env."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from MaxText import config as config_lib
+from MaxText import launch, paths, train
+from MaxText.tests.conftest import BASE, DOCS, ROOT, TINY, free_port, run_processes
+from MaxText.tests.gcs_emulator import gcs_env
+
+pytest.importorskip("gcp_storage_emulator", reason="TEST=1 bash setup.sh installs it (requirements-test.txt)")
+pytest.importorskip("gcsfs", reason="pip install -r requirements.txt")
+
+BUCKET = "maxtext-test"
+
+
+@pytest.fixture(scope="module")
+def gcs():
+  """The emulator on a free port with BUCKET, its environment set in this process; yields that environment."""
+  port = free_port()
+  proc = subprocess.Popen(
+    [sys.executable, os.path.join(ROOT, "MaxText", "tests", "gcs_emulator.py"), str(port), BUCKET],
+    stdout=subprocess.PIPE,
+    stderr=subprocess.DEVNULL,
+    text=True,
+  )
+  try:
+    assert proc.stdout.readline().strip() == "ready", "the GCS emulator did not start"
+    env = gcs_env(port)
+    with pytest.MonkeyPatch.context() as mp:
+      for key, value in env.items():
+        mp.setenv(key, value)
+      yield env
+  finally:
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture
+def bucket(gcs):
+  """A fresh gs:// prefix of the emulator's bucket for one test."""
+  return f"gs://{BUCKET}/{uuid.uuid4().hex[:8]}"
+
+
+def gcfg(base, name, *overrides):
+  return config_lib.load([BASE, f"run_name={name}", f"base_output_directory={base}", *TINY, *overrides], {})
+
+
+def remote_losses(c):
+  return [json.loads(line)["loss"] for line in paths.Path(c.metrics_file).read_text().splitlines()]
+
+
+def test_path_helpers_keep_the_scheme(tmp_path):
+  assert paths.absolute("gs://b/run") == "gs://b/run"
+  assert paths.absolute("rel") == os.path.join(os.getcwd(), "rel")
+  assert paths.join("gs://b/run", "checkpoints", "3") == "gs://b/run/checkpoints/3"
+  assert paths.dirname("gs://b/run/metrics.jsonl") == "gs://b/run"
+  assert paths.is_remote("gs://b") and not paths.is_remote(str(tmp_path)) and not paths.is_remote("")
+
+
+def test_append_file_on_a_bucket_appends_across_opens(bucket):
+  path = f"{bucket}/m/metrics.jsonl"
+  for line in ("a\n", "b\n"):
+    f = paths.AppendFile(path)
+    f.write(line)
+    f.close()
+  assert paths.Path(path).read_text() == "a\nb\n"
+  assert paths.local_copy(path).startswith(paths.local_dir_for(f"{bucket}/m"))
+
+
+def test_missing_bucket_is_one_line_within_seconds(gcs, tmp_path):
+  c = gcfg("gs://no-such-bucket-maxtext/out", "r")
+  start = time.monotonic()
+  with pytest.raises(paths.StorageError, match=r"base_output_directory='gs://no-such-bucket-maxtext/out/r'.*does not"):
+    launch.check_outputs(c)
+  assert time.monotonic() - start < 10
+  with pytest.raises(paths.StorageError, match="no answer from storage within 0.01 s"):
+    paths.with_timeout(lambda: time.sleep(1), "x", timeout_s=0.01)
+
+
+def test_missing_bucket_exits_with_one_line(gcs):
+  argv = [sys.executable, "MaxText/train.py", BASE, "run_name=r", "base_output_directory=gs://no-such-bucket/x", *TINY]
+  env = {**os.environ, **gcs, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+  result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+  assert result.returncode == 1
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("Storage error: base_output_directory='gs://no-such-bucket/x/r'")
+  assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_train_resume_and_load_on_a_bucket_are_exact(bucket):
+  """Checkpoints, metrics, config and TensorBoard land in the bucket with the local layout; a resumed run
+  is bit-exact with an uninterrupted one; load_parameters_path reads a gs:// checkpoint."""
+  common = ["per_device_batch_size=1", "enable_checkpointing=true", "checkpoint_period=3", "async_checkpointing=false"]
+  common += ["learning_rate_schedule_steps=6", "enable_tensorboard=true"]
+  full = gcfg(bucket, "full", "steps=6", *common)
+  train.run(full)
+  train.run(gcfg(bucket, "split", "steps=3", *common))
+  split = gcfg(bucket, "split", "steps=6", *common)
+  assert train.run(split)["steps_run"] == 3
+  assert remote_losses(split) == remote_losses(full)
+  assert paths.listdir(split.checkpoint_dir) == ["3", "6"]
+  assert {"config.yml", "metrics.jsonl", "checkpoints", "tensorboard"} <= set(paths.listdir(split.run_dir))
+  assert len(paths.listdir(split.tensorboard_dir)) == 2  # one events file per run, as locally
+  state = train.checkpoint_path(split, 6)
+  assert state == f"{bucket}/split/checkpoints/6/state"
+  params = gcfg(bucket, "params", "steps=1", f"load_parameters_path={state}", "per_device_batch_size=1")
+  train.run(params)
+  assert remote_losses(params)[0] < remote_losses(full)[0]
+  resumed = gcfg(bucket, "fullstate", "steps=7", f"load_full_state_path={state}", "per_device_batch_size=1")
+  assert train.run(resumed)["steps_run"] == 1  # continues at step 6
+  from MaxText import decode
+
+  generated = decode.run(gcfg(bucket, "dec", f"load_parameters_path={state}", "per_device_batch_size=1"), rows=1)
+  assert generated is not None
+
+
+def test_text_data_tokenizer_and_cache_in_a_bucket(bucket):
+  """dataset_path is a gs:// glob; the trained tokenizer and token cache are published to the run directory
+  in the bucket, and a second run (with an empty local cache) reuses them; tokenizer_path takes gs://."""
+  from MaxText import data as data_lib
+  from MaxText import sharding
+
+  for i, doc in enumerate(DOCS):
+    paths.Path(f"{bucket}/docs/{i:02d}.txt").write_text(doc)
+  text = ["dataset_type=text", f"dataset_path={bucket}/docs/*.txt", "vocab_size=512", "eval_interval=-1"]
+  c = gcfg(bucket, "t", *text)
+  mesh = sharding.create_mesh(c)
+  first = data_lib.make_iterators(c, mesh)
+  tok_dir = paths.listdir(c.tokenizer_dir)
+  assert "tokenizer.model" in tok_dir and any(n.endswith(".offsets.npy") for n in tok_dir)
+  batch = next(first.train)
+  import shutil
+
+  shutil.rmtree(paths.local_dir_for(c.tokenizer_dir))  # another host: nothing local, all from the bucket
+  again = data_lib.make_iterators(c, mesh)
+  assert (next(again.train)["inputs"] == batch["inputs"]).all()
+  by_path = gcfg(bucket, "u", *text, f"tokenizer_path={c.tokenizer_dir}/tokenizer.model")
+  assert data_lib.make_iterators(by_path, mesh).tokenizer.vocab_size == first.tokenizer.vocab_size
+
+
+@pytest.mark.slow
+def test_two_processes_without_a_shared_disk_share_the_tokenizer_through_the_bucket(bucket, tmp_path):
+  """Each process has its own temporary directory (its local caches); process 0 trains the tokenizer and
+  tokenizes the corpus, process 1 waits for both in the bucket; a rerun resumes from the gs:// checkpoint."""
+  for i, doc in enumerate(DOCS):
+    paths.Path(f"{bucket}/docs/{i:02d}.txt").write_text(doc)
+  command = [sys.executable, "MaxText/train.py", BASE, "run_name=mh", f"base_output_directory={bucket}", *TINY]
+  command += ["dataset_type=text", f"dataset_path={bucket}/docs/*.txt", "vocab_size=512", "eval_interval=-1"]
+  command += ["enable_checkpointing=true", "async_checkpointing=false", "per_device_batch_size=1"]
+
+  def rank_env(rank):
+    os.makedirs(tmp_path / f"tmp{rank}", exist_ok=True)
+    return {"TMPDIR": str(tmp_path / f"tmp{rank}")}
+
+  for steps in (2, 3):
+    results = run_processes([*command, f"steps={steps}"], ROOT, tmp_path, f"mh{steps}", 2, 2, 300, rank_env)
+    for code, out in results:
+      assert code == 0, out[-3000:]
+  assert paths.listdir(f"{bucket}/mh/checkpoints") == ["2", "3"]
+  assert len(paths.Path(f"{bucket}/mh/metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_hf_to_maxtext_reads_and_writes_a_bucket(bucket, tmp_path):
+  """--hf_path and --output on gs://: the converted params load from the bucket as load_parameters_path."""
+  from benchmarks import convert_benchmark
+  from MaxText import checkpointing
+  from MaxText.convert import hf_to_maxtext
+
+  local = str(tmp_path / "hf")
+  convert_benchmark.write_llama(local, layers=2, emb=64, mlp=128, vocab=256, heads=4)
+  for name in os.listdir(local):
+    paths.Path(f"{bucket}/hf/{name}").write_bytes((tmp_path / "hf" / name).read_bytes())
+  params = hf_to_maxtext.convert(f"{bucket}/hf", f"{bucket}/converted")
+  assert params == f"{bucket}/converted/params"
+  assert "config.yml" in paths.listdir(f"{bucket}/converted")
+  assert "params" in checkpointing.saved_tree(params)

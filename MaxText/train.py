@@ -47,7 +47,7 @@ class NonFiniteLossError(RuntimeError):
 
   def __init__(self, message: str, loss_step: int | None = None):
     super().__init__(message)
-    self.loss_step = loss_step  # the step whose loss (a function of the state before it) is not finite
+    self.loss_step = loss_step  # the checkpoint (steps completed) whose state gives the non-finite loss
 
 
 def check_hardware(config: Config) -> None:
@@ -213,7 +213,8 @@ def check_finite(config: Config, step: int, scalars: dict[str, float]) -> None:
     f"{what} at step {step} (grad norm {scalars.get('grad_norm')}); that update was not applied or saved. "
     "Lower learning_rate (or raise warmup_steps_fraction, set gradient_clipping_threshold, use dtype=float32) "
     "and rerun with the same run_name.",
-    loss_step=None if loss_finite else step,
+    # `step` counts completed steps; its loss comes from the state after step - 1 updates: that checkpoint.
+    loss_step=None if loss_finite else step - 1,
   )
 
 
@@ -385,8 +386,13 @@ def main(argv: Sequence[str]) -> None:
     except preemption.Stopped as stopped:
       print(stopped.line(), file=sys.stderr, flush=True)
       sys.exit(preemption.EXIT_STOPPED)
-    except (NonFiniteLossError, checkpointing.CheckpointError) as e:  # the message says what to do
+    except NonFiniteLossError as e:  # the message says what to do
       sys.exit(f"{type(e).__name__}: {e}")
+    except checkpointing.CheckpointError as e:
+      # The save failed (e.g. disk full) and the manager is finished; exit without the interpreter's teardown,
+      # where orbax's background threads print "Event loop is closed" tracebacks under the one line.
+      print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+      os._exit(1)
 
 
 if __name__ == "__main__":

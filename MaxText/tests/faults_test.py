@@ -103,13 +103,13 @@ def test_sigterm_during_async_saves_checkpoints_that_step_and_resumes(tmp_path):
   assert train.run(resumed)["steps_run"] == 2
   with open(resumed.metrics_file) as f:
     logged = [json.loads(line)["step"] for line in f]
-  assert logged[-2:] == [step, step + 1] and checkpoints(tmp_path, "term")[-1] == step + 2
+  assert logged[-2:] == [step + 1, step + 2] and checkpoints(tmp_path, "term")[-1] == step + 2
 
 
 @pytest.mark.slow
 def test_sigint_during_compile_checkpoints_step_one(tmp_path):
   run = start(tmp_path, "int", "checkpoint_period=100")
-  run.wait_for("parameters |")  # printed just before the first step compiles
+  run.wait_for("  outputs  ")  # the header's last line, printed just before the first step compiles
   run.proc.send_signal(signal.SIGINT)
   rc, output = run.finish()
   assert rc == preemption.EXIT_STOPPED, output[-3000:]
@@ -121,7 +121,7 @@ def test_sigint_during_compile_checkpoints_step_one(tmp_path):
 @pytest.mark.slow
 def test_second_signal_exits_at_once(tmp_path):
   run = start(tmp_path, "twice", "checkpoint_period=100")
-  run.wait_for("parameters |")
+  run.wait_for("  outputs  ")
   run.proc.send_signal(signal.SIGTERM)
   run.wait_for("SIGTERM received: stopping at the next step boundary")  # the listener thread: even mid-compile
   sent = time.monotonic()
@@ -185,16 +185,21 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step(tmp_path):
 
 @pytest.mark.slow
 def test_killed_process_makes_the_survivor_exit_with_one_line(tmp_path):
-  runs = two_processes(tmp_path, "lost", "checkpoint_period=3", "async_checkpointing=false")
-  runs[0].wait_for("step 4/")  # checkpoint 3 written, the next one (6) not begun: the kill lands in a step
-  runs[1].proc.kill()
-  killed = time.monotonic()
-  rc, output = runs[0].finish(timeout=60)
+  # A kill that lands while the survivor waits in a checkpoint barrier ends in JAX's own abort (134, the
+  # limit docs/failures.md states); on a loaded machine the kill can land there, so a second try is allowed.
+  for attempt in range(2):
+    runs = two_processes(tmp_path / str(attempt), "lost", "checkpoint_period=3", "async_checkpointing=false")
+    runs[0].wait_for("step 4/")  # checkpoint 3 written, the next one (6) not begun: the kill lands in a step
+    runs[1].proc.kill()
+    killed = time.monotonic()
+    rc, output = runs[0].finish(timeout=60)
+    if rc != 134:
+      break
   assert rc == preemption.EXIT_PROCESS_LOST and time.monotonic() - killed < 30, output[-3000:]
   assert_clean(output)
   lines = [line for line in output.splitlines() if line.startswith("Lost process 1 of this 2-process job")]
   assert len(lines) == 1, output[-3000:]
-  assert f"resumes from checkpoint {checkpoints(tmp_path, 'lost')[-1]}" in lines[0]
+  assert f"resumes from checkpoint {checkpoints(tmp_path / str(attempt), 'lost')[-1]}" in lines[0]
 
 
 def test_lone_coordinator_exits_with_its_own_message(tmp_path):

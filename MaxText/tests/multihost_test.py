@@ -36,7 +36,7 @@ def test_two_processes_match_one_and_their_checkpoint_restores(tmp_path):
   results = launch(tmp_path, "two", 2, 4, *COMMON, "dcn_data_parallelism=2", "ici_fsdp_parallelism=4")
   for rc, log in results:
     assert rc == 0, log[-3000:]
-  assert "'data': 2" in results[0][1] and "'fsdp': 4" in results[0][1]  # a 2-slice hybrid mesh
+  assert "mesh     data 2 x fsdp 4 (8 cpu devices)" in results[0][1]  # a 2-slice hybrid mesh
   two = [r["loss"] for r in records(os.path.join(tmp_path, "two", "metrics.jsonl"))]
   assert len(two) == 10  # one writer: process 1 wrote nothing
 

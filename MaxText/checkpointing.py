@@ -17,6 +17,7 @@ import errno
 import json
 import logging
 import shutil
+import sys
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -62,10 +63,26 @@ class _NoSpaceTracebacks(logging.Filter):
 _NO_SPACE_FILTER = _NoSpaceTracebacks()
 
 
+def _quiet_closed_loop_errors(hook=sys.unraisablehook):
+  """sys.unraisablehook without asyncio's "Event loop is closed" RuntimeError. When a background save
+  fails (disk full), tensorstore completes the other writes' futures after orbax closed their event loop
+  and reports each as unraisable (a bare traceback); CheckpointError has already said what happened."""
+
+  def quiet(unraisable):
+    value = unraisable.exc_value
+    if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
+      hook(unraisable)
+
+  quiet.quiets_closed_loops = True
+  return quiet
+
+
 def create_manager(config: Config) -> ocp.CheckpointManager | None:
   if not config.enable_checkpointing:
     return None
   logging.getLogger("absl").addFilter(_NO_SPACE_FILTER)  # orbax logs through absl; adding twice is a no-op
+  if not getattr(sys.unraisablehook, "quiets_closed_loops", False):
+    sys.unraisablehook = _quiet_closed_loop_errors()
   options = ocp.CheckpointManagerOptions(
     save_interval_steps=1,  # the train loop decides which steps are due (checkpoint_period, last step)
     max_to_keep=None if config.max_num_checkpoints_to_keep == -1 else config.max_num_checkpoints_to_keep,

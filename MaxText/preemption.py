@@ -32,7 +32,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 EXIT_STOPPED = 75
@@ -190,11 +189,10 @@ class Watch:
 
 def latest_checkpoint(checkpoint_dir: str) -> int | None:
   """The newest complete step under checkpoint_dir (orbax renames a step's directory when complete)."""
-  path = epath.Path(checkpoint_dir)
-  if not path.exists():
-    return None
-  steps = [int(p.name) for p in path.iterdir() if re.fullmatch(r"\d+", p.name)]
-  return max(steps, default=None)
+  from MaxText import checkpointing  # here, not at the top: launch imports this module before any orbax is needed
+
+  steps = checkpointing.committed_steps(checkpoint_dir)
+  return steps[-1] if steps else None
 
 
 def lost_processes_message(error: BaseException, checkpoint_dir: str | None) -> str:

@@ -315,8 +315,9 @@ def train_loop(config: Config, parts: LoopParts) -> dict[str, Any]:
   data, manager = parts.data, parts.manager
   is_writer = jax.process_index() == 0
   print_header(config, parts, start)
-  if is_writer and pipeline.describe(config):
-    print(pipeline.describe(config), flush=True)
+  pipelining = pipeline.describe(config)
+  if is_writer and pipelining:
+    print(pipelining, flush=True)
   eval_fn = None
   if data.eval_factory and config.eval_interval > 0:
     eval_fn = steps.jit_eval_step(config, parts.mesh, parts.spec)

@@ -244,8 +244,9 @@ def main(argv: Sequence[str]) -> None:
   except OutOfMemoryError as e:
     sys.exit(f"Out of memory: {e}")
   print(format_report(report), flush=True)
-  if pipeline.describe(config):
-    print(pipeline.describe(config), flush=True)
+  pipelining = pipeline.describe(config)
+  if pipelining:
+    print(pipelining, flush=True)
   try:
     note = check_fits(config, report, devices[0].platform)
   except OutOfMemoryError as e:

@@ -24,6 +24,7 @@ CHOICES = {
   "dtype": ("bfloat16", "float32", "float16"),
   "weight_dtype": ("float32", "bfloat16"),
   "attention": ("autoselected", "dot_product", "flash", "cudnn_flash_te"),
+  "capacity_group": ("global", "sequence", "shard"),
   "remat_policy": (
     "full",
     "minimal",
@@ -544,6 +545,9 @@ def _validate(c: dict[str, Any]) -> None:
   if c["max_num_checkpoints_to_keep"] == 0 or c["max_num_checkpoints_to_keep"] < -1:
     raise ConfigError("max_num_checkpoints_to_keep must be -1 (keep all) or a positive number")
   positive("compile_topology_num_slices", "jax_distributed_initialization_timeout", "jax_distributed_heartbeat_timeout")
+  positive("skip_step_interval", "skip_step_scaling_factor")
+  if c["async_checkpoint_max_lag_steps"] < 0:
+    raise ConfigError(f"async_checkpoint_max_lag_steps must be >= 0, got {c['async_checkpoint_max_lag_steps']}")
   tiles = c["num_vocab_tiling"]
   if tiles == 0 or tiles < -1 or (tiles > 0 and c["max_target_length"] % tiles):
     raise ConfigError(

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from MaxText.config import Config, ConfigError
+from MaxText.config import Config
 from MaxText.layers import moe_dispatch
 from MaxText.layers.attention import target_platform
 from MaxText.layers.axes import ACTIVATION_AXES, EXPERT_EMBED_AXES, EXPERT_MLP_AXES, MLP_AXES, axes_size, mesh_axes
@@ -108,8 +108,6 @@ class MoeBlock(nnx.Module):
       self.shared_experts = MlpBlock(config, rngs=rngs, mlp_dim=f * config.shared_experts)
     self.config, self.num_experts, self.k, self.dtype = config, e, config.num_experts_per_tok, dt
     self.capacity_factor = config.capacity_factor
-    if config.capacity_group not in CAPACITY_GROUPS:
-      raise ConfigError(f"capacity_group={config.capacity_group!r} is not one of {', '.join(CAPACITY_GROUPS)}")
     self.activation = ACTIVATIONS[config.mlp_activations[0]]
 
   def __call__(self, x: jax.Array) -> jax.Array:

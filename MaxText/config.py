@@ -382,6 +382,24 @@ def _validate_tokenizer_path(c: dict[str, Any]) -> None:
   )
 
 
+def _validate_sft(c: dict[str, Any]) -> None:
+  """use_sft reads chat examples from text files or a Hugging Face dataset, through a Hugging Face tokenizer."""
+  if not c["use_sft"]:
+    return
+  if c["dataset_type"] not in ("text", "hf") or (c["dataset_type"] == "text" and not c["dataset_path"]):
+    raise ConfigError(
+      "use_sft=true reads dataset_type=text with dataset_path (a glob of .jsonl/.parquet files) or dataset_type=hf; "
+      f"got dataset_type={c['dataset_type']} dataset_path={c['dataset_path']!r}"
+    )
+  if c["tokenizer_type"] != "huggingface" or not c["tokenizer_path"]:
+    raise ConfigError(
+      "use_sft=true needs tokenizer_type=huggingface and tokenizer_path (a tokenizer.json; its chat template "
+      "comes from tokenizer_config.json beside it); a converted checkpoint's config.yml sets both"
+    )
+  if c["sft_chat_template"] and not os.path.isfile(os.path.expanduser(c["sft_chat_template"])):
+    raise ConfigError(f"sft_chat_template={c['sft_chat_template']!r} does not exist; give a Jinja2 template file")
+
+
 def _validate_optimizer(c: dict[str, Any]) -> None:
   """Optimizer values that would train silently wrong (a negative step, a division by ~0)."""
   if c["learning_rate"] < 0:
@@ -528,6 +546,7 @@ def _validate(c: dict[str, Any]) -> None:
     if c[key] and not c[key].startswith("gs://") and not os.path.exists(c[key]):
       raise ConfigError(f"{key}={c[key]!r} does not exist")
   _validate_tokenizer_path(c)
+  _validate_sft(c)
   if c["eval_interval"] > 0 and c["eval_steps"] <= 0 and c["eval_steps"] != -1:
     raise ConfigError(f"eval_steps must be > 0 (or -1: one epoch) when eval_interval is set, got {c['eval_steps']}")
   if c["eval_steps"] == -1 and c["dataset_type"] == "synthetic":

@@ -48,6 +48,8 @@ def to_maxtext(tensor: np.ndarray, shape: tuple[int, ...], rule: hf_mapping.Rule
 
 # config.json fields without which the architecture is unknown (a missing one would silently take base.yml's
 # default); gpt2's own names are checked by its mapping.
+# Copied next to OUTPUT/config.yml when present: what tokenizer_type=huggingface and use_sft read.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
 
 
@@ -104,7 +106,9 @@ def load_config(hf_path: str, output: str, scan_layers: bool, final: str = "") -
     raise ConfigError(f"--output {output!r} cannot be created: {e.strerror}; choose a writable directory") from None
   if os.path.exists(os.path.join(hf_path, "tokenizer.json")):  # decode.py then needs no tokenizer flags
     tokenizer = paths.join(paths.absolute(final or output), "tokenizer.json")
-    shutil.copyfile(os.path.join(hf_path, "tokenizer.json"), os.path.join(output, "tokenizer.json"))
+    for name in TOKENIZER_FILES:  # the config beside tokenizer.json names BOS/EOS and holds the chat template
+      if os.path.exists(os.path.join(hf_path, name)):
+        shutil.copyfile(os.path.join(hf_path, name), os.path.join(output, name))
     keys = {**keys, "tokenizer_type": "huggingface", "tokenizer_path": tokenizer}
   with open(cfg_path, "w") as f:
     f.write("# Converted from a Hugging Face checkpoint by MaxText.convert.hf_to_maxtext.\n")

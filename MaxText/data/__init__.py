@@ -10,7 +10,7 @@ from __future__ import annotations
 from jax.sharding import Mesh
 
 from MaxText.config import Config
-from MaxText.data import grain_data, hf_data, synthetic, text, tfds_data
+from MaxText.data import grain_data, hf_data, sft, synthetic, text, tfds_data
 from MaxText.data.batches import FIELDS, BatchIterator, BatchSource, Iterators
 from MaxText.data.errors import DataError
 from MaxText.data.tokenizer import Tokenizer
@@ -31,4 +31,6 @@ def make_iterators(config: Config, mesh: Mesh) -> Iterators:
   """Train iterator (endless), eval factory (fresh iterator per call; None without eval data), tokenizer."""
   if config.dataset_type not in BACKENDS:
     raise DataError(f"dataset_type={config.dataset_type!r} is not one of {', '.join(sorted(BACKENDS))}")
+  if config.use_sft:  # chat/instruction examples, loss on the completion (data/sft.py reads text or hf sources)
+    return sft.make_iterators(config, mesh)
   return BACKENDS[config.dataset_type](config, mesh)

@@ -24,8 +24,9 @@ FIELDS = ("inputs", "targets", "inputs_segmentation", "targets_segmentation", "i
 class RowSource(Protocol):
   """Rows of one data stream, addressed by global row number."""
 
-  def rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens, segmentation, positions), each int32 [len(indices), length]; segment 0 is padding."""
+  def rows(self, indices: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(tokens, segmentation, positions[, loss_mask]), each int32 [len(indices), length]; segment 0 is
+    padding; the optional loss_mask (supervised fine-tuning) is 0 for tokens that are never targets."""
     ...
 
   def state(self, next_row: int) -> dict[str, Any]:
@@ -37,22 +38,30 @@ class RowSource(Protocol):
     ...
 
 
-def complete_rows(tokens: np.ndarray, segmentation: np.ndarray, positions: np.ndarray) -> dict[str, np.ndarray]:
+def complete_rows(
+  tokens: np.ndarray, segmentation: np.ndarray, positions: np.ndarray, loss_mask: np.ndarray | None = None
+) -> dict[str, np.ndarray]:
   """The batch dict of [rows, length] int32 arrays from token rows and their segment ids.
 
   targets[b, i] = tokens[b, i + 1] when position i + 1 belongs to the same segment; otherwise (the last
   token of a document piece, of the row, or padding) the target is 0 and targets_segmentation is 0.
+  `loss_mask` (supervised fine-tuning): [rows, length], nonzero for the tokens worth predicting; a target
+  token outside it (a prompt token) keeps its target but gets targets_segmentation 0, hence no loss, while
+  inputs_segmentation still lets the completion attend to it.
   """
   tokens, segmentation = tokens.astype(np.int32), segmentation.astype(np.int32)
   same = np.zeros(tokens.shape, dtype=bool)
   same[:, :-1] = (segmentation[:, 1:] == segmentation[:, :-1]) & (segmentation[:, :-1] != 0)
   targets = np.zeros_like(tokens)
   targets[:, :-1] = tokens[:, 1:]
+  weighted = same.copy()
+  if loss_mask is not None:
+    weighted[:, :-1] &= loss_mask[:, 1:] != 0
   return {
     "inputs": tokens,
     "targets": np.where(same, targets, 0),
     "inputs_segmentation": segmentation,
-    "targets_segmentation": np.where(same, segmentation, 0),
+    "targets_segmentation": np.where(weighted, segmentation, 0),
     "inputs_position": positions.astype(np.int32),
   }
 
@@ -75,6 +84,7 @@ class Rows(NamedTuple):
   tokens: np.ndarray
   segmentation: np.ndarray
   positions: np.ndarray
+  loss_mask: np.ndarray | None = None  # see complete_rows; None: every non-padding target carries loss
 
 
 def assemble_batch(
@@ -88,10 +98,10 @@ def assemble_batch(
   """
   length = global_shape[1]
   if rows is None:
-    rows = Rows(*(np.zeros((0, length), np.int32) for _ in Rows._fields))
+    rows = Rows(*(np.zeros((0, length), np.int32) for _ in range(3)))
   missing = local_rows - len(rows.tokens)
   if missing:
-    rows = Rows(*(np.concatenate([x, np.zeros((missing, length), x.dtype)]) for x in rows))
+    rows = Rows(*(x if x is None else np.concatenate([x, np.zeros((missing, length), x.dtype)]) for x in rows))
   local = complete_rows(*rows)
   return {k: jax.make_array_from_process_local_data(sharding, local[k], global_shape) for k in FIELDS}
 

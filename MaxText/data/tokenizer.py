@@ -277,6 +277,15 @@ class HuggingFaceTokenizer(Tokenizer):
   def decode(self, ids: Iterable[int] | np.ndarray) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
+  def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """encode(text) and each token's (start, end) character span in `text` (chat.py masks by span)."""
+    encoding = self._tok.encode(text, add_special_tokens=False)
+    return encoding.ids, encoding.offsets
+
+  def token_text(self, token_id: int) -> str:
+    """The vocabulary entry of `token_id` ("" for -1): how a chat template writes a special token."""
+    return (self._tok.id_to_token(token_id) or "") if token_id >= 0 else ""
+
 
 def _hf_special_names(directory: str) -> dict[str, str]:
   """bos_token/eos_token/pad_token from tokenizer_config.json (strings or {"content": ...}), if present."""

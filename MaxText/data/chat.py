@@ -1,0 +1,274 @@
+"""Chat and instruction examples -> token ids with a loss mask, for supervised fine-tuning (use_sft=true).
+
+A record (a .jsonl line, a .parquet or Hugging Face dataset row) holds a conversation: a `sft_messages_column`
+list of {"role", "content"} messages, or `sft_prompt_column` + `sft_completion_column` (strings: one user and
+one assistant turn; or lists of messages). It is rendered with a chat template the way Hugging Face
+transformers renders it (Jinja2, sandboxed, trim_blocks and lstrip_blocks, the tokenizer's special tokens as
+variables), tokenized once, and each token is marked as completion (it carries loss) or prompt (no loss).
+
+The completion is every assistant turn (with prompt/completion columns: the assistant turns of the
+completion only). Its character spans come from the template's `{% generation %}` markers when it has them;
+otherwise, for assistant message i, span = what rendering messages[:i + 1] adds to rendering messages[:i]
+with the generation prompt, so it holds the reply and the template's end-of-turn token but not the header.
+That needs a template that renders a conversation's prefixes as prefixes of the whole; one that does not
+(e.g. one that rewrites earlier turns) is refused with a DataError: give sft_chat_template instead.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from MaxText.data.errors import DataError
+
+ROLES = ("system", "user", "assistant", "tool")
+# Used when the tokenizer has no chat template and sft_chat_template is empty (documented in docs/sft.md):
+#   <bos>User: question\nAssistant: answer<eos>\nUser: ...
+DEFAULT_TEMPLATE = (
+  "{{ bos_token }}{% for m in messages %}{% if not loop.first %}{{ '\\n' }}{% endif %}"
+  "{% if m['role'] == 'assistant' %}{{ 'Assistant: ' + m['content'] + eos_token }}"
+  "{% else %}{{ m['role'] | capitalize + ': ' + m['content'] }}{% endif %}{% endfor %}"
+  "{% if add_generation_prompt %}{% if messages %}{{ '\\n' }}{% endif %}{{ 'Assistant: ' }}{% endif %}"
+)
+# Wrapped around the output of a {% generation %} block while rendering, then removed: private-use characters
+# that no real text holds.
+GEN_START, GEN_END = "\ue000", "\ue001"
+
+
+class Conversation(NamedTuple):
+  messages: list[dict[str, Any]]  # each with a str "role" (one of ROLES) and a str "content"
+  first_trained: int  # assistant messages from this index on are the completion
+
+
+class Example(NamedTuple):
+  tokens: np.ndarray  # int32 [n]: the rendered conversation's token ids
+  loss_mask: np.ndarray  # uint8 [n]: 1 for the tokens of the completion (they carry loss), 0 for the prompt
+
+
+def _generation_extension():
+  """A Jinja2 extension for transformers' `{% generation %}...{% endgeneration %}`: marks what it renders."""
+  import jinja2.ext
+  import jinja2.nodes
+
+  class Generation(jinja2.ext.Extension):
+    tags = {"generation"}
+
+    def parse(self, parser):
+      lineno = next(parser.stream).lineno
+      body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+      return jinja2.nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+    def _mark(self, caller):
+      return GEN_START + caller() + GEN_END
+
+  return Generation
+
+
+def _raise_exception(message: str) -> None:
+  raise DataError(f"The chat template refused the conversation: {message}")
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False):
+  return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class ChatTemplate:
+  """A compiled chat template and the special tokens it may name (bos_token, eos_token, ...)."""
+
+  def __init__(self, source: str, special_tokens: dict[str, Any], where: str):
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(
+      trim_blocks=True, lstrip_blocks=True, extensions=[_generation_extension(), jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    try:
+      self._template = env.from_string(source)
+    except jinja2.TemplateError as e:
+      raise DataError(
+        f"The chat template of {where} is not valid Jinja2: {e}; fix it or set sft_chat_template"
+      ) from None
+    self.source, self.where, self.special_tokens = source, where, dict(special_tokens)
+    self.has_generation_markers = "{% generation %}" in source or "{%- generation %}" in source
+
+  def render_marked(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+    """The template's text, with GEN_START/GEN_END around `{% generation %}` output."""
+    import jinja2
+
+    try:
+      return self._template.render(
+        messages=list(messages), add_generation_prompt=add_generation_prompt, **self.special_tokens
+      )
+    except jinja2.TemplateError as e:
+      raise DataError(f"The chat template of {self.where} failed: {type(e).__name__}: {e}") from None
+
+  def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+    """The conversation as text (what transformers' apply_chat_template(tokenize=False) returns)."""
+    return self.render_marked(messages, add_generation_prompt).replace(GEN_START, "").replace(GEN_END, "")
+
+
+def _read_json(path: str) -> dict[str, Any]:
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except (OSError, ValueError) as e:
+    raise DataError(f"Cannot read {path!r}: {e}") from None
+
+
+def load_template(tok: Any, override: str = "") -> ChatTemplate:
+  """The chat template of a Hugging Face tokenizer `tok`: the file `override` (sft_chat_template) if set, else
+  tokenizer_config.json's `chat_template` or chat_template.jinja next to tok.path, else DEFAULT_TEMPLATE.
+  Special-token variables come from tokenizer_config.json, with bos_token/eos_token filled in from `tok`."""
+  directory = os.path.dirname(tok.path)
+  cfg_path = os.path.join(directory, "tokenizer_config.json")
+  cfg = _read_json(cfg_path) if os.path.isfile(cfg_path) else {}
+  specials = {}
+  for key, value in cfg.items():
+    if key.endswith("_token") and isinstance(value, (str, dict)):
+      specials[key] = value.get("content", "") if isinstance(value, dict) else value
+  for key, token_id in (("bos_token", tok.bos_id), ("eos_token", tok.eos_id)):
+    specials[key] = specials.get(key) or tok.token_text(token_id)
+  source, where = cfg.get("chat_template"), cfg_path
+  if isinstance(source, list):  # several named templates: the default one
+    source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+  jinja_path = os.path.join(directory, "chat_template.jinja")
+  if override:
+    source, where = _read_text(override, "sft_chat_template"), override
+  elif not source and os.path.isfile(jinja_path):
+    source, where = _read_text(jinja_path, "chat_template.jinja"), jinja_path
+  elif not source:
+    source, where = DEFAULT_TEMPLATE, "the default template (docs/sft.md)"
+  return ChatTemplate(source, specials, where)
+
+
+def _read_text(path: str, what: str) -> str:
+  try:
+    with open(os.path.expanduser(path), encoding="utf-8") as f:
+      return f.read()
+  except OSError as e:
+    raise DataError(f"Cannot read the chat template {what}={path!r}: {e.strerror}") from None
+
+
+class Columns(NamedTuple):
+  messages: str  # sft_messages_column
+  prompt: str  # sft_prompt_column
+  completion: str  # sft_completion_column
+
+
+def conversation(record: Any, columns: Columns, where: str) -> Conversation:
+  """The Conversation of one record (a dict); DataError naming `where` when its columns, roles or contents are
+  not usable or it has no assistant turn to train on."""
+  if not isinstance(record, dict):
+    raise DataError(f"{where} is a {type(record).__name__}, not an object with a {columns.messages!r} field")
+  if record.get(columns.messages) is not None:
+    messages, first = _messages(record[columns.messages], columns.messages, where), 0
+  elif record.get(columns.prompt) is not None and record.get(columns.completion) is not None:
+    prompt = _turns(record[columns.prompt], "user", columns.prompt, where)
+    messages, first = prompt + _turns(record[columns.completion], "assistant", columns.completion, where), len(prompt)
+  else:
+    raise DataError(
+      f"{where} has neither a {columns.messages!r} column nor {columns.prompt!r} and {columns.completion!r} columns "
+      f"(it has {', '.join(map(repr, record)) or 'none'}); set sft_messages_column or sft_prompt_column and "
+      "sft_completion_column"
+    )
+  if not any(m["role"] == "assistant" for m in messages[first:]):
+    raise DataError(f"{where} has no assistant turn to train on; every example needs an assistant reply")
+  return Conversation(messages, first)
+
+
+def _turns(value: Any, role: str, column: str, where: str) -> list[dict[str, Any]]:
+  """A prompt/completion column: a string (one `role` message) or a list of messages."""
+  return [{"role": role, "content": value}] if isinstance(value, str) else _messages(value, column, where)
+
+
+def _messages(value: Any, column: str, where: str) -> list[dict[str, Any]]:
+  if isinstance(value, str):  # a JSON-encoded list, as some exports store it
+    try:
+      value = json.loads(value)
+    except json.JSONDecodeError:
+      pass
+  if not isinstance(value, (list, tuple)) or not value:
+    raise DataError(f"{where}: {column!r} must be a non-empty list of {{'role', 'content'}} messages")
+  out = []
+  for i, m in enumerate(value):
+    if not isinstance(m, dict) or m.get("role") not in ROLES:
+      got = m.get("role") if isinstance(m, dict) else type(m).__name__
+      raise DataError(f"{where}: {column!r} message {i} has role {got!r}; roles are {', '.join(ROLES)}")
+    content = "" if m.get("content") is None else m["content"]
+    if not isinstance(content, str):
+      raise DataError(f"{where}: {column!r} message {i} has a {type(content).__name__} content; it must be a string")
+    out.append({**{k: v for k, v in m.items() if v is not None}, "content": content})
+  return out
+
+
+def completion_spans(template: ChatTemplate, conv: Conversation, where: str) -> tuple[str, list[tuple[int, int]]]:
+  """(the rendered conversation, the [start, end) character spans of its completion), see the module doc."""
+  messages = conv.messages
+  if template.has_generation_markers:
+    marked, spans, text = template.render_marked(messages), [], []
+    for piece_index, piece in enumerate(marked.replace(GEN_END, GEN_START).split(GEN_START)):
+      start = sum(map(len, text))
+      text.append(piece)
+      if piece_index % 2:
+        spans.append((start, start + len(piece)))
+    if conv.first_trained:  # only the completion's turns: drop spans inside the rendered prompt
+      prompt_end = len(template.render(messages[: conv.first_trained], add_generation_prompt=True))
+      spans = [s for s in spans if s[0] >= prompt_end]
+    return "".join(text), spans
+  full, spans = template.render(messages), []
+  for i in range(conv.first_trained, len(messages)):
+    if messages[i]["role"] != "assistant":
+      continue
+    before = template.render(messages[:i], add_generation_prompt=True)
+    after = template.render(messages[: i + 1])
+    if not (after.startswith(before) and full.startswith(after)):
+      raise DataError(
+        f"{where}: the chat template of {template.where} does not render the conversation up to message {i} as a "
+        "prefix of the whole, so its assistant turns cannot be located; set sft_chat_template to a template that "
+        "does (or one with {% generation %} markers)"
+      )
+    spans.append((len(before), len(after)))
+  return full, spans
+
+
+def tokenize(template: ChatTemplate, tok: Any, conv: Conversation, completion_only: bool, where: str) -> Example:
+  """The Example of `conv`: tokens of the rendered text (as the tokenizer splits the whole text) and their loss
+  mask; a token belongs to the completion when its first character does."""
+  text, spans = completion_spans(template, conv, where)
+  ids, offsets = tok.encode_with_offsets(text)
+  starts = np.array([o[0] for o in offsets], np.int64)
+  mask = np.zeros(len(ids), np.uint8)
+  for start, end in spans:
+    mask[(starts >= start) & (starts < end)] = 1
+  if completion_only and not mask.any():
+    raise DataError(f"{where}: the assistant turns render to no tokens; check the chat template")
+  return Example(np.array(ids, np.int32), mask if completion_only else np.ones_like(mask))
+
+
+def main(argv: Sequence[str]) -> None:
+  """Print the generation prompt for one user message, to give decode.py (with add_bos=false)."""
+  if len(argv) not in (2, 3):
+    raise SystemExit(
+      'usage: python3 -m MaxText.data.chat TOKENIZER (tokenizer.json or its directory) "user message" [TEMPLATE]'
+    )
+  from MaxText.data.tokenizer import load_tokenizer
+
+  try:
+    template = load_template(load_tokenizer(argv[0], "huggingface"), argv[2] if len(argv) == 3 else "")
+    sys.stdout.write(template.render([{"role": "user", "content": argv[1]}], add_generation_prompt=True))
+  except DataError as e:
+    raise SystemExit(str(e)) from None
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

@@ -1,0 +1,206 @@
+"""Supervised fine-tuning (use_sft=true): chat templates render as transformers renders them, prompt tokens carry
+no loss, packing keeps examples whole in their own segments, a tiny model learns a fixed reply, and bad examples
+or settings fail with one line."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from MaxText import config, train
+from MaxText.config import ConfigError
+from MaxText.data import chat, sft
+from MaxText.data import make_iterators as make_data
+from MaxText.data import tokenizer as tokenizers
+from MaxText.data.errors import DataError
+from MaxText.tests.conftest import BASE, TINY, as_numpy, check_batch, losses, mesh_of
+
+CHATML = (
+  "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+  "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SPECIAL = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+TEXT = "The capital of France is Paris. What is the capital of France? Hello there, how are you today?\n" * 4
+CONVERSATION = [
+  {"role": "system", "content": "You are terse."},
+  {"role": "user", "content": "What is the capital of France?"},
+  {"role": "assistant", "content": "Paris."},
+  {"role": "user", "content": "And of Italy?"},
+  {"role": "assistant", "content": "Rome."},
+]
+
+
+def make_tokenizer(directory, template=CHATML, eos="<|im_end|>"):
+  """A byte-level BPE tokenizer.json (~300 ids) with ChatML special tokens and a tokenizer_config.json."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  alphabet = pre_tokenizers.ByteLevel.alphabet()
+  tok.train_from_iterator(
+    [TEXT], trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL, initial_alphabet=alphabet)
+  )
+  os.makedirs(directory, exist_ok=True)
+  tok.save(os.path.join(directory, "tokenizer.json"))
+  cfg = {"bos_token": "<s>", "eos_token": eos, "pad_token": "<pad>", "tokenizer_class": "PreTrainedTokenizerFast"}
+  if template:
+    cfg["chat_template"] = template
+  with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+    json.dump(cfg, f)
+  return tokenizers.load_tokenizer(directory, "huggingface")
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+  return make_tokenizer(str(tmp_path_factory.mktemp("tok")))
+
+
+def write_jsonl(path, records):
+  with open(path, "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in records)
+  return str(path)
+
+
+def sft_config(tmp_path, tok, data, *overrides):
+  tok_args = ["tokenizer_type=huggingface", f"tokenizer_path={tok.path}"]
+  args = [BASE, "run_name=sft", f"base_output_directory={tmp_path}", *TINY, "dataset_type=text", "use_sft=true"]
+  return config.load([*args, f"dataset_path={data}", *tok_args, "vocab_size=320", "eval_fraction=0", *overrides], {})
+
+
+def test_rendering_and_tokens_match_transformers_apply_chat_template(tok):
+  import transformers
+
+  hf = transformers.AutoTokenizer.from_pretrained(os.path.dirname(tok.path))
+  template = chat.load_template(tok)
+  for gen in (False, True):
+    ours = template.render(CONVERSATION, add_generation_prompt=gen)
+    assert ours == hf.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=gen)
+  ex = chat.tokenize(template, tok, chat.Conversation(CONVERSATION, 0), True, "test")
+  expected = hf.apply_chat_template(CONVERSATION, tokenize=True, return_dict=False)
+  expected = expected["input_ids"] if isinstance(expected, dict) else list(expected)
+  assert ex.tokens.tolist() == expected
+  # The completion is exactly the two replies with their end-of-turn tokens.
+  completion = tok.decode(ex.tokens[ex.loss_mask == 1])
+  assert completion.replace("\n", "") == "Paris.Rome."
+  assert tok.decode(ex.tokens[ex.loss_mask == 0]).count("France") == 1
+
+
+def test_generation_markers_and_the_default_template(tmp_path, tok):
+  marked = CHATML.replace(
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}",
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}{% if message['role'] == 'assistant' %}{% generation %}"
+    "{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>' }}"
+    "{% endif %}{{ '\\n' }}",
+  )
+  template = chat.ChatTemplate(marked, {}, "test")
+  text, spans = chat.completion_spans(template, chat.Conversation(CONVERSATION, 0), "test")
+  assert text == chat.load_template(tok).render(CONVERSATION)
+  assert [text[a:b] for a, b in spans] == ["Paris.<|im_end|>", "Rome.<|im_end|>"]
+  plain = make_tokenizer(str(tmp_path / "plain"), template=None, eos="</s>")
+  default = chat.load_template(plain)
+  messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+  assert default.render(messages) == "<s>User: Hi\nAssistant: Hello</s>"
+  assert default.render(messages[:1], add_generation_prompt=True) == "<s>User: Hi\nAssistant: "
+  _, spans = chat.completion_spans(default, chat.Conversation(messages, 0), "test")
+  assert [default.render(messages)[a:b] for a, b in spans] == ["Hello</s>"]
+
+
+def test_prompt_completion_columns_train_only_the_completion(tmp_path, tok):
+  columns = chat.Columns("messages", "prompt", "completion")
+  conv = chat.conversation({"prompt": "What is the capital of France?", "completion": "Paris."}, columns, "r")
+  assert [m["role"] for m in conv.messages] == ["user", "assistant"] and conv.first_trained == 1
+  few_shot = {"prompt": CONVERSATION[:3] + CONVERSATION[3:4], "completion": CONVERSATION[4:]}
+  ex = chat.tokenize(chat.load_template(tok), tok, chat.conversation(few_shot, columns, "r"), True, "r")
+  assert tok.decode(ex.tokens[ex.loss_mask == 1]).strip() == "Rome."  # the in-prompt reply carries no loss
+
+
+def test_batches_put_loss_on_completion_tokens_only_and_pack_whole_examples(tmp_path, tok):
+  records = [
+    {"messages": [{"role": "user", "content": f"Q{i}?"}, {"role": "assistant", "content": f"A{i}."}]} for i in range(6)
+  ]
+  c = sft_config(
+    tmp_path, tok, write_jsonl(tmp_path / "chat.jsonl", records), "max_target_length=64", "per_device_batch_size=1"
+  )
+  mesh = mesh_of(c, 1)
+  b = check_batch(next(make_data(c, mesh).train), c, mesh, 1)
+  template = chat.load_template(tok)
+  segments = np.unique(b["inputs_segmentation"][0][b["inputs_segmentation"][0] > 0])
+  assert len(segments) >= 2  # several examples share the row, each its own segment from position 0
+  for seg in segments:
+    where = b["inputs_segmentation"][0] == seg
+    ids = b["inputs"][0][where]
+    np.testing.assert_array_equal(b["inputs_position"][0][where], np.arange(len(ids)))
+    text = tok.decode(ids)
+    number = text.split("Q")[1].split("?")[0]
+    conv = chat.Conversation(records[int(number)]["messages"], 0)
+    ex = chat.tokenize(template, tok, conv, True, "t")
+    np.testing.assert_array_equal(ids, ex.tokens)  # whole, never split across rows
+    # A target carries loss exactly when the token it predicts is in the completion.
+    np.testing.assert_array_equal(b["targets_segmentation"][0][where][:-1] != 0, ex.loss_mask[1:] == 1)
+    trained = b["targets"][0][where][b["targets_segmentation"][0][where] != 0]
+    assert tok.decode(trained).strip() == f"A{number}.<|im_end|>".replace("<|im_end|>", "")
+  everything = c.replace(sft_train_on_completion_only=False)
+  seg = as_numpy(next(make_data(everything, mesh).train))["targets_segmentation"][0]
+  inputs_seg = b["inputs_segmentation"][0]  # the same rows: the mask does not change the packing
+  # Every token but the last of each example is a target.
+  assert (seg != 0).sum() == (inputs_seg != 0).sum() - len(np.unique(inputs_seg[inputs_seg != 0]))
+
+
+def test_rows_resume_and_reshuffle_per_epoch():
+  lengths = [3, 5, 2, 7, 4, 1, 6]
+  offsets = np.concatenate([[0], np.cumsum(lengths)])
+  ex = sft.Examples(np.arange(1, offsets[-1] + 1, dtype=np.int32), np.ones(offsets[-1], np.uint8), offsets)
+  rows = sft.ExampleRows(ex, 8, packing=True, seed=3)
+  r = rows.rows_per_epoch
+  tokens = rows.rows(np.arange(2 * r))[0]
+  assert sorted(t for t in tokens[:r].ravel() if t) == list(range(1, offsets[-1] + 1))  # every token once per epoch
+  assert sorted(map(tuple, tokens[:r])) == sorted(map(tuple, tokens[r:]))  # the same rows, in a new order
+  assert rows.next_row(rows.state(r + 2)) == r + 2
+  unpacked = sft.ExampleRows(ex, 4, packing=False, seed=None)
+  assert unpacked.rows_per_epoch == len(lengths) and (unpacked.rows(np.array([3]))[1] == 1).all()  # truncated to 4
+
+
+@pytest.mark.parametrize(
+  "record, match",
+  [
+    ({"text": "hello"}, r"has neither a 'messages' column nor 'prompt' and 'completion'"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, r"no assistant turn"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, r"message 0 has role 'robot'; roles are system, user"),
+    ({"messages": [{"role": "assistant", "content": 3}]}, r"int content"),
+  ],
+)
+def test_bad_examples_fail_with_one_line_naming_the_line(tmp_path, tok, record, match):
+  good = {"prompt": "a", "completion": "b"}
+  c = sft_config(tmp_path, tok, write_jsonl(tmp_path / "bad.jsonl", [good, record]))
+  with pytest.raises(DataError, match=match) as e:
+    make_data(c, mesh_of(c, 1))
+  assert "bad.jsonl:2" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_settings_fail_at_load(tmp_path, tok):
+  data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "completion": "b"}])
+  with pytest.raises(ConfigError, match="tokenizer_type=huggingface"):
+    sft_config(tmp_path, tok, data, "tokenizer_type=sentencepiece")
+  with pytest.raises(ConfigError, match="dataset_type=text with dataset_path"):
+    sft_config(tmp_path, tok, data, "dataset_type=synthetic")
+  with pytest.raises(ConfigError, match="sft_chat_template='nope.jinja' does not exist"):
+    sft_config(tmp_path, tok, data, "sft_chat_template=nope.jinja")
+
+
+def test_a_tiny_model_learns_a_fixed_reply_then_greedy_decode_gives_it(tmp_path, tok):
+  questions = ("What is the capital of France?", "Hello there", "how are you today?", "What is it?")
+  records = [{"prompt": q, "completion": "Paris."} for q in questions]
+  data = write_jsonl(tmp_path / "fixed.jsonl", records)
+  overrides = ("steps=20", "max_target_length=64", "per_device_batch_size=4", "learning_rate=3e-3")
+  c = sft_config(tmp_path, tok, data, *overrides).replace(enable_checkpointing=True, checkpoint_period=20)
+  train.run(c, jax.devices()[:1])
+  assert losses(c)[-1] < 0.05, losses(c)
+  from MaxText import decode
+
+  prompt = chat.load_template(tok).render([{"role": "user", "content": "What is it?"}], add_generation_prompt=True)
+  params = train.checkpoint_path(c, 20)
+  d = c.replace(load_parameters_path=params, prompt=prompt, add_bos=False, decode_max_new_tokens=8)
+  assert decode.run(d, rows=1).texts[0].strip() == "Paris."

@@ -204,3 +204,25 @@ def test_a_tiny_model_learns_a_fixed_reply_then_greedy_decode_gives_it(tmp_path,
   params = train.checkpoint_path(c, 20)
   d = c.replace(load_parameters_path=params, prompt=prompt, add_bos=False, decode_max_new_tokens=8)
   assert decode.run(d, rows=1).texts[0].strip() == "Paris."
+
+
+def test_parquet_files_and_hf_datasets_give_the_same_examples(tmp_path, tok, monkeypatch):
+  monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # local files only: never the network
+  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  records = [{"messages": CONVERSATION}, {"messages": CONVERSATION[1:3]}]
+  pq.write_table(pa.Table.from_pylist(records), str(tmp_path / "chat.parquet"))
+  jsonl = write_jsonl(tmp_path / "chat.jsonl", records)
+  template = chat.load_template(tok)
+  from_parquet = sft.load_examples(
+    sft_config(tmp_path, tok, tmp_path / "chat.parquet", "max_target_length=128"), tok, template
+  )[0]
+  hf = sft_config(
+    tmp_path, tok, jsonl, "dataset_type=hf", "hf_path=json", f"hf_train_files={jsonl}", "max_target_length=128"
+  )
+  from_hf = sft.load_examples(hf, tok, template)[0]
+  for a, b in zip(from_parquet, from_hf):
+    np.testing.assert_array_equal(a, b)
+  assert len(from_hf.offsets) == 3 and from_hf.loss_mask.sum() > 0

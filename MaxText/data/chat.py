@@ -19,7 +19,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -253,22 +252,3 @@ def tokenize(template: ChatTemplate, tok: Any, conv: Conversation, completion_on
   if completion_only and not mask.any():
     raise DataError(f"{where}: the assistant turns render to no tokens; check the chat template")
   return Example(np.array(ids, np.int32), mask if completion_only else np.ones_like(mask))
-
-
-def main(argv: Sequence[str]) -> None:
-  """Print the generation prompt for one user message, to give decode.py (with add_bos=false)."""
-  if len(argv) not in (2, 3):
-    raise SystemExit(
-      'usage: python3 -m MaxText.data.chat TOKENIZER (tokenizer.json or its directory) "user message" [TEMPLATE]'
-    )
-  from MaxText.data.tokenizer import load_tokenizer
-
-  try:
-    template = load_template(load_tokenizer(argv[0], "huggingface"), argv[2] if len(argv) == 3 else "")
-    sys.stdout.write(template.render([{"role": "user", "content": argv[1]}], add_generation_prompt=True))
-  except DataError as e:
-    raise SystemExit(str(e)) from None
-
-
-if __name__ == "__main__":
-  main(sys.argv[1:])

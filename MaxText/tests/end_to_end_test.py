@@ -4,6 +4,8 @@ end_to_end/cpu/quickstart.sh by hand or in a nightly job)."""
 import os
 import subprocess
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -14,3 +16,12 @@ def test_smoke_script(tmp_path):
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
   assert "OK " in result.stdout
   assert "MFU" in result.stdout
+
+
+@pytest.mark.slow  # 2-3 minutes on 2 busy cores: five entry points, each compiling
+def test_sft_script(tmp_path):
+  result = subprocess.run(
+    ["bash", "end_to_end/cpu/sft.sh", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900
+  )
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  assert "OK sft:" in result.stdout and "Output: 'Tokyo.'" in result.stdout

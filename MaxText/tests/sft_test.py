@@ -226,3 +226,12 @@ def test_parquet_files_and_hf_datasets_give_the_same_examples(tmp_path, tok, mon
   for a, b in zip(from_parquet, from_hf):
     np.testing.assert_array_equal(a, b)
   assert len(from_hf.offsets) == 3 and from_hf.loss_mask.sum() > 0
+
+
+def test_the_cpu_sft_recipe_loads_with_the_paths_it_asks_for(tmp_path, tok):
+  data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "completion": "b"}])
+  paths = [f"tokenizer_path={tok.path}", f"dataset_path={data}", f"base_output_directory={tmp_path}"]
+  c = config.load(["cpu/sft", *paths], {})
+  assert c.use_sft and c.decoder_block == "llama2" and c.run_name == "sft"
+  with pytest.raises(ConfigError, match="tokenizer_path"):
+    config.load(["cpu/sft", f"dataset_path={data}"], {})

@@ -1,0 +1,29 @@
+"""Print the chat-template prompt for one user message, to give decode.py a fine-tuned model's input format.
+
+    python3 -m MaxText.data.chat_prompt TOKENIZER "What is the capital of Japan?" [TEMPLATE.jinja]
+
+TOKENIZER: a tokenizer.json or its directory (a converted checkpoint's directory holds one, with the
+tokenizer_config.json that carries the chat template). The text is written without a final newline of its
+own, so a shell keeps it exact with `IFS= read -r -d '' PROMPT < <(python3 -m MaxText.data.chat_prompt ...)`.
+The template usually starts with the BOS token's text: decode it with add_bos=false.
+"""
+
+import sys
+
+from MaxText.data import chat
+from MaxText.data.errors import DataError
+from MaxText.data.tokenizer import load_tokenizer
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) not in (2, 3):
+    raise SystemExit(__doc__.split("\n\n")[1].strip())
+  try:
+    template = chat.load_template(load_tokenizer(argv[0], "huggingface"), argv[2] if len(argv) == 3 else "")
+    sys.stdout.write(template.render([{"role": "user", "content": argv[1]}], add_generation_prompt=True))
+  except DataError as e:
+    raise SystemExit(str(e)) from None
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

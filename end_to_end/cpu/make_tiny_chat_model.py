@@ -1,0 +1,76 @@
+"""A tiny Hugging Face Llama with a chat tokenizer, and a chat .jsonl to fine-tune it on (for end_to_end/cpu/sft.sh).
+
+    python3 end_to_end/cpu/make_tiny_chat_model.py OUT_DIR
+
+Writes OUT_DIR/hf (config.json, model.safetensors, tokenizer.json, tokenizer_config.json with a ChatML
+chat_template) and OUT_DIR/chat.jsonl (one {"messages": [...]} conversation per line). The model is random
+(what a Hugging Face download would be, only ~100K parameters); its shape is the one MaxText/configs/cpu/sft.yml
+names. Offline: transformers and tokenizers build everything locally.
+"""
+
+import json
+import os
+import sys
+
+CHATML = (
+  "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+  "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SPECIAL = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+CAPITALS = {"France": "Paris", "Italy": "Rome", "Spain": "Madrid", "Japan": "Tokyo", "Egypt": "Cairo", "Peru": "Lima"}
+SYSTEM = "You answer with one word."
+# The architecture of MaxText/configs/cpu/sft.yml (keep the two in step).
+LLAMA = dict(
+  hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+  head_dim=16, vocab_size=512, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,
+  tie_word_embeddings=False,
+)  # fmt: skip
+
+
+def conversations() -> list[dict]:
+  """Every capital asked two ways, each a system + user + assistant conversation."""
+  out = []
+  for country, capital in CAPITALS.items():
+    for question in (f"What is the capital of {country}?", f"Name the capital of {country}."):
+      turns = [("system", SYSTEM), ("user", question), ("assistant", f"{capital}.")]
+      out.append({"messages": [{"role": r, "content": c} for r, c in turns]})
+  return out
+
+
+def write_tokenizer(directory: str, texts: list[str]) -> None:
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+    vocab_size=LLAMA["vocab_size"], special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+  )
+  tok.train_from_iterator(texts, trainer)
+  tok.save(os.path.join(directory, "tokenizer.json"))
+  cfg = {"bos_token": "<s>", "eos_token": "<|im_end|>", "pad_token": "<pad>", "chat_template": CHATML}
+  with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+    json.dump({**cfg, "tokenizer_class": "PreTrainedTokenizerFast"}, f, indent=1)
+
+
+def main(out: str) -> None:
+  import torch
+  import transformers
+
+  hf_dir = os.path.join(out, "hf")
+  os.makedirs(hf_dir, exist_ok=True)
+  torch.manual_seed(0)
+  model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
+  model.save_pretrained(hf_dir)
+  data = conversations()
+  texts = [m["content"] for c in data for m in c["messages"]]
+  write_tokenizer(hf_dir, texts * 4)
+  with open(os.path.join(out, "chat.jsonl"), "w") as f:
+    f.writelines(json.dumps(c) + "\n" for c in data)
+  print(f"Wrote {hf_dir} and {os.path.join(out, 'chat.jsonl')} ({len(data)} conversations)")
+
+
+if __name__ == "__main__":
+  if len(sys.argv) != 2:
+    raise SystemExit(__doc__.split("\n\n")[1].strip())
+  main(sys.argv[1])

@@ -30,6 +30,9 @@ def describe_row(batch: dict[str, np.ndarray], row: int, tokenizer) -> list[str]
     ends = "+".join(name for name, hit in (("BOS", ids[0] == bos), ("EOS", ids[-1] == eos)) if hit)
     lines.append(f"{head} {ends}{' (last token has a target!)' * last_target}".rstrip())
     lines.append("    | " + text.replace("\n", "\n    | "))
+    trained = batch["targets_segmentation"][row][where][:-1] != 0
+    if tokenizer and 0 < trained.sum() < len(ids) - 1:  # use_sft: say which tokens the loss covers
+      lines.append(f"    loss on {int(trained.sum())} tokens: {tokenizer.decode(ids[1:][trained])!r}")
   padding = int((seg == 0).sum())
   if padding:
     lines.append(f"  padding: {padding} tokens")

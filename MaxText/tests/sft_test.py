@@ -142,6 +142,9 @@ def test_batches_put_loss_on_completion_tokens_only_and_pack_whole_examples(tmp_
     np.testing.assert_array_equal(b["targets_segmentation"][0][where][:-1] != 0, ex.loss_mask[1:] == 1)
     trained = b["targets"][0][where][b["targets_segmentation"][0][where] != 0]
     assert tok.decode(trained).strip() == f"A{number}.<|im_end|>".replace("<|im_end|>", "")
+  from MaxText.data import inspect
+
+  assert "    loss on 5 tokens: 'A" in "\n".join(inspect.describe_row(b, 0, tok))  # A, 3, ., <|im_end|>, newline
   everything = c.replace(sft_train_on_completion_only=False)
   seg = as_numpy(next(make_data(everything, mesh).train))["targets_segmentation"][0]
   inputs_seg = b["inputs_segmentation"][0]  # the same rows: the mask does not change the packing

@@ -180,7 +180,8 @@ def load_examples(config: Config, tok: Any, template: chat.ChatTemplate) -> tupl
 
 def make_iterators(config: Config, mesh: Mesh) -> Iterators:
   """Train (endless, row order reshuffled per epoch) and eval (in order) iterators; see MaxText.data."""
-  tok = tokenizers.load_for_config(config)
+  tok = tokenizers.load_tokenizer(config.tokenizer_path, config.tokenizer_type)
+  tokenizers.check_tokenizer(tok, config.vocab_size, add_bos=False, add_eos=False)  # the template places BOS/EOS
   template = chat.load_template(tok, config.sft_chat_template)
   train, held = load_examples(config, tok, template)
   if config.eval_interval > 0 and held is None:

@@ -4,7 +4,7 @@
 
 Writes OUT_DIR/hf (config.json, model.safetensors, tokenizer.json, tokenizer_config.json with a ChatML
 chat_template) and OUT_DIR/chat.jsonl (one {"messages": [...]} conversation per line). The model is random
-(what a Hugging Face download would be, only ~100K parameters); its shape is the one MaxText/configs/cpu/sft.yml
+(what a Hugging Face download would be, only ~140K parameters); its shape is the one MaxText/configs/cpu/sft.yml
 names. Offline: transformers and tokenizers build everything locally.
 """
 

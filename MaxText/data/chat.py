@@ -98,15 +98,19 @@ class ChatTemplate:
         f"The chat template of {where} is not valid Jinja2: {e}; fix it or set sft_chat_template"
       ) from None
     self.source, self.where, self.special_tokens = source, where, dict(special_tokens)
-    self.has_generation_markers = "{% generation %}" in source or "{%- generation %}" in source
 
   def render_marked(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False) -> str:
     """The template's text, with GEN_START/GEN_END around `{% generation %}` output."""
     import jinja2
 
     try:
+      # tools/documents None as transformers passes them when not given (templates test `is not none`).
       return self._template.render(
-        messages=list(messages), add_generation_prompt=add_generation_prompt, **self.special_tokens
+        messages=list(messages),
+        tools=None,
+        documents=None,
+        add_generation_prompt=add_generation_prompt,
+        **self.special_tokens,
       )
     except jinja2.TemplateError as e:
       raise DataError(f"The chat template of {self.where} failed: {type(e).__name__}: {e}") from None
@@ -213,18 +217,16 @@ def _messages(value: Any, column: str, where: str) -> list[dict[str, Any]]:
 def completion_spans(template: ChatTemplate, conv: Conversation, where: str) -> tuple[str, list[tuple[int, int]]]:
   """(the rendered conversation, the [start, end) character spans of its completion), see the module doc."""
   messages = conv.messages
-  if template.has_generation_markers:
-    marked, spans, text = template.render_marked(messages), [], []
-    for piece_index, piece in enumerate(marked.replace(GEN_END, GEN_START).split(GEN_START)):
-      start = sum(map(len, text))
-      text.append(piece)
-      if piece_index % 2:
-        spans.append((start, start + len(piece)))
+  marked = template.render_marked(messages)
+  if GEN_START in marked:
+    pieces = marked.replace(GEN_END, GEN_START).split(GEN_START)  # odd pieces: inside {% generation %}
+    starts = np.cumsum([0] + [len(p) for p in pieces]).tolist()
+    spans = [(starts[i], starts[i + 1]) for i in range(1, len(pieces), 2)]
     if conv.first_trained:  # only the completion's turns: drop spans inside the rendered prompt
       prompt_end = len(template.render(messages[: conv.first_trained], add_generation_prompt=True))
       spans = [s for s in spans if s[0] >= prompt_end]
-    return "".join(text), spans
-  full, spans = template.render(messages), []
+    return "".join(pieces), spans
+  full, spans = marked, []
   for i in range(conv.first_trained, len(messages)):
     if messages[i]["role"] != "assistant":
       continue
@@ -243,7 +245,10 @@ def completion_spans(template: ChatTemplate, conv: Conversation, where: str) -> 
 def tokenize(template: ChatTemplate, tok: Any, conv: Conversation, completion_only: bool, where: str) -> Example:
   """The Example of `conv`: tokens of the rendered text (as the tokenizer splits the whole text) and their loss
   mask; a token belongs to the completion when its first character does."""
-  text, spans = completion_spans(template, conv, where)
+  try:
+    text, spans = completion_spans(template, conv, where)
+  except DataError as e:  # a template failure names the template; say which example too
+    raise (e if str(e).startswith(where) else DataError(f"{where}: {e}")) from None
   ids, offsets = tok.encode_with_offsets(text)
   starts = np.array([o[0] for o in offsets], np.int64)
   mask = np.zeros(len(ids), np.uint8)

@@ -238,3 +238,11 @@ def test_the_cpu_sft_recipe_loads_with_the_paths_it_asks_for(tmp_path, tok):
   assert c.use_sft and c.decoder_block == "llama2" and c.run_name == "sft"
   with pytest.raises(ConfigError, match="tokenizer_path"):
     config.load(["cpu/sft", f"dataset_path={data}"], {})
+
+
+def test_a_template_that_raises_names_the_example(tmp_path):
+  strict = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first message must be user') }}{% endif %}"
+  tok = make_tokenizer(str(tmp_path / "strict"), template=strict + CHATML)
+  c = sft_config(tmp_path, tok, write_jsonl(tmp_path / "d.jsonl", [{"messages": CONVERSATION}]))
+  with pytest.raises(DataError, match=r"d.jsonl:1: The chat template refused the conversation: first message must"):
+    make_data(c, mesh_of(c, 1))

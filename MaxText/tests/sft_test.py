@@ -246,3 +246,17 @@ def test_a_template_that_raises_names_the_example(tmp_path):
   c = sft_config(tmp_path, tok, write_jsonl(tmp_path / "d.jsonl", [{"messages": CONVERSATION}]))
   with pytest.raises(DataError, match=r"d.jsonl:1: The chat template refused the conversation: first message must"):
     make_data(c, mesh_of(c, 1))
+
+
+def test_eval_holds_out_examples_and_runs_one_epoch(tmp_path, tok):
+  records = [{"prompt": f"Q{i}?", "completion": f"A{i}."} for i in range(6)]
+  data = write_jsonl(tmp_path / "d.jsonl", records)
+  overrides = ("eval_fraction=0.5", "eval_interval=5", "eval_steps=-1", "per_device_batch_size=1", "packing=false")
+  c = sft_config(tmp_path, tok, data, *overrides)
+  iterators = make_data(c, mesh_of(c, 1))
+  held = list(map(as_numpy, iterators.eval_factory()))
+  assert len(held) == 3  # one example per row, 3 of the 6 held out, then the epoch ends
+  train_rows = [as_numpy(next(iterators.train)) for _ in range(3)]
+  seen = {tok.decode(b["inputs"][0]) for b in train_rows}
+  assert not seen & {tok.decode(b["inputs"][0]) for b in held}
+  assert all((b["targets_segmentation"] != 0).sum() == 5 for b in held)  # A, digit, ., <|im_end|>, newline

@@ -69,6 +69,7 @@ def add_adapters(unit: nnx.Module, config: Config, rngs: nnx.Rngs) -> nnx.Module
   segments = jnp.ones((1, length), jnp.int32)
   # One key for all of this unit's adapters, drawn after the base was built: base weights match lora_rank=0.
   adapted = qwix.apply_lora_to_model(unit, provider, x, positions, segments, None, None, rngs=nnx.Rngs(rngs.params()))
+  nnx.pop(adapted, nnx.Intermediate)  # what the dummy call recorded (MoE load-balance losses) is not state
   if not jax.tree.leaves(nnx.state(adapted, nnx.LoRAParam)):
     raise ConfigError(
       f"lora_target_modules={config.lora_target_modules!r} matches no projection of a decoder layer; "

@@ -172,6 +172,14 @@ def test_export_merges_the_adapters_into_the_base(tmp_path):
     maxtext_to_hf.convert(c.replace(load_parameters_path=paths["base"]), os.path.join(tmp_path, "x"))
 
 
+def test_other_families_build_with_adapters(tmp_path):
+  """Gemma 2's alternating blocks and Mixtral's MoE layers (whose dummy call records a load-balance loss)."""
+  moe = ["decoder_block=mixtral", "num_experts=4", "num_experts_per_tok=2"]
+  for extra, where in ((["decoder_block=gemma2"], "['sublayers'][1]['mlp']"), (moe, "['self_attention']['query']")):
+    abstract = state_lib.param_spec(cfg(tmp_path, "f", "lora_rank=4", *extra)).abstract
+    assert any(where in n and "kernel_lora_b" in n for n in _names(abstract))
+
+
 def test_bad_setups_fail_in_one_line(tmp_path):
   with pytest.raises(ConfigError, match="matches no projection of a decoder layer") as e:
     state_lib.param_spec(cfg(tmp_path, "r", "lora_rank=4", "lora_target_modules=attention/q"))

@@ -1,7 +1,7 @@
 """Orbax checkpoints: resume > load_full_state_path > load_parameters_path > fresh init.
 
 Layout: <run dir>/checkpoints/<step>/{state, data}: `state` is the TrainState (params, optimizer,
-step), `data` the input iterator's JSON state. Orbax writes each step to a temporary directory and
+step; under LoRA the params are the adapters only, docs/lora.md), `data` the input iterator's JSON state. Orbax writes each step to a temporary directory and
 renames it when complete, so a crash or kill mid-save leaves the previous checkpoint intact and the
 partial one is ignored. Restores go straight into the sharded layout of the abstract state.
 

@@ -1,9 +1,10 @@
 """Orbax checkpoints: resume > load_full_state_path > load_parameters_path > fresh init.
 
 Layout: <run dir>/checkpoints/<step>/{state, data}: `state` is the TrainState (params, optimizer,
-step; under LoRA the params are the adapters only, docs/lora.md), `data` the input iterator's JSON state. Orbax writes each step to a temporary directory and
-renames it when complete, so a crash or kill mid-save leaves the previous checkpoint intact and the
-partial one is ignored. Restores go straight into the sharded layout of the abstract state.
+step; under LoRA the params are the adapters only, docs/lora.md), `data` the input iterator's JSON
+state. Orbax writes each step to a temporary directory and renames it when complete, so a crash or kill
+mid-save leaves the previous checkpoint intact and the partial one is ignored. Restores go straight into
+the sharded layout of the abstract state.
 
 Faults (docs/failures.md): a resume that cannot read the newest step says why in one line, moves that
 step aside to <run dir>/checkpoints_unreadable/ (nothing is deleted) and falls back to the next older

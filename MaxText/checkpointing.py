@@ -1,9 +1,10 @@
 """Orbax checkpoints: resume > load_full_state_path > load_parameters_path > fresh init.
 
 Layout: <run dir>/checkpoints/<step>/{state, data}: `state` is the TrainState (params, optimizer,
-step), `data` the input iterator's JSON state. Orbax writes each step to a temporary directory and
-renames it when complete, so a crash or kill mid-save leaves the previous checkpoint intact and the
-partial one is ignored. Restores go straight into the sharded layout of the abstract state.
+step; under LoRA the params are the adapters only, docs/lora.md), `data` the input iterator's JSON
+state. Orbax writes each step to a temporary directory and renames it when complete, so a crash or kill
+mid-save leaves the previous checkpoint intact and the partial one is ignored. Restores go straight into
+the sharded layout of the abstract state.
 
 Faults (docs/failures.md): a resume that cannot read the newest step says why in one line, moves that
 step aside to <run dir>/checkpoints_unreadable/ (nothing is deleted) and falls back to the next older
@@ -32,6 +33,7 @@ from jax.experimental import multihost_utils
 from MaxText import paths
 from MaxText import state as state_lib
 from MaxText.config import Config, ConfigError
+from MaxText.layers import lora
 from MaxText.state import StateSpec, TrainState
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax names a step directory being written <step>TMP_SUFFIX[...]
@@ -200,18 +202,65 @@ def _save_errors(manager: ocp.CheckpointManager) -> Iterator[None]:
 def restore_or_init(
   config: Config, tx: optax.GradientTransformation, spec: StateSpec, manager: ocp.CheckpointManager | None
 ) -> Restored:
-  """The starting state, in order of precedence: this run's latest readable checkpoint, then the load_* paths."""
+  """The starting state, in order of precedence: this run's latest readable checkpoint, then the load_* paths.
+
+  Under LoRA (layers/lora.py) checkpoints hold the adapters and their optimizer state only; the frozen base
+  always comes from load_parameters_path (or, with lora_random_base, from init_weights_seed)."""
+  if lora.enabled(config):
+    _check_lora_base(config)
   if manager is not None:
     _set_aside_nonfinite(config, manager)
+  saved = lora.adapters(config, spec.abstract)  # what a checkpoint of this run holds
   if manager is not None and manager.all_steps():
-    return _restore_latest_good(config, manager, spec.abstract)
+    restored = _restore_latest_good(config, manager, saved)
+    return restored._replace(state=_with_base(config, tx, spec, restored.state))
   if config.load_full_state_path:
-    return Restored(_restore_tree(config.load_full_state_path, spec.abstract), None, "load_full_state_path")
+    state = _with_base(config, tx, spec, _restore_tree(config.load_full_state_path, saved))
+    return Restored(state, None, "load_full_state_path")
+  if lora.enabled(config):
+    return _init_lora(config, tx, spec)
   fresh = state_lib.init_state(config, tx, spec)
   if config.load_parameters_path:
     params = load_params(config.load_parameters_path, spec.abstract.params)
     return Restored(fresh.replace(params=params), None, "load_parameters_path")
   return Restored(fresh, None, "init")
+
+
+def _check_lora_base(config: Config) -> None:
+  if not config.load_parameters_path and not config.lora_random_base:
+    raise ConfigError(
+      f"lora_rank={config.lora_rank} fine-tunes adapters on a base model: set load_parameters_path to its params "
+      "(MaxText/convert/hf_to_maxtext.py writes them; docs/lora.md), or lora_random_base=true for a test"
+    )
+
+
+def _base_params(config: Config, tx: optax.GradientTransformation, spec: StateSpec) -> nnx.State:
+  """The frozen base parameters: load_parameters_path, or (lora_random_base) those of a fresh init."""
+  frozen = lora.split(config, spec.abstract.params).frozen
+  if config.load_parameters_path:
+    return load_params(config.load_parameters_path, frozen)
+  return lora.split(config, state_lib.init_state(config, tx, spec).params).frozen
+
+
+def _with_base(config: Config, tx: optax.GradientTransformation, spec: StateSpec, state: TrainState) -> TrainState:
+  """A restored checkpoint's state (under LoRA: adapters only) completed with the frozen base."""
+  if not lora.enabled(config):
+    return state
+  return state.replace(params=lora.combine(state.params, _base_params(config, tx, spec)))
+
+
+def _init_lora(config: Config, tx: optax.GradientTransformation, spec: StateSpec) -> Restored:
+  """A fresh LoRA state: the base, adapters from lora_weights_path or fresh (B = 0: the base's outputs)."""
+  fresh = state_lib.init_state(config, tx, spec)
+  adapters, base = lora.split(config, fresh.params)
+  abstract = lora.split(config, spec.abstract.params)
+  source = "init"
+  if config.load_parameters_path:
+    base, source = load_params(config.load_parameters_path, abstract.frozen), "load_parameters_path"
+  if config.lora_weights_path:
+    adapters = load_params(config.lora_weights_path, abstract.trainable)
+    source += " + lora_weights_path"
+  return Restored(fresh.replace(params=lora.combine(adapters, base)), None, source)
 
 
 def _one_line(error: BaseException, limit: int = 300) -> str:

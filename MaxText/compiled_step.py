@@ -24,7 +24,7 @@ FORMAT_VERSION = 1  # of the compiled_trainstep_file pickle
 RUNTIME_KEYS = (
   "run_name", "base_output_directory", "metrics_file", "enable_tensorboard", "log_period", "log_config",
   "hardware", "steps", "enable_checkpointing", "async_checkpointing", "checkpoint_period",
-  "async_checkpoint_max_lag_steps",
+  "async_checkpoint_max_lag_steps", "lora_weights_path", "lora_random_base",
   "max_num_checkpoints_to_keep", "load_parameters_path", "load_full_state_path", "dataset_type", "dataset_path",
   "text_max_documents", "eval_fraction", "data_shuffle_seed", "tokenizer_path", "add_bos", "add_eos", "packing",
   "eval_interval", "eval_steps", "eval_per_device_batch_size", "profiler", "skip_first_n_steps_for_profiler",

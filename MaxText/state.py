@@ -20,13 +20,14 @@ from jax.sharding import Mesh
 from MaxText import config as config_lib
 from MaxText import models, sharding
 from MaxText.config import Config
+from MaxText.layers import lora
 
 
 @flax.struct.dataclass
 class TrainState:
   step: jax.Array  # int32 scalar: optimizer steps taken
   params: nnx.State  # model parameters (nnx.Param variables, logical axis names in their metadata)
-  opt_state: optax.OptState
+  opt_state: optax.OptState  # of the trainable params: all of them, or under LoRA the adapters (layers/lora.py)
 
 
 class ParamSpec(NamedTuple):
@@ -98,7 +99,7 @@ def init_params(config: Config, spec: ParamSpec) -> nnx.State:
 def state_spec(config: Config, tx: optax.GradientTransformation, mesh: Mesh) -> StateSpec:
   """Shapes, dtypes and shardings of the whole train state (param_spec + the optimizer's state)."""
   params = param_spec(config, mesh)
-  opt_state = jax.eval_shape(tx.init, params.abstract)
+  opt_state = jax.eval_shape(tx.init, lora.trainable(config, params.abstract))  # LoRA: adapters only
   opt_shardings = _shardings(opt_state, config, mesh)
   step_sharding = _shardings(jax.ShapeDtypeStruct((), jnp.int32), config, mesh)
   shardings = TrainState(step=step_sharding, params=params.shardings, opt_state=opt_shardings)
@@ -116,6 +117,6 @@ def init_state(config: Config, tx: optax.GradientTransformation, spec: StateSpec
 
   def init() -> TrainState:
     params = _model_params(config, config.init_weights_seed)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(lora.trainable(config, params)))
 
   return _jit_init(init, spec.shardings)()

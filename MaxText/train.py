@@ -39,7 +39,7 @@ from MaxText import data as data_lib
 from MaxText import state as state_lib
 from MaxText import train_step as steps
 from MaxText.config import Config, ConfigError
-from MaxText.layers import pipeline
+from MaxText.layers import lora, pipeline
 
 
 class NonFiniteLossError(RuntimeError):
@@ -343,7 +343,7 @@ def train_loop(config: Config, parts: LoopParts) -> dict[str, Any]:
           logger.log_eval(done, result)
           reached = 0 < config.target_eval_loss and result["eval_loss"] <= config.target_eval_loss
         if manager is not None and (saving or reached):
-          checkpointing.save(manager, done, state, data.train.get_state())
+          checkpointing.save(manager, done, lora.adapters(config, state), data.train.get_state())  # LoRA: adapters
           logger.log_checkpoint(done, checkpoint_path(config, done))
         if reached:
           if is_writer:

@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from MaxText import sharding
 from MaxText.config import Config
+from MaxText.layers import lora
 from MaxText.state import StateSpec, TrainState
 
 Batch = dict[str, jax.Array]  # int32 [B, T]: inputs, targets, *_segmentation, inputs_position
@@ -82,9 +83,14 @@ def loss_sums(graphdef: nnx.GraphDef, config: Config, params: nnx.State, batch: 
   return nll.sum() + z_loss.sum() + config.load_balance_loss_weight * balance, aux
 
 
-def _grads(graphdef, config, params, batch, rng, data_axes):
-  """Summed gradients and loss sums, over gradient_accumulation_steps micro-batches."""
-  grad_fn = jax.grad(functools.partial(loss_sums, graphdef, config), has_aux=True)
+def _grads(graphdef, config, params, frozen, batch, rng, data_axes):
+  """Summed gradients with respect to `params` (the trainable part; `frozen`, the rest or None, gets none)
+  and loss sums, over gradient_accumulation_steps micro-batches."""
+
+  def objective(trainable, batch, rng):
+    return loss_sums(graphdef, config, lora.combine(trainable, frozen), batch, rng)
+
+  grad_fn = jax.grad(objective, has_aux=True)
   micro = config.gradient_accumulation_steps
   if micro == 1:
     return grad_fn(params, batch, rng)
@@ -129,18 +135,21 @@ def train_step(
   and checkpoint numbering do not shift), metrics["update_finite"] is 0 and metrics["step_skipped"] 1.
   Checking the result, not just the loss, catches an overflow one step before it reaches the loss."""
   data_axes = sharding.data_axes(config)
-  grads, aux = _grads(graphdef, config, state.params, batch, rng, data_axes)
+  # Under LoRA only the adapters are differentiated and updated; the frozen base passes through untouched.
+  trainable, frozen = lora.split(config, state.params)
+  grads, aux = _grads(graphdef, config, trainable, frozen, batch, rng, data_axes)
   tokens = jnp.maximum(aux["tokens"], 1.0)
   grads = jax.tree.map(lambda g: g / tokens, grads)
   loss, grad_norm = aux["nll"] / tokens, optax.global_norm(grads)
   extra = {"loss": loss, "grad_norm": grad_norm} if config.skip_step_on_spikes else {}
-  updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
-  params = optax.apply_updates(state.params, updates)
+  updates, opt_state = tx.update(grads, state.opt_state, trainable, **extra)
+  params = optax.apply_updates(trainable, updates)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite((params, opt_state))
   # Select, not branch: no host round trip, and both states are live at this point anyway.
   params, opt_state = jax.tree.map(
-    lambda new, old: jnp.where(finite, new, old), (params, opt_state), (state.params, state.opt_state)
+    lambda new, old: jnp.where(finite, new, old), (params, opt_state), (trainable, state.opt_state)
   )
+  params = lora.combine(params, frozen)
   spiked = opt_state.skipped if config.skip_step_on_spikes else jnp.array(False)
   metrics = {
     "loss": loss,

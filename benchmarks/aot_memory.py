@@ -70,6 +70,12 @@ CASES = (
     "model_name=deepseek3-671b", "compile_topology=v5p-1024", "per_device_batch_size=1", "max_target_length=4096",
     "ici_expert_parallelism=32", "capacity_factor=1.0", "capacity_group=sequence",
   ),
+  # LoRA (docs/lora.md): the same step with a frozen base and rank-16 adapters, against full fine-tuning.
+  case("llama2-7b v5e-16 full", "model_name=llama2-7b", "compile_topology=v5e-16", "per_device_batch_size=1"),
+  case(
+    "llama2-7b v5e-16 lora rank 16",
+    "model_name=llama2-7b", "compile_topology=v5e-16", "per_device_batch_size=1", "lora_rank=16",
+  ),
 )  # fmt: skip
 
 REPORT = {

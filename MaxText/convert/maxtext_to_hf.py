@@ -1,6 +1,9 @@
 """MaxText config + params -> a Hugging Face directory (config.json + safetensors shards).
 
     python3 -m MaxText.convert.maxtext_to_hf CONFIG.yml load_parameters_path=PARAMS --output HF_DIR [--dtype float32]
+    # a LoRA fine-tune: adapters merged into the base kernels (docs/lora.md)
+    python3 -m MaxText.convert.maxtext_to_hf CONFIG.yml load_parameters_path=BASE lora_rank=R lora_alpha=A \
+      lora_weights_path=RUN_DIR/checkpoints/STEP/state --output HF_DIR
 
 transformers.AutoModelForCausalLM.from_pretrained(HF_DIR) loads the result. One safetensors shard per
 decoder layer (plus one for embeddings/head), each read from the checkpoint (MaxText/convert/streaming.py
@@ -16,16 +19,18 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 
 import jax
 import numpy as np
 from flax import nnx
 
+from MaxText import checkpointing, models
 from MaxText import config as config_lib
-from MaxText import models
 from MaxText import state as state_lib
 from MaxText.config import Config, ConfigError
 from MaxText.convert import hf_mapping, streaming
+from MaxText.layers import lora
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -70,10 +75,8 @@ def _locate(c: Config, reader: streaming.Reader) -> tuple[Config, tuple[str, ...
 
 def convert(c: Config, output: str, dtype: str = "float32") -> None:
   """Write OUTPUT/config.json and safetensors shards (one per decoder layer, one for the rest), reading
-  and writing one shard at a time: host memory stays near one layer, not the model."""
-  import torch  # noqa: PLC0415 (optional dependency; safetensors' torch writer handles bfloat16)
-  from safetensors.torch import save_file  # noqa: PLC0415
-
+  and writing one shard at a time: host memory stays near one layer, not the model. Under LoRA
+  (lora_rank > 0) the adapters of lora_weights_path are first merged into the base (merge_lora)."""
   if not c.load_parameters_path:
     raise ConfigError("Set load_parameters_path= to the MaxText params to export")
   if c.load_parameters_path.startswith("gs://"):  # streaming.Reader opens local tensorstore files
@@ -83,6 +86,31 @@ def convert(c: Config, output: str, dtype: str = "float32") -> None:
     )
   if not os.path.isdir(c.load_parameters_path):
     raise ConfigError(f"load_parameters_path {c.load_parameters_path!r} does not exist")
+  with tempfile.TemporaryDirectory() as scratch:
+    _write(merge_lora(c, scratch) if lora.enabled(c) else c, output, dtype)
+
+
+def merge_lora(c: Config, directory: str) -> Config:
+  """LoRA export: the base (load_parameters_path) with the adapters (lora_weights_path) folded into its
+  kernels, W + (lora_alpha / lora_rank) * A @ B, written as a params checkpoint under `directory`; returns
+  the config that exports it (lora_rank=0). Holds the whole model in host memory once."""
+  if not c.lora_weights_path:
+    raise ConfigError(
+      f"lora_rank={c.lora_rank}: set lora_weights_path to the adapters to merge (a LoRA run's "
+      "checkpoints/<step>/state), or lora_rank=0 to export the base model alone"
+    )
+  abstract = lora.split(c, state_lib.param_spec(c).abstract)
+  base = checkpointing.load_params(c.load_parameters_path, abstract.frozen)
+  adapters = checkpointing.load_params(c.lora_weights_path, abstract.trainable)
+  path = os.path.join(directory, "merged")
+  checkpointing.save_params(path, lora.merged(c, lora.combine(adapters, base)))
+  return c.replace(lora_rank=0, lora_weights_path="", load_parameters_path=path)
+
+
+def _write(c: Config, output: str, dtype: str) -> None:
+  import torch  # noqa: PLC0415 (optional dependency; safetensors' torch writer handles bfloat16)
+  from safetensors.torch import save_file  # noqa: PLC0415
+
   reader = streaming.Reader(c.load_parameters_path)
   layout, prefix, abstract = _locate(c, reader)
   block_axes = 1 if layout.scan_layers else 0  # a stacked parameter is read one layer at a time

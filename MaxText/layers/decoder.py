@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from MaxText.config import Config, ConfigError
-from MaxText.layers import context_parallel, pipeline
+from MaxText.layers import context_parallel, lora, pipeline
 from MaxText.layers.attention import load_balanced, soft_cap
 from MaxText.layers.axes import ACTIVATION_AXES, LOGITS_AXES
 from MaxText.layers.decoder_layer import DecoderLayer, dropout
@@ -181,7 +181,7 @@ class Decoder(nnx.Module):
       if config.trainable_position_size <= 0:
         raise ConfigError(f"decoder_block={config.decoder_block} needs trainable_position_size > 0")
       self.position_embedder = Embed(config.trainable_position_size, config.emb_dim, **embed)
-    self.stack_specs = family.stacks(config)
+    self.stack_specs = lora.adapted_stacks(family.stacks(config), config)  # LoRA adapters, when lora_rank > 0
     pipeline.plan(config, self.stack_specs)  # a layer count that does not split fails here, before compiling
     build = _stacked_layers if config.scan_layers else _unrolled_layers
     for stack in self.stack_specs:

@@ -51,7 +51,9 @@ class DenseGeneral(nnx.Module):
       raise ValueError(f"DenseGeneral expects trailing dims {self.in_features}, got input shape {x.shape}")
     kernel = self.kernel[...].astype(self.dtype)
     contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-    y = jax.lax.dot_general(x.astype(self.dtype), kernel, (contract, ((), ())))
+    # The cast matters only under LoRA: Qwix adds its adapters' term in their (parameter) dtype, which
+    # would otherwise promote a bfloat16 activation to float32 (layers/lora.py).
+    y = jax.lax.dot_general(x.astype(self.dtype), kernel, (contract, ((), ()))).astype(self.dtype)
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype)
     return y

@@ -1,0 +1,156 @@
+"""LoRA through Qwix: low-rank adapters on chosen projections of every decoder layer, the base frozen.
+
+With lora_rank = r > 0, each projection whose module path (inside a decoder layer, e.g.
+`self_attention/query`, `mlp/wi/0`) fully matches lora_target_modules computes
+
+    y = x @ W + (lora_alpha / r) * (x @ A) @ B        A [in, r] (He-uniform), B [r, out] (zeros)
+
+so a fresh adapter leaves the model unchanged. Qwix (qwix.LoraProvider) intercepts the layer's
+jax.lax.dot_general, creates A and B as nnx.LoRAParam next to the kernel (`kernel_lora_a`,
+`kernel_lora_b`, logical axes derived from the kernel's) and adds the low-rank term; we only choose
+where and how large. Qwix creates adapters on a module's first call, so they are added to each layer
+as it is built (`adapted_stacks`), before the decoder stacks and scans its layers: the scanned body
+works on temporary copies of a layer, where a parameter created on first use would be lost.
+
+Training splits the parameters into the adapters (the only thing differentiated and optimised) and
+the frozen base (`split` / `combine`); checkpoints keep the adapters (`adapters`), export folds them
+into the base kernels (`merged`). docs/lora.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import qwix
+from flax import nnx
+
+from MaxText.config import Config, ConfigError
+
+ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")  # Qwix names a kernel's adapters <kernel name><suffix>
+
+
+def enabled(config: Config) -> bool:
+  return config.lora_rank > 0
+
+
+def check(config: Config) -> None:
+  """The LoRA keys make sense together; raises ConfigError naming the key to change."""
+  if config.lora_rank < 0:
+    raise ConfigError(f"lora_rank={config.lora_rank} must be >= 0 (0 turns LoRA off)")
+  if config.lora_alpha <= 0:
+    raise ConfigError(f"lora_alpha={config.lora_alpha} must be > 0")
+  try:
+    re.compile(config.lora_target_modules)
+  except re.error as e:
+    raise ConfigError(f"lora_target_modules={config.lora_target_modules!r} is not a regular expression: {e}") from e
+
+
+def _kernel_paths(unit: nnx.Module) -> list[str]:
+  """'/'-joined paths of the modules of `unit` that own a `kernel` (the projections LoRA can target)."""
+  return ["/".join(map(str, path)) for path, module in nnx.iter_modules(unit) if hasattr(module, "kernel")]
+
+
+def add_adapters(unit: nnx.Module, config: Config, rngs: nnx.Rngs) -> nnx.Module:
+  """`unit` (a decoder layer or LayerBlock, unstacked) with adapters on its matching projections.
+
+  Qwix runs the unit once on a dummy batch [1, max_target_length] to find the projections and create
+  their adapters; under jit or eval_shape that call is traced only (its result is unused, so XLA drops it).
+  """
+  check(config)
+  provider = qwix.LoraProvider(module_path=config.lora_target_modules, rank=config.lora_rank, alpha=config.lora_alpha)
+  length = config.max_target_length
+  x = jnp.zeros((1, length, config.emb_dim), jnp.dtype(config.dtype))
+  positions = jnp.arange(length, dtype=jnp.int32)[None]
+  segments = jnp.ones((1, length), jnp.int32)
+  # One key for all of this unit's adapters, drawn after the base was built: base weights match lora_rank=0.
+  adapted = qwix.apply_lora_to_model(unit, provider, x, positions, segments, None, None, rngs=nnx.Rngs(rngs.params()))
+  nnx.pop(adapted, nnx.Intermediate)  # what the dummy call recorded (MoE load-balance losses) is not state
+  if not jax.tree.leaves(nnx.state(adapted, nnx.LoRAParam)):
+    raise ConfigError(
+      f"lora_target_modules={config.lora_target_modules!r} matches no projection of a decoder layer; "
+      f"their paths are: {', '.join(_kernel_paths(unit))}"
+    )
+  return adapted
+
+
+def adapted_stacks(stacks: tuple[Any, ...], config: Config) -> tuple[Any, ...]:
+  """The decoder's stacks (layers/decoder.Stack) with adapters added to each unit as it is made; unchanged
+  when LoRA is off."""
+  if not enabled(config):
+    return stacks
+
+  def with_adapters(make: Callable[..., nnx.Module]) -> Callable[..., nnx.Module]:
+    def make_adapted(unit_config: Config, *, rngs: nnx.Rngs) -> nnx.Module:
+      return add_adapters(make(unit_config, rngs=rngs), unit_config, rngs)
+
+    return make_adapted
+
+  return tuple(dataclasses.replace(s, make=with_adapters(s.make)) for s in stacks)
+
+
+class Split(NamedTuple):
+  trainable: nnx.State  # what the optimizer sees: the adapters under LoRA, else every parameter
+  frozen: nnx.State | None  # the base parameters under LoRA (never updated), else None
+
+
+def split(config: Config, params: nnx.State) -> Split:
+  """params (all of the model's nnx.Param, adapters included) -> trainable and frozen parts."""
+  if not enabled(config):
+    return Split(params, None)
+  trainable, frozen = nnx.split_state(params, nnx.LoRAParam, ...)
+  return Split(trainable, frozen)
+
+
+def combine(trainable: nnx.State, frozen: nnx.State | None) -> nnx.State:
+  """The inverse of split: the whole parameter state."""
+  return trainable if frozen is None else nnx.merge_state(trainable, frozen)
+
+
+def trainable(config: Config, params: Any) -> Any:
+  """The parameters the optimizer updates (and keeps state for): split(config, params).trainable."""
+  return split(config, params).trainable
+
+
+def adapters(config: Config, state: Any) -> Any:
+  """A TrainState as checkpoints hold it: under LoRA its params are the adapters only."""
+  return state.replace(params=trainable(config, state.params)) if enabled(config) else state
+
+
+def merged_kernel(kernel: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
+  """kernel + scale * A @ B, in float32, cast back to the kernel's dtype.
+
+  Qwix's adapters of a dense kernel [*in, *out] (contracted dims first, as DenseGeneral stores them)
+  are A [..., prod(in), r] and B [..., r, prod(out)], `...` being the stacked-layers axis under
+  scan_layers: A @ B reshaped is the kernel's update.
+  """
+  delta = jnp.einsum("...ir,...ro->...io", a.astype(jnp.float32), b.astype(jnp.float32))
+  if delta.size != kernel.size or delta.shape[:-2] != kernel.shape[: delta.ndim - 2]:
+    raise ValueError(f"adapters {a.shape} @ {b.shape} do not fold into a kernel of shape {kernel.shape}")
+  return (kernel.astype(jnp.float32) + scale * delta.reshape(kernel.shape)).astype(kernel.dtype)
+
+
+def _merge_tree(tree: Any, scale: float) -> Any:
+  if not isinstance(tree, dict):
+    return tree
+  out = {}
+  for key, value in tree.items():
+    if isinstance(key, str) and key.endswith(ADAPTER_SUFFIXES):
+      continue
+    a, b = (tree.get(f"{key}{s}") for s in ADAPTER_SUFFIXES)
+    out[key] = _merge_tree(value, scale) if a is None else merged_kernel(value, a, b, scale)
+  return out
+
+
+def merged(config: Config, params: nnx.State) -> nnx.State:
+  """The base parameters with every adapter folded into its kernel: the parameters of the same model
+  with lora_rank=0, whose outputs equal the adapted model's (up to float rounding)."""
+  if not enabled(config):
+    return params
+  base = jax.tree.map(lambda x: x, split(config, params).frozen)  # a copy: replace_by_pure_dict is in place
+  nnx.replace_by_pure_dict(base, _merge_tree(nnx.to_pure_dict(params), config.lora_alpha / config.lora_rank))
+  return base

@@ -207,7 +207,9 @@ def save(path: str, params: nnx.State) -> None:
 
 def load(path: str, abstract_q: nnx.State) -> nnx.State:
   """Quantized params saved by `save`, restored into abstract_q's shapes and shardings."""
-  return from_storable(checkpointing.load_params(path, to_storable(abstract_q)), abstract_q)
+  # As an nnx.State, so that load_params can also re-layout a checkpoint saved with the other scan_layers.
+  restored = checkpointing.load_params(path, nnx.State(to_storable(abstract_q)))
+  return from_storable(nnx.to_pure_dict(restored) if isinstance(restored, nnx.State) else restored, abstract_q)
 
 
 def weight_bytes(params: Any) -> int:

@@ -91,6 +91,7 @@ def test_kv_quantization_round_trip_is_close_per_token_and_head():
     assert bool(jnp.all(jnp.abs(back - x) <= bound + 1e-7)) and not bool(jnp.any(back[0, 0]))
 
 
+@pytest.mark.slow  # two MoE engines: ~45 s on 2 busy cores
 def test_moe_experts_are_int8_and_the_router_stays_float():
   e = Engine.load(load(*FAMILIES["mixtral"], "quantization=int8w"))
   moe = e.params["layers"]["mlp"]
@@ -100,6 +101,7 @@ def test_moe_experts_are_int8_and_the_router_stays_float():
   assert gap_and_change(Engine.load(load(*FAMILIES["mixtral"])), e)[1] < 0.1
 
 
+@pytest.mark.slow  # decode.py, then two engines: ~65 s on 2 busy cores
 def test_saved_int8_params_decode_without_quantizing_again(tmp_path, capsys):
   path = str(tmp_path / "int8")
   args = [BASE, *TINY, "vocab_size=320", "init_weights_seed=3", "prompt=hi", "decode_max_new_tokens=4"]

@@ -390,12 +390,16 @@ def _restore_other_layout(path: str, tree: Any, abstract_params: Any) -> Any | N
 
 
 def _relayout(target: Any, saved: Any) -> Any:
-  """saved (str keys, {'value': array} leaves) in the shape of target (a pure dict of abstract arrays):
-  a stacked target subtree takes saved layers '0'..'n-1' stacked; an unrolled one slices saved stacks."""
-  if isinstance(saved, dict) and set(saved) == {"value"} and not isinstance(target, dict):
-    if tuple(saved["value"].shape) != tuple(target.shape):
-      raise ValueError(f"shape {saved['value'].shape} != {target.shape}")
-    return saved["value"]
+  """saved (str keys, {'value': array} leaves, or plain arrays as in a quantized params checkpoint) in the
+  shape of target (a pure dict of abstract arrays): a stacked target subtree takes saved layers '0'..'n-1'
+  stacked; an unrolled one slices saved stacks."""
+  if not isinstance(target, dict):
+    array = saved["value"] if isinstance(saved, dict) and set(saved) == {"value"} else saved
+    if isinstance(array, dict) or tuple(array.shape) != tuple(target.shape):
+      raise ValueError(f"shape {getattr(array, 'shape', None)} != {target.shape}")
+    return array
+  if not isinstance(saved, dict):
+    raise ValueError(f"an array where the model has {sorted(target)}")
   digits = all(k.isdigit() for k in saved)
   target_list = all(isinstance(k, int) for k in target)
   if digits and not target_list:  # target stacked, saved unrolled

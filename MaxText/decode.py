@@ -23,7 +23,7 @@ import jax
 
 from MaxText import launch, saved_config, sharding
 from MaxText.config import Config
-from MaxText.inference import Engine, Generation
+from MaxText.inference import Engine, Generation, quantize
 
 SHOWN_ROWS = 4  # rows printed when they differ (sampling)
 
@@ -47,6 +47,10 @@ def run(config: Config, rows: int | None = None) -> Generation:
   mesh = sharding.create_mesh(config)  # every process's devices after launch.start joined the job
   batch = sharding.global_batch_size(config, mesh) if rows is None else rows
   engine = Engine.load(config, mesh)
+  if config.save_quantized_params_path:
+    quantize.save(config.save_quantized_params_path, engine.params)
+    if jax.process_index() == 0:
+      print(f"Saved int8 params to {config.save_quantized_params_path} (load_parameters_path for decode)", flush=True)
   result = engine.generate([config.prompt] * batch, stop_strings=config.decode_stop_strings)
   if jax.process_index() == 0:  # every process holds the same texts
     print(report(config, engine, result), flush=True)
@@ -61,7 +65,8 @@ USAGE = launch.Usage(
     "prompt", "load_parameters_path", "model_name", "tokenizer_path", "per_device_batch_size",
     "max_prefill_predict_length", "max_target_length", "decode_max_new_tokens", "decode_sampling_strategy",
     "decode_sampling_temperature", "decode_sampling_top_k", "decode_sampling_nucleus_p", "decode_seed",
-    "decode_stop_strings", "ici_fsdp_parallelism", "ici_tensor_parallelism",
+    "decode_stop_strings", "quantization", "quantize_kvcache", "kv_quant_dtype", "save_quantized_params_path",
+    "ici_fsdp_parallelism", "ici_tensor_parallelism",
   ),
 )  # fmt: skip
 

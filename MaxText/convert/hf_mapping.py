@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from MaxText.config import Config, ConfigError
-from MaxText.convert import gpt2_mapping
+from MaxText.convert import fp8, gpt2_mapping
 
 # HF model_type -> decoder_block, and back (with the HF architecture class).
 DECODER_BLOCK = {
@@ -187,8 +187,7 @@ def maxtext_keys(hf: dict[str, Any]) -> dict[str, Any]:
     raise ConfigError("config.json rope_interleave=false is not supported for deepseek_v3")
   if model_type == "qwen3_moe" and (hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers")):
     raise ConfigError("qwen3_moe with decoder_sparse_step != 1 or mlp_only_layers is not supported")
-  if hf.get("quantization_config"):
-    raise ConfigError("quantized checkpoints (config.json quantization_config) are not supported; dequantize first")
+  fp8.block_size(hf)  # FP8 block-scaled weights are dequantized on import; other quantizations fail here
   for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
     if hf.get(flag) and flag not in BIASES.get(block, ()):
       raise ConfigError(f"config.json {flag}=true is not supported for {model_type}")

@@ -6,6 +6,7 @@ Streams tensor by tensor: every tensor's presence and shape is checked from the 
 first; then orbax writes the checkpoint through MaxText/convert/streaming.py, which reads one HF tensor,
 transforms it and writes it as one chunk (a layer, or one expert of a layer) of its parameter, so peak
 host memory stays near the largest such tensor, not the model (a 405B conversion fits one host).
+FP8 block-scaled checkpoints (DeepSeek V3's) are dequantized tensor by tensor (MaxText/convert/fp8.py).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from MaxText import config as config_lib
 from MaxText import launch, models, paths
 from MaxText import state as state_lib
 from MaxText.config import Config, ConfigError
-from MaxText.convert import hf_mapping, streaming
+from MaxText.convert import fp8, hf_mapping, streaming
 
 
 def get(tree: dict, path: tuple) -> Any:
@@ -149,7 +150,10 @@ def _convert(hf_path: str, output: str, scan_layers: bool, dtype: str, final: st
   abstract = nnx.to_pure_dict(state)
   rules = hf_mapping.rules(c, models.family(c).stacks(c), abstract)
   index = tensor_index(hf_path)
+  block = fp8.block_size(read_hf_config(hf_path))
   expected = {r.hf_name for r in rules}
+  if block:  # each FP8 weight's block scales travel with it
+    expected |= {r.hf_name + fp8.SCALE_SUFFIX for r in rules if r.hf_name + fp8.SCALE_SUFFIX in index}
   unexpected = sorted(name for name in set(index) - expected if not hf_mapping.ignored(c, name))
   if unexpected:
     raise ConfigError(f"Tensor {unexpected[0]} (and {len(unexpected) - 1} more) does not fit config.json's model")
@@ -158,7 +162,9 @@ def _convert(hf_path: str, output: str, scan_layers: bool, dtype: str, final: st
   for rule in rules:
     shape = get(abstract, rule.path).shape[len(rule.index) :]
     _check_shape(index, rule, shape)
-    load = functools.partial(_load, index[rule.hf_name][0], rule, shape, storage)
+    scale = rule.hf_name + fp8.SCALE_SUFFIX
+    scale = (index[scale][0], scale) if block and scale in index else None
+    load = functools.partial(_load, index[rule.hf_name][0], rule, shape, storage, scale, block)
     slices.setdefault(rule.path, []).append((rule.index, load))
   leaves = jax.tree_util.tree_leaves_with_path(abstract)
   unmapped = [jax.tree_util.keystr(k) for k, _ in leaves if tuple(streaming.key_name(p) for p in k) not in slices]
@@ -189,12 +195,12 @@ def _check_shape(index: dict[str, tuple[str, tuple[int, ...]]], rule: hf_mapping
     raise ConfigError(f"Tensor {rule.hf_name} has shape {got}; config.json implies {expected}")
 
 
-def _load(file: str, rule: hf_mapping.Rule, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-  """Read one HF tensor and return it in our layout (one slice of its parameter)."""
-  from safetensors import safe_open  # noqa: PLC0415
-
-  with safe_open(file, "np") as f:
-    tensor = f.get_tensor(rule.hf_name)
+def _load(
+  file: str, rule: hf_mapping.Rule, shape: tuple[int, ...], dtype: np.dtype, scale=None, block=None
+) -> np.ndarray:
+  """Read one HF tensor (dequantized with its FP8 `scale` (file, name) and `block`) in our layout: one
+  slice of its parameter."""
+  tensor = fp8.read_weight(file, rule.hf_name, scale, block)
   if rule.cols:
     tensor = tensor[..., rule.cols[0] : rule.cols[1]]
   return to_maxtext(tensor, shape, rule).astype(dtype)

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, PartitionSpec
 from MaxText import checkpointing, sharding
 from MaxText import state as state_lib
 from MaxText.config import Config, ConfigError
-from MaxText.inference import sampling
+from MaxText.inference import quantize, sampling
 from MaxText.inference import tokenizer as tokenizer_lib
 
 log = logging.getLogger(__name__)
@@ -103,18 +103,33 @@ def bucket(n: int, cap: int) -> int:
 
 
 def load_params(config: Config, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State, str]:
-  """The model's graphdef and sharded parameters: load_parameters_path, else random (init_weights_seed)."""
+  """The model's graphdef and sharded parameters: load_parameters_path, else random (init_weights_seed).
+  With quantization=int8w the matmul weights are int8 (inference/quantize.py): quantized here from a
+  float checkpoint, or restored as they are from one that save_quantized_params_path wrote."""
+  quantize.check(config)
+  path = config.load_parameters_path
   with sharding.activate(config, mesh):
     spec = state_lib.param_spec(config, mesh)
-    source = config.load_parameters_path or "random weights (no load_parameters_path)"
-    if config.load_parameters_path:
-      params = checkpointing.load_params(config.load_parameters_path, spec.abstract)
+    source = path or "random weights (no load_parameters_path)"
+    if path and quantize.is_quantized_checkpoint(path):
+      params, source = quantize.load_saved(config, spec), f"{source} (int8 weights, as saved)"
     else:
-      params = state_lib.init_params(config, spec)
-  # Every matmul casts its weights to dtype anyway: cast once, not on every decode step.
-  dtype = jnp.dtype(config.dtype)
-  cast = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, p))
-  return spec.graphdef, cast(params) if dtype != jnp.dtype(config.weight_dtype) else params, source
+      params = checkpointing.load_params(path, spec.abstract) if path else state_lib.init_params(config, spec)
+      if config.quantization == "int8w":
+        params, source = quantize.for_serving(config, spec, params), f"{source} (matmul weights quantized to int8)"
+  return spec.graphdef, _cast_floats(params, jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)), source
+
+
+def _cast_floats(params: nnx.State, dtype: jnp.dtype, weight_dtype: jnp.dtype) -> nnx.State:
+  """Every matmul casts its weights to dtype anyway: cast the float params once, not on every decode step.
+  int8 weights keep their float32 scales (they are applied in float32 when dequantizing)."""
+  if dtype == weight_dtype:
+    return params
+
+  def cast(x):
+    return x if quantize.is_qarray(x) or not jnp.issubdtype(x.dtype, jnp.floating) else x.astype(dtype)
+
+  return jax.jit(lambda p: jax.tree.map(cast, p, is_leaf=quantize.is_qarray))(params)
 
 
 class Engine:

@@ -281,12 +281,14 @@ class Attention(nnx.Module):
       out = attend(self.config, q, k, v, segment_ids, self.sliding_window)
     else:
       cache = kv_cache.update(cache, k, v, positions)
+      keys, values = kv_cache.read(cache, v.dtype)
       mask = kv_cache.mask(positions, cache.key.shape[1], self.sliding_window)
-      out = dot_product_attention(q, cache.key, cache.value, mask, self.config.attn_logits_soft_cap)
+      out = dot_product_attention(q, keys, values, mask, self.config.attn_logits_soft_cap)
     out = checkpoint_name(nn.with_logical_constraint(out, HEAD_AXES), "context")
     return checkpoint_name(self.out(out), "out_proj"), cache
 
   def init_cache(self, batch: int, length: int) -> kv_cache.KVCache:
-    """An empty decode cache of `length` slots."""
+    """An empty decode cache of `length` slots (int8/fp8 with scales under quantize_kvcache)."""
     c = self.config
-    return kv_cache.zeros(batch, length, c.num_kv_heads, c.head_dim, jnp.dtype(c.dtype))
+    quant = kv_cache.QUANT_DTYPES[c.kv_quant_dtype] if c.quantize_kvcache else None
+    return kv_cache.zeros(batch, length, c.num_kv_heads, c.head_dim, jnp.dtype(c.dtype), quant)

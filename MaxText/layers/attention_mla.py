@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText.config import Config
+from MaxText.config import Config, ConfigError
 from MaxText.layers import kv_cache
 from MaxText.layers.attention import attend, dot_product_attention
 from MaxText.layers.axes import HEAD_AXES
@@ -98,6 +98,8 @@ class MLAttention(nnx.Module):
 
   def init_cache(self, batch: int, length: int) -> kv_cache.LatentCache:
     c, dtype = self.config, jnp.dtype(self.config.dtype)
+    if c.quantize_kvcache:  # inference/quantize.check says so before any device work; layers built directly too
+      raise ConfigError("quantize_kvcache=true is not supported with MLA (deepseek); set quantize_kvcache=false")
     return kv_cache.LatentCache(
       jnp.zeros((batch, length, c.kv_lora_rank), dtype), jnp.zeros((batch, length, c.qk_rope_head_dim), dtype)
     )

@@ -5,6 +5,10 @@ decode together: prompts are right-padded, each row writes its next token at its
 padding slot is overwritten by that row's next token before any query of the row can see it (queries
 see slots <= their position). Sliding-window layers keep the full-length cache and mask it.
 The decoder stacks one cache per layer with a leading layers axis (scan) or in a list (unrolled).
+
+quantize_kvcache stores keys and values in int8 (or fp8) with one float32 scale per token and kv head
+(absmax over the head dim), written once with the token and dequantized when attention reads the cache:
+half the bytes of a bfloat16 cache plus 8 bytes per token and kv head for the two scales.
 """
 
 from __future__ import annotations
@@ -23,9 +27,15 @@ CACHE_AXES = {
 }
 
 
+# kv_quant_dtype -> storage dtype of a quantized cache.
+QUANT_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+
+
 class KVCache(NamedTuple):
-  key: jax.Array  # [B, S, K, H], RoPE already applied
+  key: jax.Array  # [B, S, K, H], RoPE already applied; in dtype, or a QUANT_DTYPES dtype with key_scale
   value: jax.Array  # [B, S, K, H]
+  key_scale: jax.Array | None = None  # [B, S, K] float32 when quantized: key ~= key * key_scale[..., None]
+  value_scale: jax.Array | None = None  # [B, S, K] float32 when quantized
 
 
 class LatentCache(NamedTuple):
@@ -35,9 +45,26 @@ class LatentCache(NamedTuple):
   rope_key: jax.Array  # [B, S, R] the RoPE key shared by all heads, rotated
 
 
-def zeros(batch: int, length: int, kv_heads: int, head_dim: int, dtype: jnp.dtype) -> KVCache:
+def zeros(
+  batch: int, length: int, kv_heads: int, head_dim: int, dtype: jnp.dtype, quant_dtype: jnp.dtype | None = None
+) -> KVCache:
+  """An empty cache in `dtype`, or in `quant_dtype` with float32 scales when given (quantize_kvcache)."""
   shape = (batch, length, kv_heads, head_dim)
-  return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+  if quant_dtype is None:
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+  scales = jnp.ones(shape[:3], jnp.float32)
+  return KVCache(jnp.zeros(shape, quant_dtype), jnp.zeros(shape, quant_dtype), scales, scales)
+
+
+def quantize(x: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+  """x [B, T, K, H] -> (values [B, T, K, H] in `dtype`, scales [B, T, K] float32): symmetric absmax per
+  token and head, so one outlier token does not cost the others their resolution."""
+  x = x.astype(jnp.float32)
+  top = 127.0 if dtype == jnp.int8 else float(jnp.finfo(dtype).max)
+  scale = jnp.max(jnp.abs(x), axis=-1) / top
+  scale = jnp.where(scale > 0, scale, 1.0)  # an all-zero vector (padding) stays zero
+  q = jnp.clip(x / scale[..., None], -top, top)
+  return (jnp.round(q) if dtype == jnp.int8 else q).astype(dtype), scale
 
 
 def write(cache: NamedTuple, new: NamedTuple, positions: jax.Array) -> NamedTuple:
@@ -52,8 +79,20 @@ def write(cache: NamedTuple, new: NamedTuple, positions: jax.Array) -> NamedTupl
 
 
 def update(cache: KVCache, k: jax.Array, v: jax.Array, positions: jax.Array) -> KVCache:
-  """Write k/v [B, T, K, H] into slots `positions` [B, T] of each row."""
-  return write(cache, KVCache(k, v), positions)
+  """Write k/v [B, T, K, H] into slots `positions` [B, T] of each row (quantized first when the cache is)."""
+  if cache.key_scale is None:
+    return write(cache, KVCache(k, v), positions)
+  (qk, sk), (qv, sv) = quantize(k, cache.key.dtype), quantize(v, cache.value.dtype)
+  return write(cache, KVCache(qk, qv, sk, sv), positions)
+
+
+def read(cache: KVCache, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+  """The cached keys and values [B, S, K, H] for attention: as stored, or dequantized to `dtype`."""
+  if cache.key_scale is None:
+    return cache.key, cache.value
+  key = cache.key.astype(jnp.float32) * cache.key_scale[..., None]
+  value = cache.value.astype(jnp.float32) * cache.value_scale[..., None]
+  return key.astype(dtype), value.astype(dtype)
 
 
 def mask(positions: jax.Array, length: int, sliding_window: int = 0) -> jax.Array:

@@ -6,11 +6,22 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import qwix
 from flax import nnx
 
 
 def _tuple(x: int | Sequence[int]) -> tuple[int, ...]:
   return (x,) if isinstance(x, int) else tuple(x)
+
+
+def weight(param: nnx.Param, dtype: jnp.dtype) -> jax.Array:
+  """A matmul weight in `dtype`: a float param cast, or an int8 one (quantization=int8w, a qwix QArray of
+  int8 values and per-channel scales, MaxText/inference/quantize.py) dequantized here, next to its use,
+  so that memory holds the int8 values and XLA can fuse the scaling into the consumer."""
+  value = param.get_value()
+  if isinstance(value, qwix.QArray):
+    return qwix.dequantize(value).astype(dtype)
+  return value.astype(dtype)
 
 
 class DenseGeneral(nnx.Module):
@@ -49,7 +60,7 @@ class DenseGeneral(nnx.Module):
     n_in = len(self.in_features)
     if x.shape[x.ndim - n_in :] != self.in_features:
       raise ValueError(f"DenseGeneral expects trailing dims {self.in_features}, got input shape {x.shape}")
-    kernel = self.kernel[...].astype(self.dtype)
+    kernel = weight(self.kernel, self.dtype)
     contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
     # The cast matters only under LoRA: Qwix adds its adapters' term in their (parameter) dtype, which
     # would otherwise promote a bfloat16 activation to float32 (layers/lora.py).

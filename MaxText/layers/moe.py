@@ -31,7 +31,7 @@ from MaxText.config import Config
 from MaxText.layers import moe_dispatch
 from MaxText.layers.attention import target_platform
 from MaxText.layers.axes import ACTIVATION_AXES, EXPERT_EMBED_AXES, EXPERT_MLP_AXES, MLP_AXES, axes_size, mesh_axes
-from MaxText.layers.linears import DenseGeneral
+from MaxText.layers.linears import DenseGeneral, weight
 from MaxText.layers.mlp import ACTIVATIONS, MlpBlock
 from MaxText.layers.moe_dispatch import expert_capacity, expert_ranks
 
@@ -171,7 +171,7 @@ class MoeBlock(nnx.Module):
   def _per_shard(self, compute, tokens: jax.Array, experts: jax.Array, length: int, whole_sequences: bool):
     """compute(tokens, experts, wi_0, wi_1, wo, ep_axes=, ep=) per batch shard under the active mesh
     (on the whole batch with ep=1 where there is none or the batch does not split evenly)."""
-    weights = tuple(w[...].astype(self.dtype) for w in (self.wi_0, self.wi_1, self.wo))
+    weights = tuple(weight(w, self.dtype) for w in (self.wi_0, self.wi_1, self.wo))
     tokens = tokens.astype(self.dtype)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
@@ -211,7 +211,7 @@ class MoeBlock(nnx.Module):
     routed = jnp.repeat(tokens.astype(self.dtype), k, axis=0)  # [A, D], assignment order
     buffer = jnp.zeros((e * c, d), self.dtype).at[slots].set(routed, mode="drop").reshape(e, c, d)
     buffer = nn.with_logical_constraint(buffer, EXPERT_EMBED_AXES)
-    wi_0, wi_1, wo = (w[...].astype(self.dtype) for w in (self.wi_0, self.wi_1, self.wo))
+    wi_0, wi_1, wo = (weight(w, self.dtype) for w in (self.wi_0, self.wi_1, self.wo))
     hidden = self.activation(jnp.einsum("ECD,EDF->ECF", buffer, wi_0)) * jnp.einsum("ECD,EDF->ECF", buffer, wi_1)
     hidden = nn.with_logical_constraint(hidden, EXPERT_MLP_AXES)
     out = jnp.einsum("ECF,EFD->ECD", hidden, wo)

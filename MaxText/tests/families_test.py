@@ -41,6 +41,11 @@ DEEPSEEK2["rope_parameters"] |= {"mscale_all_dim": 0.7}
 DEEPSEEK2_LITE = dict(DEEPSEEK2, q_lora_rank=None, topk_method="greedy", n_group=1, topk_group=1)
 DEEPSEEK2_LITE["rope_parameters"] = {**YARN, "mscale": 0.707, "mscale_all_dim": 0.707, "truncate": False}
 DEEPSEEK3_YARN = dict(DEEPSEEK_YARN, rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 16})
+# Llama 4: 6 layers = one scanned block of 4 (layer 3 NoPE; layers 1, 3 MoE) and a remainder of 2; chunks of 4
+# and temperature steps every 4 positions, so both act within T tokens; llama3 RoPE scaling as Scout's.
+LLAMA4 = dict(num_hidden_layers=6, intermediate_size=16, intermediate_size_mlp=48, num_local_experts=4)
+LLAMA4 |= dict(interleave_moe_layer_step=2, attention_chunk_size=4, floor_scale=4, attn_scale=0.1)
+LLAMA4 |= dict(rope_parameters=LLAMA31_ROPE, max_position_embeddings=64)
 FAMILIES = {
   "llama2": ("LlamaConfig", {}),
   "llama-bias": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),
@@ -65,6 +70,7 @@ FAMILIES = {
   "llama-yarn": ("LlamaConfig", {"rope_parameters": YARN, "max_position_embeddings": 256}),
   "gpt3": ("GPT2Config", {}),
   "qwen3-moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}),
+  "llama4": ("Llama4TextConfig", LLAMA4),
 }
 # Architecture fields of the published config.json files (DeepSeek-V2-Lite; DeepSeek-V3 without its FP8
 # quantization_config), legacy rope_scaling with "type" included.

@@ -129,7 +129,8 @@ def flash_attention(
 
   q [B, T, N, H] already scaled by the query scale, k/v [B, T, K, H] with N a multiple of K, segment_ids
   [B, T] int (tokens attend within their own segment id) -> [B, T, N, H] in q's dtype. sliding_window > 0:
-  query i sees keys j with i - window < j <= i; chunk_window > 0: the same block of chunk_window places. logits_soft_cap > 0: logits -> cap * tanh(logits / cap).
+  query i sees keys j with i - window < j <= i; chunk_window > 0: the same block of chunk_window places.
+  logits_soft_cap > 0: logits -> cap * tanh(logits / cap).
   T must be a multiple of 128 (ValueError otherwise). interpret=True runs the Pallas interpreter (CPU).
   Under an active mesh (jax.set_mesh) the kernel runs per shard (shard_plan); without one, directly.
   """

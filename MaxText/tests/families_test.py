@@ -44,7 +44,7 @@ DEEPSEEK3_YARN = dict(DEEPSEEK_YARN, rope_parameters={**YARN, "mscale": 1.0, "ms
 # Llama 4: 6 layers = one scanned block of 4 (layer 3 NoPE; layers 1, 3 MoE) and a remainder of 2; chunks of 4
 # and temperature steps every 4 positions, so both act within T tokens; llama3 RoPE scaling as Scout's.
 LLAMA4 = dict(num_hidden_layers=6, intermediate_size=16, intermediate_size_mlp=48, num_local_experts=4)
-LLAMA4 |= dict(interleave_moe_layer_step=2, attention_chunk_size=4, floor_scale=4, attn_scale=0.1)
+LLAMA4 |= dict(interleave_moe_layer_step=2, attention_chunk_size=4, floor_scale=4, attn_scale=1.0)
 LLAMA4 |= dict(rope_parameters=LLAMA31_ROPE, max_position_embeddings=64)
 FAMILIES = {
   "llama2": ("LlamaConfig", {}),
@@ -135,7 +135,7 @@ def test_logits_match_hugging_face_and_round_trip_is_exact(family, tmp_path):
     np.testing.assert_array_equal(reloaded(torch.tensor(tokens)).logits.numpy(), ref)
 
 
-MOE_FAMILIES = ("mixtral", "qwen3-moe", "deepseek3", "deepseek2")
+MOE_FAMILIES = ("mixtral", "qwen3-moe", "deepseek3", "deepseek2", "llama4")
 TRAINED = ("llama2", "llama-bias", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "gpt3", *MOE_FAMILIES)
 
 
@@ -155,8 +155,8 @@ def test_converted_model_trains(family, tmp_path):
   train.run(c)
   rows = [json.loads(line) for line in open(c.metrics_file)]
   assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows)
-  if family in MOE_FAMILIES:
-    assert all(r["moe_load_balance_loss"] > 0.5 for r in rows)
+  if family in MOE_FAMILIES:  # the loss is averaged over all layers; half of llama4's are dense
+    assert all(r["moe_load_balance_loss"] > (0.25 if family == "llama4" else 0.5) for r in rows)
   else:  # dense models do not report an MoE loss
     assert all("moe_load_balance_loss" not in r for r in rows)
 

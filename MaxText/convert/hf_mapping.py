@@ -279,6 +279,9 @@ def hf_config(c: Config, dtype: str) -> dict[str, Any]:
   out["hidden_size"], out["intermediate_size"] = c.emb_dim, c.mlp_dim
   out["num_hidden_layers"] = c.num_decoder_layers
   if c.decoder_block == "llama4":
+    wrong = {k: c[k] for k, v in FIXED["llama4"].items() if c[k] != v}
+    if wrong:
+      raise ConfigError(f"llama4_text fixes {FIXED['llama4']}; this config has {wrong}, which it cannot represent")
     out["intermediate_size"], out["intermediate_size_mlp"] = c.moe_mlp_dim, c.mlp_dim
     out["floor_scale"] = int(out["floor_scale"])
   for key in (

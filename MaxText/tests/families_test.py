@@ -282,3 +282,19 @@ def test_bfloat16_storage_restores_as_rounded_float32(tmp_path):
     for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
       assert g.dtype == np.float32
       np.testing.assert_array_equal(np.asarray(g), np.asarray(w).astype(jnp.bfloat16).astype(np.float32))
+
+
+@pytest.mark.parametrize("preset", ["llama4-17b-16e", "llama4-17b-128e"])
+def test_llama4_presets_export_their_config_and_read_it_back(preset):
+  """Scout and Maverick presets -> config.json -> the same architecture keys; per-layer lists that do not
+  follow the intervals, and the multimodal model_type, are refused with the field named."""
+  c = config.load([os.path.join(config.CONFIG_DIR, "base.yml"), "run_name=t", f"model_name={preset}"], {})
+  hf = hf_mapping.hf_config(c, "bfloat16")
+  for key, value in hf_mapping.maxtext_keys(hf).items():
+    assert c[key] == value, key
+  hf_cfg = transformers.Llama4TextConfig(**{k: v for k, v in hf.items() if k not in ("model_type", "architectures")})
+  assert hf_mapping.maxtext_keys(hf_cfg.to_dict()) == hf_mapping.maxtext_keys(hf)  # with the derived lists
+  with pytest.raises(ConfigError, match="moe_layers"):
+    hf_mapping.maxtext_keys({**hf, "moe_layers": [0]})
+  with pytest.raises(ConfigError, match="llama4_text"):
+    hf_mapping.maxtext_keys({**hf, "model_type": "llama4"})

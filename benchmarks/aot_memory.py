@@ -70,6 +70,12 @@ CASES = (
     "model_name=deepseek3-671b", "compile_topology=v5p-1024", "per_device_batch_size=1", "max_target_length=4096",
     "ici_expert_parallelism=32", "capacity_factor=1.0", "capacity_group=sequence",
   ),
+  # Llama 4 Scout: 16384 tokens per sequence, so the RoPE layers' 8192-token chunks are two per sequence.
+  case(
+    "llama4-17b-16e v5p-128 expert=16 capacity",
+    "model_name=llama4-17b-16e", "compile_topology=v5p-128", "per_device_batch_size=1", "max_target_length=16384",
+    "ici_expert_parallelism=16", "capacity_factor=1.25", "capacity_group=sequence",
+  ),
 )  # fmt: skip
 
 REPORT = {

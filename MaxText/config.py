@@ -338,6 +338,23 @@ def _validate_family_options(c: dict[str, Any]) -> None:
     )
   if not 0 <= c["first_num_dense_layers"] <= c["num_decoder_layers"]:
     raise ConfigError(f"first_num_dense_layers must be in [0, num_decoder_layers], got {c['first_num_dense_layers']}")
+  _validate_llama4_options(c)
+
+
+def _validate_llama4_options(c: dict[str, Any]) -> None:
+  """Chunked attention, NoPE/MoE interleaving, temperature tuning and input-weighted routing."""
+  for k in ("chunk_attn_window_size", "nope_layer_interval"):
+    if c[k] < 0:
+      raise ConfigError(f"{k} must be >= 0 (0 turns it off), got {c[k]}")
+  if c["chunk_attn_window_size"] and c["sliding_window_size"]:
+    raise ConfigError("set chunk_attn_window_size or sliding_window_size, not both (one local window per layer)")
+  if c["interleave_moe_layer_step"] < 1 or c["temperature_tuning_floor_scale"] <= 0:
+    raise ConfigError("interleave_moe_layer_step must be >= 1 and temperature_tuning_floor_scale > 0")
+  if c["routed_weight_on_input"] and c["num_experts_per_tok"] != 1:
+    raise ConfigError(
+      f"routed_weight_on_input=true needs num_experts_per_tok=1 (got {c['num_experts_per_tok']}): the expert input "
+      "can carry one router weight"
+    )
 
 
 def _validate_decoding(c: dict[str, Any]) -> None:

@@ -76,6 +76,12 @@ CASES = (
     "llama2-7b v5e-16 lora rank 16",
     "model_name=llama2-7b", "compile_topology=v5e-16", "per_device_batch_size=1", "lora_rank=16",
   ),
+  # Llama 4 Scout: 16384 tokens per sequence, so the RoPE layers' 8192-token chunks are two per sequence.
+  case(
+    "llama4-17b-16e v5p-128 expert=16 capacity",
+    "model_name=llama4-17b-16e", "compile_topology=v5p-128", "per_device_batch_size=1", "max_target_length=16384",
+    "ici_expert_parallelism=16", "capacity_factor=1.25", "capacity_group=sequence",
+  ),
 )  # fmt: skip
 
 REPORT = {

@@ -27,6 +27,7 @@ DECODER_BLOCK = {
   "gemma3_text": "gemma3",
   "deepseek_v2": "deepseek",
   "deepseek_v3": "deepseek",
+  "llama4_text": "llama4",
 }
 HF_ARCH = {
   "llama2": ("llama", "LlamaForCausalLM"),
@@ -38,6 +39,7 @@ HF_ARCH = {
   "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
   "deepseek": ("deepseek_v3", "DeepseekV3ForCausalLM"),  # deepseek_v2 for softmax routing (_deepseek_arch)
   "gpt3": ("gpt2", "GPT2LMHeadModel"),
+  "llama4": ("llama4_text", "Llama4ForCausalLM"),
 }
 # HF field -> MaxText key, the same for every family.
 COMMON = {
@@ -92,15 +94,31 @@ EXTRA = {  # decoder_block -> {HF field: MaxText key}
     "qk_rope_head_dim": "qk_rope_head_dim",
     "v_head_dim": "v_head_dim",
   },
+  "llama4": {  # routed experts are intermediate_size wide, dense layers intermediate_size_mlp
+    "intermediate_size": "base_moe_mlp_dim",
+    "intermediate_size_mlp": "base_mlp_dim",
+    "num_local_experts": "num_experts",
+    "num_experts_per_tok": "num_experts_per_tok",
+    "interleave_moe_layer_step": "interleave_moe_layer_step",
+    "no_rope_layer_interval": "nope_layer_interval",
+    "attention_chunk_size": "chunk_attn_window_size",
+    "use_qk_norm": "use_qk_norm",
+    "attn_temperature_tuning": "temperature_tuning",
+    "floor_scale": "temperature_tuning_floor_scale",
+    "attn_scale": "temperature_tuning_scale",
+  },
 }
 FIXED = {  # decoder_block -> MaxText keys implied by the family
   "qwen3": {"use_qk_norm": True},
   "gemma2": {"use_post_attn_norm": True, "use_post_ffw_norm": True},
   "gemma3": {"use_post_attn_norm": True, "use_post_ffw_norm": True, "use_qk_norm": True},
+  # top-1 sigmoid of the chosen logit, weighting the expert input; one shared expert of the experts' width
+  "llama4": {"routed_score_func": "sigmoid", "norm_topk_prob": False, "shared_experts": 1}
+  | {"routed_weight_on_input": True},
 }
 BIASES = {  # decoder_block -> the bias flags (HF field = MaxText key) of its transformers class
   "llama2": ("attention_bias", "mlp_bias"),
-  **{block: ("attention_bias",) for block in ("qwen3", "gemma", "gemma2", "gemma3")},
+  **{block: ("attention_bias",) for block in ("qwen3", "gemma", "gemma2", "gemma3", "llama4")},
 }
 ORIGINAL = {"original_max_position_embeddings": "original_max_position_embeddings"}
 ROPE_KEYS = {  # rope_type -> {rope_parameters field: MaxText key}
@@ -173,11 +191,31 @@ def _deepseek_arch(c: Config) -> tuple[str, str, dict[str, Any]]:
   )
 
 
+def _check_llama4_layers(hf: dict[str, Any]) -> None:
+  """Llama 4's per-layer lists must follow the intervals we keep (no_rope_layer_interval,
+  interleave_moe_layer_step), as transformers derives them by default."""
+  layers, nope = hf["num_hidden_layers"], hf.get("no_rope_layer_interval", 4)
+  step = hf.get("interleave_moe_layer_step", 1)
+  expected = {
+    "no_rope_layers": [int((i + 1) % nope != 0) for i in range(layers)],
+    "moe_layers": list(range(step - 1, layers, step)),
+    "layer_types": ["chunked_attention" if (i + 1) % nope else "full_attention" for i in range(layers)],
+  }
+  for key, want in expected.items():
+    if hf.get(key) is not None and list(hf[key]) != want:
+      raise ConfigError(
+        f"llama4_text {key}={hf[key]} is not the pattern of no_rope_layer_interval={nope} and "
+        f"interleave_moe_layer_step={step}; only those patterns are supported"
+      )
+
+
 def maxtext_keys(hf: dict[str, Any]) -> dict[str, Any]:
   """config.json -> the MaxText architecture keys; errors name what cannot be represented."""
   model_type = hf.get("model_type")
   if model_type == "gpt2":
     return gpt2_mapping.maxtext_keys(hf)
+  if model_type == "llama4":
+    raise ConfigError("model_type=llama4 is the multimodal model; convert its text decoder (model_type=llama4_text)")
   if model_type not in DECODER_BLOCK:
     raise ConfigError(
       f"Unsupported architecture model_type={model_type!r}; supported: {', '.join(DECODER_BLOCK)}, gpt2"
@@ -203,6 +241,8 @@ def maxtext_keys(hf: dict[str, Any]) -> dict[str, Any]:
   out["mlp_activations"] = ACTIVATIONS[act]
   if block == "deepseek":
     out |= _deepseek_routing(hf)
+  if block == "llama4":
+    _check_llama4_layers(hf)
   rope = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {})}
   if block == "gemma3":
     out |= _rope_keys(rope["full_attention"], "rope_max_timescale", hf)
@@ -237,7 +277,19 @@ def hf_config(c: Config, dtype: str) -> dict[str, Any]:
   out["num_attention_heads"], out["num_key_value_heads"] = c.num_query_heads, c.num_kv_heads
   out["hidden_size"], out["intermediate_size"] = c.emb_dim, c.mlp_dim
   out["num_hidden_layers"] = c.num_decoder_layers
-  for key in ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping", "q_lora_rank"):
+  if c.decoder_block == "llama4":
+    wrong = {k: c[k] for k, v in FIXED["llama4"].items() if c[k] != v}
+    if wrong:
+      raise ConfigError(f"llama4_text fixes {FIXED['llama4']}; this config has {wrong}, which it cannot represent")
+    out["intermediate_size"], out["intermediate_size_mlp"] = c.moe_mlp_dim, c.mlp_dim
+    out["floor_scale"] = int(out["floor_scale"])
+  for key in (
+    "sliding_window",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "q_lora_rank",
+    "attention_chunk_size",
+  ):
     if out.get(key) == 0:
       out[key] = None
   if "query_pre_attn_scalar" in out:  # an int in transformers' config classes
@@ -272,10 +324,13 @@ def deinterleave(first: int, rope: int) -> list[int]:
 def _attention_rules(c: Config) -> Iterator[tuple]:
   """(HF suffix, path inside the layer, expert index, n_in, last-axis permutation) of the attention."""
   if c.decoder_block != "deepseek":
+    # Llama 4 rotates interleaved pairs (complex RoPE): q/k head dims are reordered into our halves layout.
+    perm = deinterleave(0, c.head_dim) if c.decoder_block == "llama4" else None
     for hf, mt in (("q", "query"), ("k", "key"), ("v", "value")):
-      yield f"self_attn.{hf}_proj.weight", ("self_attention", mt, "kernel"), (), 1, None
+      qk_perm = perm if hf != "v" else None
+      yield f"self_attn.{hf}_proj.weight", ("self_attention", mt, "kernel"), (), 1, qk_perm
       if c.attention_bias:
-        yield f"self_attn.{hf}_proj.bias", ("self_attention", mt, "bias"), (), None, None
+        yield f"self_attn.{hf}_proj.bias", ("self_attention", mt, "bias"), (), None, qk_perm
   else:
     q_perm = deinterleave(c.qk_nope_head_dim, c.qk_rope_head_dim)
     if c.q_lora_rank:
@@ -291,7 +346,7 @@ def _attention_rules(c: Config) -> Iterator[tuple]:
   yield "self_attn.o_proj.weight", ("self_attention", "out", "kernel"), (), 2, None
   if c.attention_bias:
     yield "self_attn.o_proj.bias", ("self_attention", "out", "bias"), (), None, None
-  if c.use_qk_norm:
+  if c.use_qk_norm and c.decoder_block != "llama4":  # llama4's q/k norms have no weights
     yield "self_attn.q_norm.weight", ("self_attention", "query_norm", "scale"), (), None, None
     yield "self_attn.k_norm.weight", ("self_attention", "key_norm", "scale"), (), None, None
 
@@ -303,8 +358,24 @@ def _mlp_rules(c: Config, prefix: str, path: tuple) -> Iterator[tuple]:
       yield f"{prefix}.{hf}.bias", (*path, *mt, "bias"), (), None, None
 
 
-def _feed_forward_rules(c: Config, moe: bool) -> Iterator[tuple]:
+def _llama4_feed_forward_rules(c: Config, moe: bool) -> Iterator[tuple]:
+  """Llama 4 keeps experts fused: gate_up_proj [E, D, 2F] (gate columns, then up) and down_proj [E, F, D],
+  both [in, out] per expert like ours, so they are copied (cut into column ranges) and not transposed."""
   if not moe:
+    yield from _mlp_rules(c, "feed_forward", ("mlp",))
+    return
+  f = c.moe_mlp_dim
+  yield "feed_forward.router.weight", ("mlp", "gate", "kernel"), (), 1, None
+  yield "feed_forward.experts.gate_up_proj", ("mlp", "wi_0"), (), None, None, (0, f)
+  yield "feed_forward.experts.gate_up_proj", ("mlp", "wi_1"), (), None, None, (f, 2 * f)
+  yield "feed_forward.experts.down_proj", ("mlp", "wo"), (), None, None
+  yield from _mlp_rules(c, "feed_forward.shared_expert", ("mlp", "shared_experts"))
+
+
+def _feed_forward_rules(c: Config, moe: bool) -> Iterator[tuple]:
+  if c.decoder_block == "llama4":
+    yield from _llama4_feed_forward_rules(c, moe)
+  elif not moe:
     yield from _mlp_rules(c, "mlp", ("mlp",))
   elif c.decoder_block in ("deepseek", "qwen3"):
     yield "mlp.gate.weight", ("mlp", "gate", "kernel"), (), 1, None
@@ -358,8 +429,11 @@ def rules(c: Config, stacks, params: dict) -> list[Rule]:
     out.append(Rule("lm_head.weight", ("logits_dense", "kernel"), (), 1))
   for i, (prefix, index) in enumerate(layer_locations(c, stacks, params)):
     moe = c.num_experts > 1 and i >= c.first_num_dense_layers
-    for suffix, path, expert, n_in, perm in _layer_rules(c, moe):
-      out.append(Rule(f"model.layers.{i}.{suffix}", prefix + path, index + expert, n_in, perm))
+    if c.decoder_block == "llama4":
+      moe = c.num_experts > 1 and (i + 1) % c.interleave_moe_layer_step == 0  # models/llama4.is_moe_layer
+    for suffix, path, expert, n_in, perm, *cols in _layer_rules(c, moe):
+      rule = Rule(f"model.layers.{i}.{suffix}", prefix + path, index + expert, n_in, perm, cols=(cols or [None])[0])
+      out.append(rule)
   return out
 
 
@@ -384,6 +458,6 @@ def _gpt2_rules(c: Config, stacks, params: dict) -> list[Rule]:
 def hf_shape(rule: Rule, shape: tuple[int, ...]) -> tuple[int, ...]:
   """The HF shape (of the rule's columns) of a parameter slice with our `shape`."""
   if rule.n_in is None:  # torch biases are flat [out]; ours keep the kernel's output dims ([N, H] for q)
-    return (math.prod(shape),) if rule.cols or rule.path[-1] == "bias" else tuple(shape)
+    return (math.prod(shape),) if rule.path[-1] == "bias" else tuple(shape)
   rows, cols = math.prod(shape[: rule.n_in]), math.prod(shape[rule.n_in :])
   return (cols, rows) if rule.transpose else (rows, cols)

@@ -30,29 +30,29 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def index_mask(
-  q_segments: jax.Array, k_segments: jax.Array, q_index: jax.Array, k_index: jax.Array, sliding_window: int = 0
-) -> jax.Array:
+  q_segments: jax.Array, k_segments: jax.Array, q_index: jax.Array, k_index: jax.Array, sliding_window: int = 0,
+  chunk_window: int = 0,
+) -> jax.Array:  # fmt: skip
   """Queries' segment ids [B, T] and places in the sequence [T], keys' [B, S] and [S] -> [B, 1, 1, T, S]
-  bool: causal by place, within the same document, and when sliding_window > 0 local (query i sees keys
-  j with i - window < j <= i). Places, not array positions, so a reordered or split sequence
-  (context parallelism) masks as the original one."""
+  bool: causal by place, within the same document, and local (local_window) when sliding_window or
+  chunk_window > 0. Places, not array positions, so a reordered or split sequence (context parallelism)
+  masks as the original one; chunks count from the row's first place, not each packed document's."""
   distance = q_index[:, None] - k_index[None, :]  # i - j
-  allowed = distance >= 0
-  if sliding_window:
-    allowed &= distance < sliding_window
+  allowed = kv_cache.local_window(distance, q_index[:, None], k_index[None, :], sliding_window, chunk_window)
   same_doc = q_segments[:, :, None] == k_segments[:, None, :]
   return (allowed[None] & same_doc)[:, None, None]
 
 
 def attention_mask(
-  segment_ids: jax.Array, sliding_window: int = 0, query_start: jax.Array | int = 0, query_length: int | None = None
-) -> jax.Array:
+  segment_ids: jax.Array, sliding_window: int = 0, query_start: jax.Array | int = 0, query_length: int | None = None,
+  chunk_window: int = 0,
+) -> jax.Array:  # fmt: skip
   """[B, S] segment ids -> [B, 1, 1, T, S] bool for the T = query_length (default S) queries from
   position query_start: index_mask over the sequence in its original order."""
   s = segment_ids.shape[1]
   t = s if query_length is None else query_length
   query_ids = segment_ids if t == s else jax.lax.dynamic_slice_in_dim(segment_ids, query_start, t, axis=1)
-  return index_mask(query_ids, segment_ids, query_start + jnp.arange(t), jnp.arange(s), sliding_window)
+  return index_mask(query_ids, segment_ids, query_start + jnp.arange(t), jnp.arange(s), sliding_window, chunk_window)
 
 
 def soft_cap(x: jax.Array, cap: float) -> jax.Array:
@@ -126,7 +126,7 @@ def whole_sequence(segment_ids: jax.Array) -> context_parallel.LocalTokens:
 
 def chunked_dot_product_attention(
   q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, sliding_window: int,
-  logits_soft_cap: float, chunk: int, tokens: context_parallel.LocalTokens | None = None,
+  logits_soft_cap: float, chunk: int, tokens: context_parallel.LocalTokens | None = None, chunk_window: int = 0,
 ) -> jax.Array:  # fmt: skip
   """dot_product_attention over query blocks of `chunk` tokens, each rematerialised in the backward pass:
   the [B, N, chunk, S] scores of one block are live at a time instead of the whole [B, N, T, S].
@@ -137,7 +137,7 @@ def chunked_dot_product_attention(
 
   @jax.checkpoint
   def block(q_block, q_segments, q_index):
-    mask = index_mask(q_segments, tokens.k_segments, q_index, tokens.k_index, sliding_window)
+    mask = index_mask(q_segments, tokens.k_segments, q_index, tokens.k_index, sliding_window, chunk_window)
     return dot_product_attention(q_block, k, v, mask, logits_soft_cap)
 
   q_blocks = q.reshape(b, n, chunk, *q.shape[2:]).swapaxes(0, 1)  # [n, B, chunk, N, H]
@@ -148,14 +148,14 @@ def chunked_dot_product_attention(
 
 def local_attention(
   q: jax.Array, k: jax.Array, v: jax.Array, tokens: context_parallel.LocalTokens, *, sliding_window: int,
-  logits_soft_cap: float, chunk: int,
+  logits_soft_cap: float, chunk: int, chunk_window: int = 0,
 ) -> jax.Array:  # fmt: skip
   """dot_product attention of one context shard's queries over all keys (context_parallel.LocalAttention),
   in query blocks of `chunk` when chunk divides the local length."""
   t = q.shape[1]
   if 0 < chunk < t and t % chunk == 0:
-    return chunked_dot_product_attention(q, k, v, None, sliding_window, logits_soft_cap, chunk, tokens)
-  mask = index_mask(tokens.q_segments, tokens.k_segments, tokens.q_index, tokens.k_index, sliding_window)
+    return chunked_dot_product_attention(q, k, v, None, sliding_window, logits_soft_cap, chunk, tokens, chunk_window)
+  mask = index_mask(tokens.q_segments, tokens.k_segments, tokens.q_index, tokens.k_index, sliding_window, chunk_window)
   return dot_product_attention(q, k, v, mask, logits_soft_cap)
 
 
@@ -183,11 +183,12 @@ def load_balanced(config: Config, length: int) -> bool:
 
 
 def attend(
-  config: Config, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, sliding_window: int = 0
-) -> jax.Array:
+  config: Config, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, sliding_window: int = 0,
+  chunk_window: int = 0,
+) -> jax.Array:  # fmt: skip
   """Attention without a decode cache (training, evaluation) through the configured kernel: q [B, T, N, Hq]
   already scaled, k [B, T, K, Hq], v [B, T, K, Hv] -> [B, T, N, Hv]; causal, within segments, local when
-  sliding_window > 0.
+  sliding_window or chunk_window > 0 (local_window).
 
   Under context parallelism (context_parallel_shards > 1) the arrays come split along T and, when
   load_balanced, in the balanced layout the decoder made; attention then runs per shard."""
@@ -200,26 +201,38 @@ def attend(
     v_full = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, pad))) if pad > 0 else v
     out = flash_attention(
       q, k, v_full, segment_ids, sliding_window=sliding_window, logits_soft_cap=cap,
-      interpret=target_platform() != "tpu",
+      interpret=target_platform() != "tpu", chunk_window=chunk_window,
     )  # fmt: skip
     return out[..., : v.shape[-1]]
   if kind == "cudnn_flash_te":
-    return cudnn_attention(q, k, v, attention_mask(segment_ids, sliding_window), cap)
+    return cudnn_attention(q, k, v, attention_mask(segment_ids, sliding_window, chunk_window=chunk_window), cap)
   chunk = config.attention_query_chunk
   if context_parallel_shards(config, t) > 1:
-    local = functools.partial(local_attention, sliding_window=sliding_window, logits_soft_cap=cap, chunk=chunk)
+    local = functools.partial(
+      local_attention, sliding_window=sliding_window, logits_soft_cap=cap, chunk=chunk, chunk_window=chunk_window
+    )
     return context_parallel.attention(local, q, k, v, segment_ids, balanced=load_balanced(config, t))
   if 0 < chunk < t and t % chunk == 0:
-    return chunked_dot_product_attention(q, k, v, segment_ids, sliding_window, cap, chunk)
-  return dot_product_attention(q, k, v, attention_mask(segment_ids, sliding_window), cap)
+    return chunked_dot_product_attention(q, k, v, segment_ids, sliding_window, cap, chunk, chunk_window=chunk_window)
+  return dot_product_attention(q, k, v, attention_mask(segment_ids, sliding_window, chunk_window=chunk_window), cap)
+
+
+def temperature_scale(positions: jax.Array, config: Config) -> jax.Array:
+  """positions [B, T] -> float32 query multipliers [B, T]: 1 + scale * ln(1 + floor((position + 1) / floor_scale))
+  (temperature_tuning_*), which sharpens attention far into a long context where no RoPE tells distance."""
+  steps = jnp.floor((positions.astype(jnp.float32) + 1.0) / config.temperature_tuning_floor_scale)
+  return 1.0 + config.temperature_tuning_scale * jnp.log1p(steps)
 
 
 class Attention(nnx.Module):
   """Projections q/k/v/o, optional q/k norms, RoPE, and GQA attention over a packed batch.
 
-  `sliding_window` (0: global) and `rope_max_timescale` (None: config.rope_max_timescale) let a family
-  make local and global layers; `norm` builds the q/k norms (Gemma's 1+w or plain RMSNorm). Biases on
-  q/k/v/o come from config.attention_bias or `use_bias` (gpt3, which also has no RoPE: `use_rope`).
+  `sliding_window` (0: global), `chunk_window` (None: config.chunk_attn_window_size; 0: none) and
+  `rope_max_timescale` (None: config.rope_max_timescale) let a family make local and global layers;
+  `norm` builds the q/k norms (Gemma's 1+w or plain RMSNorm), `qk_norm` overrides it for them alone
+  (llama4's weightless norm) and `use_qk_norm` (None: config.use_qk_norm) turns them on per layer. Biases
+  on q/k/v/o come from config.attention_bias or `use_bias` (gpt3, which also has no RoPE: `use_rope`).
+  Layers without RoPE scale their queries by position when config.temperature_tuning (llama4's NoPE layers).
   """
 
   def __init__(
@@ -233,6 +246,9 @@ class Attention(nnx.Module):
     norm: Callable[..., nnx.Module] = RMSNorm,
     use_bias: bool = False,
     use_rope: bool = True,
+    chunk_window: int | None = None,
+    use_qk_norm: bool | None = None,
+    qk_norm: Callable[..., nnx.Module] | None = None,
   ):
     dt, wdt = jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
     d, n, k, h = config.emb_dim, config.num_query_heads, config.num_kv_heads, config.head_dim
@@ -242,11 +258,14 @@ class Attention(nnx.Module):
     self.value = DenseGeneral(d, (k, h), ("embed", "kv_heads", "kv"), **dense)
     self.out = DenseGeneral((n, h), d, ("heads", "kv", "embed"), **dense)
     self.query_norm = self.key_norm = nnx.data(None)
-    if config.use_qk_norm:
+    if config.use_qk_norm if use_qk_norm is None else use_qk_norm:
       norm_args = dict(epsilon=config.normalization_layer_epsilon, dtype=dt, weight_dtype=wdt)
-      self.query_norm, self.key_norm = norm(h, **norm_args), norm(h, **norm_args)
+      qk_norm = norm if qk_norm is None else qk_norm
+      self.query_norm, self.key_norm = qk_norm(h, **norm_args), qk_norm(h, **norm_args)
     self.config = config
     self.sliding_window = sliding_window
+    self.chunk_window = config.chunk_attn_window_size if chunk_window is None else chunk_window
+    self.temperature_tuning = config.temperature_tuning and not use_rope
     self.rope_max_timescale = config.rope_max_timescale if rope_max_timescale is None else rope_max_timescale
     self.rope_type = config.rope_type if rope_type is None else rope_type
     self.query_scale = (config.query_pre_attn_scalar or h) ** -0.5
@@ -277,12 +296,14 @@ class Attention(nnx.Module):
       scale = rope_attention_factor(self.config, self.rope_type)
       q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
     q = q * self.query_scale
+    if self.temperature_tuning:
+      q = q * temperature_scale(positions, self.config)[:, :, None, None].astype(q.dtype)
     if cache is None:
-      out = attend(self.config, q, k, v, segment_ids, self.sliding_window)
+      out = attend(self.config, q, k, v, segment_ids, self.sliding_window, self.chunk_window)
     else:
       cache = kv_cache.update(cache, k, v, positions)
       keys, values = kv_cache.read(cache, v.dtype)
-      mask = kv_cache.mask(positions, cache.key.shape[1], self.sliding_window)
+      mask = kv_cache.mask(positions, cache.key.shape[1], self.sliding_window, self.chunk_window)
       out = dot_product_attention(q, keys, values, mask, self.config.attn_logits_soft_cap)
     out = checkpoint_name(nn.with_logical_constraint(out, HEAD_AXES), "context")
     return checkpoint_name(self.out(out), "out_proj"), cache

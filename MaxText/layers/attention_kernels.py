@@ -41,9 +41,14 @@ def block_size(length: int) -> int:
   )
 
 
-def _splash_mask(heads: int, length: int, sliding_window: int) -> splash_mask.MultiHeadMask:
-  """Causal, and local when 0 < sliding_window < length: query i sees keys j with i - window < j <= i."""
-  if 0 < sliding_window < length:
+def _splash_mask(heads: int, length: int, sliding_window: int, chunk_window: int = 0) -> splash_mask.MultiHeadMask:
+  """Causal, and local when 0 < sliding_window < length: query i sees keys j with i - window < j <= i;
+  chunked when 0 < chunk_window < length: the same block of chunk_window places (i // C == j // C)."""
+  if sliding_window and chunk_window:
+    raise ValueError("flash_attention takes a sliding window or a chunk window, not both")
+  if 0 < chunk_window < length:
+    one = splash_mask.ChunkedCausalMask((length, length), chunk_size=chunk_window)
+  elif 0 < sliding_window < length:
     one = splash_mask.LocalMask((length, length), window_size=(sliding_window - 1, 0), offset=0)
   else:
     one = splash_mask.CausalMask((length, length))
@@ -59,6 +64,7 @@ def _splash(
   sliding_window: int,
   logits_soft_cap: float,
   interpret: bool,
+  chunk_window: int = 0,
 ) -> jax.Array:
   """The kernel on local (unsharded) arrays: q [B, T, N, H], k/v [B, T, K, H] -> [B, T, N, H]."""
   t, n = q.shape[1], q.shape[2]
@@ -68,7 +74,7 @@ def _splash(
     block_q_dq=b, block_kv_dq=b,
   )  # fmt: skip
   kernel = splash.make_splash_mha(
-    _splash_mask(n, t, sliding_window),
+    _splash_mask(n, t, sliding_window, chunk_window),
     block_sizes=sizes,
     attn_logits_soft_cap=logits_soft_cap or None,
     head_shards=1,  # built per shard, on the local heads and the whole sequence
@@ -117,12 +123,14 @@ def flash_attention(
   sliding_window: int = 0,
   logits_soft_cap: float = 0.0,
   interpret: bool = False,
+  chunk_window: int = 0,
 ) -> jax.Array:
   """Causal, packing-aware GQA attention through the splash kernels; dot_product_attention's contract.
 
   q [B, T, N, H] already scaled by the query scale, k/v [B, T, K, H] with N a multiple of K, segment_ids
   [B, T] int (tokens attend within their own segment id) -> [B, T, N, H] in q's dtype. sliding_window > 0:
-  query i sees keys j with i - window < j <= i. logits_soft_cap > 0: logits -> cap * tanh(logits / cap).
+  query i sees keys j with i - window < j <= i; chunk_window > 0: the same block of chunk_window places.
+  logits_soft_cap > 0: logits -> cap * tanh(logits / cap).
   T must be a multiple of 128 (ValueError otherwise). interpret=True runs the Pallas interpreter (CPU).
   Under an active mesh (jax.set_mesh) the kernel runs per shard (shard_plan); without one, directly.
   """
@@ -134,7 +142,10 @@ def flash_attention(
   if segment_ids.shape != q.shape[:2]:
     raise ValueError(f"segment_ids must be [B, T] = {q.shape[:2]}; got {segment_ids.shape}")
   block_size(q.shape[1])  # fail before shard_map with the length the user set, not a per-shard one
-  body = functools.partial(_splash, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, interpret=interpret)
+  body = functools.partial(
+    _splash, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, interpret=interpret,
+    chunk_window=chunk_window,
+  )  # fmt: skip
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return body(q, k, v, segment_ids)

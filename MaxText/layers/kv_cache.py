@@ -95,11 +95,23 @@ def read(cache: KVCache, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
   return key.astype(dtype), value.astype(dtype)
 
 
-def mask(positions: jax.Array, length: int, sliding_window: int = 0) -> jax.Array:
-  """Queries at `positions` [B, T] over `length` cache slots -> [B, 1, 1, T, S] bool: causal, and
-  local (position - window < slot) when sliding_window > 0."""
-  distance = positions[:, :, None] - jnp.arange(length)[None, None, :]  # [B, T, S]
+def local_window(
+  distance: jax.Array, q_index: jax.Array, k_index: jax.Array, sliding_window: int, chunk_window: int
+) -> jax.Array:
+  """The causal mask `distance >= 0` (distance = q_index - k_index, broadcast) narrowed to the local
+  window: i - window < j when sliding_window > 0; the same block of chunk_window places (i // C == j // C,
+  llama4's chunked attention) when chunk_window > 0. Shared by the training masks (attention.index_mask)."""
   allowed = distance >= 0
   if sliding_window:
     allowed &= distance < sliding_window
+  if chunk_window:
+    allowed &= q_index // chunk_window == k_index // chunk_window
+  return allowed
+
+
+def mask(positions: jax.Array, length: int, sliding_window: int = 0, chunk_window: int = 0) -> jax.Array:
+  """Queries at `positions` [B, T] over `length` cache slots -> [B, 1, 1, T, S] bool: causal, and local
+  (position - window < slot; or the same block of chunk_window slots) when sliding_window or chunk_window > 0."""
+  slots = jnp.arange(length)[None, None, :]
+  allowed = local_window(positions[:, :, None] - slots, positions[:, :, None], slots, sliding_window, chunk_window)
   return allowed[:, None, None]

@@ -90,9 +90,10 @@ def capacity_mask(experts: jax.Array, num_experts: int, capacity_factor: float) 
 
 
 class MoeBlock(nnx.Module):
-  """x [B, T, D] -> [B, T, D]: sum over the token's top-k experts of weight * wo(act(wi_0 x) * wi_1 x),
-  plus the shared experts' MLP when shared_experts > 0. Expert width F: config.moe_mlp_dim (scaled like
-  mlp_dim); the shared experts are one MLP of width shared_experts * F, as in DeepSeek and MaxText."""
+  """x [B, T, D] -> [B, T, D]: sum over the token's top-k experts of weight * wo(act(wi_0 x) * wi_1 x) (with
+  routed_weight_on_input: wo(act(wi_0 wx) * wi_1 wx)), plus the shared experts' MLP when shared_experts > 0.
+  Expert width F: config.moe_mlp_dim (scaled like mlp_dim); the shared experts are one MLP of width
+  shared_experts * F, as in DeepSeek and MaxText."""
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs):
     dt, wdt = jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
@@ -115,13 +116,17 @@ class MoeBlock(nnx.Module):
     tokens = x.reshape(b * t, d)  # [X, D]
     routing = self._route(tokens)
     self.load_balance_loss = nnx.Intermediate(load_balance_loss(routing, self.num_experts))
+    weights = routing.weights
+    if self.config.routed_weight_on_input:  # llama4: the expert sees w * x (k = 1, checked at load), output unweighted
+      tokens = (tokens.astype(jnp.float32) * weights).astype(tokens.dtype)
+      weights = jnp.ones_like(weights)
     if self.capacity_factor > 0 and self.config.capacity_group == "global":
       out = self._capacity_experts(tokens, routing.experts)  # [X, k, D], 0 where dropped
     elif self.capacity_factor > 0:
       out = self._grouped_capacity_experts(tokens, routing.experts, t)
     else:
       out = self._experts(tokens, routing.experts, t)  # [X, k, D]
-    out = jnp.einsum("XRD,XR->XD", out.astype(jnp.float32), routing.weights).astype(self.dtype)
+    out = jnp.einsum("XRD,XR->XD", out.astype(jnp.float32), weights).astype(self.dtype)
     out = out.reshape(b, t, d)
     if self.shared_experts is not None:
       out = out + self.shared_experts(x)

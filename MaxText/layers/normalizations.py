@@ -30,6 +30,18 @@ def gemma_rms_norm(dim: int, **kwargs) -> RMSNorm:
   return RMSNorm(dim, scale_offset=1.0, **kwargs)
 
 
+class UnitRMSNorm(nnx.Module):
+  """x / rms(x) without a learned scale (llama4's q/k "L2" norm); RMSNorm's constructor, no parameters."""
+
+  def __init__(self, dim: int, *, epsilon: float, dtype: jnp.dtype, weight_dtype: jnp.dtype):
+    del dim, weight_dtype  # nothing to store
+    self.epsilon, self.dtype = epsilon, dtype
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)).astype(self.dtype)
+
+
 class LayerNorm(nnx.Module):
   """(x - mean) / sqrt(var + epsilon) * scale + bias over the last axis, in float32 (gpt3)."""
 

@@ -6,7 +6,7 @@ from flax import nnx
 
 from MaxText.config import Config, ConfigError
 from MaxText.layers.decoder import Decoder, Family
-from MaxText.models import deepseek, gemma, gemma2, gemma3, gpt3, llama2
+from MaxText.models import deepseek, gemma, gemma2, gemma3, gpt3, llama2, llama4
 
 # Llama 3, Mistral, Mixtral and Qwen3 differ from Llama 2 by config keys only (README, "Models").
 REGISTRY: dict[str, Family] = {
@@ -19,6 +19,7 @@ REGISTRY: dict[str, Family] = {
   "gemma2": gemma2.FAMILY,
   "gemma3": gemma3.FAMILY,
   "deepseek": deepseek.FAMILY,
+  "llama4": llama4.FAMILY,
   "gpt3": gpt3.FAMILY,
 }
 

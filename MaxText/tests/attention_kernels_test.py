@@ -28,14 +28,16 @@ def inputs(b=2, t=384, n=4, k=2, h=64, packed=True, seed=0):
   return q, kv[0], kv[1], jnp.asarray(segments, jnp.int32), keys[3]
 
 
-def reference(q, k, v, segment_ids, sliding_window=0, logits_soft_cap=0.0):
-  return dot_product_attention(q, k, v, attention_mask(segment_ids, sliding_window), logits_soft_cap)
+def reference(q, k, v, segment_ids, sliding_window=0, logits_soft_cap=0.0, chunk_window=0):
+  mask = attention_mask(segment_ids, sliding_window, chunk_window=chunk_window)
+  return dot_product_attention(q, k, v, mask, logits_soft_cap)
 
 
-def flash(q, k, v, segment_ids, sliding_window=0, logits_soft_cap=0.0):
+def flash(q, k, v, segment_ids, sliding_window=0, logits_soft_cap=0.0, chunk_window=0):
   return attention_kernels.flash_attention(
-    q, k, v, segment_ids, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, interpret=True
-  )
+    q, k, v, segment_ids, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, interpret=True,
+    chunk_window=chunk_window,
+  )  # fmt: skip
 
 
 def value_and_grads(fn, q, k, v, segment_ids, cotangent, **options):
@@ -56,10 +58,11 @@ def assert_close(got, want, tol=1e-4):
     (dict(k=4), False, {}),  # plain causal, one head per kv head
     (dict(k=4), True, {}),  # packed documents and padding
     (dict(k=2), True, dict(sliding_window=100)),  # local window, not a multiple of the block
+    (dict(k=2), True, dict(chunk_window=160)),  # llama4's chunks, not a multiple of the block
     (dict(k=2, t=128, h=128), True, {}),  # GQA N=4, K=2; one block
     (dict(k=1), True, dict(logits_soft_cap=2.0)),  # MQA with soft cap (small cap: tanh far from linear)
   ],
-  ids=["causal", "packed", "window", "gqa", "softcap_mqa"],
+  ids=["causal", "packed", "window", "chunk", "gqa", "softcap_mqa"],
 )
 def test_flash_equals_dot_product_forward_and_backward(shape, packed, options):
   q, k, v, segment_ids, key = inputs(packed=packed, **shape)

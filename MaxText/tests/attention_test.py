@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import Mesh
 
 from MaxText import config as config_lib
-from MaxText.layers import attention
+from MaxText.layers import attention, kv_cache
 
 
 def config(*overrides):
@@ -83,3 +83,13 @@ def test_flash_on_a_gpu_points_to_cudnn(monkeypatch):
   q, k, v, segments = inputs(t=128)
   with pytest.raises(config_lib.ConfigError, match="cudnn_flash_te"):
     attention.attend(config("attention=flash", "max_target_length=128"), q, k, v, segments)
+
+
+def test_chunked_mask_keeps_each_query_in_its_own_chunk():
+  """chunk_window=4 (llama4): query i sees keys j <= i with i // 4 == j // 4, in training and decode masks."""
+  segments = jnp.ones((1, 10), jnp.int32)
+  got = np.asarray(attention.attention_mask(segments, chunk_window=4))[0, 0, 0]
+  i, j = np.arange(10)[:, None], np.arange(10)[None, :]
+  np.testing.assert_array_equal(got, (j <= i) & (i // 4 == j // 4))
+  decode = kv_cache.mask(jnp.arange(10)[None], 12, chunk_window=4)[0, 0, 0]
+  np.testing.assert_array_equal(np.asarray(decode)[:, :10], got)

@@ -18,9 +18,9 @@ PROMPTS = [[5, 9, 17], [3, 1, 4, 1, 5, 9, 2, 6, 53], [40, 41, 42, 43, 44, 45]]
 NEW = 16
 # One per attention/layer variant: GQA, projection biases, sliding window, MoE, q/k norms, gemma norms,
 # soft-caps with local/global layers, 5:1 local/global, multi-head latent attention (V3; V2 with YaRN),
-# learned positions.
+# learned positions, chunked local / NoPE global layers with input-weighted top-1 MoE (llama4).
 FAMILIES = ["llama2", "llama-bias", "mistral", "mixtral", "qwen3", "gemma", "gemma2", "gemma3", "deepseek3"]
-FAMILIES += ["deepseek2", "gpt3"]
+FAMILIES += ["deepseek2", "gpt3", "llama4"]
 
 
 def hf_greedy(model, prompts):
@@ -36,6 +36,9 @@ def hf_greedy(model, prompts):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_tokens_equal_hugging_face_generate(family, tmp_path, monkeypatch):
   monkeypatch.setitem(families_test.GPT2, "n_positions", 32)  # room for prompt + 16 new tokens
+  # transformers counts llama4's temperature-tuning positions from the left padding (the prompt alone would
+  # differ), so here its steps start beyond the 32 positions; families_test checks the scaling itself.
+  monkeypatch.setitem(families_test.LLAMA4, "floor_scale", 64)
   model, hf_path = families_test.hf_model(family, tmp_path)
   out = os.path.join(tmp_path, "mt")
   hf_to_maxtext.convert(hf_path, out)

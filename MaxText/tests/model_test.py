@@ -97,6 +97,9 @@ FAMILY_PRESETS = {
   "deepseek": ["model_name=deepseek3-671b", *MOE, *MLA, "num_experts=8", "n_routing_groups=4", "topk_routing_group=2"]
   + ["first_num_dense_layers=1", "base_num_decoder_layers=3"],
   "gpt3": ["model_name=gpt3-175b"],
+  # one 4-layer unit (NoPE last; MoE every 2nd) and a remainder; chunks of 4 within the 16 tokens
+  "llama4": ["model_name=llama4-17b-128e", "num_experts=4", "base_moe_mlp_dim=32", "base_num_decoder_layers=6"]
+  + ["chunk_attn_window_size=4"],
 }
 FAMILY_TINY = ["base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=4", "base_mlp_dim=128", "head_dim=16"]
 FAMILY_TINY += ["base_num_decoder_layers=2", "vocab_size=512", "max_target_length=16", "dtype=float32"]

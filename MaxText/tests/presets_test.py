@@ -39,6 +39,8 @@ PUBLISHED = {  # billions of parameters, as published by the model authors (text
   "deepseek2-16b": 15.7,
   "deepseek3-671b": 671.0,
   "gpt3-175b": 175.0,
+  "llama4-17b-16e": 107.8,  # Scout: 109B published with the vision encoder; the text decoder from its config.json
+  "llama4-17b-128e": 400.7,  # Maverick: 400B published
 }
 
 
@@ -75,6 +77,10 @@ def test_parameter_count(name):
     "first_num_dense_layers=99",
     "mlp_bias=true",
     "decoder_block=deepseek attention_bias=true",
+    "chunk_attn_window_size=-1",
+    "chunk_attn_window_size=8 sliding_window_size=8",
+    "interleave_moe_layer_step=0",
+    "num_experts=4 num_experts_per_tok=2 routed_weight_on_input=true",
   ],
 )
 def test_family_options_are_validated(bad):

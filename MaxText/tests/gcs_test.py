@@ -8,47 +8,12 @@ import os
 import subprocess
 import sys
 import time
-import uuid
 
 import pytest
 
 from MaxText import config as config_lib
 from MaxText import launch, paths, train
-from MaxText.tests.conftest import BASE, DOCS, ROOT, TINY, free_port, run_processes
-from MaxText.tests.gcs_emulator import gcs_env
-
-pytest.importorskip("gcp_storage_emulator", reason="TEST=1 bash setup.sh installs it (requirements-test.txt)")
-pytest.importorskip("gcsfs", reason="pip install -r requirements.txt")
-
-BUCKET = "maxtext-test"
-
-
-@pytest.fixture(scope="module")
-def gcs():
-  """The emulator on a free port with BUCKET, its environment set in this process; yields that environment."""
-  port = free_port()
-  proc = subprocess.Popen(
-    [sys.executable, os.path.join(ROOT, "MaxText", "tests", "gcs_emulator.py"), str(port), BUCKET],
-    stdout=subprocess.PIPE,
-    stderr=subprocess.DEVNULL,
-    text=True,
-  )
-  try:
-    assert proc.stdout.readline().strip() == "ready", "the GCS emulator did not start"
-    env = gcs_env(port)
-    with pytest.MonkeyPatch.context() as mp:
-      for key, value in env.items():
-        mp.setenv(key, value)
-      yield env
-  finally:
-    proc.kill()
-    proc.wait()
-
-
-@pytest.fixture
-def bucket(gcs):
-  """A fresh gs:// prefix of the emulator's bucket for one test."""
-  return f"gs://{BUCKET}/{uuid.uuid4().hex[:8]}"
+from MaxText.tests.conftest import BASE, DOCS, ROOT, TINY, run_processes
 
 
 def gcfg(base, name, *overrides):

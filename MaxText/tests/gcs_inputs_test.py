@@ -5,14 +5,17 @@ Face local-file formats), and the files other entry points read: compiled_trains
 import json
 import os
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from MaxText import config as config_lib
 from MaxText import paths
+from MaxText.config import ConfigError
 from MaxText.data import make_iterators
 from MaxText.data.convert_to_arrayrecord import write_arrayrecord
-from MaxText.tests.conftest import DOCS, assert_same_batches, data_config, mesh_of, take_batches
+from MaxText.tests.conftest import BASE, DOCS, TINY, assert_same_batches, data_config, losses, mesh_of, take_batches
 
 
 def upload(local_dir, remote_dir):
@@ -72,3 +75,41 @@ def test_hf_parquet_and_json_files_on_a_bucket(tmp_path, corpus, bucket):
     same_batches(
       tmp_path, corpus, [*hf, f"hf_train_files={tmp_path}/hf/{name}"], [*hf, f"hf_train_files={bucket}/hf/{name}"]
     )
+
+
+def gcfg(base, name, *overrides):
+  return config_lib.load([BASE, f"run_name={name}", f"base_output_directory={base}", *TINY, *overrides], {})
+
+
+def test_compiled_trainstep_file_on_a_bucket(tmp_path, bucket):
+  """train_compile's executable written to gs:// is read from there by train.py (train_compile_test checks its
+  losses against the jitted step's)."""
+  from MaxText import compiled_step, train, train_compile
+
+  path, common = f"{bucket}/aot/step.pickle", ["steps=2", "per_device_batch_size=1"]
+  c = gcfg(tmp_path, "compile", *common, "compile_topology=cpu", f"compiled_trainstep_file={path}")
+  compiled, _, mesh = train_compile.compile_train_step(c, train_compile.topology_devices(c))
+  compiled_step.save_compiled(path, compiled, c, mesh)
+  loaded = gcfg(tmp_path, "loaded", *common, f"compiled_trainstep_file={path}")
+  assert train.run(loaded)["steps_run"] == 2 and np.isfinite(losses(loaded)).all()
+  with pytest.raises(ConfigError, match="does not exist"):
+    train.run(gcfg(tmp_path, "missing", *common, f"compiled_trainstep_file={bucket}/aot/nope.pickle"))
+
+
+def test_check_logits_reads_golden_logits_and_params_from_a_bucket(bucket):
+  """check_logits with load_parameters_path and golden_logits_path both on gs://: passes on the model's own
+  logits, fails on shifted ones."""
+  from MaxText import check_logits, checkpointing
+  from MaxText import state as state_lib
+
+  params, argv = f"{bucket}/params", [BASE, *TINY, "run_name=check", f"base_output_directory={bucket}"]
+  c = config_lib.load([*argv, "dtype=float32", "weight_dtype=float32"], {})
+  checkpointing.save_params(params, state_lib.init_params(c, state_lib.param_spec(c)))
+  argv.append(f"load_parameters_path={params}")
+  run = check_logits.model_logits(c.replace(load_parameters_path=params))
+  tokens = np.random.default_rng(0).integers(0, 256, (2, 16))
+  for name, shift in (("golden", 0.0), ("bad", 1e-2)):
+    rows = [json.dumps({"tokens": t.tolist(), "logits": (run(t) + shift).tolist()}) for t in tokens]
+    paths.Path(f"{bucket}/{name}.jsonl").write_text("\n".join(rows) + "\n")
+  assert check_logits.main([*argv, f"golden_logits_path={bucket}/golden.jsonl"]) == 0
+  assert check_logits.main([*argv, f"golden_logits_path={bucket}/bad.jsonl", "atol=1e-3", "rtol=0"]) == 1

@@ -117,19 +117,37 @@ def _suggest(key: str, known: Mapping[str, Any] | Sequence[str]) -> str:
   return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def _is_file(path: str) -> bool:
+  """os.path.isfile, or for a gs:// path (a config saved with a run or a conversion in a bucket) whether the
+  object exists; paths (etils, gcsfs) is imported only then."""
+  if not path.startswith("gs://"):
+    return os.path.isfile(path)
+  from MaxText import paths  # noqa: PLC0415
+
+  return paths.with_timeout(lambda: paths.isfile(path), f"Config file {path!r}")
+
+
 def _read_yaml(path: str) -> dict[str, Any]:
-  """Read a YAML file, following `base_config:` (relative to the file, then to configs/)."""
-  if not os.path.isfile(path):
+  """Read a YAML file (local or gs://), following `base_config:` (relative to the file, then to configs/)."""
+  if not _is_file(path):
     raise ConfigError(f"Config file {path!r} does not exist")
-  with open(path) as f:
-    values = yaml.safe_load(f) or {}
+  if path.startswith("gs://"):
+    from MaxText import paths  # noqa: PLC0415
+
+    values = yaml.safe_load(paths.Path(path).read_text()) or {}
+  else:
+    with open(path) as f:
+      values = yaml.safe_load(f) or {}
   if not isinstance(values, dict):
     raise ConfigError(f"Config file {path!r} must hold a mapping of key: value")
   parent = values.pop("base_config", None)
   if parent is None:
     return values
-  for candidate in (os.path.join(os.path.dirname(path), parent), os.path.join(CONFIG_DIR, parent)):
-    if os.path.isfile(candidate):
+  beside = (
+    f"{path.rsplit('/', 1)[0]}/{parent}" if path.startswith("gs://") else os.path.join(os.path.dirname(path), parent)
+  )
+  for candidate in (beside, os.path.join(CONFIG_DIR, parent)):
+    if _is_file(candidate):
       return {**_read_yaml(candidate), **values}
   raise ConfigError(f"{path!r}: base_config {parent!r} not found next to it or in {CONFIG_DIR}")
 
@@ -205,7 +223,7 @@ def recipes() -> list[str]:
 def resolve_config_path(name: str) -> str:
   """A config file path as given, or a recipe name resolved in configs/ ("v5e/16b" ->
   configs/v5e/16b.yml), so `train.py quickstart` works from any directory."""
-  if os.path.isfile(name):
+  if _is_file(name):
     return name
   for candidate in (os.path.join(CONFIG_DIR, name), os.path.join(CONFIG_DIR, f"{name}.yml")):
     if os.path.isfile(candidate):

@@ -2,6 +2,8 @@
 
     python3 -m MaxText.convert.maxtext_to_hf CONFIG.yml load_parameters_path=PARAMS --output HF_DIR [--dtype float32]
 
+PARAMS and HF_DIR may be local or gs:// (docs/cloud_storage.md).
+
 transformers.AutoModelForCausalLM.from_pretrained(HF_DIR) loads the result. One safetensors shard per
 decoder layer (plus one for embeddings/head), each read from the checkpoint (MaxText/convert/streaming.py
 Reader: tensorstore, one layer block at a time) and written before the next, so host memory stays near
@@ -15,14 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 
 import jax
 import numpy as np
 from flax import nnx
 
 from MaxText import config as config_lib
-from MaxText import models
+from MaxText import launch, models, paths
 from MaxText import state as state_lib
 from MaxText.config import Config, ConfigError
 from MaxText.convert import hf_mapping, streaming
@@ -70,19 +74,33 @@ def _locate(c: Config, reader: streaming.Reader) -> tuple[Config, tuple[str, ...
 
 def convert(c: Config, output: str, dtype: str = "float32") -> None:
   """Write OUTPUT/config.json and safetensors shards (one per decoder layer, one for the rest), reading
-  and writing one shard at a time: host memory stays near one layer, not the model."""
+  and writing one shard at a time: host memory stays near one layer, not the model.
+
+  Either path may be gs://: tensorstore reads a remote checkpoint itself; a remote output is written to a
+  local staging directory (safetensors writes local files) and then uploaded, so it needs local disk for
+  the whole export."""
+  if not c.load_parameters_path:
+    raise ConfigError("Set load_parameters_path= to the MaxText params to export")
+  where = f"load_parameters_path={c.load_parameters_path!r}"
+  if not paths.with_timeout(lambda: paths.isdir(c.load_parameters_path), where):
+    raise ConfigError(f"load_parameters_path {c.load_parameters_path!r} does not exist")
+  if not paths.is_remote(output):
+    _write(c, output, dtype)
+    return
+  paths.check_writable(output, "--output")
+  staging = tempfile.mkdtemp(prefix="maxtext-export-")
+  try:
+    _write(c, staging, dtype)
+    paths.publish_tree(staging, output)
+  finally:
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def _write(c: Config, output: str, dtype: str) -> None:
+  """convert() into the local directory `output`."""
   import torch  # noqa: PLC0415 (optional dependency; safetensors' torch writer handles bfloat16)
   from safetensors.torch import save_file  # noqa: PLC0415
 
-  if not c.load_parameters_path:
-    raise ConfigError("Set load_parameters_path= to the MaxText params to export")
-  if c.load_parameters_path.startswith("gs://"):  # streaming.Reader opens local tensorstore files
-    raise ConfigError(
-      f"Export reads local checkpoints only: copy {c.load_parameters_path!r} with "
-      "`gcloud storage cp -r` and set load_parameters_path to the copy"
-    )
-  if not os.path.isdir(c.load_parameters_path):
-    raise ConfigError(f"load_parameters_path {c.load_parameters_path!r} does not exist")
   reader = streaming.Reader(c.load_parameters_path)
   layout, prefix, abstract = _locate(c, reader)
   block_axes = 1 if layout.scan_layers else 0  # a stacked parameter is read one layer at a time
@@ -127,6 +145,8 @@ def main(argv: list[str]) -> None:
     convert(c, args.output, args.dtype)
   except ConfigError as e:
     sys.exit(f"Conversion error: {e}")
+  except paths.StorageError as e:
+    sys.exit(launch.one_line("Storage error", e))
   print(f"Wrote {args.output}")
 
 

@@ -136,11 +136,14 @@ def test_two_processes_without_a_shared_disk_share_the_tokenizer_through_the_buc
   assert len(paths.Path(f"{bucket}/mh/metrics.jsonl").read_text().splitlines()) == 3
 
 
-def test_hf_to_maxtext_reads_and_writes_a_bucket(bucket, tmp_path):
-  """--hf_path and --output on gs://: the converted params load from the bucket as load_parameters_path."""
+def test_hf_to_maxtext_and_back_through_a_bucket(bucket, tmp_path):
+  """hf_to_maxtext --hf_path and --output on gs://: the converted params load from the bucket as
+  load_parameters_path; maxtext_to_hf reads them from the bucket and writes the same tensors to it."""
+  from safetensors.numpy import load_file
+
   from benchmarks import convert_benchmark
   from MaxText import checkpointing
-  from MaxText.convert import hf_to_maxtext
+  from MaxText.convert import hf_to_maxtext, maxtext_to_hf
 
   local = str(tmp_path / "hf")
   convert_benchmark.write_llama(local, layers=2, emb=64, mlp=128, vocab=256, heads=4)
@@ -150,3 +153,13 @@ def test_hf_to_maxtext_reads_and_writes_a_bucket(bucket, tmp_path):
   assert params == f"{bucket}/converted/params"
   assert "config.yml" in paths.listdir(f"{bucket}/converted")
   assert "params" in checkpointing.saved_tree(params)
+  maxtext_to_hf.main([f"{bucket}/converted/config.yml", f"load_parameters_path={params}", "--output", f"{bucket}/back"])
+  back = paths.local_copy(f"{bucket}/back")
+  assert {"config.json", "model.safetensors.index.json"} <= set(os.listdir(back))
+  exported = {k: v for n in os.listdir(back) if n.endswith(".safetensors") for k, v in load_file(f"{back}/{n}").items()}
+  original = {
+    k: v for n in os.listdir(local) if n.endswith(".safetensors") for k, v in load_file(f"{local}/{n}").items()
+  }
+  assert exported.keys() == original.keys() and all((exported[k] == original[k]).all() for k in original)
+  with pytest.raises(SystemExit, match=r"^Conversion error: load_parameters_path .*/nothing' does not exist"):
+    maxtext_to_hf.main([f"{bucket}/converted/config.yml", f"load_parameters_path={bucket}/nothing", "--output", back])

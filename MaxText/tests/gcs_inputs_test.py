@@ -113,3 +113,29 @@ def test_check_logits_reads_golden_logits_and_params_from_a_bucket(bucket):
     paths.Path(f"{bucket}/{name}.jsonl").write_text("\n".join(rows) + "\n")
   assert check_logits.main([*argv, f"golden_logits_path={bucket}/golden.jsonl"]) == 0
   assert check_logits.main([*argv, f"golden_logits_path={bucket}/bad.jsonl", "atol=1e-3", "rtol=0"]) == 1
+
+
+def test_saved_config_check_reads_runs_and_checkpoints_in_a_bucket(bucket):
+  """saved_config.check names the differing keys for a gs:// run to resume and gs:// load paths, from the
+  saved config.yml or, without one, from the checkpoint's parameter shapes."""
+  import jax
+  import yaml
+
+  from MaxText import checkpointing, saved_config
+  from MaxText import state as state_lib
+
+  paths.Path(f"{bucket}/runs/old/config.yml").write_text(yaml.safe_dump({"base_emb_dim": 128}))
+  paths.Path(f"{bucket}/runs/old/checkpoints/1/state/_CHECKPOINT_METADATA").write_text("{}")
+  with pytest.raises(
+    ConfigError, match=r"run_name='old' has checkpoints of another architecture.*base_emb_dim: 128 -> 64"
+  ):
+    saved_config.check(gcfg(f"{bucket}/runs", "old", "enable_checkpointing=true"))
+  saved_config.check(gcfg(f"{bucket}/runs", "old", "enable_checkpointing=true", "base_emb_dim=128"))  # agrees
+  state = f"load_parameters_path={bucket}/runs/old/checkpoints/1/state"
+  with pytest.raises(ConfigError, match=r"load_parameters_path=.* another architecture \(per gs://.*/old/config.yml"):
+    saved_config.check(gcfg(f"{bucket}/runs", "new", state))
+  wide = config_lib.load([BASE, *TINY, "base_emb_dim=128"], {})
+  abstract = state_lib.param_spec(wide).abstract
+  checkpointing.save_params(f"{bucket}/params128", jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract))
+  with pytest.raises(ConfigError, match=r"parameter shapes saved -> wanted"):
+    saved_config.check(gcfg(f"{bucket}/runs", "new", f"load_parameters_path={bucket}/params128"))

@@ -13,7 +13,7 @@ import pytest
 
 from MaxText import config as config_lib
 from MaxText import launch, paths, train
-from MaxText.tests.conftest import BASE, DOCS, ROOT, TINY, run_processes
+from MaxText.tests.conftest import BASE, DOCS, ROOT, TINY, free_port, run_processes
 
 
 def gcfg(base, name, *overrides):
@@ -59,6 +59,70 @@ def test_missing_bucket_exits_with_one_line(gcs):
   assert result.returncode == 1
   last = result.stderr.strip().splitlines()[-1]
   assert last.startswith("Storage error: base_output_directory='gs://no-such-bucket/x/r'")
+  assert "Traceback" not in result.stderr
+
+
+EMULATOR_VARIABLES = ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "CLOUD_STORAGE_EMULATOR_ENDPOINT")
+
+
+def no_credentials_env(tmp_path, **extra):
+  """This environment without the emulator and without any way to find credentials: an empty gcloud
+  configuration, no GCE metadata check (its host an unreachable local port, should the check run anyway)."""
+  env = {k: v for k, v in os.environ.items() if k not in EMULATOR_VARIABLES and k != "GOOGLE_APPLICATION_CREDENTIALS"}
+  os.makedirs(tmp_path / "gcloud", exist_ok=True)
+  env.update(CLOUDSDK_CONFIG=str(tmp_path / "gcloud"), NO_GCE_CHECK="true", GCE_METADATA_TIMEOUT="1")
+  env.update(GCE_METADATA_HOST=f"127.0.0.1:{free_port()}", GCE_METADATA_IP=f"127.0.0.1:{free_port()}")
+  return {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1", **extra}
+
+
+PROBE = """
+import time
+from MaxText import paths
+start = time.monotonic()
+try:
+  paths.check_writable("gs://no-such-bucket-maxtext/out", "base_output_directory")
+except paths.StorageError as e:
+  print(f"{time.monotonic() - start:.1f}", e)
+"""
+
+
+@pytest.mark.parametrize("key_file", ["none", "missing", "malformed"])
+def test_bad_credentials_fail_within_seconds_naming_what_to_set(tmp_path, key_file):
+  """No network and no real bucket: the credential lookup fails and says what to set, long before the 30 s
+  storage timeout (a subprocess, so that no client state of this one is reused and nothing can hang it)."""
+  extra = {}
+  if key_file != "none":
+    (tmp_path / "bad.json").write_text("{not json")
+    extra["GOOGLE_APPLICATION_CREDENTIALS"] = str(tmp_path / ("bad.json" if key_file == "malformed" else "no.json"))
+  env = no_credentials_env(tmp_path, **extra)
+  result = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+  elapsed, _, line = result.stdout.strip().partition(" ")
+  assert line.startswith("base_output_directory='gs://no-such-bucket-maxtext/out': no usable Google Cloud"), result
+  assert "gcloud auth application-default login" in line and "GOOGLE_APPLICATION_CREDENTIALS" in line
+  assert float(elapsed) < 5
+
+
+def test_credential_lookup_without_an_answer_is_one_line(monkeypatch):
+  import google.auth
+
+  for key in EMULATOR_VARIABLES:
+    monkeypatch.delenv(key, raising=False)
+  monkeypatch.setattr(paths, "_credentials_found", False)
+  monkeypatch.setattr(paths, "CREDENTIALS_TIMEOUT_S", 0.05)
+  monkeypatch.setattr(google.auth, "default", lambda: time.sleep(1))
+  with pytest.raises(paths.StorageError, match=r"^'gs://b/x': no Google Cloud credentials found within 0.05 s; run"):
+    paths.with_timeout(lambda: None, "'gs://b/x'")
+  paths.with_timeout(lambda: None, "'/a/local/path'")  # local paths need no credentials
+  monkeypatch.setenv("FSSPEC_GCS_TOKEN", "anon")
+  paths.with_timeout(lambda: None, "'gs://public/x'")  # anonymous access asked for
+
+
+def test_train_without_credentials_exits_with_one_line(tmp_path):
+  argv = [sys.executable, "MaxText/train.py", BASE, "run_name=r", "base_output_directory=gs://no-such-bucket/x", *TINY]
+  result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300, env=no_credentials_env(tmp_path))
+  assert result.returncode == 1
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("Storage error: base_output_directory='gs://no-such-bucket/x/r': no usable Google Cloud")
   assert "Traceback" not in result.stderr
 
 

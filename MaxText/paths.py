@@ -15,10 +15,11 @@ import hashlib
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from etils import epath
@@ -274,6 +275,50 @@ def publish_tree(local_dir: str, remote_dir: str) -> None:
       Path(join(remote_dir, *rel.split(os.sep))).write_bytes(epath.Path(root, name).read_bytes())
 
 
+def files_under(root: str) -> list[str]:
+  """The '/'-separated paths, relative to the directory `root` (local or remote), of every file below it."""
+
+  def walk(directory: epath.Path, prefix: str) -> Iterator[str]:
+    for child in sorted(directory.iterdir(), key=lambda p: p.name):
+      if child.is_dir():
+        yield from walk(child, f"{prefix}{child.name}/")
+      else:
+        yield prefix + child.name
+
+  return list(walk(Path(root), ""))
+
+
+def copy_tree(source: str, target: str) -> list[str]:
+  """Copy every file under the directory `source` to the same relative path under `target` (each local or
+  remote), streaming each file; returns the relative paths copied. StorageError naming `source` when it is
+  not a directory (checked within PROBE_TIMEOUT_S)."""
+  if not with_timeout(lambda: isdir(source), f"{source!r}"):
+    raise StorageError(f"{source!r} is not a directory")
+  names = files_under(source)
+  for name in names:
+    destination = Path(join(target, *name.split("/")))
+    if not is_remote(target):
+      destination.parent.mkdir(parents=True, exist_ok=True)
+    with Path(join(source, *name.split("/"))).open("rb") as src, destination.open("wb") as dst:
+      shutil.copyfileobj(src, dst, 16 << 20)
+  return names
+
+
+def main(argv: list[str]) -> int:
+  """`python3 -m MaxText.paths copy SOURCE TARGET`: copy_tree, for download_dataset.sh where gsutil is missing
+  (gcsfs's settings come from FSSPEC_GCS_* variables, e.g. FSSPEC_GCS_REQUESTER_PAYS=PROJECT)."""
+  if len(argv) != 3 or argv[0] != "copy":
+    print("usage: python3 -m MaxText.paths copy SOURCE_DIR TARGET_DIR (each local or gs://)", file=sys.stderr)
+    return 2
+  try:
+    names = copy_tree(argv[1], argv[2])
+  except (StorageError, OSError) as e:
+    print(f"Storage error: {(str(e).splitlines() or [type(e).__name__])[0]}", file=sys.stderr)
+    return 1
+  print(f"copied {len(names)} files from {argv[1]} to {argv[2]}")
+  return 0
+
+
 def wait_for(path: str, timeout_s: float, what: str, poll_s: float = 1.0) -> None:
   """Return once `path` exists; StorageError naming `what` and `path` after timeout_s seconds."""
   deadline = time.monotonic() + timeout_s
@@ -311,3 +356,7 @@ class DirMirror:
   def close(self) -> None:
     self.sync(force=True)
     shutil.rmtree(self.local, ignore_errors=True)
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

@@ -227,3 +227,32 @@ def test_hf_to_maxtext_and_back_through_a_bucket(bucket, tmp_path):
   assert exported.keys() == original.keys() and all((exported[k] == original[k]).all() for k in original)
   with pytest.raises(SystemExit, match=r"^Conversion error: load_parameters_path .*/nothing' does not exist"):
     maxtext_to_hf.main([f"{bucket}/converted/config.yml", f"load_parameters_path={bucket}/nothing", "--output", back])
+
+
+def test_download_dataset_copies_c4_to_a_bucket_and_a_local_dir(gcs, bucket, tmp_path):
+  """download_dataset.sh PROJECT BUCKET and PROJECT --local DIR with C4_SOURCE a small local stand-in for the
+  C4 directory and COPY=python (gsutil cannot reach the emulator): the same files land at c4/en/3.0.1."""
+  source = tmp_path / "c4src"
+  os.makedirs(source / "sub")
+  files = {"c4-train.tfrecord-00000-of-00002": b"\x00\x01" * 1000, "dataset_info.json": b"{}", "sub/x.json": b"[]"}
+  for name, data in files.items():
+    (source / name).write_bytes(data)
+  env = {**os.environ, **gcs, "C4_SOURCE": str(source), "COPY": "python"}
+  script = os.path.join(ROOT, "download_dataset.sh")
+  run = subprocess.run(
+    ["bash", script, "my-project", f"{bucket}/"], capture_output=True, text=True, env=env, timeout=120
+  )
+  assert run.returncode == 0, run.stderr
+  assert run.stdout.strip().endswith(f"C4 in {bucket}/c4/en/3.0.1")
+  assert paths.files_under(f"{bucket}/c4/en/3.0.1") == sorted(files)
+  assert all(paths.Path(f"{bucket}/c4/en/3.0.1/{n}").read_bytes() == data for n, data in files.items())
+  local = tmp_path / "local"
+  env["C4_SOURCE"] = f"{bucket}/c4/en/3.0.1"  # and back from the bucket
+  run = subprocess.run(
+    ["bash", script, "p", "--local", str(local)], capture_output=True, text=True, env=env, timeout=120
+  )
+  assert run.returncode == 0, run.stderr
+  assert all((local / "c4/en/3.0.1" / n).read_bytes() == data for n, data in files.items())
+  env["C4_SOURCE"] = f"{bucket}/nothing"
+  run = subprocess.run(["bash", script, "p", bucket], capture_output=True, text=True, env=env, timeout=120)
+  assert run.returncode == 1 and run.stderr.strip() == f"Storage error: '{bucket}/nothing' is not a directory"

@@ -11,6 +11,7 @@ Local paths keep plain `os` semantics (absolute paths, `~` expansion), so local 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -273,6 +274,24 @@ def publish_tree(local_dir: str, remote_dir: str) -> None:
     for name in names:
       rel = os.path.relpath(os.path.join(root, name), local_dir)
       Path(join(remote_dir, *rel.split(os.sep))).write_bytes(epath.Path(root, name).read_bytes())
+
+
+@contextlib.contextmanager
+def local_output_dir(path: str, key: str) -> Iterator[str]:
+  """A local directory to write the files of the output directory `path` (the option `key`) into, for writers
+  of local files only: `path` itself when local; for a remote one (checked writable first) a
+  temporary directory whose files are uploaded to `path` when the block ends without an error, then removed
+  (so it needs local disk for all of them)."""
+  if not is_remote(path):
+    yield path
+    return
+  check_writable(path, key)
+  staging = tempfile.mkdtemp(prefix="maxtext-staging-")
+  try:
+    yield staging
+    publish_tree(staging, path)
+  finally:
+    shutil.rmtree(staging, ignore_errors=True)
 
 
 def files_under(root: str) -> list[str]:

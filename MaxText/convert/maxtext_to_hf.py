@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 
 import jax
 import numpy as np
@@ -84,16 +82,8 @@ def convert(c: Config, output: str, dtype: str = "float32") -> None:
   where = f"load_parameters_path={c.load_parameters_path!r}"
   if not paths.with_timeout(lambda: paths.isdir(c.load_parameters_path), where):
     raise ConfigError(f"load_parameters_path {c.load_parameters_path!r} does not exist")
-  if not paths.is_remote(output):
-    _write(c, output, dtype)
-    return
-  paths.check_writable(output, "--output")
-  staging = tempfile.mkdtemp(prefix="maxtext-export-")
-  try:
-    _write(c, staging, dtype)
-    paths.publish_tree(staging, output)
-  finally:
-    shutil.rmtree(staging, ignore_errors=True)
+  with paths.local_output_dir(output, "--output") as local:
+    _write(c, local, dtype)
 
 
 def _write(c: Config, output: str, dtype: str) -> None:

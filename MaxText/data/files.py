@@ -209,8 +209,8 @@ class ParquetSource:
 
 def cli_texts(pattern: str, column: str) -> tuple[list[str], Iterator[str]]:
   """For command-line tools: the files matching `pattern` and a lazy stream of their documents; exits with a
-  message naming the pattern when no file matches."""
-  paths = local_files(pattern)
+  message naming the pattern when no file matches. A gs:// pattern is listed (DataError when it matches none)."""
+  paths = remote_files(pattern) if pattern.startswith(REMOTE_PREFIXES) else local_files(pattern)
   if not paths:
     raise SystemExit(f"--files {pattern!r} matches no files")
   return paths, (t for p in paths for t in read_texts(p, True, column))

@@ -256,3 +256,20 @@ def test_download_dataset_copies_c4_to_a_bucket_and_a_local_dir(gcs, bucket, tmp
   env["C4_SOURCE"] = f"{bucket}/nothing"
   run = subprocess.run(["bash", script, "p", bucket], capture_output=True, text=True, env=env, timeout=120)
   assert run.returncode == 1 and run.stderr.strip() == f"Storage error: '{bucket}/nothing' is not a directory"
+
+
+def test_data_tools_read_and_write_a_bucket(bucket, tmp_path):
+  """train_tokenizer and convert_to_arrayrecord with --files and --output_dir on gs://; grain reads the result."""
+  from grain.sources import ArrayRecordDataSource
+
+  from MaxText.data import convert_to_arrayrecord, train_tokenizer
+  from MaxText.data.tokenizer import load_tokenizer
+
+  for i, doc in enumerate(DOCS):
+    paths.Path(f"{bucket}/docs/{i:02d}.txt").write_text(doc)
+  train_tokenizer.main(["--files", f"{bucket}/docs/*.txt", "--vocab_size", "300", "--output_dir", f"{bucket}/tok"])
+  assert load_tokenizer(f"{bucket}/tok/tokenizer.model").vocab_size <= 300
+  convert_to_arrayrecord.main(["--files", f"{bucket}/docs/*.txt", "--output_dir", f"{bucket}/ar", "--num_shards", "2"])
+  assert paths.listdir(f"{bucket}/ar") == [f"data-0000{i}-of-00002.array_record" for i in range(2)]
+  source = ArrayRecordDataSource([f"{bucket}/ar/{name}" for name in paths.listdir(f"{bucket}/ar")])
+  assert len(source) == len(DOCS)

@@ -1,6 +1,7 @@
 """Inputs read from gs:// against the local GCS emulator (conftest's gcs fixtures): every data pipeline gives
 the same batches from a bucket as from the same files on disk (grain ArrayRecord and Parquet, TFDS, Hugging
-Face local-file formats), and the files other entry points read: compiled_trainstep_file, golden logits."""
+Face local-file formats), and the files other entry points read: compiled_trainstep_file, golden logits, the
+config.yml and checkpoints the saved-config check compares with."""
 
 import json
 import os

@@ -1,6 +1,7 @@
 """gs:// end to end against a local GCS emulator (MaxText/tests/gcs_emulator.py): outputs, checkpoints and
-exact resume, decode from a bucket, text data and tokenizers in a bucket, and the one-line errors for a
-missing bucket. Every client (gcsfs through epath, tensorstore through orbax, google-cloud-storage through
+exact resume, decode from a bucket, text data and tokenizers in a bucket, converters and data tools reading
+and writing a bucket, download_dataset.sh, and the one-line errors for a missing bucket and missing or bad
+credentials. Every client (gcsfs through epath, tensorstore through orbax, google-cloud-storage through
 TensorBoard's writer) reaches the emulator through the environment variables of gcs_env."""
 
 import json

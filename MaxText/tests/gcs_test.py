@@ -13,7 +13,7 @@ import time
 import pytest
 
 from MaxText import config as config_lib
-from MaxText import launch, paths, train
+from MaxText import launch, paths, plot_metrics, train
 from MaxText.tests.conftest import BASE, DOCS, ROOT, TINY, free_port, run_processes
 
 
@@ -113,6 +113,8 @@ def test_credential_lookup_without_an_answer_is_one_line(monkeypatch):
   monkeypatch.setattr(google.auth, "default", lambda: time.sleep(1))
   with pytest.raises(paths.StorageError, match=r"^'gs://b/x': no Google Cloud credentials found within 0.05 s; run"):
     paths.with_timeout(lambda: None, "'gs://b/x'")
+  with pytest.raises(paths.StorageError, match=r"^'gs://b/m.jsonl': no Google Cloud credentials found"):
+    plot_metrics.read_records("gs://b/m.jsonl")
   paths.with_timeout(lambda: None, "'/a/local/path'")  # local paths need no credentials
   monkeypatch.setenv("FSSPEC_GCS_TOKEN", "anon")
   paths.with_timeout(lambda: None, "'gs://public/x'")  # anonymous access asked for

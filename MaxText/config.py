@@ -117,19 +117,32 @@ def _suggest(key: str, known: Mapping[str, Any] | Sequence[str]) -> str:
   return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def _is_file(path: str) -> bool:
+  """Whether the config file `path` exists; a gs:// one (a config saved with a run or a conversion in a bucket)
+  is probed within paths.PROBE_TIMEOUT_S."""
+  from MaxText import paths  # noqa: PLC0415 (etils: not needed by --help)
+
+  return (
+    paths.with_timeout(lambda: paths.isfile(path), f"Config file {path!r}")
+    if paths.is_remote(path)
+    else os.path.isfile(path)
+  )
+
+
 def _read_yaml(path: str) -> dict[str, Any]:
-  """Read a YAML file, following `base_config:` (relative to the file, then to configs/)."""
-  if not os.path.isfile(path):
+  """Read a YAML file (local or gs://), following `base_config:` (relative to the file, then to configs/)."""
+  from MaxText import paths  # noqa: PLC0415
+
+  if not _is_file(path):
     raise ConfigError(f"Config file {path!r} does not exist")
-  with open(path) as f:
-    values = yaml.safe_load(f) or {}
+  values = yaml.safe_load(paths.Path(path).read_text()) or {}
   if not isinstance(values, dict):
     raise ConfigError(f"Config file {path!r} must hold a mapping of key: value")
   parent = values.pop("base_config", None)
   if parent is None:
     return values
-  for candidate in (os.path.join(os.path.dirname(path), parent), os.path.join(CONFIG_DIR, parent)):
-    if os.path.isfile(candidate):
+  for candidate in (paths.join(paths.dirname(path), parent), os.path.join(CONFIG_DIR, parent)):
+    if _is_file(candidate):
       return {**_read_yaml(candidate), **values}
   raise ConfigError(f"{path!r}: base_config {parent!r} not found next to it or in {CONFIG_DIR}")
 
@@ -205,7 +218,7 @@ def recipes() -> list[str]:
 def resolve_config_path(name: str) -> str:
   """A config file path as given, or a recipe name resolved in configs/ ("v5e/16b" ->
   configs/v5e/16b.yml), so `train.py quickstart` works from any directory."""
-  if os.path.isfile(name):
+  if _is_file(name):
     return name
   for candidate in (os.path.join(CONFIG_DIR, name), os.path.join(CONFIG_DIR, f"{name}.yml")):
     if os.path.isfile(candidate):
@@ -284,12 +297,14 @@ def _finalize(values: dict[str, Any]) -> dict[str, Any]:
   out["num_decoder_layers"] = values["base_num_decoder_layers"] * 2**layers
   if not out["run_name"]:
     out["run_name"] = datetime.datetime.now().strftime("run_%Y%m%d_%H%M%S")
-  out["run_dir"] = os.path.join(values["base_output_directory"], out["run_name"])
-  out["checkpoint_dir"] = os.path.join(out["run_dir"], "checkpoints")
-  out["tensorboard_dir"] = os.path.join(out["run_dir"], "tensorboard")
-  out["tokenizer_dir"] = os.path.join(out["run_dir"], "tokenizer")
+  from MaxText import paths  # noqa: PLC0415 (etils: not needed by --help and config errors)
+
+  out["run_dir"] = paths.join(values["base_output_directory"], out["run_name"])  # local or gs://
+  out["checkpoint_dir"] = paths.join(out["run_dir"], "checkpoints")
+  out["tensorboard_dir"] = paths.join(out["run_dir"], "tensorboard")
+  out["tokenizer_dir"] = paths.join(out["run_dir"], "tokenizer")
   if not values["metrics_file"]:
-    out["metrics_file"] = os.path.join(out["run_dir"], "metrics.jsonl")
+    out["metrics_file"] = paths.join(out["run_dir"], "metrics.jsonl")
   sched = values["learning_rate_schedule_steps"]
   out["learning_rate_schedule_steps_resolved"] = values["steps"] if sched == -1 else sched
   _validate(out)

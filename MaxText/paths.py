@@ -11,14 +11,16 @@ Local paths keep plain `os` semantics (absolute paths, `~` expansion), so local 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from etils import epath
@@ -28,6 +30,13 @@ REMOTE_PREFIXES = ("gs://",)  # paths that name objects in a bucket, never a loc
 # long fails with one line naming the path instead.
 PROBE_TIMEOUT_S = 30.0
 MIRROR_SYNC_S = 30.0  # a remote append-only file (metrics.jsonl) is re-uploaded at most this often, and at close
+# The credential lookup (a key file, gcloud's file, then the GCE metadata server) answers in about a second;
+# past this long the metadata server is unreachable and there are no credentials to find.
+CREDENTIALS_TIMEOUT_S = 10.0
+CREDENTIALS_HELP = (
+  "run `gcloud auth application-default login`, or set GOOGLE_APPLICATION_CREDENTIALS to a service-account key "
+  "file (FSSPEC_GCS_TOKEN=anon reads public buckets without credentials)"
+)
 
 T = TypeVar("T")
 
@@ -95,11 +104,49 @@ def bucket_of(path: str) -> str:
   return "/".join(path.split("/")[:3])
 
 
+_credentials_found = False  # once Application Default Credentials were found, a process does not look again
+
+
+def check_credentials(what: str) -> None:
+  """StorageError naming `what` and what to set unless Google Cloud credentials can be found, within
+  CREDENTIALS_TIMEOUT_S. Without this check gcsfs falls back to anonymous access and each storage call
+  retries for up to PROBE_TIMEOUT_S. Skipped for an emulator (STORAGE_EMULATOR_HOST) and for anonymous
+  access asked for (FSSPEC_GCS_TOKEN=anon, read by gcsfs)."""
+  global _credentials_found
+  if _credentials_found or os.environ.get("STORAGE_EMULATOR_HOST") or os.environ.get("FSSPEC_GCS_TOKEN") == "anon":
+    return
+  import google.auth  # noqa: PLC0415 (gcsfs's dependency; only gs:// paths need it)
+
+  answer: list[BaseException | None] = []
+
+  def lookup() -> None:
+    try:
+      google.auth.default()
+      answer.append(None)
+    except Exception as e:  # DefaultCredentialsError, or a malformed key file's ValueError / TransportError
+      answer.append(e)
+
+  thread = threading.Thread(target=lookup, daemon=True)
+  thread.start()
+  thread.join(CREDENTIALS_TIMEOUT_S)
+  if not answer:
+    raise StorageError(
+      f"{what}: no Google Cloud credentials found within {CREDENTIALS_TIMEOUT_S:g} s; {CREDENTIALS_HELP}"
+    )
+  if answer[0] is not None:
+    reason = (str(answer[0]).strip().splitlines() or [type(answer[0]).__name__])[0][:200]
+    raise StorageError(f"{what}: no usable Google Cloud credentials ({reason}); {CREDENTIALS_HELP}")
+  _credentials_found = True
+
+
 def with_timeout(fn: Callable[[], T], what: str, timeout_s: float | None = None) -> T:
   """fn() run in a daemon thread; StorageError naming `what` when it raises or has no answer in timeout_s
-  (PROBE_TIMEOUT_S). For the first touch of a remote path, where a missing network or credentials would
-  otherwise retry for minutes."""
+  (PROBE_TIMEOUT_S). For the first touch of a path, where a missing network or credentials would otherwise
+  retry for minutes. `what` names the path; when that is a gs:// one, credentials are checked first
+  (check_credentials), since their absence otherwise shows only as the timeout."""
   timeout_s = PROBE_TIMEOUT_S if timeout_s is None else timeout_s
+  if any(prefix in what for prefix in REMOTE_PREFIXES):
+    check_credentials(what)
   answer: list[Any] = []
 
   def call() -> None:
@@ -229,6 +276,68 @@ def publish_tree(local_dir: str, remote_dir: str) -> None:
       Path(join(remote_dir, *rel.split(os.sep))).write_bytes(epath.Path(root, name).read_bytes())
 
 
+@contextlib.contextmanager
+def local_output_dir(path: str, key: str) -> Iterator[str]:
+  """A local directory to write the files of the output directory `path` (the option `key`) into, for writers
+  of local files only: `path` itself when local; for a remote one (checked writable first) a
+  temporary directory whose files are uploaded to `path` when the block ends without an error, then removed
+  (so it needs local disk for all of them)."""
+  if not is_remote(path):
+    yield path
+    return
+  check_writable(path, key)
+  staging = tempfile.mkdtemp(prefix="maxtext-staging-")
+  try:
+    yield staging
+    publish_tree(staging, path)
+  finally:
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def files_under(root: str) -> list[str]:
+  """The '/'-separated paths, relative to the directory `root` (local or remote), of every file below it."""
+
+  def walk(directory: epath.Path, prefix: str) -> Iterator[str]:
+    for child in sorted(directory.iterdir(), key=lambda p: p.name):
+      if child.is_dir():
+        yield from walk(child, f"{prefix}{child.name}/")
+      else:
+        yield prefix + child.name
+
+  return list(walk(Path(root), ""))
+
+
+def copy_tree(source: str, target: str) -> list[str]:
+  """Copy every file under the directory `source` to the same relative path under `target` (each local or
+  remote), streaming each file; returns the relative paths copied. StorageError naming `source` when it is
+  not a directory (checked within PROBE_TIMEOUT_S)."""
+  if not with_timeout(lambda: isdir(source), f"{source!r}"):
+    raise StorageError(f"{source!r} is not a directory")
+  names = files_under(source)
+  for name in names:
+    destination = Path(join(target, *name.split("/")))
+    if not is_remote(target):
+      destination.parent.mkdir(parents=True, exist_ok=True)
+    with Path(join(source, *name.split("/"))).open("rb") as src, destination.open("wb") as dst:
+      shutil.copyfileobj(src, dst, 16 << 20)
+  return names
+
+
+def main(argv: list[str]) -> int:
+  """`python3 -m MaxText.paths copy SOURCE TARGET`: copy_tree, for download_dataset.sh where gsutil is missing
+  (gcsfs's settings come from FSSPEC_GCS_* variables, e.g. FSSPEC_GCS_REQUESTER_PAYS=PROJECT)."""
+  if len(argv) != 3 or argv[0] != "copy":
+    print("usage: python3 -m MaxText.paths copy SOURCE_DIR TARGET_DIR (each local or gs://)", file=sys.stderr)
+    return 2
+  try:
+    names = copy_tree(argv[1], argv[2])
+  except (StorageError, OSError) as e:
+    print(f"Storage error: {(str(e).splitlines() or [type(e).__name__])[0]}", file=sys.stderr)
+    return 1
+  print(f"copied {len(names)} files from {argv[1]} to {argv[2]}")
+  return 0
+
+
 def wait_for(path: str, timeout_s: float, what: str, poll_s: float = 1.0) -> None:
   """Return once `path` exists; StorageError naming `what` and `path` after timeout_s seconds."""
   deadline = time.monotonic() + timeout_s
@@ -266,3 +375,7 @@ class DirMirror:
   def close(self) -> None:
     self.sync(force=True)
     shutil.rmtree(self.local, ignore_errors=True)
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

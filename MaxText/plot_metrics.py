@@ -26,9 +26,13 @@ MAX_PPL_LOSS = 30.0  # no perplexity axis past this loss: exp() of it is not rea
 
 
 def read_records(path: str) -> list[dict[str, Any]]:
-  """The JSON objects of a JSON-lines file, skipping blank lines."""
-  with paths.Path(path).open() as f:  # local or gs://
-    return [json.loads(line) for line in f if line.strip()]
+  """The JSON objects of a JSON-lines file (local or gs://), skipping blank lines. StorageError naming a gs://
+  path that cannot be read (no credentials, no answer) within paths.PROBE_TIMEOUT_S."""
+  if paths.is_remote(path):
+    text = paths.with_timeout(lambda: paths.Path(path).read_text(), repr(path))
+  else:
+    text = paths.Path(path).read_text()
+  return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -126,7 +130,10 @@ def main(argv: Sequence[str]) -> int:
   if not 0 <= args.smoothing < 1:
     parser.error(f"--smoothing {args.smoothing}: use a weight in [0, 1), e.g. 0.6, or 0 for raw curves")
   output = args.output or os.path.splitext(args.metrics_file)[0] + ".png"
-  print(f"wrote {plot(args.metrics_file, output, args.smoothing)}")
+  try:
+    print(f"wrote {plot(args.metrics_file, output, args.smoothing)}")
+  except paths.StorageError as e:
+    sys.exit(f"Storage error: {e}")
   return 0
 
 

@@ -7,7 +7,6 @@ would load it wrongly. Here the differing keys are named, in one line, before an
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,7 +14,7 @@ import jax
 import yaml
 from flax import nnx
 
-from MaxText import checkpointing
+from MaxText import checkpointing, paths
 from MaxText import state as state_lib
 from MaxText.config import Config, ConfigError
 
@@ -52,15 +51,20 @@ PARENTS_SEARCHED = 3  # <run dir>/checkpoints/<step>/state: config.yml is three 
 
 
 def read(directory: str) -> dict[str, Any] | None:
-  """The mapping in directory/config.yml, or None when there is none (or it is not a mapping)."""
-  path = os.path.join(directory, "config.yml")
-  if not os.path.isfile(path):
+  """The mapping in directory/config.yml (local or gs://), or None when there is none (or it is not a mapping).
+  StorageError when a gs:// directory has no answer within paths.PROBE_TIMEOUT_S."""
+  path = paths.join(directory, "config.yml")
+
+  def text() -> str | None:
+    return paths.Path(path).read_text() if paths.isfile(path) else None
+
+  found = paths.with_timeout(text, repr(path)) if paths.is_remote(path) else text()
+  if found is None:
     return None
-  with open(path) as f:
-    try:
-      saved = yaml.safe_load(f)
-    except yaml.YAMLError:
-      return None  # not ours to judge here; the restore reports what it finds
+  try:
+    saved = yaml.safe_load(found)
+  except yaml.YAMLError:
+    return None  # not ours to judge here; the restore reports what it finds
   return saved if isinstance(saved, dict) else None
 
 
@@ -107,19 +111,25 @@ def shape_differences(path: str, config: Config) -> list[str]:
 
 def _latest_step_dir(config: Config) -> str | None:
   path = config.checkpoint_dir
-  if not (config.enable_checkpointing and os.path.isdir(path)):
+  if not config.enable_checkpointing:
     return None
-  steps = [int(d) for d in os.listdir(path) if d.isdigit()]
-  return os.path.join(path, str(max(steps)), "state") if steps else None
+  if paths.is_remote(path):
+    steps = paths.with_timeout(lambda: checkpointing.committed_steps(path), f"checkpoint_dir={path!r}")
+  else:
+    steps = checkpointing.committed_steps(path)
+  return paths.join(path, str(steps[-1]), "state") if steps else None
 
 
 def _config_above(path: str) -> tuple[str, dict[str, Any]] | None:
-  directory = os.path.abspath(path)
+  directory = paths.absolute(path)
   for _ in range(PARENTS_SEARCHED + 1):
     saved = read(directory)
     if saved is not None:
       return directory, saved
-    directory = os.path.dirname(directory)
+    parent = paths.dirname(directory)
+    if parent == directory or parent.rstrip("/").endswith(":"):  # past the filesystem root or the bucket
+      return None
+    directory = parent
   return None
 
 
@@ -130,8 +140,8 @@ def _shown(diffs: list[str], most: int = 3) -> str:
 def check(config: Config) -> None:
   """ConfigError naming the differing keys when this run would restore a checkpoint (its own, to resume, or
   load_full_state_path / load_parameters_path) whose saved config.yml (or, without one, whose parameter
-  shapes) say it is of another architecture. Local paths only: a gs:// run is checked by the restore itself."""
-  latest = _latest_step_dir(config) if not config.run_dir.startswith("gs://") else None
+  shapes) say it is of another architecture. Local and gs:// paths alike."""
+  latest = _latest_step_dir(config)
   if latest is not None:
     saved = read(config.run_dir)
     diffs = differences(saved, config, layout=True) if saved else shape_differences(latest, config)
@@ -143,12 +153,12 @@ def check(config: Config) -> None:
     return
   for key in ("load_full_state_path", "load_parameters_path"):
     path = config[key]
-    if not path or path.startswith("gs://"):
+    if not path:
       continue
     found = _config_above(path)
     if found:
       diffs = differences(found[1], config, layout=key == "load_full_state_path")
-      where = f"per {os.path.join(found[0], 'config.yml')}"
+      where = f"per {paths.join(found[0], 'config.yml')}"
     else:
       diffs, where = shape_differences(path, config), "parameter shapes saved -> wanted"
     if diffs:

@@ -5,6 +5,8 @@
     python3 -m MaxText.convert.maxtext_to_hf CONFIG.yml load_parameters_path=BASE lora_rank=R lora_alpha=A \
       lora_weights_path=RUN_DIR/checkpoints/STEP/state --output HF_DIR
 
+PARAMS and HF_DIR may be local or gs:// (docs/cloud_storage.md).
+
 transformers.AutoModelForCausalLM.from_pretrained(HF_DIR) loads the result. One safetensors shard per
 decoder layer (plus one for embeddings/head), each read from the checkpoint (MaxText/convert/streaming.py
 Reader: tensorstore, one layer block at a time) and written before the next, so host memory stays near
@@ -25,7 +27,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from MaxText import checkpointing, models
+from MaxText import checkpointing, launch, models, paths
 from MaxText import config as config_lib
 from MaxText import state as state_lib
 from MaxText.config import Config, ConfigError
@@ -76,18 +78,18 @@ def _locate(c: Config, reader: streaming.Reader) -> tuple[Config, tuple[str, ...
 def convert(c: Config, output: str, dtype: str = "float32") -> None:
   """Write OUTPUT/config.json and safetensors shards (one per decoder layer, one for the rest), reading
   and writing one shard at a time: host memory stays near one layer, not the model. Under LoRA
-  (lora_rank > 0) the adapters of lora_weights_path are first merged into the base (merge_lora)."""
+  (lora_rank > 0) the adapters of lora_weights_path are first merged into the base (merge_lora).
+
+  Either path may be gs://: tensorstore reads a remote checkpoint itself; a remote output is written to a
+  local staging directory (safetensors writes local files) and then uploaded, so it needs local disk for
+  the whole export."""
   if not c.load_parameters_path:
     raise ConfigError("Set load_parameters_path= to the MaxText params to export")
-  if c.load_parameters_path.startswith("gs://"):  # streaming.Reader opens local tensorstore files
-    raise ConfigError(
-      f"Export reads local checkpoints only: copy {c.load_parameters_path!r} with "
-      "`gcloud storage cp -r` and set load_parameters_path to the copy"
-    )
-  if not os.path.isdir(c.load_parameters_path):
+  where = f"load_parameters_path={c.load_parameters_path!r}"
+  if not paths.with_timeout(lambda: paths.isdir(c.load_parameters_path), where):
     raise ConfigError(f"load_parameters_path {c.load_parameters_path!r} does not exist")
-  with tempfile.TemporaryDirectory() as scratch:
-    _write(merge_lora(c, scratch) if lora.enabled(c) else c, output, dtype)
+  with paths.local_output_dir(output, "--output") as local, tempfile.TemporaryDirectory() as scratch:
+    _write(merge_lora(c, scratch) if lora.enabled(c) else c, local, dtype)
 
 
 def merge_lora(c: Config, directory: str) -> Config:
@@ -108,6 +110,7 @@ def merge_lora(c: Config, directory: str) -> Config:
 
 
 def _write(c: Config, output: str, dtype: str) -> None:
+  """convert() into the local directory `output`."""
   import torch  # noqa: PLC0415 (optional dependency; safetensors' torch writer handles bfloat16)
   from safetensors.torch import save_file  # noqa: PLC0415
 
@@ -155,6 +158,8 @@ def main(argv: list[str]) -> None:
     convert(c, args.output, args.dtype)
   except ConfigError as e:
     sys.exit(f"Conversion error: {e}")
+  except paths.StorageError as e:
+    sys.exit(launch.one_line("Storage error", e))
   print(f"Wrote {args.output}")
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,7 +32,7 @@ from orbax.checkpoint._src.multihost import multihost
 from orbax.checkpoint._src.serialization import ocdbt_utils
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
-from MaxText import checkpointing
+from MaxText import checkpointing, paths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +91,7 @@ ocp.type_handlers.register_type_handler(StreamedArray, StreamedArrayHandler(), o
 def save(path: str, tree: Any) -> None:
   """Write `tree` (StreamedArray leaves, and/or ordinary arrays) as an orbax PyTree checkpoint at `path`."""
   checkpointer = ocp.PyTreeCheckpointer()
-  checkpointer.save(os.path.abspath(path), args=ocp.args.PyTreeSave(tree))
+  checkpointer.save(paths.absolute(path), args=ocp.args.PyTreeSave(tree))
 
 
 class Reader:
@@ -104,11 +103,10 @@ class Reader:
   """
 
   def __init__(self, path: str):
-    self.path = os.path.abspath(path)
+    self.path = paths.absolute(path)  # local or gs:// (tensorstore reads both)
     tree = checkpointing.saved_tree(self.path)
     self.keys = {tuple(str(key_name(k)) for k in key) for key, _ in jax.tree_util.tree_leaves_with_path(tree)}
-    with open(os.path.join(self.path, "_METADATA")) as f:
-      flags = json.load(f)
+    flags = json.loads(paths.Path(paths.join(self.path, "_METADATA")).read_text())
     self._ocdbt, self._zarr3 = flags.get("use_ocdbt", True), flags.get("use_zarr3", False)
     self._context = ts_utils.get_ts_context(use_ocdbt=self._ocdbt)
     self._block: tuple[Any, np.ndarray] | None = None

@@ -14,6 +14,7 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 
+from MaxText import paths
 from MaxText.data.errors import DataError
 from MaxText.data.files import cli_texts
 
@@ -23,8 +24,8 @@ def write_arrayrecord(texts: Iterable[str], output_dir: str, prefix: str = "data
   from array_record.python.array_record_module import ArrayRecordWriter
 
   os.makedirs(output_dir, exist_ok=True)
-  paths = [os.path.join(output_dir, f"{prefix}-{i:05d}-of-{num_shards:05d}.array_record") for i in range(num_shards)]
-  writers = [ArrayRecordWriter(p, "group_size:1") for p in paths]
+  shards = [os.path.join(output_dir, f"{prefix}-{i:05d}-of-{num_shards:05d}.array_record") for i in range(num_shards)]
+  writers = [ArrayRecordWriter(p, "group_size:1") for p in shards]
   count = 0
   try:
     for text in texts:
@@ -36,7 +37,7 @@ def write_arrayrecord(texts: Iterable[str], output_dir: str, prefix: str = "data
       w.close()
   if count == 0:
     raise DataError("No documents to convert: every input text is empty")
-  return paths
+  return shards
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -45,18 +46,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     epilog="More: docs/data.md in the repository.",
     description=__doc__.splitlines()[0],
   )
-  parser.add_argument("--files", required=True, help="glob of input files ('**' recurses)")
-  parser.add_argument("--output_dir", required=True, help="directory for the .array_record files")
+  parser.add_argument("--files", required=True, help="glob of input files ('**' recurses), local or gs://")
+  parser.add_argument("--output_dir", required=True, help="directory for the .array_record files, local or gs://")
   parser.add_argument("--prefix", default="data", help="file name prefix")
   parser.add_argument("--num_shards", type=int, default=1, help="number of output files")
   parser.add_argument("--text_column", default="text", help=".jsonl/.parquet field holding the text")
   args = parser.parse_args(argv)
   from MaxText import launch  # noqa: PLC0415 (launch imports this package)
 
-  with launch.user_errors():
-    paths, texts = cli_texts(args.files, args.text_column)
-    written = write_arrayrecord(texts, args.output_dir, args.prefix, args.num_shards)
-  print(f"Wrote {len(written)} ArrayRecord files: {os.path.join(args.output_dir, args.prefix)}-*.array_record")
+  with launch.user_errors(), paths.local_output_dir(args.output_dir, "--output_dir") as local:  # local or gs://
+    _, texts = cli_texts(args.files, args.text_column)
+    written = write_arrayrecord(texts, local, args.prefix, args.num_shards)
+  print(f"Wrote {len(written)} ArrayRecord files: {paths.join(args.output_dir, args.prefix)}-*.array_record")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import logging
 import os
 import tokenize
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from etils import epath
 
@@ -37,11 +38,10 @@ def local_files(pattern: str) -> list[str]:
 
 
 def expand(pattern: str) -> list[str]:
-  """`local_files(pattern)`, or [pattern] for a remote path (its reader resolves it); DataError naming the
-  pattern when no local file matches."""
+  """`local_files(pattern)`, or `remote_files(pattern)` for a gs:// one (the readers take no globs there);
+  DataError naming the pattern when no file matches."""
   if pattern.startswith(REMOTE_PREFIXES):
-    check_remote(pattern)
-    return [pattern]
+    return remote_files(pattern)
   paths = local_files(pattern)
   if not paths:
     raise DataError(f"{pattern!r} matches no files")
@@ -149,6 +149,14 @@ def read_parquet_column(path: str, column: str) -> list[str]:
   return [text for group in range(source.num_groups) for text in source.group_texts(group)]
 
 
+def _parquet_file(path: str) -> Any:
+  """pyarrow's ParquetFile of `path`; a gs:// one through epath's file object (range reads), since pyarrow's own
+  GCS client takes neither gcsfs's credentials nor the emulator's environment variable."""
+  import pyarrow.parquet as pq
+
+  return pq.ParquetFile(epath.Path(path).open("rb") if paths.is_remote(path) else path)
+
+
 class ParquetSource:
   """Random access to the rows of Parquet files: [i] -> the `column` string of row i ("" for null).
 
@@ -156,13 +164,11 @@ class ParquetSource:
   """
 
   def __init__(self, paths: Sequence[str], column: str):
-    import pyarrow.parquet as pq
-
     self._paths, self._column, starts = list(paths), column, [0]
     self._groups = []  # (file index, row group) in order
     for i, path in enumerate(self._paths):
       try:
-        meta = pq.ParquetFile(path).metadata
+        meta = _parquet_file(path).metadata
       except (OSError, ValueError) as e:  # pyarrow's errors subclass these
         raise DataError(f"Cannot read Parquet file {path!r}: {e}") from None
       if column not in meta.schema.names:
@@ -181,11 +187,9 @@ class ParquetSource:
 
   def group_texts(self, group: int) -> list[str]:
     """The texts of row group `group` (counted over all files, in order)."""
-    import pyarrow.parquet as pq
-
     file, g = self._groups[group]
     try:
-      table = pq.ParquetFile(self._paths[file]).read_row_group(g, columns=[self._column])
+      table = _parquet_file(self._paths[file]).read_row_group(g, columns=[self._column])
     except (OSError, ValueError) as e:
       raise DataError(f"Cannot read row group {g} of Parquet file {self._paths[file]!r}: {e}") from None
     return [t or "" for t in table.column(0).to_pylist()]
@@ -205,8 +209,8 @@ class ParquetSource:
 
 def cli_texts(pattern: str, column: str) -> tuple[list[str], Iterator[str]]:
   """For command-line tools: the files matching `pattern` and a lazy stream of their documents; exits with a
-  message naming the pattern when no file matches."""
-  paths = local_files(pattern)
+  message naming the pattern when no file matches. A gs:// pattern is listed (DataError when it matches none)."""
+  paths = remote_files(pattern) if pattern.startswith(REMOTE_PREFIXES) else local_files(pattern)
   if not paths:
     raise SystemExit(f"--files {pattern!r} matches no files")
   return paths, (t for p in paths for t in read_texts(p, True, column))

@@ -1,4 +1,4 @@
-"""Train a SentencePiece tokenizer on local files (.txt, .jsonl, .parquet, ...), as dataset_type=text reads them.
+"""Train SentencePiece on local or gs:// files (.txt, .jsonl, .parquet, ...) as dataset_type=text reads them.
 
 python3 -m MaxText.data.train_tokenizer --files 'data/**/*.jsonl' --vocab_size 32000 --output_dir tok/
 
@@ -9,8 +9,10 @@ tokenizer.train_sentencepiece for the kind of model trained.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 
+from MaxText import paths
 from MaxText.data.files import cli_texts
 from MaxText.data.tokenizer import load_tokenizer, train_sentencepiece
 
@@ -21,18 +23,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     epilog="More: docs/data.md in the repository.",
     description=__doc__.splitlines()[0],
   )
-  parser.add_argument("--files", required=True, help="glob of training files ('**' recurses)")
+  parser.add_argument("--files", required=True, help="glob of training files ('**' recurses), local or gs://")
   parser.add_argument("--vocab_size", type=int, required=True, help="at most this many pieces")
-  parser.add_argument("--output_dir", required=True, help="writes tokenizer.model and tokenizer.vocab here")
+  parser.add_argument(
+    "--output_dir", required=True, help="writes tokenizer.model and tokenizer.vocab here (local or gs://)"
+  )
   parser.add_argument("--text_column", default="text", help=".jsonl/.parquet field holding the text")
   parser.add_argument("--seed", type=int, default=0, help="seed of the sentence sampling")
   args = parser.parse_args(argv)
   from MaxText import launch  # noqa: PLC0415 (launch imports this package)
 
-  with launch.user_errors():
-    paths, texts = cli_texts(args.files, args.text_column)
-    path = train_sentencepiece(texts, args.vocab_size, args.output_dir, args.seed)
-  print(f"{path}: {load_tokenizer(path).vocab_size} pieces from {len(paths)} files")
+  with launch.user_errors(), paths.local_output_dir(args.output_dir, "--output_dir") as local:  # local or gs://
+    files, texts = cli_texts(args.files, args.text_column)
+    path = train_sentencepiece(texts, args.vocab_size, local, args.seed)
+    pieces = load_tokenizer(path).vocab_size
+  print(f"{paths.join(args.output_dir, os.path.basename(path))}: {pieces} pieces from {len(files)} files")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ import json
 import os
 import socket
 import subprocess
+import sys
+import uuid
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):  # subprocesses set their own
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
@@ -133,6 +135,30 @@ def decoded_segments(b, tok):
       yield tok.decode(ids), ids[0], ids[-1], b["targets_segmentation"][row][where][-1] != 0
 
 
+@pytest.fixture(scope="session")  # tfds registers the builder class by name: once per process
+def tfds_data_dir(tmp_path_factory):
+  """A TFDS data_dir: DOCS[:9] as split train, DOCS[9:] as validation of tiny_docs:1.0.0 (array_record files)."""
+  import tensorflow_datasets as tfds
+
+  class TinyDocs(tfds.core.GeneratorBasedBuilder):
+    VERSION = tfds.core.Version("1.0.0")
+    code_path = tfds.core.Path(__file__)  # tfds would look it up through importlib_resources
+
+    def _info(self):
+      return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({"text": tfds.features.Text()}))
+
+    def _split_generators(self, dl_manager):
+      return {"train": self._generate_examples(DOCS[:9]), "validation": self._generate_examples(DOCS[9:])}
+
+    def _generate_examples(self, docs):
+      for i, doc in enumerate(docs):
+        yield i, {"text": doc}
+
+  root = tmp_path_factory.mktemp("tfds")
+  TinyDocs(data_dir=str(root), file_format="array_record").download_and_prepare()
+  return str(root)
+
+
 def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -159,3 +185,39 @@ def run_processes(command, cwd, log_dir, name, processes, devices_per_process, t
     results.append((proc.returncode, log.read()))
     log.close()
   return results
+
+
+GCS_BUCKET = "maxtext-test"  # the emulator's bucket (gcs_server)
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+  """A local GCS emulator (MaxText/tests/gcs_emulator.py) on a free port, serving GCS_BUCKET, started once for
+  the session; yields the environment that points the clients at it (set it with the `gcs` fixture)."""
+  pytest.importorskip("gcp_storage_emulator", reason="TEST=1 bash setup.sh installs it (requirements-test.txt)")
+  pytest.importorskip("gcsfs", reason="pip install -r requirements.txt")
+  from MaxText.tests.gcs_emulator import gcs_env
+
+  port = free_port()
+  command = [sys.executable, os.path.join(ROOT, "MaxText", "tests", "gcs_emulator.py"), str(port), GCS_BUCKET]
+  proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+  try:
+    assert proc.stdout.readline().strip() == "ready", "the GCS emulator did not start"
+    yield gcs_env(port)
+  finally:
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture
+def gcs(gcs_server, monkeypatch):
+  """The emulator's environment, set in this process for one test; yields it (for subprocesses)."""
+  for key, value in gcs_server.items():
+    monkeypatch.setenv(key, value)
+  return gcs_server
+
+
+@pytest.fixture
+def bucket(gcs):
+  """A fresh gs:// prefix of the emulator's bucket for one test."""
+  return f"gs://{GCS_BUCKET}/{uuid.uuid4().hex[:8]}"

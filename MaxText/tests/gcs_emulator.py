@@ -1,6 +1,7 @@
-"""A local GCS emulator for the tests (gcp-storage-emulator), serving gs:// to gcsfs/epath, google-cloud-storage
-and tensorstore (hence orbax): `python3 MaxText/tests/gcs_emulator.py PORT BUCKET [BUCKET ...]`; prints
-"ready" once it serves. Point the clients at it with gcs_env(port) (docs/cloud_storage.md).
+"""A local GCS emulator for the tests (gcp-storage-emulator), serving gs:// to gcsfs/epath, google-cloud-storage,
+tensorstore (hence orbax) and array_record's GCS client (grain, tfds):
+`python3 MaxText/tests/gcs_emulator.py PORT BUCKET [BUCKET ...]`; prints "ready" once it
+serves. Point the clients at it with gcs_env(port) (docs/cloud_storage.md).
 
 The emulator's media download omits the x-goog-generation header that tensorstore reads for every object
 (its conditional writes, which orbax's OCDBT manifest relies on, need it: without it every checkpoint
@@ -17,6 +18,7 @@ def gcs_env(port: int) -> dict[str, str]:
   return {
     "STORAGE_EMULATOR_HOST": url,  # gcsfs (epath), google-cloud-storage (TensorBoard's writer)
     "TENSORSTORE_GCS_HTTP_URL": url,  # tensorstore (orbax checkpoints)
+    "CLOUD_STORAGE_EMULATOR_ENDPOINT": url,  # google-cloud-cpp inside array_record (grain, tfds)
     "GOOGLE_CLOUD_PROJECT": "test",
   }
 

@@ -1,6 +1,7 @@
 """gs:// end to end against a local GCS emulator (MaxText/tests/gcs_emulator.py): outputs, checkpoints and
-exact resume, decode from a bucket, text data and tokenizers in a bucket, and the one-line errors for a
-missing bucket. Every client (gcsfs through epath, tensorstore through orbax, google-cloud-storage through
+exact resume, decode from a bucket, text data and tokenizers in a bucket, converters and data tools reading
+and writing a bucket, download_dataset.sh, and the one-line errors for a missing bucket and missing or bad
+credentials. Every client (gcsfs through epath, tensorstore through orbax, google-cloud-storage through
 TensorBoard's writer) reaches the emulator through the environment variables of gcs_env."""
 
 import json
@@ -8,47 +9,12 @@ import os
 import subprocess
 import sys
 import time
-import uuid
 
 import pytest
 
 from MaxText import config as config_lib
-from MaxText import launch, paths, train
+from MaxText import launch, paths, plot_metrics, train
 from MaxText.tests.conftest import BASE, DOCS, ROOT, TINY, free_port, run_processes
-from MaxText.tests.gcs_emulator import gcs_env
-
-pytest.importorskip("gcp_storage_emulator", reason="TEST=1 bash setup.sh installs it (requirements-test.txt)")
-pytest.importorskip("gcsfs", reason="pip install -r requirements.txt")
-
-BUCKET = "maxtext-test"
-
-
-@pytest.fixture(scope="module")
-def gcs():
-  """The emulator on a free port with BUCKET, its environment set in this process; yields that environment."""
-  port = free_port()
-  proc = subprocess.Popen(
-    [sys.executable, os.path.join(ROOT, "MaxText", "tests", "gcs_emulator.py"), str(port), BUCKET],
-    stdout=subprocess.PIPE,
-    stderr=subprocess.DEVNULL,
-    text=True,
-  )
-  try:
-    assert proc.stdout.readline().strip() == "ready", "the GCS emulator did not start"
-    env = gcs_env(port)
-    with pytest.MonkeyPatch.context() as mp:
-      for key, value in env.items():
-        mp.setenv(key, value)
-      yield env
-  finally:
-    proc.kill()
-    proc.wait()
-
-
-@pytest.fixture
-def bucket(gcs):
-  """A fresh gs:// prefix of the emulator's bucket for one test."""
-  return f"gs://{BUCKET}/{uuid.uuid4().hex[:8]}"
 
 
 def gcfg(base, name, *overrides):
@@ -94,6 +60,72 @@ def test_missing_bucket_exits_with_one_line(gcs):
   assert result.returncode == 1
   last = result.stderr.strip().splitlines()[-1]
   assert last.startswith("Storage error: base_output_directory='gs://no-such-bucket/x/r'")
+  assert "Traceback" not in result.stderr
+
+
+EMULATOR_VARIABLES = ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "CLOUD_STORAGE_EMULATOR_ENDPOINT")
+
+
+def no_credentials_env(tmp_path, **extra):
+  """This environment without the emulator and without any way to find credentials: an empty gcloud
+  configuration, no GCE metadata check (its host an unreachable local port, should the check run anyway)."""
+  env = {k: v for k, v in os.environ.items() if k not in EMULATOR_VARIABLES and k != "GOOGLE_APPLICATION_CREDENTIALS"}
+  os.makedirs(tmp_path / "gcloud", exist_ok=True)
+  env.update(CLOUDSDK_CONFIG=str(tmp_path / "gcloud"), NO_GCE_CHECK="true", GCE_METADATA_TIMEOUT="1")
+  env.update(GCE_METADATA_HOST=f"127.0.0.1:{free_port()}", GCE_METADATA_IP=f"127.0.0.1:{free_port()}")
+  return {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1", **extra}
+
+
+PROBE = """
+import time
+from MaxText import paths
+start = time.monotonic()
+try:
+  paths.check_writable("gs://no-such-bucket-maxtext/out", "base_output_directory")
+except paths.StorageError as e:
+  print(f"{time.monotonic() - start:.1f}", e)
+"""
+
+
+@pytest.mark.parametrize("key_file", ["none", "missing", "malformed"])
+def test_bad_credentials_fail_within_seconds_naming_what_to_set(tmp_path, key_file):
+  """No network and no real bucket: the credential lookup fails and says what to set, long before the 30 s
+  storage timeout (a subprocess, so that no client state of this one is reused and nothing can hang it)."""
+  extra = {}
+  if key_file != "none":
+    (tmp_path / "bad.json").write_text("{not json")
+    extra["GOOGLE_APPLICATION_CREDENTIALS"] = str(tmp_path / ("bad.json" if key_file == "malformed" else "no.json"))
+  env = no_credentials_env(tmp_path, **extra)
+  result = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+  elapsed, _, line = result.stdout.strip().partition(" ")
+  assert line.startswith("base_output_directory='gs://no-such-bucket-maxtext/out': no usable Google Cloud"), result
+  assert "gcloud auth application-default login" in line and "GOOGLE_APPLICATION_CREDENTIALS" in line
+  assert float(elapsed) < 5
+
+
+def test_credential_lookup_without_an_answer_is_one_line(monkeypatch):
+  import google.auth
+
+  for key in EMULATOR_VARIABLES:
+    monkeypatch.delenv(key, raising=False)
+  monkeypatch.setattr(paths, "_credentials_found", False)
+  monkeypatch.setattr(paths, "CREDENTIALS_TIMEOUT_S", 0.05)
+  monkeypatch.setattr(google.auth, "default", lambda: time.sleep(1))
+  with pytest.raises(paths.StorageError, match=r"^'gs://b/x': no Google Cloud credentials found within 0.05 s; run"):
+    paths.with_timeout(lambda: None, "'gs://b/x'")
+  with pytest.raises(paths.StorageError, match=r"^'gs://b/m.jsonl': no Google Cloud credentials found"):
+    plot_metrics.read_records("gs://b/m.jsonl")
+  paths.with_timeout(lambda: None, "'/a/local/path'")  # local paths need no credentials
+  monkeypatch.setenv("FSSPEC_GCS_TOKEN", "anon")
+  paths.with_timeout(lambda: None, "'gs://public/x'")  # anonymous access asked for
+
+
+def test_train_without_credentials_exits_with_one_line(tmp_path):
+  argv = [sys.executable, "MaxText/train.py", BASE, "run_name=r", "base_output_directory=gs://no-such-bucket/x", *TINY]
+  result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300, env=no_credentials_env(tmp_path))
+  assert result.returncode == 1
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("Storage error: base_output_directory='gs://no-such-bucket/x/r': no usable Google Cloud")
   assert "Traceback" not in result.stderr
 
 
@@ -171,11 +203,14 @@ def test_two_processes_without_a_shared_disk_share_the_tokenizer_through_the_buc
   assert len(paths.Path(f"{bucket}/mh/metrics.jsonl").read_text().splitlines()) == 3
 
 
-def test_hf_to_maxtext_reads_and_writes_a_bucket(bucket, tmp_path):
-  """--hf_path and --output on gs://: the converted params load from the bucket as load_parameters_path."""
+def test_hf_to_maxtext_and_back_through_a_bucket(bucket, tmp_path):
+  """hf_to_maxtext --hf_path and --output on gs://: the converted params load from the bucket as
+  load_parameters_path; maxtext_to_hf reads them from the bucket and writes the same tensors to it."""
+  from safetensors.numpy import load_file
+
   from benchmarks import convert_benchmark
   from MaxText import checkpointing
-  from MaxText.convert import hf_to_maxtext
+  from MaxText.convert import hf_to_maxtext, maxtext_to_hf
 
   local = str(tmp_path / "hf")
   convert_benchmark.write_llama(local, layers=2, emb=64, mlp=128, vocab=256, heads=4)
@@ -185,3 +220,59 @@ def test_hf_to_maxtext_reads_and_writes_a_bucket(bucket, tmp_path):
   assert params == f"{bucket}/converted/params"
   assert "config.yml" in paths.listdir(f"{bucket}/converted")
   assert "params" in checkpointing.saved_tree(params)
+  maxtext_to_hf.main([f"{bucket}/converted/config.yml", f"load_parameters_path={params}", "--output", f"{bucket}/back"])
+  back = paths.local_copy(f"{bucket}/back")
+  assert {"config.json", "model.safetensors.index.json"} <= set(os.listdir(back))
+  exported = {k: v for n in os.listdir(back) if n.endswith(".safetensors") for k, v in load_file(f"{back}/{n}").items()}
+  original = {
+    k: v for n in os.listdir(local) if n.endswith(".safetensors") for k, v in load_file(f"{local}/{n}").items()
+  }
+  assert exported.keys() == original.keys() and all((exported[k] == original[k]).all() for k in original)
+  with pytest.raises(SystemExit, match=r"^Conversion error: load_parameters_path .*/nothing' does not exist"):
+    maxtext_to_hf.main([f"{bucket}/converted/config.yml", f"load_parameters_path={bucket}/nothing", "--output", back])
+
+
+def test_download_dataset_copies_c4_to_a_bucket_and_a_local_dir(gcs, bucket, tmp_path):
+  """download_dataset.sh PROJECT BUCKET and PROJECT --local DIR with C4_SOURCE a small local stand-in for the
+  C4 directory and COPY=python (gsutil cannot reach the emulator): the same files land at c4/en/3.0.1."""
+  source = tmp_path / "c4src"
+  os.makedirs(source / "sub")
+  files = {"c4-train.tfrecord-00000-of-00002": b"\x00\x01" * 1000, "dataset_info.json": b"{}", "sub/x.json": b"[]"}
+  for name, data in files.items():
+    (source / name).write_bytes(data)
+  env = {**os.environ, **gcs, "C4_SOURCE": str(source), "COPY": "python"}
+  script = os.path.join(ROOT, "download_dataset.sh")
+  run = subprocess.run(
+    ["bash", script, "my-project", f"{bucket}/"], capture_output=True, text=True, env=env, timeout=120
+  )
+  assert run.returncode == 0, run.stderr
+  assert run.stdout.strip().endswith(f"C4 in {bucket}/c4/en/3.0.1")
+  assert paths.files_under(f"{bucket}/c4/en/3.0.1") == sorted(files)
+  assert all(paths.Path(f"{bucket}/c4/en/3.0.1/{n}").read_bytes() == data for n, data in files.items())
+  local = tmp_path / "local"
+  env["C4_SOURCE"] = f"{bucket}/c4/en/3.0.1"  # and back from the bucket
+  run = subprocess.run(
+    ["bash", script, "p", "--local", str(local)], capture_output=True, text=True, env=env, timeout=120
+  )
+  assert run.returncode == 0, run.stderr
+  assert all((local / "c4/en/3.0.1" / n).read_bytes() == data for n, data in files.items())
+  env["C4_SOURCE"] = f"{bucket}/nothing"
+  run = subprocess.run(["bash", script, "p", bucket], capture_output=True, text=True, env=env, timeout=120)
+  assert run.returncode == 1 and run.stderr.strip() == f"Storage error: '{bucket}/nothing' is not a directory"
+
+
+def test_data_tools_read_and_write_a_bucket(bucket, tmp_path):
+  """train_tokenizer and convert_to_arrayrecord with --files and --output_dir on gs://; grain reads the result."""
+  from grain.sources import ArrayRecordDataSource
+
+  from MaxText.data import convert_to_arrayrecord, train_tokenizer
+  from MaxText.data.tokenizer import load_tokenizer
+
+  for i, doc in enumerate(DOCS):
+    paths.Path(f"{bucket}/docs/{i:02d}.txt").write_text(doc)
+  train_tokenizer.main(["--files", f"{bucket}/docs/*.txt", "--vocab_size", "300", "--output_dir", f"{bucket}/tok"])
+  assert load_tokenizer(f"{bucket}/tok/tokenizer.model").vocab_size <= 300
+  convert_to_arrayrecord.main(["--files", f"{bucket}/docs/*.txt", "--output_dir", f"{bucket}/ar", "--num_shards", "2"])
+  assert paths.listdir(f"{bucket}/ar") == [f"data-0000{i}-of-00002.array_record" for i in range(2)]
+  source = ArrayRecordDataSource([f"{bucket}/ar/{name}" for name in paths.listdir(f"{bucket}/ar")])
+  assert len(source) == len(DOCS)

@@ -8,32 +8,8 @@ from MaxText.data import make_iterators
 from MaxText.tests.conftest import DOCS, assert_same_batches, check_batch, data_config, mesh_of, take_batches
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  """DOCS[:9] as split train and DOCS[9:] as validation of tiny_docs:1.0.0, in array_record format."""
-  import tensorflow_datasets as tfds
-
-  class TinyDocs(tfds.core.GeneratorBasedBuilder):
-    VERSION = tfds.core.Version("1.0.0")
-    code_path = tfds.core.Path(__file__)  # tfds would look it up through importlib_resources
-
-    def _info(self):
-      return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({"text": tfds.features.Text()}))
-
-    def _split_generators(self, dl_manager):
-      return {"train": self._generate_examples(DOCS[:9]), "validation": self._generate_examples(DOCS[9:])}
-
-    def _generate_examples(self, docs):
-      for i, doc in enumerate(docs):
-        yield i, {"text": doc}
-
-  root = tmp_path_factory.mktemp("tfds")
-  TinyDocs(data_dir=str(root), file_format="array_record").download_and_prepare()
-  return str(root)
-
-
-def test_tfds_batches_eval_and_resume(tmp_path, corpus, data_dir):
-  overrides = ["dataset_type=tfds", "dataset_name=tiny_docs:1.0.0", f"dataset_path={data_dir}", "eval_steps=-1"]
+def test_tfds_batches_eval_and_resume(tmp_path, corpus, tfds_data_dir):
+  overrides = ["dataset_type=tfds", "dataset_name=tiny_docs:1.0.0", f"dataset_path={tfds_data_dir}", "eval_steps=-1"]
   cfg = data_config(tmp_path, *overrides, f"tokenizer_path={corpus[1]}", "grain_worker_count=0", "packing=false")
   cfg = cfg.replace(max_target_length=128)
   mesh = mesh_of(cfg, 4)

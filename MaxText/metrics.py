@@ -34,7 +34,7 @@ COMPILE_STEPS = 2  # the first steps after start include jit compilation; timed 
 # jax.monitoring event recorded when an XLA compilation ends (jax._src.dispatch.BACKEND_COMPILE_EVENT).
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 MAX_EXP_ARG = 709.0  # math.exp overflows a float64 just above this
-TOKEN_MEANS = ("loss", "z_loss", "moe_load_balance_loss")  # per-token losses: token-weighted over a window
+TOKEN_MEANS = ("loss", "z_loss", "moe_load_balance_loss", "mtp_loss")  # per-token losses: token-weighted over a window
 PLAIN_MEANS = ("grad_norm",)  # per-step values: plain mean over a window
 # Per-step 0/1 flags from the train step: counted into `skipped_steps`, not written per step.
 STEP_FLAGS = ("update_finite", "step_skipped")

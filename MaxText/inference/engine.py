@@ -103,14 +103,16 @@ def bucket(n: int, cap: int) -> int:
 
 
 def load_params(config: Config, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State, str]:
-  """The model's graphdef and sharded parameters: load_parameters_path, else random (init_weights_seed)."""
+  """The model's graphdef and sharded parameters: load_parameters_path, else random (init_weights_seed).
+  The model has no MTP modules (state.for_inference), whatever mtp_num_layers the checkpoint was trained with."""
+  model_config = state_lib.for_inference(config)
   with sharding.activate(config, mesh):
-    spec = state_lib.param_spec(config, mesh)
+    spec = state_lib.param_spec(model_config, mesh)
     source = config.load_parameters_path or "random weights (no load_parameters_path)"
     if config.load_parameters_path:
       params = checkpointing.load_params(config.load_parameters_path, spec.abstract)
     else:
-      params = state_lib.init_params(config, spec)
+      params = state_lib.init_params(model_config, spec)
   # Every matmul casts its weights to dtype anyway: cast once, not on every decode step.
   dtype = jnp.dtype(config.dtype)
   cast = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, p))

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from MaxText import sharding
 from MaxText.config import Config
 from MaxText.layers import mtp
-from MaxText.state import StateSpec, TrainState
+from MaxText.state import StateSpec, TrainState, for_inference
 
 Batch = dict[str, jax.Array]  # int32 [B, T]: inputs, targets, *_segmentation, inputs_position
 
@@ -190,8 +190,9 @@ def train_step(
 
 
 def eval_step(graphdef: nnx.GraphDef, config: Config, params: nnx.State, batch: Batch) -> dict[str, jax.Array]:
-  """Loss sums on one eval batch (no dropout); the caller averages over all eval batches."""
-  _, aux = loss_sums(graphdef, config, params, batch, None)
+  """Loss sums on one eval batch (no dropout); the caller averages over all eval batches. The MTP modules,
+  if any, do not run: evaluation measures the model that decodes."""
+  _, aux = loss_sums(graphdef, for_inference(config), params, batch, None)
   return aux
 
 

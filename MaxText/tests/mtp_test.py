@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import checkpointing, config, metrics, models, train
+from MaxText import checkpointing, config, metrics, models, saved_config, train
 from MaxText import state as state_lib
 from MaxText import train_step as steps
 from MaxText.config import ConfigError
@@ -279,3 +279,9 @@ def test_flops_count_each_mtp_module_as_one_more_layer_eh_proj_and_head():
   f_off, f_on, f_deeper = (metrics.training_flops_per_token(c) for c in (off, on, deeper))
   assert f_on.matmul == pytest.approx(f_deeper.matmul + 6 * 2 * on.emb_dim**2)
   assert f_on.attention == pytest.approx(f_deeper.attention) and f_on.embedding == 2 * f_off.embedding
+
+
+def test_resuming_with_another_mtp_num_layers_is_named_but_a_params_load_is_not():
+  c = load("mtp_num_layers=1")
+  assert saved_config.differences({"mtp_num_layers": 0}, c, layout=True) == ["mtp_num_layers: 0 -> 1"]
+  assert saved_config.differences({"mtp_num_layers": 0}, c, layout=False) == []

@@ -106,7 +106,7 @@ def _mtp_sums(model: Any, hidden: tuple[jax.Array, ...], batch: Batch, tiles: in
 
 
 def aux_zeros(config: Config) -> dict[str, jax.Array]:
-  """Zero sums with the keys loss_sums' aux has for `config` (gradient accumulation, evaluation totals)."""
+  """Zero sums with the keys loss_sums' aux has for `config`: the start of gradient accumulation."""
   keys = ("nll", "z_loss", "load_balance_loss", "tokens") + (("mtp_nll", "mtp_tokens") if config.mtp_num_layers else ())
   return {k: jnp.zeros((), jnp.float32) for k in keys}
 

@@ -76,7 +76,8 @@ def packed_batch(lengths, t=16, seed=0):
 
 @pytest.mark.slow  # the real train loop: 30-60 s on 2 busy cores
 def test_mtp_trains_and_reports_its_loss(tmp_path):
-  c = cfg(tmp_path, "mtp", "steps=12", "per_device_batch_size=1", "vocab_size=16", "mtp_num_layers=1")
+  c = cfg(tmp_path, "mtp", "steps=12", "per_device_batch_size=2", "gradient_accumulation_steps=2", "vocab_size=16")
+  c = c.replace(mtp_num_layers=1)
   train.run(c)
   records = [json.loads(line) for line in open(c.metrics_file)]
   assert all("mtp_loss" in r and np.isfinite(r["mtp_loss"]) for r in records)

@@ -43,7 +43,7 @@ def compare(golden: np.ndarray, ours: np.ndarray, atol: float, rtol: float) -> R
 
 
 def model_logits(c: Config):
-  spec = state_lib.param_spec(c)
+  spec = state_lib.param_spec(state_lib.for_inference(c))  # the decoding model: MTP modules only train
   model = nnx.merge(spec.graphdef, checkpointing.load_params(c.load_parameters_path, spec.abstract))
 
   def run(tokens: np.ndarray) -> np.ndarray:

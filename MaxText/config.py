@@ -353,6 +353,10 @@ def _validate_family_options(c: dict[str, Any]) -> None:
     )
   if not 0 <= c["first_num_dense_layers"] <= c["num_decoder_layers"]:
     raise ConfigError(f"first_num_dense_layers must be in [0, num_decoder_layers], got {c['first_num_dense_layers']}")
+  if c["mtp_num_layers"] < 0 or c["mtp_loss_scaling_factor"] < 0:
+    raise ConfigError("mtp_num_layers and mtp_loss_scaling_factor must be >= 0 (mtp_num_layers=0: no MTP)")
+  if c["mtp_num_layers"] >= c["max_target_length"]:
+    raise ConfigError(f"mtp_num_layers ({c['mtp_num_layers']}) must be < max_target_length ({c['max_target_length']})")
   _validate_llama4_options(c)
 
 

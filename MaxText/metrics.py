@@ -9,7 +9,7 @@ for every step that includes compilation: the first two steps of a run, and any 
 whose dispatch JAX finished compiling something (e.g. a new input shape). Those are kept out of the
 averages and report no TFLOP/s or MFU: their time is mostly compiling, not model FLOPs.
 
-A record's loss (and z_loss, moe_load_balance_loss) is the token-weighted mean over the steps since the
+A record's loss (and z_loss, moe_load_balance_loss, mtp_loss) is the token-weighted mean over the steps since the
 previous record, and grad_norm the plain mean, matching step_time_s, a window mean too: one step's
 loss is noisy, so logging it alone makes a smooth run look erratic. learning_rate is the last step's.
 """
@@ -34,7 +34,7 @@ COMPILE_STEPS = 2  # the first steps after start include jit compilation; timed 
 # jax.monitoring event recorded when an XLA compilation ends (jax._src.dispatch.BACKEND_COMPILE_EVENT).
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 MAX_EXP_ARG = 709.0  # math.exp overflows a float64 just above this
-TOKEN_MEANS = ("loss", "z_loss", "moe_load_balance_loss")  # per-token losses: token-weighted over a window
+TOKEN_MEANS = ("loss", "z_loss", "moe_load_balance_loss", "mtp_loss")  # per-token losses: token-weighted over a window
 PLAIN_MEANS = ("grad_norm",)  # per-step values: plain mean over a window
 # Per-step 0/1 flags from the train step: counted into `skipped_steps`, not written per step.
 STEP_FLAGS = ("update_finite", "step_skipped")
@@ -138,12 +138,16 @@ def training_flops_per_token(config: Config) -> FlopCount:
                 QK^T and AV, 2 FLOPs per multiply-add, over S_eff = attended_keys(window, T) keys:
                 T/2 for global causal layers (half of full attention, as MaxText counts it), less for
                 sliding-window layers; MLA's H_qk is qk_nope + qk_rope, H_v is v_head_dim.
+    mtp       = each of mtp_num_layers modules adds its layer (MoE when num_experts > 1), its eh_proj
+                (6·2D·D, in matmul) and one more logits projection (in embedding)
   Not counted: norms, activations, softmax, RoPE, the MoE dispatch (XLA's cost analysis does count them).
   """
-  kinds = layer_kinds(config)
+  mtp_kind = LayerKind(config.sliding_window_size, config.num_experts > 1, mla=config.decoder_block == "deepseek")
+  kinds = layer_kinds(config) + (mtp_kind,) * config.mtp_num_layers
   matmul = 6.0 * sum(_attention_params(config, k.mla) + _mlp_params(config, k.moe) for k in kinds)
+  matmul += 6.0 * 2 * config.emb_dim**2 * config.mtp_num_layers
   attention = 3.0 * sum(_attention_flops_forward(config, k) for k in kinds)
-  embedding = 6.0 * config.emb_dim * config.vocab_size
+  embedding = 6.0 * config.emb_dim * config.vocab_size * (1 + config.mtp_num_layers)
   return FlopCount(matmul + attention + embedding, matmul, attention, embedding)
 
 

@@ -69,7 +69,7 @@ def read(directory: str) -> dict[str, Any] | None:
 
 
 def differences(saved: Mapping[str, Any], config: Config, *, layout: bool) -> list[str]:
-  """'key: saved -> now' for each SHAPE_KEYS key (and scan_layers and clipping when `layout`, which a
+  """'key: saved -> now' for each SHAPE_KEYS key (and scan_layers, mtp_num_layers and clipping when `layout`, which a
   full-state restore cannot bridge) that differs; keys the saved config lacks are not compared."""
   diffs = []
   for key, base_key in SHAPE_KEYS:
@@ -79,6 +79,9 @@ def differences(saved: Mapping[str, Any], config: Config, *, layout: bool) -> li
   if layout:
     if "scan_layers" in saved and saved["scan_layers"] != config.scan_layers:
       diffs.append(f"scan_layers: {saved['scan_layers']!r} -> {config.scan_layers!r}")
+    # Not in SHAPE_KEYS: a params-only load (decoding) reads a checkpoint with or without MTP modules.
+    if saved.get("mtp_num_layers", config.mtp_num_layers) != config.mtp_num_layers:
+      diffs.append(f"mtp_num_layers: {saved['mtp_num_layers']!r} -> {config.mtp_num_layers!r}")
     clip = saved.get("gradient_clipping_threshold")
     if clip is not None and (clip > 0) != (config.gradient_clipping_threshold > 0):
       diffs.append(f"gradient_clipping_threshold: {clip!r} -> {config.gradient_clipping_threshold!r} (on/off)")

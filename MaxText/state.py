@@ -64,6 +64,12 @@ def _shardings(tree, config: Config, mesh: Mesh):
   return jax.tree.map(lambda s, a: sharding.fit(s, a.shape), named, tree)
 
 
+def for_inference(config: Config) -> Config:
+  """The config of the model that decodes or scores: without multi-token-prediction modules, which only
+  train (a checkpoint's MTP parameters are then simply not read)."""
+  return config.replace(mtp_num_layers=0) if config.mtp_num_layers else config
+
+
 def param_spec(config: Config, mesh: Mesh | None = None) -> ParamSpec:
   """The model's graphdef and abstract parameters; with a mesh, also where each parameter lives.
 

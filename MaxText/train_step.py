@@ -17,8 +17,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from MaxText import sharding
 from MaxText.config import Config
-from MaxText.layers import lora
-from MaxText.state import StateSpec, TrainState
+from MaxText.layers import lora, mtp
+from MaxText.state import StateSpec, TrainState, for_inference
 
 Batch = dict[str, jax.Array]  # int32 [B, T]: inputs, targets, *_segmentation, inputs_position
 
@@ -67,12 +67,15 @@ def loss_sums(graphdef: nnx.GraphDef, config: Config, params: nnx.State, batch: 
   """Summed (not averaged) losses over the non-padding target tokens of `batch`.
 
   Returns (objective, aux): objective = sum(nll + z_loss) over tokens whose targets_segmentation is
-  not 0, plus load_balance_loss_weight * the MoE load-balancing loss per token; aux = {nll, z_loss,
-  load_balance_loss, tokens} sums. Averaging happens once over the whole global batch, so
-  gradient accumulation and sharding give the same loss as one big batch.
+  not 0, plus load_balance_loss_weight * the MoE load-balancing loss per token, plus with mtp_num_layers
+  mtp_loss_scaling_factor * the mean over depths of the MTP nll sums; aux = {nll, z_loss,
+  load_balance_loss, tokens} sums, and {mtp_nll, mtp_tokens} (over all depths) with MTP. Averaging happens
+  once over the whole global batch, so gradient accumulation and sharding give the same loss as one big batch.
   """
   model = nnx.merge(graphdef, params)
-  out = model.forward(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"], rng, hidden_only=True)
+  with_mtp = config.mtp_num_layers > 0
+  inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"], rng)
+  out = model.forward(*inputs, hidden_only=True, mtp=with_mtp)
   tiles = vocab_tiles(config, *batch["targets"].shape)
   lse, target_logit = token_logits(model, out.logits, batch["targets"], tiles)
   mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
@@ -80,7 +83,32 @@ def loss_sums(graphdef: nnx.GraphDef, config: Config, params: nnx.State, batch: 
   z_loss = config.z_loss_multiplier * jnp.square(lse) * mask
   balance = out.aux_loss * mask.sum()
   aux = {"nll": nll.sum(), "z_loss": z_loss.sum(), "load_balance_loss": balance, "tokens": mask.sum()}
-  return nll.sum() + z_loss.sum() + config.load_balance_loss_weight * balance, aux
+  objective = nll.sum() + z_loss.sum() + config.load_balance_loss_weight * balance
+  if with_mtp:
+    aux |= _mtp_sums(model, out.mtp, batch, tiles)
+    objective = objective + config.mtp_loss_scaling_factor / config.mtp_num_layers * aux["mtp_nll"]
+  return objective, aux
+
+
+def _mtp_sums(model: Any, hidden: tuple[jax.Array, ...], batch: Batch, tiles: int) -> dict[str, jax.Array]:
+  """MTP depth k's hidden states [B, T, D] (k = 1, 2, ...) -> {mtp_nll, mtp_tokens}, summed over the depths
+  and the positions whose target k tokens further on exists in their own segment (mtp.shifted_targets).
+
+  The sums join the main loss's, so the objective divides them by the main token count: per depth the
+  mean is over N tokens where DeepSeek's is over the N_k < N that have a target (each row or packed
+  segment loses its last k), a factor N_k / N close to 1 that keeps the sums additive across micro-batches."""
+  nll_sum, tokens = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
+  for k, h in enumerate(hidden, 1):
+    shifted = mtp.shifted_targets(batch["targets"], batch["targets_segmentation"], k)
+    lse, target_logit = token_logits(model, h, shifted.targets, tiles)
+    nll_sum, tokens = nll_sum + ((lse - target_logit) * shifted.mask).sum(), tokens + shifted.mask.sum()
+  return {"mtp_nll": nll_sum, "mtp_tokens": tokens}
+
+
+def aux_zeros(config: Config) -> dict[str, jax.Array]:
+  """Zero sums with the keys loss_sums' aux has for `config`: the start of gradient accumulation."""
+  keys = ("nll", "z_loss", "load_balance_loss", "tokens") + (("mtp_nll", "mtp_tokens") if config.mtp_num_layers else ())
+  return {k: jnp.zeros((), jnp.float32) for k in keys}
 
 
 def _grads(graphdef, config, params, frozen, batch, rng, data_axes):
@@ -106,8 +134,7 @@ def _grads(graphdef, config, params, frozen, batch, rng, data_axes):
     grads, aux = grad_fn(params, micro_batch, micro_rng)
     return jax.tree.map(jnp.add, acc, (grads, aux)), None
 
-  zeros = jax.tree.map(jnp.zeros_like, params), {"nll": 0.0, "z_loss": 0.0, "load_balance_loss": 0.0, "tokens": 0.0}
-  zeros = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32) if isinstance(x, float) else x, zeros)
+  zeros = jax.tree.map(jnp.zeros_like, params), aux_zeros(config)
   acc, _ = jax.lax.scan(body, zeros, (jax.tree.map(split, batch), jnp.arange(micro)))
   return acc
 
@@ -165,12 +192,15 @@ def train_step(
     metrics["z_loss"] = aux["z_loss"] / tokens
   if config.num_experts > 1:
     metrics["moe_load_balance_loss"] = aux["load_balance_loss"] / tokens
+  if config.mtp_num_layers:  # unscaled: the mean nll per predicted token over all depths, comparable to loss
+    metrics["mtp_loss"] = aux["mtp_nll"] / jnp.maximum(aux["mtp_tokens"], 1.0)
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
 def eval_step(graphdef: nnx.GraphDef, config: Config, params: nnx.State, batch: Batch) -> dict[str, jax.Array]:
-  """Loss sums on one eval batch (no dropout); the caller averages over all eval batches."""
-  _, aux = loss_sums(graphdef, config, params, batch, None)
+  """Loss sums on one eval batch (no dropout); the caller averages over all eval batches. The MTP modules,
+  if any, do not run: evaluation measures the model that decodes."""
+  _, aux = loss_sums(graphdef, for_inference(config), params, batch, None)
   return aux
 
 

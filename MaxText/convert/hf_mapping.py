@@ -9,7 +9,7 @@ parameter: the layer (scan_layers=true) and/or the expert.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any, NamedTuple
 
 from MaxText.config import Config, ConfigError
@@ -283,6 +283,8 @@ def hf_config(c: Config, dtype: str) -> dict[str, Any]:
       raise ConfigError(f"llama4_text fixes {FIXED['llama4']}; this config has {wrong}, which it cannot represent")
     out["intermediate_size"], out["intermediate_size_mlp"] = c.moe_mlp_dim, c.mlp_dim
     out["floor_scale"] = int(out["floor_scale"])
+  if c.decoder_block == "deepseek":  # transformers' default is 1, with no MTP weights to load
+    out["num_nextn_predict_layers"] = c.mtp_num_layers
   for key in (
     "sliding_window",
     "attn_logit_softcapping",
@@ -434,15 +436,71 @@ def rules(c: Config, stacks, params: dict) -> list[Rule]:
     for suffix, path, expert, n_in, perm, *cols in _layer_rules(c, moe):
       rule = Rule(f"model.layers.{i}.{suffix}", prefix + path, index + expert, n_in, perm, cols=(cols or [None])[0])
       out.append(rule)
+  return out + _mtp_rules(c)
+
+
+# DeepSeek V3's multi-token-prediction module k (k = 0, 1, ...) is checkpoint layer num_hidden_layers + k: these
+# tensors of the module (layers/mtp.py), plus a decoder layer's own, plus copies of the shared embedding and
+# head (MTP_COPIES).
+MTP_TENSORS = (
+  ("enorm.weight", ("enorm", "scale"), None),
+  ("hnorm.weight", ("hnorm", "scale"), None),
+  ("eh_proj.weight", ("eh_proj", "kernel"), 1),  # [D, 2D]: input columns are [embedding, hidden]
+  ("shared_head.norm.weight", ("shared_head_norm", "scale"), None),
+)
+
+
+def _mtp_rules(c: Config) -> list[Rule]:
+  """The MTP modules' tensors (mtp_num_layers of them; deepseek only, the layout DeepSeek V3 publishes)."""
+  if not c.mtp_num_layers:
+    return []
+  if c.decoder_block != "deepseek":
+    raise ConfigError(
+      f"mtp_num_layers={c.mtp_num_layers} has a Hugging Face layout for decoder_block=deepseek only; "
+      "export with mtp_num_layers=0 (the MTP modules are then left out)"
+    )
+  out = []
+  for k in range(c.mtp_num_layers):
+    layer = f"model.layers.{c.num_decoder_layers + k}"
+    out += [Rule(f"{layer}.{name}", ("mtp_modules", k, *path), (), n_in) for name, path, n_in in MTP_TENSORS]
+    for suffix, path, expert, n_in, perm, *cols in _layer_rules(c, c.num_experts > 1):
+      rule = Rule(f"{layer}.{suffix}", ("mtp_modules", k, "layer", *path), expert, n_in, perm, cols=(cols or [None])[0])
+      out.append(rule)
   return out
 
 
+def mtp_copies(c: Config) -> list[Rule]:
+  """Export only: each MTP layer's copies of the shared embedding and output head, as DeepSeek's checkpoints
+  hold them (the import reads the main model's and skips these)."""
+  head = ("token_embedder", "embedding") if c.logits_via_embedding else ("logits_dense", "kernel")
+  out = []
+  for k in range(c.mtp_num_layers if c.decoder_block == "deepseek" else 0):
+    layer = f"model.layers.{c.num_decoder_layers + k}"
+    out.append(Rule(f"{layer}.embed_tokens.weight", ("token_embedder", "embedding"), (), None))
+    out.append(Rule(f"{layer}.shared_head.head.weight", head, (), None if c.logits_via_embedding else 1))
+  return out
+
+
+def mtp_layers(hf: dict[str, Any], tensor_names: Collection[str]) -> int:
+  """How many MTP modules a DeepSeek checkpoint holds: num_nextn_predict_layers when their tensors are there
+  (DeepSeek's releases), 0 when not (transformers saves none, yet its config says 1)."""
+  if DECODER_BLOCK.get(hf.get("model_type")) != "deepseek":
+    return 0
+  wanted = hf.get("num_nextn_predict_layers") or 0
+  present = [f"model.layers.{hf['num_hidden_layers'] + k}.eh_proj.weight" in tensor_names for k in range(wanted)]
+  return present.index(False) if False in present else wanted
+
+
 def ignored(c: Config, hf_name: str) -> bool:
-  """HF tensors the model does not use: DeepSeek V3's multi-token-prediction layers after the last
-  decoder layer (transformers skips them too)."""
+  """HF tensors the model does not read: DeepSeek's layers after the last decoder layer and MTP module
+  (multi-token-prediction layers beyond mtp_num_layers; transformers skips them too), and the MTP
+  layers' copies of the embedding and head."""
   parts = hf_name.split(".")
   layer = parts[:2] == ["model", "layers"] and parts[2].isdigit()
-  return c.decoder_block == "deepseek" and layer and int(parts[2]) >= c.num_decoder_layers
+  if c.decoder_block != "deepseek" or not layer or int(parts[2]) < c.num_decoder_layers:
+    return False
+  copy = ".".join(parts[3:]) in ("embed_tokens.weight", "shared_head.head.weight")
+  return int(parts[2]) >= c.num_decoder_layers + c.mtp_num_layers or copy
 
 
 def _gpt2_rules(c: Config, stacks, params: dict) -> list[Rule]:

@@ -94,7 +94,8 @@ def tensor_index(hf_path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 
 def load_config(hf_path: str, output: str, scan_layers: bool, final: str = "") -> tuple[Config, dict[str, Any]]:
-  """OUTPUT/config.yml written and loaded; `final`: where OUTPUT ends up (its tokenizer_path points there)."""
+  """OUTPUT/config.yml written and loaded; `final`: where OUTPUT ends up (its tokenizer_path points there).
+  DeepSeek's multi-token-prediction modules, when the tensors hold them, set mtp_num_layers."""
   hf = read_hf_config(hf_path)
   try:
     keys = hf_mapping.maxtext_keys(hf)
@@ -105,6 +106,10 @@ def load_config(hf_path: str, output: str, scan_layers: bool, final: str = "") -
     os.makedirs(output, exist_ok=True)
   except OSError as e:
     raise ConfigError(f"--output {output!r} cannot be created: {e.strerror}; choose a writable directory") from None
+  # Not in maxtext_keys: MTP trains only, and the presets those keys match describe the decoding model.
+  mtp_layers = hf_mapping.mtp_layers(hf, tensor_index(hf_path)) if hf.get("num_nextn_predict_layers") else 0
+  if mtp_layers:
+    keys = {**keys, "mtp_num_layers": mtp_layers}
   if os.path.exists(os.path.join(hf_path, "tokenizer.json")):  # decode.py then needs no tokenizer flags
     tokenizer = paths.join(paths.absolute(final or output), "tokenizer.json")
     for name in TOKENIZER_FILES:  # the config beside tokenizer.json names BOS/EOS and holds the chat template

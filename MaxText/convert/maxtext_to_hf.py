@@ -118,7 +118,7 @@ def _write(c: Config, output: str, dtype: str) -> None:
   layout, prefix, abstract = _locate(c, reader)
   block_axes = 1 if layout.scan_layers else 0  # a stacked parameter is read one layer at a time
   by_shard: dict[str, list[hf_mapping.Rule]] = {}
-  for rule in hf_mapping.rules(layout, models.family(layout).stacks(layout), abstract):
+  for rule in hf_mapping.rules(layout, models.family(layout).stacks(layout), abstract) + hf_mapping.mtp_copies(c):
     by_shard.setdefault(_shard_of(rule.hf_name), []).append(rule)
   os.makedirs(output, exist_ok=True)
   weight_map = {}

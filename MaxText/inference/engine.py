@@ -105,18 +105,21 @@ def bucket(n: int, cap: int) -> int:
 def load_params(config: Config, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State, str]:
   """The model's graphdef and sharded parameters: load_parameters_path, else random (init_weights_seed).
   With quantization=int8w the matmul weights are int8 (inference/quantize.py): quantized here from a
-  float checkpoint, or restored as they are from one that save_quantized_params_path wrote."""
+  float checkpoint, or restored as they are from one that save_quantized_params_path wrote. The model has
+  no MTP modules (state.for_inference), whatever mtp_num_layers the checkpoint was trained with."""
   quantize.check(config)
+  model_config = state_lib.for_inference(config)
   path = config.load_parameters_path
   with sharding.activate(config, mesh):
-    spec = state_lib.param_spec(config, mesh)
+    spec = state_lib.param_spec(model_config, mesh)
     source = path or "random weights (no load_parameters_path)"
     if path and quantize.is_quantized_checkpoint(path):
-      params, source = quantize.load_saved(config, spec), f"{source} (int8 weights, as saved)"
+      params, source = quantize.load_saved(model_config, spec), f"{source} (int8 weights, as saved)"
     else:
-      params = checkpointing.load_params(path, spec.abstract) if path else state_lib.init_params(config, spec)
+      params = checkpointing.load_params(path, spec.abstract) if path else state_lib.init_params(model_config, spec)
       if config.quantization == "int8w":
-        params, source = quantize.for_serving(config, spec, params), f"{source} (matmul weights quantized to int8)"
+        params = quantize.for_serving(model_config, spec, params)
+        source = f"{source} (matmul weights quantized to int8)"
   return spec.graphdef, _cast_floats(params, jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)), source
 
 

@@ -21,6 +21,7 @@ from flax import nnx
 
 from MaxText.config import Config, ConfigError
 from MaxText.layers import context_parallel, lora, pipeline
+from MaxText.layers import mtp as mtp_lib
 from MaxText.layers.attention import load_balanced, soft_cap
 from MaxText.layers.axes import ACTIVATION_AXES, LOGITS_AXES
 from MaxText.layers.decoder_layer import DecoderLayer, dropout
@@ -94,6 +95,7 @@ class Family:
   norm: Callable[..., nnx.Module] = RMSNorm  # the final norm's convention
   scale_embeddings: bool = False  # multiply token embeddings by sqrt(emb_dim) (gemma)
   learned_positions: bool = False  # add a trainable_position_size x emb_dim position embedding (gpt3)
+  mtp_layer: Callable[..., nnx.Module] | None = None  # the layer of each MTP module (None: no mtp_num_layers)
 
 
 class LayerBlock(nnx.Module):
@@ -166,6 +168,7 @@ class DecoderOutput(NamedTuple):
   logits: jax.Array  # [B, T, V]; with forward(..., hidden_only=True) the final hidden states [B, T, D]
   aux_loss: jax.Array  # float32 scalar: the layers' auxiliary losses (MoE load balance), averaged over layers
   cache: Any = None  # decoding: the updated caches, {stack name: per-layer caches}
+  mtp: tuple[jax.Array, ...] = ()  # forward(..., mtp=True): per MTP depth, its normed hidden states [B, T, D]
 
 
 class Decoder(nnx.Module):
@@ -194,6 +197,17 @@ class Decoder(nnx.Module):
       self.logits_dense = DenseGeneral(
         config.emb_dim, config.vocab_size, ("embed", "vocab"), dtype=dt, weight_dtype=wdt, rngs=rngs
       )
+    # Last: the main model's parameters stay those of mtp_num_layers=0 for a seed.
+    self.mtp_modules = nnx.data(None)
+    if config.mtp_num_layers:
+      if family.mtp_layer is None:
+        raise ConfigError(
+          f"mtp_num_layers={config.mtp_num_layers} is not available for decoder_block={config.decoder_block} "
+          "(multi-token prediction: deepseek and the llama2 family); set mtp_num_layers=0"
+        )
+      self.mtp_modules = nnx.List(
+        [mtp_lib.MtpModule(config, family.mtp_layer, rngs=rngs) for _ in range(config.mtp_num_layers)]
+      )
 
   def __call__(
     self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array, dropout_rng: jax.Array | None = None
@@ -208,6 +222,7 @@ class Decoder(nnx.Module):
     dropout_rng: jax.Array | None = None,
     cache: dict[str, Any] | None = None,
     hidden_only: bool = False,
+    mtp: bool = False,
   ) -> DecoderOutput:
     """tokens/positions/segment_ids [B, T] -> logits [B, T, V] and the auxiliary loss.
 
@@ -215,12 +230,17 @@ class Decoder(nnx.Module):
     queries attend over the cache (layers/kv_cache.py); the output carries the updated cache.
     hidden_only: return the final-norm hidden states [B, T, D] in place of logits, for a caller that
     applies `logits` itself piece by piece (the vocab-tiled loss).
+    mtp: also run the multi-token-prediction modules (training; the model must have them) and return
+    their hidden states for `logits` in `.mtp`; their MoE losses join aux_loss, averaged over all layers.
     """
     c = self.config
+    # MTP depth k reads token i + k at position i: shifted here, in the natural order of the sequence.
+    ahead = [mtp_lib.shift_left(tokens, k) for k in range(1, c.mtp_num_layers + 1)] if mtp else []
     # Context parallelism with load balancing: the layers run on the balanced layout, undone at the end.
     shards = context_parallel.num_shards() if cache is None and load_balanced(c, tokens.shape[1]) else 1
     if shards > 1:
       tokens, positions, segment_ids = (context_parallel.balance(a, shards) for a in (tokens, positions, segment_ids))
+      ahead = [context_parallel.balance(a, shards) for a in ahead]
     x = self.token_embedder(tokens)
     if self.position_embedder is not None:
       x = x + self.position_embedder(positions)
@@ -236,10 +256,29 @@ class Decoder(nnx.Module):
         stack, x, positions, segment_ids, dropout_rng, first, stack_cache
       )
       aux, first = aux + stack_aux, first + stack.repeats
+    mtp_hidden, mtp_aux = self._apply_mtp(x, ahead, positions, segment_ids, dropout_rng, first)
     x = self.decoder_norm(x)
     out = x if hidden_only else self.logits(x)
-    out = context_parallel.unbalance(out, shards) if shards > 1 else out
-    return DecoderOutput(out, aux / c.num_decoder_layers, None if cache is None else new_cache)
+    if shards > 1:
+      out = context_parallel.unbalance(out, shards)
+      mtp_hidden = tuple(context_parallel.unbalance(m, shards) for m in mtp_hidden)
+    aux = (aux + mtp_aux) / (c.num_decoder_layers + len(mtp_hidden))
+    return DecoderOutput(out, aux, None if cache is None else new_cache, mtp_hidden)
+
+  def _apply_mtp(self, h, ahead, positions, segment_ids, dropout_rng, first_index):
+    """The MTP depths in turn: h^0 (the last layer's output, before the final norm) [B, T, D] and per depth
+    k the tokens t_{i+k} [B, T] -> (per depth its normed hidden states [B, T, D], their layers' summed aux
+    loss). Each layer runs like the decoder's own (remat policy; dropout key from its index after the last)."""
+    normed, aux = [], jnp.zeros((), jnp.float32)
+    for k, (module, tokens_ahead) in enumerate(zip(self.mtp_modules or [], ahead)):
+      x = nn.with_logical_constraint(module.mix(h, self.token_embedder(tokens_ahead)), ACTIVATION_AXES)
+      graphdef, params = nnx.split(module.layer)
+      # _run_units takes stacked units under scan_layers (a stack of one here), else a list.
+      params = jax.tree.map(lambda p: p[None], params) if self.config.scan_layers else [params]
+      h, layer_aux, _ = self._run_units(graphdef, params, x, positions, segment_ids, dropout_rng, first_index + k)
+      normed.append(module.shared_head_norm(h))
+      aux = aux + layer_aux
+    return tuple(normed), aux
 
   def logits(self, x: jax.Array) -> jax.Array:
     """Final hidden states [B, T, D] -> logits [B, T, V] (tied or not, soft-capped)."""

@@ -1,5 +1,6 @@
 """DeepSeek V2/V3: multi-head latent attention in every layer; the first first_num_dense_layers
-layers have a dense MLP, the rest the MoE (routing options from the config), as two stacks."""
+layers have a dense MLP, the rest the MoE (routing options from the config), as two stacks. V3's
+multi-token prediction (mtp_num_layers, layers/mtp.py) uses the MoE layer."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from MaxText.layers.decoder import Family, Stack
 from MaxText.layers.decoder_layer import DecoderLayer
 from MaxText.layers.mlp import MlpBlock
 
+# The layer after the dense ones: MoE when num_experts > 1 (DecoderLayer's default), else a dense MLP.
+MOE_LAYER = functools.partial(DecoderLayer, attention=MLAttention)
+
 
 def stacks(config: Config) -> tuple[Stack, ...]:
   dense, moe = config.first_num_dense_layers, config.num_decoder_layers - config.first_num_dense_layers
@@ -18,8 +22,9 @@ def stacks(config: Config) -> tuple[Stack, ...]:
   if dense:
     out.append(Stack("dense_layers", functools.partial(DecoderLayer, attention=MLAttention, mlp=MlpBlock), dense))
   if moe:
-    out.append(Stack("moe_layers", functools.partial(DecoderLayer, attention=MLAttention), moe))
+    out.append(Stack("moe_layers", MOE_LAYER, moe))
   return tuple(out)
 
 
-FAMILY = Family(stacks=stacks)
+# DeepSeek V3's multi-token-prediction modules each hold one MoE layer (model.layers.61 of the checkpoint).
+FAMILY = Family(stacks=stacks, mtp_layer=MOE_LAYER)

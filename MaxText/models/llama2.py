@@ -7,6 +7,6 @@ from __future__ import annotations
 from MaxText.layers.decoder import Family
 from MaxText.layers.decoder_layer import DecoderLayer as Llama2DecoderLayer
 
-FAMILY = Family()
+FAMILY = Family(mtp_layer=Llama2DecoderLayer)  # multi-token prediction comes for free with the plain layer
 
 __all__ = ["FAMILY", "Llama2DecoderLayer"]

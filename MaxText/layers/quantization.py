@@ -89,7 +89,7 @@ def quantize(model: nnx.Module, config: Config, method: str = "forward") -> nnx.
 
 def _trainable(rule: qwix.QtRule) -> qwix.QtRule:
   """The rule as QtProvider can run it: Qwix's quantized ragged_dot quantizes both operands, so a
-  weight-only rule (int8w) leaves the dropless experts in `dtype` during training (serving quantizes them)."""
+  weight-only rule (int8w) leaves the dropless experts in `dtype` during training."""
   if rule.act_qtype is None:
     return dataclasses.replace(rule, op_names=tuple(op for op in rule.op_names if op != "ragged_dot"))
   return rule

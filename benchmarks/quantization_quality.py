@@ -1,6 +1,6 @@
 """Training quality of quantized training: the quick-start run in bfloat16, int8 and fp8 at the same steps.
 
-    python3 benchmarks/quantization_quality.py                  # 200 steps each (about 10 min on 2 idle cores)
+    python3 benchmarks/quantization_quality.py                  # 200 steps per mode (minutes each on 2 idle cores)
     python3 benchmarks/quantization_quality.py steps=400 fp8=   # key=value overrides for every run
 
 Each mode runs `MaxText/train.py MaxText/configs/quickstart.yml quantization=<mode>` in its own process on

@@ -1,6 +1,6 @@
 """Quantized training (layers/quantization.py): which matmuls the rules select, int8 matmuls in the compiled
-step (CPU, and a TPU topology through libtpu), training that still learns, off meaning unchanged, bad
-values failing at load."""
+step (CPU, and a TPU topology through libtpu: ~6 s on a quiet machine), training that still learns, off
+meaning unchanged, bad values failing at load."""
 
 import glob
 import os
@@ -137,7 +137,6 @@ def test_int8_train_step_runs_int8_matmuls(tmp_path):
   assert not INT8_DOT_GENERAL.search(plain.as_text())
 
 
-@pytest.mark.slow
 def test_int8_experts_sharded_over_the_batch_run_int8_matmuls(tmp_path):
   """Dropless experts inside their shard_map over 8 devices: Qwix's custom VJPs get their operands marked
   varying (moe.varying) and the compiled step multiplies int8 operands there too."""
@@ -161,7 +160,6 @@ def test_bad_values_fail_at_load_in_one_line(tmp_path, override, message):
   assert "\n" not in str(e.value)
 
 
-@pytest.mark.slow
 def test_int8_step_compiled_for_a_tpu_uses_int8_matmuls(tmp_path):
   """train_compile.py for a TPU topology (libtpu on this CPU): XLA:TPU's optimised program multiplies in
   int8 (s32 dots / convolutions)."""

@@ -11,6 +11,7 @@ import datetime
 import difflib
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ CHOICES = {
   "weight_dtype": ("float32", "bfloat16"),
   "attention": ("autoselected", "dot_product", "flash", "cudnn_flash_te"),
   "capacity_group": ("global", "sequence", "shard"),
+  "quantization": ("", "int8", "fp8", "int8w"),
   "remat_policy": (
     "full",
     "minimal",
@@ -457,6 +459,31 @@ def _validate_optimizer(c: dict[str, Any]) -> None:
     )
 
 
+# Qwix's calibration methods and how many comma-separated numbers each takes (qwix qarray.calibrate).
+CALIBRATION_ARGS = {"absmax": (0, 1), "minmax": (0, 1), "rms": (1, 1), "fixed": (2, 2)}
+
+
+def _validate_quantization(c: dict[str, Any]) -> None:
+  """Quantization keys that would fail inside the first traced matmul instead of here."""
+  try:
+    re.compile(c["quantization_modules"])
+  except re.error as e:
+    raise ConfigError(f"quantization_modules={c['quantization_modules']!r} is not a valid regex: {e}") from None
+  method, *args = c["quantization_calibration_method"].lower().split(",")
+  low, high = CALIBRATION_ARGS.get(method, (-1, -1))
+  try:
+    [float(a) for a in args]
+  except ValueError:
+    low = -1
+  if not low <= len(args) <= high:
+    raise ConfigError(
+      f"quantization_calibration_method={c['quantization_calibration_method']!r} is not one of absmax, "
+      "absmax,<clip>, minmax, minmax,<clip>, rms,<k>, fixed,<lo>,<hi> (numbers after the commas)"
+    )
+  if c["quantization_tile_size"] < 0:
+    raise ConfigError(f"quantization_tile_size must be >= 0 (0: whole axis), got {c['quantization_tile_size']}")
+
+
 def _eval_data_missing(c: dict[str, Any]) -> str:
   """Why eval_interval > 0 would evaluate nothing with this dataset_type ('' when it has eval data)."""
   kind = c["dataset_type"]
@@ -566,6 +593,7 @@ def _validate(c: dict[str, Any]) -> None:
   _validate_decoding(c)
   _validate_pipeline(c)
   _validate_optimizer(c)
+  _validate_quantization(c)
   check_divisibility(c, known_axis_sizes(c))
   missing_eval = _eval_data_missing(c) if c["eval_interval"] > 0 else ""
   if missing_eval:

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from MaxText import config as config_lib
 from MaxText import models, sharding
 from MaxText.config import Config
-from MaxText.layers import lora
+from MaxText.layers import lora, quantization
 
 
 @flax.struct.dataclass
@@ -43,8 +43,16 @@ class StateSpec(NamedTuple):
   num_params: int
 
 
+def build_model(config: Config, seed: int) -> nnx.Module:
+  """models.build, then what the config layers over the model for training: quantized matmuls
+  (layers/quantization.py; the model itself when quantization is off). Every graphdef and parameter tree
+  here comes from this one function, so train, train_compile, decode and checkpoints agree."""
+  model = models.build(config, nnx.Rngs(params=seed))
+  return quantization.quantize(model, config)
+
+
 def _model_params(config: Config, seed: int) -> nnx.State:
-  return nnx.split(models.build(config, nnx.Rngs(params=seed)), nnx.Param)[1]
+  return nnx.split(build_model(config, seed), nnx.Param)[1]
 
 
 def _with_shardings(abstract, shardings):
@@ -75,7 +83,7 @@ def param_spec(config: Config, mesh: Mesh | None = None) -> ParamSpec:
 
   The model is only traced (nnx.eval_shape): no parameter is allocated, so this is cheap for any size.
   """
-  model = nnx.eval_shape(lambda: models.build(config, nnx.Rngs(params=0)))
+  model = nnx.eval_shape(lambda: build_model(config, 0))
   graphdef, abstract = nnx.split(model, nnx.Param)
   if mesh is None:
     return ParamSpec(graphdef, abstract, None)

@@ -111,7 +111,8 @@ def load_params(config: Config, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State, st
   model_config = state_lib.for_inference(config)
   path = config.load_parameters_path
   with sharding.activate(config, mesh):
-    spec = state_lib.param_spec(model_config, mesh)
+    # int8w serves int8 params (below) through plain matmuls: no training-time (QAT) wrapper on the model.
+    spec = state_lib.param_spec(model_config.replace(quantization=""), mesh)
     source = path or "random weights (no load_parameters_path)"
     if path and quantize.is_quantized_checkpoint(path):
       params, source = quantize.load_saved(model_config, spec), f"{source} (int8 weights, as saved)"

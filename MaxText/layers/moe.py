@@ -89,6 +89,25 @@ def capacity_mask(experts: jax.Array, num_experts: int, capacity_factor: float) 
   return expert_ranks(experts, num_experts) < expert_capacity(x, k, num_experts, capacity_factor)
 
 
+def varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  """x marked as varying over `axes` inside a shard_map (identity forward; its cotangent is summed over
+  them). Quantized matmuls (Qwix) are custom VJPs, whose cotangents must vary over the same axes as their
+  operands: with every operand varying over all the product's axes they do. Plain matmuls need no marking
+  (JAX inserts it), so MoeBlock marks only under quantization, keeping the unquantized program as it was."""
+  missing = tuple(a for a in dict.fromkeys(axes) if a not in jax.typeof(x).mat.varying)
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+class Combine(nnx.Module):
+  """expert outputs [X, k, D], combine weights [X, k] float32 -> [X, D] float32, their weighted sum.
+
+  A module of its own (no parameters) only for its path, `<moe>/combine`: quantization rules pick matmuls
+  by module path (layers/quantization.py), and this one, unlike the experts' around it, has no weight."""
+
+  def __call__(self, out: jax.Array, weights: jax.Array) -> jax.Array:
+    return jnp.einsum("XRD,XR->XD", out.astype(jnp.float32), weights)
+
+
 class MoeBlock(nnx.Module):
   """x [B, T, D] -> [B, T, D]: sum over the token's top-k experts of weight * wo(act(wi_0 x) * wi_1 x) (with
   routed_weight_on_input: wo(act(wi_0 wx) * wi_1 wx)), plus the shared experts' MLP when shared_experts > 0.
@@ -110,6 +129,7 @@ class MoeBlock(nnx.Module):
     self.config, self.num_experts, self.k, self.dtype = config, e, config.num_experts_per_tok, dt
     self.capacity_factor = config.capacity_factor
     self.activation = ACTIVATIONS[config.mlp_activations[0]]
+    self.combine = Combine()
 
   def __call__(self, x: jax.Array) -> jax.Array:
     b, t, d = x.shape
@@ -126,7 +146,7 @@ class MoeBlock(nnx.Module):
       out = self._grouped_capacity_experts(tokens, routing.experts, t)
     else:
       out = self._experts(tokens, routing.experts, t)  # [X, k, D]
-    out = jnp.einsum("XRD,XR->XD", out.astype(jnp.float32), weights).astype(self.dtype)
+    out = self.combine(out, weights).astype(self.dtype)
     out = out.reshape(b, t, d)
     if self.shared_experts is not None:
       out = out + self.shared_experts(x)
@@ -191,7 +211,10 @@ class MoeBlock(nnx.Module):
     mlp = mesh_axes("activation_mlp", MLP_AXES, mesh)
     mlp = mlp if weights[0].shape[-1] % axes_size(mlp, mesh) == 0 else ()
 
+    vary = (*batch, *ep_axes, *mlp) if self.config.quantization else ()
+
     def shard(tokens, experts, wi_0, wi_1, wo):
+      tokens, wi_0, wi_1, wo = (varying(x, vary) for x in (tokens, wi_0, wi_1, wo))
       out = compute(tokens, experts, wi_0, wi_1, wo, ep_axes=ep_axes, ep=ep)
       return jax.lax.psum(out, mlp) if mlp else out  # each shard of F gives a partial sum over F
 

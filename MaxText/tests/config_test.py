@@ -117,7 +117,7 @@ def test_choice_sets_agree_with_the_registries_that_implement_them():
   from MaxText import data, models
   from MaxText.data import tokenizer
   from MaxText.inference import sampling
-  from MaxText.layers import attention, decoder, moe
+  from MaxText.layers import attention, decoder, moe, quantization
 
   implemented = {
     "dataset_type": set(data.BACKENDS),
@@ -126,6 +126,7 @@ def test_choice_sets_agree_with_the_registries_that_implement_them():
     "decode_sampling_strategy": set(sampling.STRATEGIES),
     "attention": set(attention.KINDS),
     "capacity_group": set(moe.CAPACITY_GROUPS),
+    "quantization": set(quantization.MODES),
   }
   for key, names in implemented.items():
     assert set(config.CHOICES[key]) == names, key

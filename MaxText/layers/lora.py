@@ -50,6 +50,16 @@ def check(config: Config) -> None:
     raise ConfigError(f"lora_target_modules={config.lora_target_modules!r} is not a regular expression: {e}") from e
 
 
+def check_serving(config: Config) -> None:
+  """Decoding or scoring a LoRA fine-tune needs its adapters: ConfigError when none are named."""
+  check(config)
+  if enabled(config) and not config.lora_weights_path and not config.lora_random_base:
+    raise ConfigError(
+      f"lora_rank={config.lora_rank} serves a LoRA fine-tune: set lora_weights_path to its adapters (a LoRA run's "
+      "checkpoints/<step>/state), or lora_rank=0 to serve load_parameters_path alone"
+    )
+
+
 def _kernel_paths(unit: nnx.Module) -> list[str]:
   """'/'-joined paths of the modules of `unit` that own a `kernel` (the projections LoRA can target)."""
   return ["/".join(map(str, path)) for path, module in nnx.iter_modules(unit) if hasattr(module, "kernel")]

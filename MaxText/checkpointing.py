@@ -281,11 +281,11 @@ def load_lora_merged(config: Config, mesh: Mesh | None = None) -> nnx.State:
       base = load_params(config.load_parameters_path, abstract.frozen)
     if config.lora_weights_path:
       adapters = load_params(config.lora_weights_path, abstract.trainable)
-  params = lora.merged(config, lora.combine(adapters, base))
-  if mesh is None:
-    return params
-  # Merging ran op by op: put each kernel back where the plain model keeps it.
-  return jax.device_put(params, state_lib.param_spec(config.replace(lora_rank=0), mesh).shardings)
+  plain = state_lib.param_spec(config.replace(lora_rank=0, lora_weights_path=""), mesh)
+  # One program, the base donated: each merged kernel may take its base kernel's buffer (same shape and
+  # dtype), so the model is not held twice; out_shardings put it where the plain model keeps it.
+  merge = jax.jit(lambda b, a: lora.merged(config, lora.combine(a, b)), donate_argnums=0, out_shardings=plain.shardings)
+  return merge(base, adapters)
 
 
 def _one_line(error: BaseException, limit: int = 300) -> str:

@@ -13,7 +13,7 @@ as it is built (`adapted_stacks`), before the decoder stacks and scans its layer
 works on temporary copies of a layer, where a parameter created on first use would be lost.
 
 Training splits the parameters into the adapters (the only thing differentiated and optimised) and
-the frozen base (`split` / `combine`); checkpoints keep the adapters (`adapters`), export folds them
+the frozen base (`split` / `combine`); checkpoints keep the adapters (`adapters`), export and decode fold them
 into the base kernels (`merged`). docs/lora.md.
 """
 

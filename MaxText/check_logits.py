@@ -22,6 +22,7 @@ from flax import nnx
 from MaxText import checkpointing, launch, paths
 from MaxText import state as state_lib
 from MaxText.config import Config, ConfigError
+from MaxText.layers import lora
 
 OPTIONS = {"golden_logits_path": str, "atol": float, "rtol": float}
 
@@ -43,8 +44,14 @@ def compare(golden: np.ndarray, ours: np.ndarray, atol: float, rtol: float) -> R
 
 
 def model_logits(c: Config):
-  spec = state_lib.param_spec(state_lib.for_inference(c))  # the decoding model: MTP modules only train
-  model = nnx.merge(spec.graphdef, checkpointing.load_params(c.load_parameters_path, spec.abstract))
+  model_config = state_lib.for_inference(c)  # the decoding model: MTP modules only train
+  if lora.enabled(c):  # a LoRA fine-tune: its adapters folded into the base, scored as the plain model
+    params = checkpointing.load_lora_merged(model_config)
+    spec = state_lib.param_spec(model_config.replace(lora_rank=0, lora_weights_path=""))
+  else:
+    spec = state_lib.param_spec(model_config)
+    params = checkpointing.load_params(c.load_parameters_path, spec.abstract)
+  model = nnx.merge(spec.graphdef, params)
 
   def run(tokens: np.ndarray) -> np.ndarray:
     t = len(tokens)
@@ -58,7 +65,7 @@ USAGE = launch.Usage(
   command="python3 -m MaxText.check_logits CONFIG.yml load_parameters_path=PARAMS golden_logits_path=FILE.jsonl "
   "[atol=1e-5] [rtol=1e-5] [key=value ...]",
   summary="Compare this model's full-sequence logits (float32) with golden ones; exit 1 when any is off.",
-  keys=("load_parameters_path", "model_name", "scan_layers"),
+  keys=("load_parameters_path", "model_name", "scan_layers", "lora_rank", "lora_alpha", "lora_weights_path"),
   options=(
     ("golden_logits_path", 'JSON lines {"tokens": [...], "logits": [[...], ...]} (logits [T, V]); required'),
     ("atol", "absolute tolerance (default 1e-5)"),

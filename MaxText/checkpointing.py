@@ -29,6 +29,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 from jax.experimental import multihost_utils
+from jax.sharding import Mesh
 
 from MaxText import paths
 from MaxText import state as state_lib
@@ -261,6 +262,30 @@ def _init_lora(config: Config, tx: optax.GradientTransformation, spec: StateSpec
     adapters = load_params(config.lora_weights_path, abstract.trainable)
     source += " + lora_weights_path"
   return Restored(fresh.replace(params=lora.combine(adapters, base)), None, source)
+
+
+def load_lora_merged(config: Config, mesh: Mesh | None = None) -> nnx.State:
+  """Serving a LoRA fine-tune (lora_rank > 0): the base (load_parameters_path, or with lora_random_base a fresh
+  init) with the adapters of lora_weights_path (fresh ones, B = 0, only with lora_random_base) folded into its
+  kernels once, W + (lora_alpha / lora_rank) * A @ B. Returns the params of config.replace(lora_rank=0), so
+  decoding runs plain matmuls; with a mesh they lie where that model's params are sharded."""
+  lora.check_serving(config)
+  spec = state_lib.param_spec(config, mesh)
+  abstract = lora.split(config, spec.abstract)
+  if config.load_parameters_path and config.lora_weights_path:
+    base = load_params(config.load_parameters_path, abstract.frozen)
+    adapters = load_params(config.lora_weights_path, abstract.trainable)
+  else:  # lora_random_base: the seed's base (as training drew it) and, when none are given, fresh adapters
+    adapters, base = lora.split(config, state_lib.init_params(config, spec))
+    if config.load_parameters_path:
+      base = load_params(config.load_parameters_path, abstract.frozen)
+    if config.lora_weights_path:
+      adapters = load_params(config.lora_weights_path, abstract.trainable)
+  plain = state_lib.param_spec(config.replace(lora_rank=0, lora_weights_path=""), mesh)
+  # One program, the base donated: each merged kernel may take its base kernel's buffer (same shape and
+  # dtype), so the model is not held twice; out_shardings put it where the plain model keeps it.
+  merge = jax.jit(lambda b, a: lora.merged(config, lora.combine(a, b)), donate_argnums=0, out_shardings=plain.shardings)
+  return merge(base, adapters)
 
 
 def _one_line(error: BaseException, limit: int = 300) -> str:

@@ -53,10 +53,11 @@ def run_header(
   source: str,
   peak: str,
   platform: str,
+  num_trainable: int | None = None,
 ) -> str:
   """The few lines a run prints before its first step (the whole config is in <run dir>/config.yml;
   log_config=true prints it too). `source` is where the state came from, `peak` Peak.describe(), `platform`
-  the devices' platform (cpu, gpu, tpu)."""
+  the devices' platform (cpu, gpu, tpu); `num_trainable`, under LoRA, the adapters' parameter count."""
   axes = {k: v for k, v in mesh_shape.items() if v > 1} or {"data": 1}
   devices = math.prod(mesh_shape.values())
   plural = "device" if devices == 1 else "devices"
@@ -64,9 +65,10 @@ def run_header(
   base_note = (
     " (the default; set base_output_directory=... to move it)" if config.base_output_directory == "outputs" else ""
   )
+  trainable = "" if num_trainable is None else f" (trainable {_count(num_trainable)}, LoRA)"
   lines = [
     f"run {config.run_name}: steps {start} -> {config.steps} | start: {source}",
-    f"  model    {config.model_name} ({config.decoder_block}), {_count(num_params)} parameters, "
+    f"  model    {config.model_name} ({config.decoder_block}), {_count(num_params)} parameters{trainable}, "
     f"{config.num_decoder_layers} layers x {config.emb_dim} wide, vocab {config.vocab_size}, {config.dtype}",
     f"  batch    {global_batch} x {config.max_target_length} tokens per step (global), learning_rate "
     f"{config.learning_rate:g} over {config.learning_rate_schedule_steps_resolved} schedule steps",

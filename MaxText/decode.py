@@ -3,6 +3,8 @@
 python3 MaxText/decode.py MaxText/configs/base.yml run_name=d prompt="I love to"
 python3 MaxText/decode.py quickstart load_parameters_path=outputs/quickstart/checkpoints/400/state \
   prompt="import os" decode_max_new_tokens=64
+python3 MaxText/decode.py CONFIG.yml load_parameters_path=BASE lora_rank=R lora_alpha=A \
+  lora_weights_path=RUN_DIR/checkpoints/STEP/state prompt="..."    # a LoRA fine-tune, merged at load
 
 One row by default: the prompt decoded once. per_device_batch_size=N on the command line asks for the
 training-style batch instead (the prompt repeated on per_device_batch_size x devices rows, which must split
@@ -66,7 +68,7 @@ USAGE = launch.Usage(
     "max_prefill_predict_length", "max_target_length", "decode_max_new_tokens", "decode_sampling_strategy",
     "decode_sampling_temperature", "decode_sampling_top_k", "decode_sampling_nucleus_p", "decode_seed",
     "decode_stop_strings", "quantization", "quantize_kvcache", "kv_quant_dtype", "save_quantized_params_path",
-    "ici_fsdp_parallelism", "ici_tensor_parallelism",
+    "ici_fsdp_parallelism", "ici_tensor_parallelism", "lora_rank", "lora_alpha", "lora_weights_path",
   ),
 )  # fmt: skip
 

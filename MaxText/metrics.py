@@ -26,8 +26,10 @@ from typing import Any, NamedTuple
 import jax
 
 from MaxText import console, paths
+from MaxText import state as state_lib
 from MaxText.config import Config
 from MaxText.console import format_duration
+from MaxText.layers import lora
 from MaxText.models import gemma2, gemma3
 
 COMPILE_STEPS = 2  # the first steps after start include jit compilation; timed apart
@@ -124,7 +126,7 @@ def _attention_flops_forward(config: Config, kind: LayerKind) -> float:
   return 2.0 * attended_keys(kind.window, config.max_target_length) * config.num_query_heads * (qk + v)
 
 
-def training_flops_per_token(config: Config) -> FlopCount:
+def training_flops_per_token(config: Config, trainable_params: int | None = None) -> FlopCount:
   """Model FLOPs per trained token, forward + backward (3x the forward): the standard 6·N count.
 
   Every weight matmul costs 2 FLOPs per weight per token forward and 4 backward (activation and weight
@@ -140,15 +142,29 @@ def training_flops_per_token(config: Config) -> FlopCount:
                 sliding-window layers; MLA's H_qk is qk_nope + qk_rope, H_v is v_head_dim.
     mtp       = each of mtp_num_layers modules adds its layer (MoE when num_experts > 1), its eh_proj
                 (6·2D·D, in matmul) and one more logits projection (in embedding)
+  Under LoRA (lora_rank > 0) the base is frozen: the backward still computes activation gradients through
+  its weights but no weight gradients, so every base weight above (matmul and embedding) costs 4, not 6;
+  the adapters, trained and each used once per token (dense projections only), cost 6 each and are
+  counted in matmul: 4·N_frozen + 6·N_adapters, attention unchanged. `trainable_params` is then the
+  adapters' count (StateSpec.num_trainable); None counts them on an abstract build of the model.
   Not counted: norms, activations, softmax, RoPE, the MoE dispatch (XLA's cost analysis does count them).
   """
   mtp_kind = LayerKind(config.sliding_window_size, config.num_experts > 1, mla=config.decoder_block == "deepseek")
   kinds = layer_kinds(config) + (mtp_kind,) * config.mtp_num_layers
-  matmul = 6.0 * sum(_attention_params(config, k.mla) + _mlp_params(config, k.moe) for k in kinds)
-  matmul += 6.0 * 2 * config.emb_dim**2 * config.mtp_num_layers
+  per_weight = 4.0 if lora.enabled(config) else 6.0  # LoRA: no weight gradients for the frozen base
+  matmul = per_weight * sum(_attention_params(config, k.mla) + _mlp_params(config, k.moe) for k in kinds)
+  matmul += per_weight * 2 * config.emb_dim**2 * config.mtp_num_layers
+  if lora.enabled(config):
+    matmul += 6.0 * (adapter_params(config) if trainable_params is None else trainable_params)
   attention = 3.0 * sum(_attention_flops_forward(config, k) for k in kinds)
-  embedding = 6.0 * config.emb_dim * config.vocab_size * (1 + config.mtp_num_layers)
+  embedding = per_weight * config.emb_dim * config.vocab_size * (1 + config.mtp_num_layers)
   return FlopCount(matmul + attention + embedding, matmul, attention, embedding)
+
+
+def adapter_params(config: Config) -> int:
+  """The LoRA adapters' parameter count, from an abstract build of the model (nothing is allocated)."""
+  abstract = state_lib.param_spec(config).abstract
+  return sum(x.size for x in jax.tree.leaves(lora.trainable(config, abstract)))
 
 
 def perplexity(loss: float) -> float:

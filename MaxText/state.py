@@ -40,7 +40,8 @@ class StateSpec(NamedTuple):
   graphdef: nnx.GraphDef  # the model's structure; merge with params to get a callable model
   abstract: TrainState  # jax.ShapeDtypeStruct leaves carrying their NamedSharding
   shardings: TrainState  # NamedSharding leaves
-  num_params: int
+  num_params: int  # every parameter (base + adapters under LoRA)
+  num_trainable: int  # the parameters the optimizer updates: num_params, or under LoRA the adapters'
 
 
 def build_model(config: Config, seed: int) -> nnx.Module:
@@ -123,7 +124,8 @@ def state_spec(config: Config, tx: optax.GradientTransformation, mesh: Mesh) -> 
     opt_state=_with_shardings(opt_state, opt_shardings),
   )
   num_params = sum(x.size for x in jax.tree.leaves(params.abstract))
-  return StateSpec(params.graphdef, abstract, shardings, num_params)
+  num_trainable = sum(x.size for x in jax.tree.leaves(lora.trainable(config, params.abstract)))
+  return StateSpec(params.graphdef, abstract, shardings, num_params, num_trainable)
 
 
 def init_state(config: Config, tx: optax.GradientTransformation, spec: StateSpec) -> TrainState:

@@ -271,7 +271,7 @@ def make_logger(config: Config, parts: LoopParts, start: int, is_writer: bool) -
     config,
     num_devices=parts.mesh.size,
     tokens_per_step=tokens_per_step,
-    flops_per_step=metrics.training_flops_per_token(config).total * tokens_per_step,
+    flops_per_step=metrics.training_flops_per_token(config, parts.spec.num_trainable).total * tokens_per_step,
     peak_flops_per_device=parts.peak.flops,
     start_step=start,
     is_writer=is_writer,
@@ -288,6 +288,7 @@ def print_header(config: Config, parts: LoopParts, start: int) -> None:
   header = console.run_header(
     config,
     num_params=parts.spec.num_params,
+    num_trainable=parts.spec.num_trainable if lora.enabled(config) else None,
     mesh_shape=dict(parts.mesh.shape),
     global_batch=parts.global_batch,
     start=start,

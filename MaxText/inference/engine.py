@@ -27,6 +27,7 @@ from MaxText import state as state_lib
 from MaxText.config import Config, ConfigError
 from MaxText.inference import quantize, sampling
 from MaxText.inference import tokenizer as tokenizer_lib
+from MaxText.layers import lora
 
 log = logging.getLogger(__name__)
 MIN_BUCKET = 8  # shortest prefill length compiled
@@ -106,22 +107,43 @@ def load_params(config: Config, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State, st
   """The model's graphdef and sharded parameters: load_parameters_path, else random (init_weights_seed).
   With quantization=int8w the matmul weights are int8 (inference/quantize.py): quantized here from a
   float checkpoint, or restored as they are from one that save_quantized_params_path wrote. The model has
-  no MTP modules (state.for_inference), whatever mtp_num_layers the checkpoint was trained with."""
+  no MTP modules (state.for_inference), whatever mtp_num_layers the checkpoint was trained with.
+  Under LoRA (lora_rank > 0) the adapters of lora_weights_path are merged into the base kernels here, before
+  any int8w quantization: the served model is the plain one (lora_rank=0) and decoding costs nothing extra."""
   quantize.check(config)
-  model_config = state_lib.for_inference(config)
+  lora.check_serving(config)
+  model_config = state_lib.for_inference(config).replace(lora_rank=0, lora_weights_path="")  # adapters merged
   path = config.load_parameters_path
   with sharding.activate(config, mesh):
     # int8w serves int8 params (below) through plain matmuls: no training-time (QAT) wrapper on the model.
     spec = state_lib.param_spec(model_config.replace(quantization=""), mesh)
     source = path or "random weights (no load_parameters_path)"
     if path and quantize.is_quantized_checkpoint(path):
+      if lora.enabled(config):
+        raise ConfigError(
+          f"load_parameters_path={path} holds int8 weights, which adapters cannot be merged into: give the float "
+          "base (quantization=int8w quantizes it after merging), or lora_rank=0"
+        )
       params, source = quantize.load_saved(model_config, spec), f"{source} (int8 weights, as saved)"
     else:
-      params = checkpointing.load_params(path, spec.abstract) if path else state_lib.init_params(model_config, spec)
+      params, source = _float_params(config, model_config, spec, mesh, source)
       if config.quantization == "int8w":
         params = quantize.for_serving(model_config, spec, params)
         source = f"{source} (matmul weights quantized to int8)"
   return spec.graphdef, _cast_floats(params, jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)), source
+
+
+def _float_params(
+  config: Config, model_config: Config, spec: state_lib.ParamSpec, mesh: Mesh, source: str
+) -> tuple[nnx.State, str]:
+  """The served model's float params and where they came from: the checkpoint, random weights, or under
+  LoRA the base with the adapters folded in (checkpointing.load_lora_merged)."""
+  if lora.enabled(config):
+    params = checkpointing.load_lora_merged(state_lib.for_inference(config).replace(quantization=""), mesh)
+    return params, f"{source} + LoRA adapters {config.lora_weights_path or '(fresh)'}, merged"
+  path = config.load_parameters_path
+  params = checkpointing.load_params(path, spec.abstract) if path else state_lib.init_params(model_config, spec)
+  return params, source
 
 
 def _cast_floats(params: nnx.State, dtype: jnp.dtype, weight_dtype: jnp.dtype) -> nnx.State:

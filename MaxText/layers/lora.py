@@ -13,7 +13,7 @@ as it is built (`adapted_stacks`), before the decoder stacks and scans its layer
 works on temporary copies of a layer, where a parameter created on first use would be lost.
 
 Training splits the parameters into the adapters (the only thing differentiated and optimised) and
-the frozen base (`split` / `combine`); checkpoints keep the adapters (`adapters`), export folds them
+the frozen base (`split` / `combine`); checkpoints keep the adapters (`adapters`), export and decode fold them
 into the base kernels (`merged`). docs/lora.md.
 """
 
@@ -48,6 +48,16 @@ def check(config: Config) -> None:
     re.compile(config.lora_target_modules)
   except re.error as e:
     raise ConfigError(f"lora_target_modules={config.lora_target_modules!r} is not a regular expression: {e}") from e
+
+
+def check_serving(config: Config) -> None:
+  """Decoding or scoring a LoRA fine-tune needs its adapters: ConfigError when none are named."""
+  check(config)
+  if enabled(config) and not config.lora_weights_path and not config.lora_random_base:
+    raise ConfigError(
+      f"lora_rank={config.lora_rank} serves a LoRA fine-tune: set lora_weights_path to its adapters (a LoRA run's "
+      "checkpoints/<step>/state), or lora_rank=0 to serve load_parameters_path alone"
+    )
 
 
 def _kernel_paths(unit: nnx.Module) -> list[str]:

@@ -31,6 +31,18 @@ def test_header_is_short_and_names_the_outputs(tmp_path):
   assert "fsdp 8 (8 cpu devices) | peak 0.05 TFLOP/s/device" in text
   assert f"outputs  {os.path.abspath(c.run_dir)}/" in text
   assert "the default" not in text  # base_output_directory was given
+  lora_header = console.run_header(
+    c,
+    num_params=6_738_415_616,
+    num_trainable=39_976_960,
+    mesh_shape={"data": 1},
+    global_batch=1,
+    start=0,
+    source="init",
+    peak="",
+    platform="cpu",
+  )
+  assert "6.74B parameters (trainable 40M, LoRA)," in lora_header
   default = cfg(tmp_path, "h", "base_output_directory=outputs")
   assert "set base_output_directory=" in console.run_header(
     default, num_params=1, mesh_shape={"data": 1}, global_batch=1, start=0, source="init", peak="", platform="cpu"

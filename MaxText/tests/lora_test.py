@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import checkpointing, optimizers, sharding, train, train_compile
+from MaxText import check_logits, checkpointing, optimizers, sharding, train, train_compile
 from MaxText import state as state_lib
 from MaxText import train_step as steps
 from MaxText.config import ConfigError
 from MaxText.convert import maxtext_to_hf
+from MaxText.inference import engine
 from MaxText.layers import lora
 from MaxText.tests.conftest import cfg, losses
 
@@ -219,3 +220,43 @@ def test_compiled_step_holds_less_than_full_fine_tuning(tmp_path):
   full, low = reports["full"], reports["lora"]
   assert low.argument_bytes < 0.5 * full.argument_bytes  # about 1/3: params + 2 moments -> params
   assert low.total_bytes < full.total_bytes
+
+
+def test_decode_merges_the_adapters_at_load(tmp_path):
+  """decode / check_logits with lora_rank and lora_weights_path serve what the merged (exported) params serve
+  without LoRA: same greedy tokens and log-probabilities, same logits; the served model has no adapters."""
+  c = cfg(tmp_path, "d", *LORA, "lora_random_base=true")
+  mesh = sharding.create_mesh(c)
+  with sharding.activate(c, mesh):
+    params = state_lib.init_params(c, state_lib.param_spec(c, mesh))
+  adapters, base = lora.split(c, params)
+  keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(adapters))))
+  adapters = jax.tree.map(lambda x: 0.1 * jax.random.normal(next(keys), x.shape, x.dtype), adapters)
+  paths = {name: os.path.join(tmp_path, name) for name in ("base", "adapters", "merged")}
+  checkpointing.save_params(paths["base"], base)
+  checkpointing.save_params(paths["adapters"], adapters)
+  checkpointing.save_params(paths["merged"], lora.merged(c, lora.combine(adapters, base)))
+  served = c.replace(lora_random_base=False, load_parameters_path=paths["base"], lora_weights_path=paths["adapters"])
+  exported = c.replace(lora_rank=0, lora_random_base=False, load_parameters_path=paths["merged"])
+  prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+  runs = []
+  for config in (served, exported):
+    graphdef, params, source = engine.load_params(config, mesh)
+    assert not any("_lora_" in n for n in _names(params))
+    decoder = engine.Engine(config, mesh, graphdef, params, None, source)
+    out = decoder.generate([prompt], 8, strategy="greedy", logprobs=True)
+    runs.append((out.completions[0], check_logits.model_logits(config)(np.asarray(prompt))))
+  (got, got_logits), (want, want_logits) = runs
+  assert got.tokens == want.tokens and len(got.tokens) == 8
+  np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+  np.testing.assert_allclose(got_logits, want_logits, atol=1e-5, rtol=1e-5)
+  # int8w quantizes the merged kernels: the same int8 weights as quantizing the exported params.
+  int8 = [engine.load_params(x.replace(quantization="int8w"), mesh)[1] for x in (served, exported)]
+  pairs = list(zip(*(jax.tree.leaves(_host(x)) for x in int8), strict=True))
+  assert any(w.dtype == np.int8 for w, _ in pairs)
+  for got_w, want_w in pairs:  # merged under two shardings: a kernel may round to the neighbouring int8 step
+    atol = 1 if want_w.dtype == np.int8 else 1e-8
+    np.testing.assert_allclose(got_w.astype(np.float32), want_w.astype(np.float32), rtol=1e-5, atol=atol)
+  with pytest.raises(ConfigError, match="set lora_weights_path") as e:
+    engine.load_params(served.replace(lora_weights_path=""), mesh)
+  assert "\n" not in str(e.value)

@@ -62,6 +62,20 @@ def test_flops_per_token_single_activation_mlp(tmp_path):
   assert metrics.training_flops_per_token(cfg).total == 565248 - 98304
 
 
+def test_lora_flops_count_frozen_weights_at_4_and_adapters_at_6(tmp_path):
+  """Under LoRA the base gets activation gradients but no weight gradients: 4 FLOPs per frozen weight, 6 per
+  adapter weight, attention as before (make_config: D=64, N=4, K=2, H=16, F=128, L=2, V=256, T=32)."""
+  cfg = make_config(tmp_path, "lora_rank=4")
+  # rank-4 adapters A [in, 4], B [4, out] on q, k, v, o, wi/0, wi/1, wo, per layer:
+  # 4 * ((64 + 64) + (64 + 32) + (64 + 32) + (64 + 64) + 2 * (64 + 128) + (128 + 64)) = 4 * 1024 = 4096
+  assert metrics.adapter_params(cfg) == 2 * 4096
+  flops = metrics.training_flops_per_token(cfg)
+  assert flops.matmul == 4 * 73728 + 6 * 8192  # frozen 73,728 layer weights (test_flops_per_token_by_hand)
+  assert flops.embedding == 4 * 64 * 256
+  assert flops.attention == 24576
+  assert metrics.training_flops_per_token(cfg, 8192) == flops  # the count a run already has (StateSpec)
+
+
 def preset(tmp_path, name, length, *overrides):
   return config_lib.load(
     [

@@ -101,11 +101,8 @@ def merge_lora(c: Config, directory: str) -> Config:
       f"lora_rank={c.lora_rank}: set lora_weights_path to the adapters to merge (a LoRA run's "
       "checkpoints/<step>/state), or lora_rank=0 to export the base model alone"
     )
-  abstract = lora.split(c, state_lib.param_spec(c).abstract)
-  base = checkpointing.load_params(c.load_parameters_path, abstract.frozen)
-  adapters = checkpointing.load_params(c.lora_weights_path, abstract.trainable)
   path = os.path.join(directory, "merged")
-  checkpointing.save_params(path, lora.merged(c, lora.combine(adapters, base)))
+  checkpointing.save_params(path, checkpointing.load_lora_merged(c))  # the merge decode.py serves, too
   return c.replace(lora_rank=0, lora_weights_path="", load_parameters_path=path)
 
 

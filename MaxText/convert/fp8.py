@@ -9,8 +9,10 @@ so FP8 tensors are read from the file's header and bytes directly (ml_dtypes giv
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import os
 import struct
 from typing import Any
 
@@ -40,7 +42,17 @@ def block_size(hf: dict[str, Any]) -> tuple[int, int] | None:
 
 
 def _header(file: str) -> tuple[dict[str, Any], int]:
-  """A safetensors file's header (name -> dtype, shape, data_offsets) and where its data starts."""
+  """A safetensors file's header (name -> dtype, shape, data_offsets) and where its data starts.
+
+  Every tensor of an import is read through here, a shard's header (up to MBs of JSON) once per tensor
+  unless cached; the cache key includes size and mtime, so a rewritten file is read again."""
+  stat = os.stat(file)
+  return _parsed_header(file, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed_header(file: str, size: int, mtime_ns: int) -> tuple[dict[str, Any], int]:
+  del size, mtime_ns  # only part of the cache key
   with open(file, "rb") as f:
     (length,) = struct.unpack("<Q", f.read(8))
     return json.loads(f.read(length)), 8 + length

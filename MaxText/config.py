@@ -27,6 +27,7 @@ CHOICES = {
   "attention": ("autoselected", "dot_product", "flash", "cudnn_flash_te"),
   "capacity_group": ("global", "sequence", "shard"),
   "quantization": ("", "int8", "fp8", "int8w"),
+  "kv_quant_dtype": ("int8", "fp8"),
   "remat_policy": (
     "full",
     "minimal",
@@ -463,6 +464,18 @@ def _validate_optimizer(c: dict[str, Any]) -> None:
 CALIBRATION_ARGS = {"absmax": (0, 1), "minmax": (0, 1), "rms": (1, 1), "fixed": (2, 2)}
 
 
+def _validate_lora(c: dict[str, Any]) -> None:
+  """The LoRA keys make sense (checked whether or not lora_rank turns LoRA on, like every key)."""
+  if c["lora_rank"] < 0:
+    raise ConfigError(f"lora_rank={c['lora_rank']} must be >= 0 (0 turns LoRA off)")
+  if c["lora_alpha"] <= 0:
+    raise ConfigError(f"lora_alpha={c['lora_alpha']} must be > 0")
+  try:
+    re.compile(c["lora_target_modules"])
+  except re.error as e:
+    raise ConfigError(f"lora_target_modules={c['lora_target_modules']!r} is not a regular expression: {e}") from None
+
+
 def _validate_quantization(c: dict[str, Any]) -> None:
   """Quantization keys that would fail inside the first traced matmul instead of here."""
   try:
@@ -594,6 +607,7 @@ def _validate(c: dict[str, Any]) -> None:
   _validate_pipeline(c)
   _validate_optimizer(c)
   _validate_quantization(c)
+  _validate_lora(c)
   check_divisibility(c, known_axis_sizes(c))
   missing_eval = _eval_data_missing(c) if c["eval_interval"] > 0 else ""
   if missing_eval:

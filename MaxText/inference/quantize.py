@@ -31,7 +31,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from MaxText import checkpointing
 from MaxText import state as state_lib
 from MaxText.config import Config, ConfigError
-from MaxText.layers import kv_cache
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.moe import MoeBlock
 
@@ -50,8 +49,6 @@ def check(config: Config) -> None:
       f"quantization={config.quantization!r} is a training mode; decode serves quantization=int8w "
       '(int8 weights) or "" (off)'
     )
-  if config.kv_quant_dtype not in kv_cache.QUANT_DTYPES:
-    raise ConfigError(f"kv_quant_dtype={config.kv_quant_dtype!r} is not one of {', '.join(kv_cache.QUANT_DTYPES)}")
   if config.quantize_kvcache and config.decoder_block in MLA_BLOCKS:
     raise ConfigError(
       f"quantize_kvcache=true is not supported with MLA (decoder_block={config.decoder_block}: the latent "

@@ -20,7 +20,6 @@ into the base kernels (`merged`). docs/lora.md.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -38,21 +37,9 @@ def enabled(config: Config) -> bool:
   return config.lora_rank > 0
 
 
-def check(config: Config) -> None:
-  """The LoRA keys make sense together; raises ConfigError naming the key to change."""
-  if config.lora_rank < 0:
-    raise ConfigError(f"lora_rank={config.lora_rank} must be >= 0 (0 turns LoRA off)")
-  if config.lora_alpha <= 0:
-    raise ConfigError(f"lora_alpha={config.lora_alpha} must be > 0")
-  try:
-    re.compile(config.lora_target_modules)
-  except re.error as e:
-    raise ConfigError(f"lora_target_modules={config.lora_target_modules!r} is not a regular expression: {e}") from e
-
-
 def check_serving(config: Config) -> None:
-  """Decoding or scoring a LoRA fine-tune needs its adapters: ConfigError when none are named."""
-  check(config)
+  """Decoding or scoring a LoRA fine-tune needs its adapters: ConfigError when none are named (the keys'
+  values themselves are checked at load, config._validate_lora)."""
   if enabled(config) and not config.lora_weights_path and not config.lora_random_base:
     raise ConfigError(
       f"lora_rank={config.lora_rank} serves a LoRA fine-tune: set lora_weights_path to its adapters (a LoRA run's "
@@ -71,7 +58,6 @@ def add_adapters(unit: nnx.Module, config: Config, rngs: nnx.Rngs) -> nnx.Module
   Qwix runs the unit once on a dummy batch [1, max_target_length] to find the projections and create
   their adapters; under jit or eval_shape that call is traced only (its result is unused, so XLA drops it).
   """
-  check(config)
   provider = qwix.LoraProvider(module_path=config.lora_target_modules, rank=config.lora_rank, alpha=config.lora_alpha)
   length = config.max_target_length
   x = jnp.zeros((1, length, config.emb_dim), jnp.dtype(config.dtype))

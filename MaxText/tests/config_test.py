@@ -117,7 +117,7 @@ def test_choice_sets_agree_with_the_registries_that_implement_them():
   from MaxText import data, models
   from MaxText.data import tokenizer
   from MaxText.inference import sampling
-  from MaxText.layers import attention, decoder, moe, quantization
+  from MaxText.layers import attention, decoder, kv_cache, moe, quantization
 
   implemented = {
     "dataset_type": set(data.BACKENDS),
@@ -127,6 +127,7 @@ def test_choice_sets_agree_with_the_registries_that_implement_them():
     "attention": set(attention.KINDS),
     "capacity_group": set(moe.CAPACITY_GROUPS),
     "quantization": set(quantization.MODES),
+    "kv_quant_dtype": set(kv_cache.QUANT_DTYPES),
   }
   for key, names in implemented.items():
     assert set(config.CHOICES[key]) == names, key

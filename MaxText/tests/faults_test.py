@@ -185,15 +185,18 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step(tmp_path):
 
 @pytest.mark.slow
 def test_killed_process_makes_the_survivor_exit_with_one_line(tmp_path):
-  # A kill that lands while the survivor waits in a checkpoint barrier ends in JAX's own abort (134, the
-  # limit docs/failures.md states); on a loaded machine the kill can land there, so a second try is allowed.
+  # A kill that lands while the survivor waits in a checkpoint barrier ends in JAX's own abort (SIGABRT:
+  # 134 in a shell, -6 from Popen; the limit docs/failures.md states). The kill follows the save of
+  # checkpoint 3 at once, so it lands in a step, before the barrier of 6; the metrics line of a step is
+  # printed a step late, so waiting for "step 4/" could already be too late on a loaded machine. One
+  # more try is allowed for a machine so loaded that the survivor still reaches that barrier.
   for attempt in range(2):
     runs = two_processes(tmp_path / str(attempt), "lost", "checkpoint_period=3", "async_checkpointing=false")
-    runs[0].wait_for("step 4/")  # checkpoint 3 written, the next one (6) not begun: the kill lands in a step
+    runs[0].wait_for("checkpoint saved")  # checkpoint 3 written; the next one (6) is three steps away
     runs[1].proc.kill()
     killed = time.monotonic()
-    rc, output = runs[0].finish(timeout=60)
-    if rc != 134:
+    rc, output = runs[0].finish(timeout=90)
+    if rc not in (134, -signal.SIGABRT):
       break
   assert rc == preemption.EXIT_PROCESS_LOST and time.monotonic() - killed < 30, output[-3000:]
   assert_clean(output)

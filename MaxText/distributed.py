@@ -46,7 +46,7 @@ class Plan(NamedTuple):
   describe: str  # for error messages: who we are and whom we wait for
 
 
-def _on_tpu_vm() -> bool:
+def on_tpu_vm() -> bool:
   """A TPU VM: libtpu is installed and the TPU chips are visible as device files."""
   has_chips = glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")
   return bool(has_chips) and importlib.util.find_spec("libtpu") is not None
@@ -83,7 +83,7 @@ def plan(config: Config, environ: Mapping[str, str] | None = None) -> Plan | Non
   if environ.get("SLURM_JOB_ID") and tasks.isdigit() and int(tasks) > 1:
     rank = environ.get("SLURM_PROCID", "?")
     return Plan("slurm", {"cluster_detection_method": "slurm"}, f"Slurm task {rank} of {tasks}")
-  if config.hardware == "tpu" or (config.hardware == "auto" and _on_tpu_vm()):
+  if config.hardware == "tpu" or (config.hardware == "auto" and on_tpu_vm()):
     return Plan("tpu", {}, "a TPU VM worker (coordinator from the TPU metadata)")
   return None
 

@@ -157,7 +157,7 @@ def start(argv: Sequence[str], usage: Usage, *, overrides: Sequence[str] = (), j
   with user_errors():
     config = config_lib.load([*argv, *overrides])
   if join_job:
-    if config.hardware == "tpu" and not distributed._on_tpu_vm():  # else a 20 s wait for TPU metadata, misreported
+    if config.hardware == "tpu" and not distributed.on_tpu_vm():  # else a 20 s wait for TPU metadata, misreported
       sys.exit("Config error: hardware=tpu but this machine has no TPU chips; set hardware=auto or run on a TPU VM")
     try:
       distributed.initialize(config)  # before anything touches a device

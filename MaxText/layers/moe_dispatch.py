@@ -63,6 +63,13 @@ def grouped_mlp(rows: jax.Array, sizes: jax.Array, wi_0, wi_1, wo, activation: C
   return jax.lax.ragged_dot(hidden, wo, sizes)
 
 
+def inverse(perm: jax.Array) -> jax.Array:
+  """The inverse of a permutation [N], by a scatter of int32 indices: rows are then put back in place by a
+  gather (jnp.take), not by a scatter of the [N, D] rows, which XLA:TPU lowers with u32 and mask copies of
+  the whole array (0.5 GiB each for mixtral's [32768, 4096] rows, benchmarks/README.md)."""
+  return jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
+
+
 def layout(experts: jax.Array, local_experts: int, ep: int) -> Layout:
   """experts [X, k] -> the expert-sorted Layout of the assignments over `ep` shards of `local_experts`."""
   flat = experts.reshape(-1)
@@ -130,15 +137,19 @@ def dropless(
   lay = layout(experts, local, ep)
   block = x * min(k, local)
   rows = jnp.take(tokens, lay.order // k, axis=0)  # [A, D], expert-sorted
+  if not ep_axes:  # every expert is here: the sorted rows are already in groups, nothing moves
+    sizes = jnp.bincount(experts.reshape(-1), length=local).astype(jnp.int32)
+    out = grouped_mlp(rows, sizes, wi_0, wi_1, wo, activation)
+    return jnp.take(out, inverse(lay.order), axis=0).reshape(x, k, -1)
   ids = experts.reshape(-1)[lay.order] % local
   send, back = (_send_ragged, _return_ragged) if ragged and ep_axes else (_send_dense, _return_dense)
   recv, recv_ids = send(rows, ids, lay, block, ep_axes, local)
   order = jnp.argsort(recv_ids, stable=True)  # padding (id = local) last
   sizes = jnp.bincount(recv_ids, length=local).astype(jnp.int32)
   out = grouped_mlp(jnp.take(recv, order, axis=0), sizes, wi_0, wi_1, wo, activation)
-  out = jnp.zeros_like(out).at[order].set(out)  # [P * block, D] in received order
+  out = jnp.take(out, inverse(order), axis=0)  # [P * block, D] in received order
   sorted_out = back(out, lay, block, ep_axes)
-  return jnp.zeros_like(sorted_out).at[lay.order].set(sorted_out).reshape(x, k, -1)
+  return jnp.take(sorted_out, inverse(lay.order), axis=0).reshape(x, k, -1)
 
 
 def capacity(

@@ -93,9 +93,10 @@ REPORT = {
 }
 
 
-def run(c: Case) -> dict[str, str]:
-  """One compile in a fresh process: {field: text}, or the error's last line as 'error'."""
-  command = [sys.executable, "MaxText/train_compile.py", "MaxText/configs/base.yml", "log_config=false", *c.overrides]
+def run(c: Case, python: str = sys.executable) -> dict[str, str]:
+  """One compile in a fresh process of `python` (any interpreter with our requirements, e.g. one with a
+  newer jax and libtpu: benchmarks/aot_vs_maxtext.py): {field: text}, or the error's last line as 'error'."""
+  command = [python, "MaxText/train_compile.py", "MaxText/configs/base.yml", "log_config=false", *c.overrides]
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
   if result.returncode:

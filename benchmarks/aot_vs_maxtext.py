@@ -1,0 +1,87 @@
+"""Per-device memory of our train step against upstream MaxText's, both compiled by the same jax and libtpu.
+
+    python3 benchmarks/aot_vs_maxtext.py --maxtext-python /path/to/venv/bin/python [words ...]
+
+The interpreter given must have the `maxtext` package (`pip install "maxtext[tpu]"`: Python >= 3.12; 0.2.5
+tested) and our requirements beside it (its jax is then the one both programs compile with). For each
+case of benchmarks/aot_memory.py that MaxText can run with the same arguments (model, batch, topology,
+remat policy, attention; the words select cases as there), our MaxText/train_compile.py and MaxText's
+train_compile run through that interpreter, one after the other, and the table gives arguments /
+temporaries / total GiB per device for each (total = arguments + outputs - aliased + temporaries, the
+formula of both reports). Without a common compiler the two figures are not comparable: libtpu 0.0.42
+(our pin) and 0.0.52 differ by more than 1 GiB on llama2-7b alone (benchmarks/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import aot_memory  # noqa: E402
+
+GIB = 2**30
+# MaxText understands these keys with the same meaning; cases with any other (ours only) are skipped.
+SHARED_KEYS = {
+  "model_name", "compile_topology", "compile_topology_num_slices", "per_device_batch_size", "max_target_length",
+  "attention", "remat_policy", "global_parameter_scale",
+}  # fmt: skip
+STATS = re.compile(r"(argument|output|alias|temp)_size_in_bytes=(\d+)")
+
+
+def comparable(case: aot_memory.Case) -> bool:
+  return all(o.split("=", 1)[0] in SHARED_KEYS for o in case.overrides)
+
+
+def maxtext_run(case: aot_memory.Case, python: str, out: str) -> dict[str, float] | str:
+  """MaxText's train_compile for the case: {args, temp, total} GiB, or the error's last line."""
+  base = subprocess.run(
+    [python, "-c", "import maxtext, os; print(os.path.join(os.path.dirname(maxtext.__file__), 'configs', 'base.yml'))"],
+    capture_output=True, text=True, check=True,
+  ).stdout.strip()  # fmt: skip
+  overrides = list(case.overrides)
+  if not any(o.startswith("compile_topology_num_slices=") for o in overrides):
+    overrides.append("compile_topology_num_slices=1")
+  name = re.sub(r"[^a-z0-9]+", "_", case.name.lower())
+  command = [python, "-m", "maxtext.trainers.pre_train.train_compile", base, f"run_name={name}"]
+  command += [f"base_output_directory={out}", *overrides]
+  result = subprocess.run(command, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True)
+  stats = {k: int(v) / GIB for k, v in STATS.findall(result.stdout + result.stderr)}
+  if result.returncode or len(stats) < 4:
+    lines = [line for line in (result.stdout + result.stderr).strip().splitlines() if line.strip()]
+    return lines[-1][:160] if lines else f"exit {result.returncode}"
+  total = stats["argument"] + stats["output"] - stats["alias"] + stats["temp"]
+  return {"args": stats["argument"], "temp": stats["temp"], "total": total}
+
+
+def versions(python: str) -> str:
+  code = "import importlib.metadata as m; print(', '.join(f'{p} {m.version(p)}' for p in ('jax', 'libtpu', 'maxtext')))"
+  return subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--maxtext-python", required=True, help="a Python with maxtext and our requirements")
+  parser.add_argument("words", nargs="*", help="cases whose name contains one of these words (default: all)")
+  args = parser.parse_args()
+  cases = [c for c in aot_memory.CASES if comparable(c) and (not args.words or any(w in c.name for w in args.words))]
+  print(f"Both compiled with {versions(args.maxtext_python)}; GiB per device, args / temp / total.\n")
+  print("| case | ours | MaxText | ours - MaxText (total) |")
+  print("|---|---|---|---|")
+  with tempfile.TemporaryDirectory() as out:
+    for c in cases:
+      ours, theirs = aot_memory.run(c, args.maxtext_python), maxtext_run(c, args.maxtext_python, out)
+      mine = f"error: {ours['error']}" if "error" in ours else f"{ours['args']} / {ours['temp']} / {ours['total']}"
+      other = theirs if isinstance(theirs, str) else " / ".join(f"{theirs[k]:.2f}" for k in ("args", "temp", "total"))
+      delta = ""
+      if "error" not in ours and not isinstance(theirs, str):
+        delta = f"{float(ours['total']) - theirs['total']:+.2f}"
+      print(f"| {c.name} | {mine} | {other} | {delta} |", flush=True)
+
+
+if __name__ == "__main__":
+  main()

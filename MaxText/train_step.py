@@ -13,11 +13,13 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from MaxText import sharding
 from MaxText.config import Config
 from MaxText.layers import lora, mtp
+from MaxText.layers.attention import target_platform
 from MaxText.state import StateSpec, TrainState, for_inference
 
 Batch = dict[str, jax.Array]  # int32 [B, T]: inputs, targets, *_segmentation, inputs_position
@@ -145,6 +147,48 @@ def all_finite(tree: Any) -> jax.Array:
   return jnp.stack(leaves).all() if leaves else jnp.array(True)
 
 
+TPU_LANES = 128  # the minor dimension of a TPU array tile: a smaller minor dimension is padded up to it
+
+
+def lane_layout(param: jax.ShapeDtypeStruct) -> Layout | None:
+  """On TPU, the layout for the gradient of `param` (its shape and NamedSharding) that keeps the larger of
+  its shard's last two dims minor, or None where the default layout already does.
+
+  FSDP can leave a weight's last dim small on each chip (mixtral's expert wo [E, F, D]: D = 4096 over fsdp
+  64 is 64 per chip; deepseek3-671b's D = 7168 over fsdp 512 is 14). XLA:TPU gives the parameter itself a
+  layout with F minor, but libtpu 0.0.52 kept D minor in the layer-stacked gradient of the scanned
+  backward pass, padded to 128 lanes: 1.75 instead of 0.875 GiB per buffer for mixtral, 14.5 instead of
+  1.6 for deepseek (benchmarks/README.md, "Memory at scale")."""
+  if param.ndim < 2 or not isinstance(param.sharding, NamedSharding):
+    return None
+  *_, second, minor = param.sharding.shard_shape(param.shape)
+  if minor >= TPU_LANES or second <= minor:
+    return None
+  order = tuple(range(param.ndim - 2)) + (param.ndim - 1, param.ndim - 2)
+  return Layout(major_to_minor=order)
+
+
+def lane_friendly(grads: nnx.State, params: nnx.State) -> nnx.State:
+  """grads with lane_layout's layout constraint, for TPU targets (elsewhere unchanged); `params` holds the
+  matching jax.ShapeDtypeStruct leaves with their shardings."""
+  if target_platform() != "tpu":
+    return grads
+
+  def constrain(grad: jax.Array, param: jax.ShapeDtypeStruct) -> jax.Array:
+    layout = lane_layout(param)
+    if layout is None:
+      return grad
+    # Per shard (shard_map): jax 0.10.2's partitioner does not see through a layout constraint and made
+    # the gradient whole on every chip (mixtral: 56 GiB buffers), even between sharding constraints.
+    spec = param.sharding.spec
+    local = jax.shard_map(
+      lambda g: with_layout_constraint(g, layout), mesh=param.sharding.mesh, in_specs=spec, out_specs=spec
+    )
+    return local(grad)
+
+  return jax.tree.map(constrain, grads, params)
+
+
 def train_step(
   graphdef: nnx.GraphDef,
   tx: optax.GradientTransformation,
@@ -153,6 +197,8 @@ def train_step(
   state: TrainState,
   batch: Batch,
   rng: jax.Array,
+  *,
+  abstract_params: nnx.State | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer step on the global batch; metrics are device scalars. `schedule` is the one that
   drives `tx` (optimizers.build), evaluated here only to log this step's learning rate.
@@ -160,11 +206,14 @@ def train_step(
   An update is applied only when the loss, the gradients and the new parameters and optimizer state are
   all finite: otherwise params and opt_state stay as they were (step still advances, so the data order
   and checkpoint numbering do not shift), metrics["update_finite"] is 0 and metrics["step_skipped"] 1.
-  Checking the result, not just the loss, catches an overflow one step before it reaches the loss."""
+  Checking the result, not just the loss, catches an overflow one step before it reaches the loss.
+  `abstract_params` (StateSpec.abstract.params: shapes and shardings) lets TPU gradients take lane_layout."""
   data_axes = sharding.data_axes(config)
   # Under LoRA only the adapters are differentiated and updated; the frozen base passes through untouched.
   trainable, frozen = lora.split(config, state.params)
   grads, aux = _grads(graphdef, config, trainable, frozen, batch, rng, data_axes)
+  if abstract_params is not None:
+    grads = lane_friendly(grads, lora.trainable(config, abstract_params))
   tokens = jnp.maximum(aux["tokens"], 1.0)
   grads = jax.tree.map(lambda g: g / tokens, grads)
   loss, grad_norm = aux["nll"] / tokens, optax.global_norm(grads)
@@ -217,7 +266,7 @@ def jit_train_step(
   with shardings; the state is donated."""
   replicated = NamedSharding(mesh, PartitionSpec())
   return jax.jit(
-    functools.partial(train_step, spec.graphdef, tx, schedule, config),
+    functools.partial(train_step, spec.graphdef, tx, schedule, config, abstract_params=spec.abstract.params),
     in_shardings=(spec.shardings, batch_shardings(config, mesh), replicated),
     out_shardings=(spec.shardings, replicated),
     donate_argnums=0,

@@ -111,8 +111,13 @@ def policy(c: Case) -> str:
   return f"{given.get('remat_policy', 'full')}, {given.get('attention', 'autoselected')}"
 
 
+def select(words: list[str]) -> list[Case]:
+  """The cases whose name contains one of `words` (all of them for none)."""
+  return [c for c in CASES if not words or any(w in c.name for w in words)]
+
+
 def main(words: list[str]) -> None:
-  cases = [c for c in CASES if not words or any(w in c.name for w in words)]
+  cases = select(words)
   print("| case | remat, attention | mesh (axes > 1) | args GiB | temp GiB | total GiB | compile s |")
   print("|---|---|---|---|---|---|---|")
   for c in cases:

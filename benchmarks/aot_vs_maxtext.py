@@ -37,12 +37,14 @@ def comparable(case: aot_memory.Case) -> bool:
   return all(o.split("=", 1)[0] in SHARED_KEYS for o in case.overrides)
 
 
-def maxtext_run(case: aot_memory.Case, python: str, out: str) -> dict[str, float] | str:
-  """MaxText's train_compile for the case: {args, temp, total} GiB, or the error's last line."""
-  base = subprocess.run(
-    [python, "-c", "import maxtext, os; print(os.path.join(os.path.dirname(maxtext.__file__), 'configs', 'base.yml'))"],
-    capture_output=True, text=True, check=True,
-  ).stdout.strip()  # fmt: skip
+def maxtext_base(python: str) -> str:
+  """The path of MaxText's configs/base.yml in `python`'s installation."""
+  code = "import maxtext, os; print(os.path.join(os.path.dirname(maxtext.__file__), 'configs', 'base.yml'))"
+  return subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def maxtext_run(case: aot_memory.Case, python: str, base: str, out: str) -> dict[str, float] | str:
+  """MaxText's train_compile (config `base`) for the case: {args, temp, total} GiB, or the error's last line."""
   overrides = list(case.overrides)
   if not any(o.startswith("compile_topology_num_slices=") for o in overrides):
     overrides.append("compile_topology_num_slices=1")
@@ -68,13 +70,14 @@ def main() -> None:
   parser.add_argument("--maxtext-python", required=True, help="a Python with maxtext and our requirements")
   parser.add_argument("words", nargs="*", help="cases whose name contains one of these words (default: all)")
   args = parser.parse_args()
-  cases = [c for c in aot_memory.CASES if comparable(c) and (not args.words or any(w in c.name for w in args.words))]
+  cases = [c for c in aot_memory.select(args.words) if comparable(c)]
+  base = maxtext_base(args.maxtext_python)
   print(f"Both compiled with {versions(args.maxtext_python)}; GiB per device, args / temp / total.\n")
   print("| case | ours | MaxText | ours - MaxText (total) |")
   print("|---|---|---|---|")
   with tempfile.TemporaryDirectory() as out:
     for c in cases:
-      ours, theirs = aot_memory.run(c, args.maxtext_python), maxtext_run(c, args.maxtext_python, out)
+      ours, theirs = aot_memory.run(c, args.maxtext_python), maxtext_run(c, args.maxtext_python, base, out)
       mine = f"error: {ours['error']}" if "error" in ours else f"{ours['args']} / {ours['temp']} / {ours['total']}"
       other = theirs if isinstance(theirs, str) else " / ".join(f"{theirs[k]:.2f}" for k in ("args", "temp", "total"))
       delta = ""

@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
+from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from MaxText.config import Config, ConfigError
@@ -129,6 +130,40 @@ def fit(named: NamedSharding, shape: Sequence[int]) -> NamedSharding:
     if shape[i] % math.prod(named.mesh.shape[a] for a in names):
       spec[i] = None
   return NamedSharding(named.mesh, PartitionSpec(*spec), memory_kind=named.memory_kind)
+
+
+TPU_LANES = 128  # the minor dimension of a TPU array tile: a smaller minor dimension is padded up to it
+
+
+def lane_layout(shape: Sequence[int], named: NamedSharding) -> Layout | None:
+  """The TPU layout that keeps the larger of the last two dims of `shape`'s shard under `named` minor, or
+  None where the default layout (last dim minor) already fills the 128 lanes or the other dim is no larger.
+
+  FSDP can leave a weight's last dim small on each chip (mixtral's expert wo [E, F, D]: D = 4096 over fsdp
+  64 is 64 per chip; deepseek3-671b's D = 7168 over fsdp 512 is 14). XLA:TPU gives the parameter itself a
+  layout with F minor, but libtpu 0.0.52 kept D minor in the layer-stacked gradient of the scanned backward
+  pass and in the bfloat16 copy of the stacked weight hoisted out of the layer loop, padded to 128 lanes:
+  twice the bytes for mixtral, 9x for deepseek (benchmarks/README.md, "Like for like")."""
+  if len(shape) < 2:
+    return None
+  *_, second, minor = named.shard_shape(tuple(shape))
+  if minor >= TPU_LANES or second <= minor:
+    return None
+  return Layout(major_to_minor=(*range(len(shape) - 2), len(shape) - 1, len(shape) - 2))
+
+
+def keep_lanes(x: jax.Array, named: NamedSharding) -> jax.Array:
+  """x (sharded as `named`) with lane_layout's layout constraint where it has one; for TPU targets only
+  (callers check: other backends have no lane padding, and XLA:CPU ignores or rejects the constraint)."""
+  layout = lane_layout(x.shape, named)
+  if layout is None:
+    return x
+  # Per shard (shard_map): jax 0.10.2's partitioner does not see through a layout constraint and made the
+  # array whole on every chip (mixtral's wo gradient: 56 GiB buffers), even between sharding constraints.
+  local = jax.shard_map(
+    lambda shard: with_layout_constraint(shard, layout), mesh=named.mesh, in_specs=named.spec, out_specs=named.spec
+  )
+  return local(x)
 
 
 def data_axes(config: Config) -> tuple[str, ...]:

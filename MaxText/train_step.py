@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from MaxText import sharding
@@ -147,44 +146,15 @@ def all_finite(tree: Any) -> jax.Array:
   return jnp.stack(leaves).all() if leaves else jnp.array(True)
 
 
-TPU_LANES = 128  # the minor dimension of a TPU array tile: a smaller minor dimension is padded up to it
-
-
-def lane_layout(param: jax.ShapeDtypeStruct) -> Layout | None:
-  """On TPU, the layout for the gradient of `param` (its shape and NamedSharding) that keeps the larger of
-  its shard's last two dims minor, or None where the default layout already does.
-
-  FSDP can leave a weight's last dim small on each chip (mixtral's expert wo [E, F, D]: D = 4096 over fsdp
-  64 is 64 per chip; deepseek3-671b's D = 7168 over fsdp 512 is 14). XLA:TPU gives the parameter itself a
-  layout with F minor, but libtpu 0.0.52 kept D minor in the layer-stacked gradient of the scanned
-  backward pass, padded to 128 lanes: 1.75 instead of 0.875 GiB per buffer for mixtral, 14.5 instead of
-  1.6 for deepseek (benchmarks/README.md, "Memory at scale")."""
-  if param.ndim < 2 or not isinstance(param.sharding, NamedSharding):
-    return None
-  *_, second, minor = param.sharding.shard_shape(param.shape)
-  if minor >= TPU_LANES or second <= minor:
-    return None
-  order = tuple(range(param.ndim - 2)) + (param.ndim - 1, param.ndim - 2)
-  return Layout(major_to_minor=order)
-
-
 def lane_friendly(grads: nnx.State, params: nnx.State) -> nnx.State:
-  """grads with lane_layout's layout constraint, for TPU targets (elsewhere unchanged); `params` holds the
-  matching jax.ShapeDtypeStruct leaves with their shardings."""
+  """grads with sharding.keep_lanes's layout constraint, for TPU targets (elsewhere unchanged); `params`
+  holds the matching jax.ShapeDtypeStruct leaves with their shardings."""
   if target_platform() != "tpu":
     return grads
 
   def constrain(grad: jax.Array, param: jax.ShapeDtypeStruct) -> jax.Array:
-    layout = lane_layout(param)
-    if layout is None:
-      return grad
-    # Per shard (shard_map): jax 0.10.2's partitioner does not see through a layout constraint and made
-    # the gradient whole on every chip (mixtral: 56 GiB buffers), even between sharding constraints.
-    spec = param.sharding.spec
-    local = jax.shard_map(
-      lambda g: with_layout_constraint(g, layout), mesh=param.sharding.mesh, in_specs=spec, out_specs=spec
-    )
-    return local(grad)
+    named = param.sharding
+    return sharding.keep_lanes(grad, named) if isinstance(named, NamedSharding) else grad
 
   return jax.tree.map(constrain, grads, params)
 
@@ -207,7 +177,7 @@ def train_step(
   all finite: otherwise params and opt_state stay as they were (step still advances, so the data order
   and checkpoint numbering do not shift), metrics["update_finite"] is 0 and metrics["step_skipped"] 1.
   Checking the result, not just the loss, catches an overflow one step before it reaches the loss.
-  `abstract_params` (StateSpec.abstract.params: shapes and shardings) lets TPU gradients take lane_layout."""
+  `abstract_params` (StateSpec.abstract.params: shapes and shardings) lets TPU gradients take sharding.lane_layout."""
   data_axes = sharding.data_axes(config)
   # Under LoRA only the adapters are differentiated and updated; the frozen base passes through untouched.
   trainable, frozen = lora.split(config, state.params)

@@ -25,8 +25,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from MaxText import sharding
 from MaxText.config import Config
 from MaxText.layers import moe_dispatch
 from MaxText.layers.attention import target_platform
@@ -193,10 +195,31 @@ class MoeBlock(nnx.Module):
 
     return self._per_shard(compute, tokens, experts, length, per_sequence)
 
+  def _weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """wi_0, wi_1, wo in the compute dtype. On TPU, a weight whose FSDP shard has a last dim under 128
+    lanes (mixtral's wo [E, F, D]: 64 of D per chip on v5p-128) keeps its larger dim minor: XLA hoists
+    this cast of the whole layer stack out of the scanned loop, and with D minor libtpu 0.0.52 padded the
+    copy to twice its bytes (896 instead of 448 MiB per chip for mixtral; sharding.lane_layout)."""
+    params = (self.wi_0, self.wi_1, self.wo)
+    weights = tuple(weight(w, self.dtype) for w in params)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or target_platform() != "tpu":
+      return weights
+
+    def keep_lanes(param: nnx.Param, w: jax.Array) -> jax.Array:
+      # Inside the scanned stack the metadata still names the stacked dims (`layers`, leading) too.
+      names = tuple(param.get_metadata().get("out_sharding") or ())[-w.ndim :]
+      if len(names) != w.ndim:
+        return w
+      named = sharding.fit(NamedSharding(mesh, nn.logical_to_mesh_axes(names)), w.shape)
+      return sharding.keep_lanes(w, named)
+
+    return tuple(keep_lanes(p, w) for p, w in zip(params, weights))
+
   def _per_shard(self, compute, tokens: jax.Array, experts: jax.Array, length: int, whole_sequences: bool):
     """compute(tokens, experts, wi_0, wi_1, wo, ep_axes=, ep=) per batch shard under the active mesh
     (on the whole batch with ep=1 where there is none or the batch does not split evenly)."""
-    weights = tuple(weight(w, self.dtype) for w in (self.wi_0, self.wi_1, self.wo))
+    weights = self._weights()
     tokens = tokens.astype(self.dtype)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
@@ -239,7 +262,7 @@ class MoeBlock(nnx.Module):
     routed = jnp.repeat(tokens.astype(self.dtype), k, axis=0)  # [A, D], assignment order
     buffer = jnp.zeros((e * c, d), self.dtype).at[slots].set(routed, mode="drop").reshape(e, c, d)
     buffer = nn.with_logical_constraint(buffer, EXPERT_EMBED_AXES)
-    wi_0, wi_1, wo = (weight(w, self.dtype) for w in (self.wi_0, self.wi_1, self.wo))
+    wi_0, wi_1, wo = self._weights()
     hidden = self.activation(jnp.einsum("ECD,EDF->ECF", buffer, wi_0)) * jnp.einsum("ECD,EDF->ECF", buffer, wi_1)
     hidden = nn.with_logical_constraint(hidden, EXPERT_MLP_AXES)
     out = jnp.einsum("ECF,EFD->ECD", hidden, wo)

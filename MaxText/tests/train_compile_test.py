@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText import accelerators, compiled_step, sharding, train, train_compile, train_step
+from MaxText import accelerators, compiled_step, sharding, train, train_compile
 from MaxText.config import ConfigError
 from MaxText.tests.conftest import ROOT, TINY, cfg, losses
 
@@ -64,10 +64,10 @@ def test_llama2_7b_on_one_v5e_256_slice_uses_flash_and_fits_under_its_ceiling(tm
 
 
 def test_tpu_gradients_keep_a_small_fsdp_shard_dim_off_the_lanes(tmp_path):
-  """An expert wo [E, F, D] with D over fsdp 8 has 64 of D per chip: train_step.lane_layout gives its
-  layer-stacked gradient F as the minor dim (XLA:TPU in libtpu 0.0.52 kept D minor, padded to 128 lanes:
-  twice the bytes), and the gradient stays split over fsdp (a bare layout constraint made it whole on
-  every chip with jax 0.10.2). Compiled for v5e-8 through libtpu."""
+  """An expert wo [E, F, D] with D over fsdp 8 has 64 of D per chip: sharding.lane_layout gives its
+  layer-stacked gradient and its per-layer compute copy F as the minor dim (XLA:TPU in libtpu 0.0.52 kept
+  D minor, padded to 128 lanes: twice the bytes), and the gradient stays split over fsdp (a bare layout
+  constraint made it whole on every chip with jax 0.10.2). Compiled for v5e-8 through libtpu."""
   drop = ("base_emb_dim", "base_mlp_dim", "head_dim", "base_num", "max_target_length", "log_config")
   result = compile_command(
     *[a for a in TINY if not a.startswith(drop)], "decoder_block=mixtral", "base_emb_dim=512",
@@ -81,20 +81,27 @@ def test_tpu_gradients_keep_a_small_fsdp_shard_dim_off_the_lanes(tmp_path):
   layouts = set(re.findall(r"f32\[2,4,1024,64\]\{([0-9,]+)", text))  # wo's stacked gradient, per chip
   assert layouts and all(not layout.startswith("3,") for layout in layouts), layouts
   assert "f32[2,4,1024,512]" not in text  # never whole
+  # The layer's own copy of wo (cast to the compute dtype, which XLA hoists out of the layer loop as one
+  # stacked copy) is constrained per layer too: MoeBlock._weights.
+  (traced,) = tmp_path.glob("*jit_train_step*before_optimizations.txt")
+  constrained = re.findall(
+    r"= (\w+\[[0-9,]+\]\{[0-9,]+\}) custom-call\([^)]*\), custom_call_target=\"LayoutConstraint", traced.read_text()
+  )
+  assert "f32[4,1024,64]{1,2,0}" in constrained, constrained
 
 
 def test_lane_layout_only_where_a_shard_minor_dim_is_below_the_lanes():
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("fsdp",))
   P = jax.sharding.PartitionSpec
 
-  def param(shape, spec):
-    return jax.ShapeDtypeStruct(shape, np.float32, sharding=jax.sharding.NamedSharding(mesh, spec))
+  def layout(shape, spec):
+    return sharding.lane_layout(shape, jax.sharding.NamedSharding(mesh, spec))
 
-  assert train_step.lane_layout(param((2, 4, 1024, 512), P(None, None, None, "fsdp"))).major_to_minor == (0, 1, 3, 2)
-  assert train_step.lane_layout(param((2, 4, 1024, 2048), P(None, None, None, "fsdp"))) is None  # 256 per chip
-  assert train_step.lane_layout(param((2, 4, 1024, 512), P(None, None, "fsdp", None))) is None
-  assert train_step.lane_layout(param((2, 4, 32, 512), P(None, None, None, "fsdp"))) is None  # F is no larger
-  assert train_step.lane_layout(param((512,), P("fsdp"))) is None
+  assert layout((2, 4, 1024, 512), P(None, None, None, "fsdp")).major_to_minor == (0, 1, 3, 2)
+  assert layout((2, 4, 1024, 2048), P(None, None, None, "fsdp")) is None  # 256 per chip
+  assert layout((2, 4, 1024, 512), P(None, None, "fsdp", None)) is None
+  assert layout((2, 4, 32, 512), P(None, None, None, "fsdp")) is None  # F is no larger
+  assert layout((512,), P("fsdp")) is None
 
 
 @pytest.mark.slow

@@ -109,22 +109,34 @@ def check_outputs(config: Config) -> None:
   """ConfigError naming the key when a local output location cannot be written, StorageError when a gs://
   one is not a writable bucket (checked before any device work, not when the first checkpoint or metrics
   line is due). Only process 0 writes outputs, so only it checks."""
-  for key, path in (("base_output_directory", config.run_dir), ("metrics_file", paths.dirname(config.metrics_file))):
-    if paths.is_remote(path):
-      if jax_process_index() == 0:
-        paths.check_writable(path, key)
-      continue
-    if not path:
-      continue
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing):  # the nearest existing ancestor is where directories get made
-      existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-      raise ConfigError(f"{key}: {existing!r} is a file, so {path!r} cannot be a directory; choose another {key}")
-    if key == "metrics_file" and os.path.isdir(config.metrics_file):
-      raise ConfigError(f"metrics_file={config.metrics_file!r} is a directory; name a file, e.g. {path}/metrics.jsonl")
-    if not os.access(existing, os.W_OK | os.X_OK):
-      raise ConfigError(f"{key}: cannot write under {existing!r} (permission denied); choose a writable {key}")
+  check_output_dir("base_output_directory", config.run_dir)
+  check_output_file("metrics_file", config.metrics_file, "metrics.jsonl")
+
+
+def check_output_file(key: str, file: str, example: str) -> None:
+  """check_output_dir for the directory of the file that `key` names, and the file is not a directory
+  (the error suggests `example` inside it)."""
+  if file and not paths.is_remote(file) and os.path.isdir(file):
+    raise ConfigError(f"{key}={file!r} is a directory; name a file, e.g. {paths.join(file, example)}")
+  check_output_dir(key, paths.dirname(file))
+
+
+def check_output_dir(key: str, path: str) -> None:
+  """ConfigError naming `key` when the local directory `path` cannot be made or written (StorageError for a
+  gs:// one that is not a writable bucket, checked on process 0 only); '' passes."""
+  if paths.is_remote(path):
+    if jax_process_index() == 0:
+      paths.check_writable(path, key)
+    return
+  if not path:
+    return
+  existing = os.path.abspath(path)
+  while not os.path.exists(existing):  # the nearest existing ancestor is where directories get made
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise ConfigError(f"{key}: {existing!r} is a file, so {path!r} cannot be a directory; choose another {key}")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise ConfigError(f"{key}: cannot write under {existing!r} (permission denied); choose a writable {key}")
 
 
 def jax_process_index() -> int:

@@ -17,8 +17,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from MaxText import config as config_lib
-from MaxText import models, sharding
+from MaxText import config_checks, models, sharding
 from MaxText.config import Config
 from MaxText.layers import lora, quantization
 
@@ -66,7 +65,7 @@ def _shardings(tree, config: Config, mesh: Mesh):
   # logical_to_mesh then read as unknown logical names: stacked layers lost `stage`, and `embed` its
   # fallbacks (weights stayed whole across `expert`, `fsdp_transpose`). Without rules it returns the
   # logical names, which logical_to_mesh maps once.
-  config_lib.check_divisibility(config, dict(mesh.shape))  # a named key, not an XLA error at placement
+  config_checks.check_divisibility(config, dict(mesh.shape))  # a named key, not an XLA error at placement
   with nn.logical_axis_rules(()):
     specs = nnx.get_partition_spec(tree)
   named = sharding.logical_to_mesh(specs, mesh, sharding.axis_rules(config))

@@ -25,6 +25,7 @@ from MaxText import (
   accelerators,
   checkpointing,
   compiled_step,
+  config_checks,
   console,
   launch,
   metrics,
@@ -34,7 +35,6 @@ from MaxText import (
   saved_config,
   sharding,
 )
-from MaxText import config as config_lib
 from MaxText import data as data_lib
 from MaxText import state as state_lib
 from MaxText import train_step as steps
@@ -143,7 +143,7 @@ def run(config: Config, devices: Sequence[Any] | None = None, started: float | N
   config = keep_schedule_on_resume(config)
   mesh = sharding.create_mesh(config, devices)
   global_batch = sharding.global_batch_size(config, mesh)  # fails early on a batch that cannot split
-  config_lib.check_divisibility(config, dict(mesh.shape))  # and on a model that cannot, before any compile
+  config_checks.check_divisibility(config, dict(mesh.shape))  # and on a model that cannot, before any compile
   optimizer = optimizers.build(config)
   peak = accelerators.peak(dtype=config.dtype)  # CPU: a measured matmul, outside the mesh
   with sharding.activate(config, mesh), stack_traces(config), preemption.Watch(mesh) as watch:

@@ -81,9 +81,9 @@ def topology_devices(config: Config) -> list[Any]:
       num_slices=config.compile_topology_num_slices,
     )
   except Exception as e:  # jax raises RuntimeError/ValueError subclasses depending on the plugin
-    raise ConfigError(
-      f"cannot describe TPU topology {name!r} ({target.topology_name}): {e}. Compiling for TPUs needs libtpu: "
-      "DEVICE=tpu bash setup.sh (or pip install -r requirements-tpu.txt)"
+    raise ConfigError(  # the advice first: launch.one_line keeps only the first line of libtpu's message
+      f"cannot describe TPU topology {name!r} ({target.topology_name}); compiling for TPUs needs libtpu: "
+      f"DEVICE=tpu bash setup.sh (or pip install -r requirements-tpu.txt). libtpu said: {e}"
     ) from None
   return list(desc.devices)
 
@@ -98,8 +98,8 @@ def _gpu_devices(config: Config, target: accelerators.Topology, topologies: Any)
   except Exception as e:
     raise ConfigError(
       f"compile_topology={config.compile_topology!r} needs JAX's CUDA plugin (DEVICE=gpu bash setup.sh) on a "
-      f"machine with an NVIDIA driver; this machine has {jax.default_backend()} devices only ({e}). Compile GPU "
-      "targets on a GPU host, or pick a TPU compile_topology here."
+      f"machine with an NVIDIA driver; this machine has {jax.default_backend()} devices only. Compile GPU "
+      f"targets on a GPU host, or pick a TPU compile_topology here. JAX said: {e}"
     ) from None
   return list(desc.devices)
 
@@ -236,26 +236,27 @@ def main(argv: Sequence[str]) -> None:
   """argv: sys.argv (the program name first)."""
   # One process compiles for the whole topology: it joins no job (and so claims no TPU chips).
   config = launch.start(argv[1:], USAGE, join_job=False)
-  try:
+  # A config, storage (compiled_trainstep_file on gs://) or data mistake exits with launch's one line.
+  with launch.user_errors():
+    launch.check_output_file("compiled_trainstep_file", config.compiled_trainstep_file, "train_step.pkl")  # pre-compile
     devices = topology_devices(config)
-    compiled, report, mesh = compile_train_step(config, devices)
-  except ConfigError as e:
-    sys.exit(f"Config error: {e}")
-  except OutOfMemoryError as e:
-    sys.exit(f"Out of memory: {e}")
-  print(format_report(report), flush=True)
-  pipelining = pipeline.describe(config)
-  if pipelining:
-    print(pipelining, flush=True)
-  try:
-    note = check_fits(config, report, devices[0].platform)
-  except OutOfMemoryError as e:
-    sys.exit(f"Out of memory: {e}")
-  if note:
-    print(note, flush=True)
-  if config.compiled_trainstep_file:
-    compiled_step.save_compiled(config.compiled_trainstep_file, compiled, config, mesh)
-    print(f"saved the compiled train step to {config.compiled_trainstep_file}", flush=True)
+    try:
+      compiled, report, mesh = compile_train_step(config, devices)
+    except OutOfMemoryError as e:  # XLA's own report: every line of it is useful
+      sys.exit(f"Out of memory: {e}")
+    print(format_report(report), flush=True)
+    pipelining = pipeline.describe(config)
+    if pipelining:
+      print(pipelining, flush=True)
+    try:
+      note = check_fits(config, report, devices[0].platform)
+    except OutOfMemoryError as e:
+      sys.exit(f"Out of memory: {e}")
+    if note:
+      print(note, flush=True)
+    if config.compiled_trainstep_file:
+      compiled_step.save_compiled(config.compiled_trainstep_file, compiled, config, mesh)
+      print(f"saved the compiled train step to {config.compiled_trainstep_file}", flush=True)
 
 
 if __name__ == "__main__":

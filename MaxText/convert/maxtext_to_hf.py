@@ -154,7 +154,7 @@ def main(argv: list[str]) -> None:
     c = config_lib.load([*args.config, "dtype=float32"])
     convert(c, args.output, args.dtype)
   except ConfigError as e:
-    sys.exit(f"Conversion error: {e}")
+    sys.exit(launch.one_line("Conversion error", e))
   except paths.StorageError as e:
     sys.exit(launch.one_line("Storage error", e))
   print(f"Wrote {args.output}")

@@ -39,7 +39,7 @@ def enabled(config: Config) -> bool:
 
 def check_serving(config: Config) -> None:
   """Decoding or scoring a LoRA fine-tune needs its adapters: ConfigError when none are named (the keys'
-  values themselves are checked at load, config._validate_lora)."""
+  values themselves are checked at load, config_checks._validate_lora)."""
   if enabled(config) and not config.lora_weights_path and not config.lora_random_base:
     raise ConfigError(
       f"lora_rank={config.lora_rank} serves a LoRA fine-tune: set lora_weights_path to its adapters (a LoRA run's "

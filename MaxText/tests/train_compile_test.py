@@ -162,6 +162,19 @@ def test_gpu_topology_without_a_gpu_says_so(tmp_path):
     train_compile.topology_devices(cfg(tmp_path, "t", "compile_topology=a3", "compile_topology_num_slices=2"))
 
 
+@pytest.mark.parametrize("where", ["under_a_file", "a_directory"])
+def test_unwritable_compiled_trainstep_file_fails_before_compiling(tmp_path, where, monkeypatch):
+  afile = os.path.join(tmp_path, "afile")
+  open(afile, "w").close()
+  target = {"under_a_file": os.path.join(afile, "step.pkl"), "a_directory": str(tmp_path)}[where]
+  compiles = []
+  monkeypatch.setattr(train_compile, "compile_train_step", lambda *a: compiles.append(a))
+  argv = ["train_compile.py", BASE, "log_config=false", *TINY, f"base_output_directory={tmp_path}"]
+  with pytest.raises(SystemExit, match=r"^Config error: compiled_trainstep_file"):
+    train_compile.main([*argv, "run_name=t", "compile_topology=cpu", f"compiled_trainstep_file={target}"])
+  assert not compiles
+
+
 def test_saved_step_runs_in_train_with_the_same_losses(tmp_path):
   path = os.path.join(tmp_path, "step.pickle")
   common = ["steps=4", "per_device_batch_size=2"]

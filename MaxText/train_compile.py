@@ -240,15 +240,12 @@ def main(argv: Sequence[str]) -> None:
   with launch.user_errors():
     launch.check_output_file("compiled_trainstep_file", config.compiled_trainstep_file, "train_step.pkl")  # pre-compile
     devices = topology_devices(config)
-    try:
+    try:  # from XLA's compile or from check_fits: every line of the message is useful, so not one_line
       compiled, report, mesh = compile_train_step(config, devices)
-    except OutOfMemoryError as e:  # XLA's own report: every line of it is useful
-      sys.exit(f"Out of memory: {e}")
-    print(format_report(report), flush=True)
-    pipelining = pipeline.describe(config)
-    if pipelining:
-      print(pipelining, flush=True)
-    try:
+      print(format_report(report), flush=True)
+      pipelining = pipeline.describe(config)
+      if pipelining:
+        print(pipelining, flush=True)
       note = check_fits(config, report, devices[0].platform)
     except OutOfMemoryError as e:
       sys.exit(f"Out of memory: {e}")

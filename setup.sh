@@ -1,52 +1,85 @@
 #!/usr/bin/env bash
-# Idempotent install. DEVICE=cpu (default) | gpu | tpu. TEST=1 also installs the test/lint tools.
-#   bash setup.sh                     # CPU
-#   DEVICE=tpu bash setup.sh          # or MaxText's form: bash setup.sh DEVICE=tpu [TEST=1]
-# Installs into the active Python environment (a venv, conda, or a user-writable Python); where the
-# system Python is externally managed (PEP 668) and no venv is active, it creates .venv and says so.
-# Ends with this repository installed editable (pip install -e .): `from MaxText import ...` and the
-# maxtext-train / maxtext-decode / maxtext-train-compile commands work from any directory.
+# Idempotent install into .venv, made with Python >= 3.12. DEVICE=cpu (default) | gpu | tpu.
+# TEST=1 also installs the test/lint tools.
+#   bash setup.sh && source .venv/bin/activate   # CPU
+#   DEVICE=tpu bash setup.sh                      # or MaxText's form: bash setup.sh DEVICE=tpu [TEST=1]
+# The Python: PYTHON=/path/to/python3.12 if given, else the first of python3.12, python3.13, python3
+# (on PATH) and pyenv's installed 3.12+ versions that runs and is 3.12 or newer. jax 0.11 and newer,
+# which this project pins, are not published for older Pythons. VENV=DIR installs into an existing
+# environment of yours instead (a conda env, your own venv). Ends with this repository installed
+# editable: `from MaxText import ...` and the maxtext-train / maxtext-decode / maxtext-train-compile
+# commands work from any directory once the environment is active.
 set -euo pipefail
 cd "$(dirname "$0")"
 for arg in "$@"; do  # KEY=VALUE arguments, as MaxText's setup.sh takes them
   case "$arg" in
-    DEVICE=*|TEST=*|PYTHON=*) export "${arg?}" ;;
-    -h|--help) sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) echo "setup.sh: unknown argument '$arg' (takes DEVICE=cpu|gpu|tpu, TEST=1, PYTHON=...)" >&2; exit 2 ;;
+    DEVICE=*|TEST=*|PYTHON=*|VENV=*) export "${arg?}" ;;
+    -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "setup.sh: unknown argument '$arg' (takes DEVICE=cpu|gpu|tpu, TEST=1, PYTHON=..., VENV=...)" >&2; exit 2 ;;
   esac
 done
 DEVICE="${DEVICE:-cpu}"
-PYTHON="${PYTHON:-python3}"
 say() { echo "setup.sh: $*"; }
+fail() { echo "setup.sh: $*" >&2; exit 1; }
 case "$DEVICE" in
   cpu|gpu|tpu) ;;
-  *) echo "setup.sh: DEVICE must be cpu, gpu or tpu (got '$DEVICE')" >&2; exit 2 ;;
+  *) fail "DEVICE must be cpu, gpu or tpu (got '$DEVICE')" ;;
 esac
 
-if [ -z "${VIRTUAL_ENV:-}" ] && [ -z "${CONDA_PREFIX:-}" ] && \
-   [ -f "$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')/EXTERNALLY-MANAGED" ]; then
-  [ -d .venv ] || "$PYTHON" -m venv .venv
-  PYTHON="$PWD/.venv/bin/python"
-  say "the system Python is externally managed; installing into .venv. Afterwards run: source .venv/bin/activate"
+version_of() { "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null; }
+new_enough() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; }
+find_python() {  # prints the path of the first Python >= 3.12; a pyenv shim counts only if it runs
+  local c
+  for c in python3.12 python3.13 python3; do
+    if command -v "$c" >/dev/null && new_enough "$c"; then command -v "$c"; return 0; fi
+  done
+  for c in $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.1[2-9]*/bin/python3 2>/dev/null | sort -V); do
+    if new_enough "$c"; then echo "$c"; return 0; fi
+  done
+  return 1
+}
+
+if [ -n "${VENV:-}" ]; then  # the user's own environment
+  [ -x "$VENV/bin/python" ] || fail "VENV=$VENV has no bin/python; make it first (python3.12 -m venv $VENV)"
+  new_enough "$VENV/bin/python" || fail "VENV=$VENV has Python $(version_of "$VENV/bin/python"); this project needs >= 3.12"
+else
+  VENV=.venv
+  if [ -x .venv/bin/python ] && ! new_enough .venv/bin/python; then
+    say ".venv has Python $(version_of .venv/bin/python), older than the 3.12 this project needs: making it anew"
+    rm -rf .venv
+  fi
+  if [ ! -x .venv/bin/python ]; then
+    if [ -n "${PYTHON:-}" ]; then
+      new_enough "$PYTHON" || fail "PYTHON=$PYTHON is not a Python >= 3.12 (it is $(version_of "$PYTHON" || echo 'not runnable'))"
+    else
+      PYTHON="$(find_python)" || fail "no Python >= 3.12 found (python3 is $(version_of python3 || echo missing)); install one (pyenv install 3.12, apt-get install python3.12, or uv python install 3.12) and run again, or pass PYTHON=/path/to/python3.12"
+    fi
+    say "making .venv with Python $(version_of "$PYTHON") ($PYTHON)"
+    "$PYTHON" -m venv .venv
+  fi
+  if [ -n "${VIRTUAL_ENV:-}" ] && [ "$VIRTUAL_ENV" != "$PWD/.venv" ]; then
+    say "note: installing into .venv, not the active $VIRTUAL_ENV (VENV=\$VIRTUAL_ENV installs there)"
+  fi
 fi
-say "installing for DEVICE=$DEVICE into $("$PYTHON" -c 'import sys; print(sys.prefix)')"
+PY="$VENV/bin/python"
+say "installing for DEVICE=$DEVICE into $VENV (Python $(version_of "$PY"))"
 
 say "upgrading pip"
-"$PYTHON" -m pip install --quiet --upgrade pip
+"$PY" -m pip install --quiet --upgrade pip
 say "runtime dependencies (requirements.txt: jax, flax, optax, orbax, data and tokenizer libraries, tensorboard)"
-"$PYTHON" -m pip install --quiet -r requirements.txt
+"$PY" -m pip install --quiet -r requirements.txt
 case "$DEVICE" in
   cpu) ;;
   gpu) say "jax[cuda12] (CUDA 12 wheels: cuDNN, NCCL)"
-       "$PYTHON" -m pip install --quiet "jax[cuda12]==$(grep '^jax==' requirements.txt | cut -d= -f3)" ;;
+       "$PY" -m pip install --quiet "jax[cuda12]==$(grep '^jax==' requirements.txt | cut -d= -f3)" ;;
   tpu) say "libtpu (requirements-tpu.txt)"
-       "$PYTHON" -m pip install --quiet -r requirements-tpu.txt ;;
+       "$PY" -m pip install --quiet -r requirements-tpu.txt ;;
 esac
 if [ "${TEST:-0}" = "1" ]; then
   say "test and lint tools (requirements-test.txt: pytest, ruff, torch and transformers for parity tests)"
-  "$PYTHON" -m pip install --quiet -r requirements-test.txt
+  "$PY" -m pip install --quiet -r requirements-test.txt
   say "libtpu: tests compile for TPU topologies on the CPU"
-  "$PYTHON" -m pip install --quiet -r requirements-tpu.txt
+  "$PY" -m pip install --quiet -r requirements-tpu.txt
   if ! command -v sshd >/dev/null && [ ! -x /usr/sbin/sshd ] && command -v apt-get >/dev/null; then
     say "openssh-server: the multi-host runner's tests use sshd on 127.0.0.1 as remote hosts"
     SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
@@ -54,5 +87,7 @@ if [ "${TEST:-0}" = "1" ]; then
   fi
 fi
 say "this repository, editable (pip install -e .)"
-"$PYTHON" -m pip install --quiet --no-deps -e .
-"$PYTHON" -c "import jax; print('setup.sh: done: jax', jax.__version__, 'on', jax.default_backend(), jax.devices())"
+"$PY" -m pip install --quiet --no-deps -e .
+"$PY" -c "import jax; print('setup.sh: done: jax', jax.__version__, 'on', jax.default_backend(), jax.devices())"
+[ "$VENV" = .venv ] && [ "${VIRTUAL_ENV:-}" != "$PWD/.venv" ] && say "activate it with: source .venv/bin/activate"
+exit 0

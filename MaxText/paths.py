@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any
 
 from etils import epath
 
@@ -38,7 +38,6 @@ CREDENTIALS_HELP = (
   "file (FSSPEC_GCS_TOKEN=anon reads public buckets without credentials)"
 )
 
-T = TypeVar("T")
 
 # gcsfs asks each bucket for its (hierarchical namespace) type through a client that wants default
 # credentials, and logs a warning for every path when it cannot: noise, the plain API is used either way.
@@ -139,7 +138,7 @@ def check_credentials(what: str) -> None:
   _credentials_found = True
 
 
-def with_timeout(fn: Callable[[], T], what: str, timeout_s: float | None = None) -> T:
+def with_timeout[T](fn: Callable[[], T], what: str, timeout_s: float | None = None) -> T:
   """fn() run in a daemon thread; StorageError naming `what` when it raises or has no answer in timeout_s
   (PROBE_TIMEOUT_S). For the first touch of a path, where a missing network or credentials would otherwise
   retry for minutes. `what` names the path; when that is a gs:// one, credentials are checked first

@@ -93,8 +93,9 @@ def param_spec(config: Config, mesh: Mesh | None = None) -> ParamSpec:
 
 # XLA:CPU spends most of the init program's compile time in LLVM's heaviest optimisation passes over the
 # random-number kernels (threefry, erf_inv), for a program that runs once: level 1 compiles it about 3x
-# faster (benchmarks/README.md) and gives bit-identical values (train_test checks them against a plain
-# jit). Other platforms keep their defaults: nothing was measured or checked there.
+# faster (benchmarks/README.md; 0.8 vs 1.5 s for the quick-start state on jax 0.12) and gives the same
+# values (train_test checks them against a plain jit: bit-identical but for a few ulp in some MoE
+# router values on jax 0.12). Other platforms keep their defaults: nothing was measured or checked there.
 INIT_COMPILER_OPTIONS = {"cpu": {"xla_backend_optimization_level": 1}}
 
 

@@ -14,6 +14,9 @@ import uuid
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):  # subprocesses set their own
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Scripts the tests run (end_to_end/*.sh, download_dataset.sh) call `python3`: the interpreter running
+# the tests, also where pytest was started without activating its venv (.venv/bin/python -m pytest).
+os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
 import jax  # noqa: E402 (after XLA_FLAGS)
 import numpy as np  # noqa: E402

@@ -60,7 +60,8 @@ def test_expert_parallel_equals_single_device(ep, mode):
   x = jax.random.normal(jax.random.key(ep), (8, 4, 16))
   want, want_grads = jax.value_and_grad(loss_fn(graphdef))(params, x)
   got, grads, hlo = sharded_step(c, params, graphdef, x)
-  np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+  # float32 sums in another order: 3e-5 relative on jax 0.12 at ep=8 with capacity (the gradients hold 1e-5)
+  np.testing.assert_allclose(float(got), float(want), rtol=1e-4)
   leaves = jax.tree_util.tree_leaves_with_path
   for (path, g), (_, w) in zip(leaves(grads), leaves(want_grads)):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5, err_msg=str(path))

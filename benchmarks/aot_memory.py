@@ -33,6 +33,7 @@ def case(name: str, *overrides: str) -> Case:
 
 CASES = (
   case("llama2-7b v5e-256", "model_name=llama2-7b", "compile_topology=v5e-256", "per_device_batch_size=4"),
+  case("llama2-7b v5e-256 b16", "model_name=llama2-7b", "compile_topology=v5e-256", "per_device_batch_size=16"),
   case(
     "llama2-7b v5e-256 dot_product",
     "model_name=llama2-7b", "compile_topology=v5e-256", "per_device_batch_size=4", "attention=dot_product",
@@ -54,6 +55,7 @@ CASES = (
     "deepseek3-671b v5p-1024",
     "model_name=deepseek3-671b", "compile_topology=v5p-1024", "per_device_batch_size=1", "max_target_length=4096",
   ),
+  case("deepseek2-16b v5p-64", "model_name=deepseek2-16b", "compile_topology=v5p-64", "per_device_batch_size=4"),
   # Expert parallelism (docs/expert_parallelism.md): tokens move to the experts by all-to-all.
   case(
     "mixtral-8x7b v5p-128 expert=8 dropless",

@@ -1,15 +1,16 @@
-"""Per-device memory of our train step against upstream MaxText's, both compiled by the same jax and libtpu.
+"""Per-device memory of our train step against upstream MaxText's, each as its users install it.
 
-    python3 benchmarks/aot_vs_maxtext.py --maxtext-python /path/to/venv/bin/python [words ...]
+    python3 benchmarks/aot_vs_maxtext.py --maxtext-python /path/to/maxtext-venv/bin/python [words ...]
 
-The interpreter given must have the `maxtext` package (`pip install "maxtext[tpu]"`: Python >= 3.12; 0.2.5
-tested) and our requirements beside it (its jax is then the one both programs compile with). For each
-case of benchmarks/aot_memory.py that MaxText can run with the same arguments (model, batch, topology,
-remat policy, attention; the words select cases as there), our MaxText/train_compile.py and MaxText's
-train_compile run through that interpreter, one after the other, and the table gives arguments /
-temporaries / total GiB per device for each (total = arguments + outputs - aliased + temporaries, the
-formula of both reports). Without a common compiler the two figures are not comparable: libtpu 0.0.42
-(our pin) and 0.0.52 differ by more than 1 GiB on llama2-7b alone (benchmarks/README.md).
+The interpreter given must have the `maxtext` package (`pip install maxtext==0.2.5` in a Python >= 3.12
+venv with the requirements file it ships under dependencies/requirements/generated_requirements/). For
+each case of benchmarks/aot_memory.py that MaxText can run with the same arguments (model, batch,
+topology, remat policy, attention; the words select cases as there), our MaxText/train_compile.py runs
+through this interpreter (`--ours-python` picks another) and MaxText's train_compile through its own, one
+after the other; the table gives arguments / temporaries / total GiB per device for each (total =
+arguments + outputs - aliased + temporaries, the formula of both reports). The header names both stacks:
+the figures compare like for like only where jax and libtpu are the same (they are for our
+requirements*.txt and MaxText 0.2.5's: jax 0.12.0.1, libtpu 0.0.52).
 """
 
 from __future__ import annotations
@@ -61,23 +62,29 @@ def maxtext_run(case: aot_memory.Case, python: str, base: str, out: str) -> dict
 
 
 def versions(python: str) -> str:
-  code = "import importlib.metadata as m; print(', '.join(f'{p} {m.version(p)}' for p in ('jax', 'libtpu', 'maxtext')))"
+  code = (
+    "import importlib.metadata as m\n"
+    "def v(p):\n  try: return f'{p} {m.version(p)}'\n  except m.PackageNotFoundError: return ''\n"
+    "print(', '.join(filter(None, map(v, ('jax', 'libtpu', 'maxtext')))))"
+  )
   return subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--maxtext-python", required=True, help="a Python with maxtext and our requirements")
+  parser.add_argument("--maxtext-python", required=True, help="a Python with the maxtext package")
+  parser.add_argument("--ours-python", default=sys.executable, help="a Python with our requirements (this one)")
   parser.add_argument("words", nargs="*", help="cases whose name contains one of these words (default: all)")
   args = parser.parse_args()
   cases = [c for c in aot_memory.select(args.words) if comparable(c)]
   base = maxtext_base(args.maxtext_python)
-  print(f"Both compiled with {versions(args.maxtext_python)}; GiB per device, args / temp / total.\n")
+  print(f"Ours: {versions(args.ours_python)}. MaxText: {versions(args.maxtext_python)}.")
+  print("GiB per device, args / temp / total.\n")
   print("| case | ours | MaxText | ours - MaxText (total) |")
   print("|---|---|---|---|")
   with tempfile.TemporaryDirectory() as out:
     for c in cases:
-      ours, theirs = aot_memory.run(c, args.maxtext_python), maxtext_run(c, args.maxtext_python, base, out)
+      ours, theirs = aot_memory.run(c, args.ours_python), maxtext_run(c, args.maxtext_python, base, out)
       mine = f"error: {ours['error']}" if "error" in ours else f"{ours['args']} / {ours['temp']} / {ours['total']}"
       other = theirs if isinstance(theirs, str) else " / ".join(f"{theirs[k]:.2f}" for k in ("args", "temp", "total"))
       delta = ""

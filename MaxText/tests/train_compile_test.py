@@ -32,9 +32,10 @@ def reported_gib(stdout: str, what: str) -> float:
 
 
 # Recorded ceilings (benchmarks/README.md, "Memory at scale"): a change that needs more memory per chip
-# for these steps fails here. Measured 2026-11-23 with jax 0.10.2 + libtpu 0.0.42.1; the issue's
-# MaxText figures for the same cases are 5.18 GiB (7B temporaries) and 11.07 GiB (16B total).
-CEILING_GIB = {"7b_temporaries": 5.40, "16b_total": 9.10}
+# for these steps fails here. Measured 2026-11-24 with jax 0.12.0.1 + libtpu 0.0.52 (requirements*.txt):
+# 3.98 and 6.26 GiB total; upstream MaxText 0.2.5 as its users install it (the same compiler) needs
+# 4.29 and 7.49 GiB.
+CEILING_GIB = {"7b_total": 4.05, "16b_total": 6.35}
 
 
 @pytest.mark.slow
@@ -58,7 +59,7 @@ def test_llama2_7b_on_one_v5e_256_slice_uses_flash_and_fits_under_its_ceiling(tm
   )  # fmt: skip
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
   assert "compiled for 256 x TPU v5 lite" in result.stdout and "'fsdp': 256" in result.stdout
-  assert reported_gib(result.stdout, "temporaries") <= CEILING_GIB["7b_temporaries"]
+  assert reported_gib(result.stdout, "total") <= CEILING_GIB["7b_total"]
   (optimized,) = tmp_path.glob("*jit_train_step*after_optimizations.txt")
   assert "tpu_custom_call" in optimized.read_text()  # attention=autoselected chose the Pallas splash kernel
 

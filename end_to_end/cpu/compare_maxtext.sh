@@ -3,7 +3,8 @@
 # in interleaved pairs (ours, MaxText, ours, ...) so load from other jobs on a shared host falls on
 # both alike; prints each run's median step time over its steady-state steps, then the medians.
 #   MAXTEXT_PY=/path/to/venv/bin/python bash end_to_end/cpu/compare_maxtext.sh [PAIRS] [STEPS] [key=value ...]
-# MAXTEXT_PY: a Python with the `maxtext` package (0.2.5 tested). Extra key=value (e.g. dtype=float32
+# Run it with this repository's venv active (source .venv/bin/activate). MAXTEXT_PY: a Python with the
+# `maxtext` package (0.2.5 tested, in its own Python 3.12 venv). Extra key=value (e.g. dtype=float32
 # remat_policy=none) go to both runs. The first SKIP steps (compilation, warm-up) are not counted.
 case "${1:-}" in -h|--help) sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 set -euo pipefail

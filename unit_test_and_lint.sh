@@ -13,7 +13,7 @@ if [ -z "${PYTHON:-}" ]; then
   fi
   PYTHON=python3
 fi
-if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null || ! "$PYTHON" -c 'import pytest' 2>/dev/null; then
+if ! "$PYTHON" -c 'import sys, pytest; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
   echo "unit_test_and_lint.sh: $PYTHON is not a Python >= 3.12 with the test tools; run 'TEST=1 bash setup.sh' first" >&2
   exit 1
 fi

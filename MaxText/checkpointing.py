@@ -31,7 +31,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from MaxText import paths
+from MaxText import config_checks, paths
 from MaxText import state as state_lib
 from MaxText.config import Config, ConfigError
 from MaxText.layers import lora
@@ -269,7 +269,7 @@ def load_lora_merged(config: Config, mesh: Mesh | None = None) -> nnx.State:
   init) with the adapters of lora_weights_path (fresh ones, B = 0, only with lora_random_base) folded into its
   kernels once, W + (lora_alpha / lora_rank) * A @ B. Returns the params of config.replace(lora_rank=0), so
   decoding runs plain matmuls; with a mesh they lie where that model's params are sharded."""
-  lora.check_serving(config)
+  config_checks.check_lora_serving(config)
   spec = state_lib.param_spec(config, mesh)
   abstract = lora.split(config, spec.abstract)
   if config.load_parameters_path and config.lora_weights_path:

@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from MaxText.parallel import kernels, remat
+
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 ENV_PREFIX = "M_"
 
@@ -23,24 +25,11 @@ ENV_PREFIX = "M_"
 CHOICES = {
   "dtype": ("bfloat16", "float32", "float16"),
   "weight_dtype": ("float32", "bfloat16"),
-  "attention": ("autoselected", "dot_product", "flash", "cudnn_flash_te"),
+  "attention": kernels.KINDS,
   "capacity_group": ("global", "sequence", "shard"),
   "quantization": ("", "int8", "fp8", "int8w"),
   "kv_quant_dtype": ("int8", "fp8"),
-  "remat_policy": (
-    "full",
-    "minimal",
-    "minimal_with_context",
-    "minimal_flash",
-    "save_dot_with_context_except_mlp",
-    "save_dot_except_mlpwi",
-    "save_dot_except_mlp",
-    "save_qkv_proj",
-    "save_out_proj",
-    "qkv_proj_offloaded",
-    "minimal_offloaded",
-    "none",
-  ),
+  "remat_policy": remat.NAMES,
   "dataset_type": ("synthetic", "text", "grain", "tfds", "hf"),
   "tokenizer_type": ("sentencepiece", "tiktoken", "huggingface"),
   "grain_file_type": ("arrayrecord", "parquet"),

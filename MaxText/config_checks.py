@@ -14,6 +14,30 @@ from typing import Any
 from MaxText.config import ConfigError
 
 
+# mesh axis -> the suffix of its ici_/dcn_ keys (MaxText calls the `stage` axis "pipeline").
+AXIS_KEY = {
+  "data": "data",
+  "stage": "pipeline",
+  "fsdp": "fsdp",
+  "fsdp_transpose": "fsdp_transpose",
+  "sequence": "sequence",
+  # MaxText's name for the sequence split of attention. Both `sequence` and `context` split
+  # activation_length and attention treats them alike (parallel/plan.py); `context` exists so
+  # MaxText command lines with ici_context_parallelism work, and base.yml also shards params over it.
+  "context": "context",
+  "tensor": "tensor",
+  "expert": "expert",
+  "autoregressive": "autoregressive",
+}
+
+
+
+
+def pipeline_stages(c: Any) -> int:
+  """Pipeline stages: ici_pipeline_parallelism x dcn_pipeline_parallelism (a dict or a Config)."""
+  return c["ici_pipeline_parallelism"] * c["dcn_pipeline_parallelism"]
+
+
 def _validate_family_options(c: dict[str, Any]) -> None:
   """Family options (RoPE scaling, local attention, soft-caps, MoE) that cannot work as given."""
   for k in ("sliding_window_size", "attn_logits_soft_cap", "final_logits_soft_cap", "query_pre_attn_scalar"):
@@ -88,8 +112,8 @@ def _validate_decoding(c: dict[str, Any]) -> None:
 
 def _validate_pipeline(c: dict[str, Any]) -> None:
   """Pipeline keys; whether the layers split into the stages is checked where the stacks are known
-  (layers/pipeline.plan, when the model is built)."""
-  stages = c["ici_pipeline_parallelism"] * c["dcn_pipeline_parallelism"]
+  (parallel/plan.py, when the run plan is built)."""
+  stages = pipeline_stages(c)
   if c["ici_pipeline_parallelism"] < 1 or c["dcn_pipeline_parallelism"] < 1:
     raise ConfigError("ici_pipeline_parallelism and dcn_pipeline_parallelism must be set (>= 1), not -1")
   micro, repeats, layers = c["num_pipeline_microbatches"], c["num_pipeline_repeats"], c["pipeline_parallel_layers"]
@@ -252,10 +276,9 @@ def _unused_dims(c: Any) -> set[str]:
 
 def known_axis_sizes(c: Any) -> dict[str, int]:
   """Mesh axis -> ici x dcn parallelism, for the axes whose size the config alone fixes (no -1)."""
-  names = {"stage": "pipeline"}
   sizes = {}
   for axis in c["mesh_axes"]:
-    ici, dcn = c[f"ici_{names.get(axis, axis)}_parallelism"], c[f"dcn_{names.get(axis, axis)}_parallelism"]
+    ici, dcn = c[f"ici_{AXIS_KEY[axis]}_parallelism"], c[f"dcn_{AXIS_KEY[axis]}_parallelism"]
     if ici > 0 and dcn > 0:
       sizes[axis] = ici * dcn
   return sizes
@@ -355,4 +378,14 @@ def validate(c: dict[str, Any]) -> None:
     raise ConfigError(
       f"attention_query_chunk={chunk} must be 0 (off) or divide max_target_length={length}; "
       f"e.g. attention_query_chunk={math.gcd(length, 512)}"
+    )
+
+
+def check_lora_serving(c: Any) -> None:
+  """Decoding or scoring a LoRA fine-tune needs its adapters: ConfigError when none are named (the keys'
+  values themselves are checked at load, _validate_lora)."""
+  if c.lora_rank > 0 and not c.lora_weights_path and not c.lora_random_base:
+    raise ConfigError(
+      f"lora_rank={c.lora_rank} serves a LoRA fine-tune: set lora_weights_path to its adapters (a LoRA run's "
+      "checkpoints/<step>/state), or lora_rank=0 to serve load_parameters_path alone"
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 from MaxText import paths
@@ -54,10 +54,12 @@ def run_header(
   peak: str,
   platform: str,
   num_trainable: int | None = None,
+  plan: Sequence[str] = (),
 ) -> str:
   """The few lines a run prints before its first step (the whole config is in <run dir>/config.yml;
   log_config=true prints it too). `source` is where the state came from, `peak` Peak.describe(), `platform`
-  the devices' platform (cpu, gpu, tpu); `num_trainable`, under LoRA, the adapters' parameter count."""
+  the devices' platform (cpu, gpu, tpu); `num_trainable`, under LoRA, the adapters' parameter count; `plan`
+  the run plan's lines (parallel.plan.describe)."""
   axes = {k: v for k, v in mesh_shape.items() if v > 1} or {"data": 1}
   devices = math.prod(mesh_shape.values())
   plural = "device" if devices == 1 else "devices"
@@ -77,6 +79,7 @@ def run_header(
     f"  outputs  {outputs}/ (config.yml, metrics.jsonl{', tensorboard/' if config.enable_tensorboard else ''}"
     f"{', checkpoints/' if config.enable_checkpointing else ''}){base_note}",
   ]
+  lines += [f"  {'plan' if i == 0 else ''.ljust(4)}     {line}" for i, line in enumerate(plan)]
   return "\n".join(lines)
 
 

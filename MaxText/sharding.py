@@ -18,28 +18,12 @@ from jax.experimental import mesh_utils
 from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from MaxText import config_checks
 from MaxText.config import Config, ConfigError
-
-# mesh axis -> the suffix of its ici_/dcn_ keys (MaxText calls the `stage` axis "pipeline").
-AXIS_KEY = {
-  "data": "data",
-  "stage": "pipeline",
-  "fsdp": "fsdp",
-  "fsdp_transpose": "fsdp_transpose",
-  "sequence": "sequence",
-  # MaxText's name for the sequence split of attention. Both `sequence` and `context` split
-  # activation_length and attention treats them alike (layers/context_parallel.py); `context` exists so
-  # MaxText command lines with ici_context_parallelism work, and base.yml also shards params over it.
-  "context": "context",
-  "tensor": "tensor",
-  "expert": "expert",
-  "autoregressive": "autoregressive",
-}
-
 
 def _fill(prefix: str, config: Config, total: int, what: str) -> list[int]:
   """Parallelism per mesh axis for `prefix` (ici|dcn), with one -1 filled so the product is total."""
-  keys = [f"{prefix}_{AXIS_KEY[a]}_parallelism" for a in config.mesh_axes]
+  keys = [f"{prefix}_{config_checks.AXIS_KEY[a]}_parallelism" for a in config.mesh_axes]
   sizes = [config[k] for k in keys]
   unknown = [k for k, s in zip(keys, sizes) if s == -1]
   if len(unknown) > 1:
@@ -198,7 +182,7 @@ def global_batch_size(config: Config, mesh: Mesh, per_device: float | None = Non
       f"global batch {batch} does not split into gradient_accumulation_steps={micro} micro-batches "
       f"that each split over {shards} batch shards"
     )
-  stages = config.ici_pipeline_parallelism * config.dcn_pipeline_parallelism
+  stages = config_checks.pipeline_stages(config)
   pipe = stages if config.num_pipeline_microbatches == -1 else config.num_pipeline_microbatches
   # A pipeline microbatch is sharded over the batch axes other than `stage` (that one holds the stages).
   stage_free = math.prod(mesh.shape[a] for a in data_axes(config) if a != "stage")

@@ -17,9 +17,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from MaxText import config_checks, models, sharding
+from MaxText import models, sharding
 from MaxText.config import Config
 from MaxText.layers import lora, quantization
+from MaxText.parallel import plan as plan_lib
 
 
 @flax.struct.dataclass
@@ -33,6 +34,7 @@ class ParamSpec(NamedTuple):
   graphdef: nnx.GraphDef  # the model's structure; nnx.merge(graphdef, params) gives a callable model
   abstract: nnx.State  # nnx.Param variables of jax.ShapeDtypeStruct (with their NamedSharding given a mesh)
   shardings: nnx.State | None  # NamedSharding per parameter; None when built without a mesh
+  plan: plan_lib.Plan  # how the model runs (the graphdef holds it too)
 
 
 class StateSpec(NamedTuple):
@@ -41,18 +43,19 @@ class StateSpec(NamedTuple):
   shardings: TrainState  # NamedSharding leaves
   num_params: int  # every parameter (base + adapters under LoRA)
   num_trainable: int  # the parameters the optimizer updates: num_params, or under LoRA the adapters'
+  plan: plan_lib.Plan  # how the model runs (the graphdef holds it too)
 
 
-def build_model(config: Config, seed: int) -> nnx.Module:
+def build_model(config: Config, seed: int, plan: plan_lib.Plan) -> nnx.Module:
   """models.build, then what the config layers over the model for training: quantized matmuls
   (layers/quantization.py; the model itself when quantization is off). Every graphdef and parameter tree
   here comes from this one function, so train, train_compile, decode and checkpoints agree."""
-  model = models.build(config, nnx.Rngs(params=seed))
+  model = models.build(config, nnx.Rngs(params=seed), plan)
   return quantization.quantize(model, config)
 
 
-def _model_params(config: Config, seed: int) -> nnx.State:
-  return nnx.split(build_model(config, seed), nnx.Param)[1]
+def _model_params(config: Config, seed: int, plan: plan_lib.Plan) -> nnx.State:
+  return nnx.split(build_model(config, seed, plan), nnx.Param)[1]
 
 
 def _with_shardings(abstract, shardings):
@@ -65,7 +68,6 @@ def _shardings(tree, config: Config, mesh: Mesh):
   # logical_to_mesh then read as unknown logical names: stacked layers lost `stage`, and `embed` its
   # fallbacks (weights stayed whole across `expert`, `fsdp_transpose`). Without rules it returns the
   # logical names, which logical_to_mesh maps once.
-  config_checks.check_divisibility(config, dict(mesh.shape))  # a named key, not an XLA error at placement
   with nn.logical_axis_rules(()):
     specs = nnx.get_partition_spec(tree)
   named = sharding.logical_to_mesh(specs, mesh, sharding.axis_rules(config))
@@ -78,17 +80,19 @@ def for_inference(config: Config) -> Config:
   return config.replace(mtp_num_layers=0) if config.mtp_num_layers else config
 
 
-def param_spec(config: Config, mesh: Mesh | None = None) -> ParamSpec:
-  """The model's graphdef and abstract parameters; with a mesh, also where each parameter lives.
+def param_spec(config: Config, mesh: Mesh | None = None, plan: plan_lib.Plan | None = None) -> ParamSpec:
+  """The model's graphdef and abstract parameters; with a mesh, also where each parameter lives. `plan`:
+  the run plan the model is built with (default: parallel.plan.build(config, mesh)).
 
   The model is only traced (nnx.eval_shape): no parameter is allocated, so this is cheap for any size.
   """
-  model = nnx.eval_shape(lambda: build_model(config, 0))
+  plan = plan_lib.build(config, mesh) if plan is None else plan
+  model = nnx.eval_shape(lambda: build_model(config, 0, plan))
   graphdef, abstract = nnx.split(model, nnx.Param)
   if mesh is None:
-    return ParamSpec(graphdef, abstract, None)
+    return ParamSpec(graphdef, abstract, None, plan)
   shardings = _shardings(abstract, config, mesh)
-  return ParamSpec(graphdef, _with_shardings(abstract, shardings), shardings)
+  return ParamSpec(graphdef, _with_shardings(abstract, shardings), shardings, plan)
 
 
 # XLA:CPU spends most of the init program's compile time in LLVM's heaviest optimisation passes over the
@@ -108,12 +112,14 @@ def _jit_init(init, shardings):
 
 def init_params(config: Config, spec: ParamSpec) -> nnx.State:
   """Random parameters (init_weights_seed) initialised straight into spec.shardings."""
-  return _jit_init(lambda: _model_params(config, config.init_weights_seed), spec.shardings)()
+  return _jit_init(lambda: _model_params(config, config.init_weights_seed, spec.plan), spec.shardings)()
 
 
-def state_spec(config: Config, tx: optax.GradientTransformation, mesh: Mesh) -> StateSpec:
+def state_spec(
+  config: Config, tx: optax.GradientTransformation, mesh: Mesh, plan: plan_lib.Plan | None = None
+) -> StateSpec:
   """Shapes, dtypes and shardings of the whole train state (param_spec + the optimizer's state)."""
-  params = param_spec(config, mesh)
+  params = param_spec(config, mesh, plan)
   opt_state = jax.eval_shape(tx.init, lora.trainable(config, params.abstract))  # LoRA: adapters only
   opt_shardings = _shardings(opt_state, config, mesh)
   step_sharding = _shardings(jax.ShapeDtypeStruct((), jnp.int32), config, mesh)
@@ -125,14 +131,14 @@ def state_spec(config: Config, tx: optax.GradientTransformation, mesh: Mesh) -> 
   )
   num_params = sum(x.size for x in jax.tree.leaves(params.abstract))
   num_trainable = sum(x.size for x in jax.tree.leaves(lora.trainable(config, params.abstract)))
-  return StateSpec(params.graphdef, abstract, shardings, num_params, num_trainable)
+  return StateSpec(params.graphdef, abstract, shardings, num_params, num_trainable, params.plan)
 
 
 def init_state(config: Config, tx: optax.GradientTransformation, spec: StateSpec) -> TrainState:
   """Initialise directly into the sharded layout: each device computes only its own shards."""
 
   def init() -> TrainState:
-    params = _model_params(config, config.init_weights_seed)
+    params = _model_params(config, config.init_weights_seed, spec.plan)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(lora.trainable(config, params)))
 
   return _jit_init(init, spec.shardings)()

@@ -25,7 +25,6 @@ from MaxText import (
   accelerators,
   checkpointing,
   compiled_step,
-  config_checks,
   console,
   launch,
   metrics,
@@ -39,7 +38,8 @@ from MaxText import data as data_lib
 from MaxText import state as state_lib
 from MaxText import train_step as steps
 from MaxText.config import Config, ConfigError
-from MaxText.layers import lora, pipeline
+from MaxText.layers import lora
+from MaxText.parallel import plan as plan_lib
 
 
 class NonFiniteLossError(RuntimeError):
@@ -143,11 +143,11 @@ def run(config: Config, devices: Sequence[Any] | None = None, started: float | N
   config = keep_schedule_on_resume(config)
   mesh = sharding.create_mesh(config, devices)
   global_batch = sharding.global_batch_size(config, mesh)  # fails early on a batch that cannot split
-  config_checks.check_divisibility(config, dict(mesh.shape))  # and on a model that cannot, before any compile
+  plan = plan_lib.build(config, mesh)  # every layout decision, and every layout error, before any compile
   optimizer = optimizers.build(config)
   peak = accelerators.peak(dtype=config.dtype)  # CPU: a measured matmul, outside the mesh
   with sharding.activate(config, mesh), stack_traces(config), preemption.Watch(mesh) as watch:
-    spec = state_lib.state_spec(config, optimizer.tx, mesh)
+    spec = state_lib.state_spec(config, optimizer.tx, mesh, plan)
     data = data_lib.make_iterators(config, mesh)
     manager = checkpointing.create_manager(config)
     restored = checkpointing.restore_or_init(config, optimizer.tx, spec, manager)
@@ -295,6 +295,7 @@ def print_header(config: Config, parts: LoopParts, start: int) -> None:
     source=parts.restored.source,
     peak=parts.peak.describe(),
     platform=parts.mesh.devices.flat[0].platform,
+    plan=plan_lib.describe(parts.spec.plan, config),
   )
   print(header, flush=True)
 
@@ -316,9 +317,6 @@ def train_loop(config: Config, parts: LoopParts) -> dict[str, Any]:
   data, manager = parts.data, parts.manager
   is_writer = jax.process_index() == 0
   print_header(config, parts, start)
-  pipelining = pipeline.describe(config)
-  if is_writer and pipelining:
-    print(pipelining, flush=True)
   eval_fn = None
   if data.eval_factory and config.eval_interval > 0:
     eval_fn = steps.jit_eval_step(config, parts.mesh, parts.spec)

@@ -32,7 +32,7 @@ from MaxText import accelerators, compiled_step, launch, optimizers, sharding
 from MaxText import state as state_lib
 from MaxText import train_step as steps
 from MaxText.config import Config, ConfigError
-from MaxText.layers import pipeline
+from MaxText.parallel import plan as plan_lib
 
 GiB = 2**30
 
@@ -53,6 +53,7 @@ class CompileReport(NamedTuple):
   hbm_bytes: int | None  # per device, from accelerators.DEVICE_SPECS (None on CPU)
   flops: float | None  # per device, from XLA's cost analysis of the compiled program
   compile_seconds: float
+  plan: tuple[str, ...] = ()  # the run plan's lines (parallel.plan.describe)
 
 
 def topology_devices(config: Config) -> list[Any]:
@@ -117,9 +118,10 @@ def shaped_inputs(config: Config, mesh: Mesh) -> tuple[dict[str, jax.ShapeDtypeS
 def compile_train_step(config: Config, devices: Sequence[Any]) -> tuple[Any, CompileReport, Mesh]:
   """Lower and compile steps.jit_train_step (train.py's step, shardings and donation) for `devices`."""
   mesh = sharding.create_mesh(config, devices)
+  plan = plan_lib.build(config, mesh)  # the layout, checked before compiling
   tx, schedule = optimizers.build(config)
   with sharding.activate(config, mesh):
-    spec = state_lib.state_spec(config, tx, mesh)
+    spec = state_lib.state_spec(config, tx, mesh, plan)
     batch, rng = shaped_inputs(config, mesh)
     start = time.perf_counter()
     try:
@@ -128,10 +130,10 @@ def compile_train_step(config: Config, devices: Sequence[Any]) -> tuple[Any, Com
       _raise_if_out_of_memory(config, devices[0].device_kind, str(e))
       raise
     seconds = time.perf_counter() - start
-  return compiled, _report(compiled, devices, mesh, seconds), mesh
+  return compiled, _report(compiled, devices, mesh, seconds, tuple(plan_lib.describe(plan, config))), mesh
 
 
-def _report(compiled: Any, devices: Sequence[Any], mesh: Mesh, seconds: float) -> CompileReport:
+def _report(compiled: Any, devices: Sequence[Any], mesh: Mesh, seconds: float, plan: tuple[str, ...]) -> CompileReport:
   memory = compiled.memory_analysis()
   args, out = memory.argument_size_in_bytes, memory.output_size_in_bytes
   alias, temp = memory.alias_size_in_bytes, memory.temp_size_in_bytes
@@ -141,7 +143,7 @@ def _report(compiled: Any, devices: Sequence[Any], mesh: Mesh, seconds: float) -
   kind = devices[0].device_kind
   return CompileReport(
     kind, len(devices), dict(mesh.shape), args, out, alias, temp, args + out - alias + temp,
-    accelerators.hbm_bytes_per_device(devices[0]), flops, seconds,
+    accelerators.hbm_bytes_per_device(devices[0]), flops, seconds, plan,
   )  # fmt: skip
 
 
@@ -157,6 +159,7 @@ def format_report(report: CompileReport) -> str:
     lines.append(f"  HBM per device {gib(report.hbm_bytes)}: {100 * report.total_bytes / report.hbm_bytes:.0f}% used")
   if report.flops is not None:
     lines.append(f"  compiled FLOPs per device per step: {report.flops:.3e}")
+  lines += [f"  {line}" for line in report.plan]
   return "\n".join(lines)
 
 
@@ -243,9 +246,6 @@ def main(argv: Sequence[str]) -> None:
     try:  # from XLA's compile or from check_fits: every line of the message is useful, so not one_line
       compiled, report, mesh = compile_train_step(config, devices)
       print(format_report(report), flush=True)
-      pipelining = pipeline.describe(config)
-      if pipelining:
-        print(pipelining, flush=True)
       note = check_fits(config, report, devices[0].platform)
     except OutOfMemoryError as e:
       sys.exit(f"Out of memory: {e}")

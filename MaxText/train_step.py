@@ -6,7 +6,6 @@ train.py, train_compile.py, tests and benchmarks all use these same functions.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import jax
@@ -18,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from MaxText import sharding
 from MaxText.config import Config
 from MaxText.layers import lora, mtp
-from MaxText.layers.attention import target_platform
+from MaxText.parallel.plan import Plan
 from MaxText.state import StateSpec, TrainState, for_inference
 
 Batch = dict[str, jax.Array]  # int32 [B, T]: inputs, targets, *_segmentation, inputs_position
@@ -33,14 +32,13 @@ def _lse_and_target(model: Any, hidden: jax.Array, targets: jax.Array) -> tuple[
 AUTO_TILE_BYTES = 256 * 2**20  # num_vocab_tiling=-1: float32 logits per device per piece, at most
 
 
-def vocab_tiles(config: Config, batch: int, length: int) -> int:
+def vocab_tiles(config: Config, batch: int, length: int, shards: int = 1) -> int:
   """num_vocab_tiling, or for -1 the fewest sequence pieces (dividing `length`) whose float32 logits
-  take at most AUTO_TILE_BYTES per device: 1 for small models, where the extra matmul would cost
-  more than the memory is worth, 4 for llama2-7b at batch 4 x 2048, 16 for llama3.1-70b at 2 x 4096."""
+  take at most AUTO_TILE_BYTES per device, the batch split over `shards` devices (the run plan's
+  data_shards): 1 for small models, where the extra matmul would cost more than the memory is worth, 4 for
+  llama2-7b at batch 4 x 2048, 16 for llama3.1-70b at 2 x 4096."""
   if config.num_vocab_tiling > 0:
     return config.num_vocab_tiling
-  mesh = jax.sharding.get_abstract_mesh()
-  shards = 1 if mesh.empty else math.prod(mesh.shape[a] for a in sharding.data_axes(config) if a in mesh.shape)
   per_device = max(batch // shards, 1) * length * config.vocab_size * 4
   for tiles in range(1, length + 1):
     if length % tiles == 0 and per_device / tiles <= AUTO_TILE_BYTES:
@@ -77,7 +75,7 @@ def loss_sums(graphdef: nnx.GraphDef, config: Config, params: nnx.State, batch: 
   with_mtp = config.mtp_num_layers > 0
   inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"], rng)
   out = model.forward(*inputs, hidden_only=True, mtp=with_mtp)
-  tiles = vocab_tiles(config, *batch["targets"].shape)
+  tiles = vocab_tiles(config, *batch["targets"].shape, model.plan.data_shards)
   lse, target_logit = token_logits(model, out.logits, batch["targets"], tiles)
   mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
   nll = (lse - target_logit) * mask
@@ -146,10 +144,10 @@ def all_finite(tree: Any) -> jax.Array:
   return jnp.stack(leaves).all() if leaves else jnp.array(True)
 
 
-def lane_friendly(grads: nnx.State, params: nnx.State) -> nnx.State:
-  """grads with sharding.keep_lanes's layout constraint, for TPU targets (elsewhere unchanged); `params`
-  holds the matching jax.ShapeDtypeStruct leaves with their shardings."""
-  if target_platform() != "tpu":
+def lane_friendly(grads: nnx.State, params: nnx.State, plan: Plan) -> nnx.State:
+  """grads with sharding.keep_lanes's layout constraint where the plan keeps lanes (TPU targets; elsewhere
+  unchanged); `params` holds the matching jax.ShapeDtypeStruct leaves with their shardings."""
+  if not plan.keep_lanes:
     return grads
 
   def constrain(grad: jax.Array, param: jax.ShapeDtypeStruct) -> jax.Array:
@@ -169,6 +167,7 @@ def train_step(
   rng: jax.Array,
   *,
   abstract_params: nnx.State | None = None,
+  plan: Plan | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer step on the global batch; metrics are device scalars. `schedule` is the one that
   drives `tx` (optimizers.build), evaluated here only to log this step's learning rate.
@@ -177,13 +176,14 @@ def train_step(
   all finite: otherwise params and opt_state stay as they were (step still advances, so the data order
   and checkpoint numbering do not shift), metrics["update_finite"] is 0 and metrics["step_skipped"] 1.
   Checking the result, not just the loss, catches an overflow one step before it reaches the loss.
-  `abstract_params` (StateSpec.abstract.params: shapes and shardings) lets TPU gradients take sharding.lane_layout."""
+  `abstract_params` (StateSpec.abstract.params: shapes and shardings) and the run `plan` let TPU gradients take
+  sharding.lane_layout."""
   data_axes = sharding.data_axes(config)
   # Under LoRA only the adapters are differentiated and updated; the frozen base passes through untouched.
   trainable, frozen = lora.split(config, state.params)
   grads, aux = _grads(graphdef, config, trainable, frozen, batch, rng, data_axes)
-  if abstract_params is not None:
-    grads = lane_friendly(grads, lora.trainable(config, abstract_params))
+  if abstract_params is not None and plan is not None:
+    grads = lane_friendly(grads, lora.trainable(config, abstract_params), plan)
   tokens = jnp.maximum(aux["tokens"], 1.0)
   grads = jax.tree.map(lambda g: g / tokens, grads)
   loss, grad_norm = aux["nll"] / tokens, optax.global_norm(grads)
@@ -252,7 +252,9 @@ def jit_train_step(
   with shardings; the state is donated."""
   replicated = NamedSharding(mesh, PartitionSpec())
   return jax.jit(
-    functools.partial(train_step, spec.graphdef, tx, schedule, config, abstract_params=spec.abstract.params),
+    functools.partial(
+      train_step, spec.graphdef, tx, schedule, config, abstract_params=spec.abstract.params, plan=spec.plan
+    ),
     in_shardings=(spec.shardings, batch_shardings(config, mesh), replicated),
     out_shardings=(spec.shardings, replicated),
     donate_argnums=0,

@@ -22,12 +22,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from MaxText import checkpointing, sharding
+from MaxText import checkpointing, config_checks, sharding
 from MaxText import state as state_lib
 from MaxText.config import Config, ConfigError
 from MaxText.inference import quantize, sampling
 from MaxText.inference import tokenizer as tokenizer_lib
 from MaxText.layers import lora
+from MaxText.parallel import plan as plan_lib
 
 log = logging.getLogger(__name__)
 MIN_BUCKET = 8  # shortest prefill length compiled
@@ -111,12 +112,13 @@ def load_params(config: Config, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State, st
   Under LoRA (lora_rank > 0) the adapters of lora_weights_path are merged into the base kernels here, before
   any int8w quantization: the served model is the plain one (lora_rank=0) and decoding costs nothing extra."""
   quantize.check(config)
-  lora.check_serving(config)
+  config_checks.check_lora_serving(config)
   model_config = state_lib.for_inference(config).replace(lora_rank=0, lora_weights_path="")  # adapters merged
   path = config.load_parameters_path
   with sharding.activate(config, mesh):
     # int8w serves int8 params (below) through plain matmuls: no training-time (QAT) wrapper on the model.
-    spec = state_lib.param_spec(model_config.replace(quantization=""), mesh)
+    plain = model_config.replace(quantization="")
+    spec = state_lib.param_spec(plain, mesh, plan_lib.build(plain, mesh, decoding=True))
     source = path or "random weights (no load_parameters_path)"
     if path and quantize.is_quantized_checkpoint(path):
       if lora.enabled(config):
@@ -176,6 +178,11 @@ class Engine:
     tokenizer = tokenizer_lib.for_decoding(config) if tokenizer is None else tokenizer
     log.info("Loaded %s; tokenizer %s", source, tokenizer.path)
     return cls(config, mesh, graphdef, params, tokenizer, source)
+
+  @property
+  def plan(self) -> Any:
+    """The run plan the model was built with (parallel/plan.py; its graphdef holds it)."""
+    return nnx.merge(self.graphdef, self.params).plan
 
   @property
   def batch_shards(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import flax.linen as nn
 import jax
@@ -16,13 +17,17 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText.config import Config, ConfigError
+from MaxText.config import Config
 from MaxText.layers import context_parallel, kv_cache
 from MaxText.layers.attention_kernels import flash_attention
 from MaxText.layers.axes import HEAD_AXES, KV_HEAD_AXES
 from MaxText.layers.embeddings import apply_rope, rope_attention_factor, scaled_rope_frequencies
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.normalizations import RMSNorm
+from MaxText.parallel import ops
+
+if TYPE_CHECKING:
+  from MaxText.parallel.plan import Plan
 
 # Large finite negative instead of -inf: a fully masked row (padding) then gives a uniform softmax,
 # not NaN.
@@ -75,47 +80,11 @@ def dot_product_attention(
   return out.reshape(b, t, n, v.shape[-1])
 
 
-def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, logits_soft_cap: float) -> jax.Array:
+def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
   """attention=cudnn_flash_te: cuDNN's fused (flash) attention through jax.nn.dot_product_attention.
-  Same contract as dot_product_attention; q already scaled. GPU only: cuDNN is an NVIDIA library."""
-  if jax.default_backend() != "gpu":
-    raise ConfigError(
-      f"attention=cudnn_flash_te needs NVIDIA GPUs (cuDNN); JAX runs on {jax.default_backend()}. "
-      "Use attention=dot_product here"
-    )
-  if logits_soft_cap:
-    raise ConfigError("attention=cudnn_flash_te does not support attn_logits_soft_cap; use attention=dot_product")
+  Same contract as dot_product_attention, without a soft cap; q already scaled. NVIDIA GPUs only (the
+  run plan checks both)."""
   return jax.nn.dot_product_attention(q, k, v, mask=mask[:, 0], scale=1.0, implementation="cudnn")
-
-
-# config.CHOICES["attention"] lists the same names (config_test checks they agree).
-KINDS = ("autoselected", "dot_product", "flash", "cudnn_flash_te")
-
-
-def target_platform() -> str:
-  """The platform the program is traced for: the active mesh's (a TPU topology when compiling ahead of
-  time on a CPU), else JAX's default backend."""
-  mesh = jax.sharding.get_abstract_mesh()
-  device = None if mesh.empty else mesh.abstract_device
-  platform = device.platform if device is not None else jax.default_backend()
-  return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
-
-
-def attention_kind(config: Config, length: int, logits_soft_cap: float) -> str:
-  """The kernel for training attention: config.attention, with autoselected resolved for the target
-  platform: flash (Pallas splash) on TPU, cuDNN on NVIDIA GPUs, dot_product elsewhere or where the
-  fused kernel cannot take the shapes (flash: length a multiple of 128; cuDNN: no soft cap)."""
-  if config.attention != "autoselected":
-    return config.attention
-  if context_parallel.num_shards() > 1:
-    # The kernels see a whole sequence; dot_product runs context-parallel (layers/context_parallel.py).
-    return "dot_product"
-  platform = target_platform()
-  if platform == "tpu" and length % 128 == 0:
-    return "flash"
-  if platform == "gpu" and not logits_soft_cap:
-    return "cudnn_flash_te"
-  return "dot_product"
 
 
 def whole_sequence(segment_ids: jax.Array) -> context_parallel.LocalTokens:
@@ -159,59 +128,36 @@ def local_attention(
   return dot_product_attention(q, k, v, mask, logits_soft_cap)
 
 
-def context_parallel_shards(config: Config, length: int) -> int:
-  """How many pieces context parallelism splits the attention of a `length`-token sequence into under the
-  active mesh and rules: 1 when the sequence is whole or the configured kernel is not dot_product (flash
-  and cuDNN then see the whole sequence, gathered by XLA, as before context parallelism)."""
-  shards = context_parallel.num_shards()
-  if shards == 1 or attention_kind(config, length, config.attn_logits_soft_cap) != "dot_product":
-    return 1
-  multiple = 2 * shards if config.context_parallel_load_balance else shards
-  if length % multiple:
-    raise ConfigError(
-      f"context parallelism splits the sequence into {shards} shards"
-      f"{' of 2 chunks each (context_parallel_load_balance)' if multiple > shards else ''}: "
-      f"max_target_length={length} must be a multiple of {multiple}"
-    )
-  return shards
-
-
-def load_balanced(config: Config, length: int) -> bool:
-  """Whether training attention expects the balanced layout (context_parallel.balance): the decoder
-  reorders its inputs when this holds, and attend reads the same answer."""
-  return config.context_parallel_load_balance and context_parallel_shards(config, length) > 1
-
-
 def attend(
-  config: Config, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, sliding_window: int = 0,
+  plan: Plan, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, sliding_window: int = 0,
   chunk_window: int = 0,
 ) -> jax.Array:  # fmt: skip
-  """Attention without a decode cache (training, evaluation) through the configured kernel: q [B, T, N, Hq]
+  """Attention without a decode cache (training, evaluation) through the plan's kernel: q [B, T, N, Hq]
   already scaled, k [B, T, K, Hq], v [B, T, K, Hv] -> [B, T, N, Hv]; causal, within segments, local when
   sliding_window or chunk_window > 0 (local_window).
 
-  Under context parallelism (context_parallel_shards > 1) the arrays come split along T and, when
+  Under context parallelism (plan.attention.context_shards > 1) the arrays come split along T and, when
   load_balanced, in the balanced layout the decoder made; attention then runs per shard."""
-  cap, t = config.attn_logits_soft_cap, q.shape[1]
-  kind = attention_kind(config, t, cap)
-  if kind == "flash" and target_platform() == "gpu":
-    raise ConfigError("attention=flash is the TPU (Pallas splash) kernel; on NVIDIA GPUs use attention=cudnn_flash_te")
+  run = plan.attention
+  cap, t = run.soft_cap, q.shape[1]
+  kind = run.kernel_for(t)
   if kind == "flash":
     pad = q.shape[-1] - v.shape[-1]  # MLA: values narrower than queries/keys; zero columns cost little
     v_full = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, pad))) if pad > 0 else v
     out = flash_attention(
-      q, k, v_full, segment_ids, sliding_window=sliding_window, logits_soft_cap=cap,
-      interpret=target_platform() != "tpu", chunk_window=chunk_window,
+      q, k, v_full, segment_ids, sliding_window=sliding_window, logits_soft_cap=cap, interpret=run.interpret,
+      chunk_window=chunk_window, plan=plan,
     )  # fmt: skip
     return out[..., : v.shape[-1]]
   if kind == "cudnn_flash_te":
-    return cudnn_attention(q, k, v, attention_mask(segment_ids, sliding_window, chunk_window=chunk_window), cap)
-  chunk = config.attention_query_chunk
-  if context_parallel_shards(config, t) > 1:
+    return cudnn_attention(q, k, v, attention_mask(segment_ids, sliding_window, chunk_window=chunk_window))
+  chunk = run.query_chunk
+  if run.context_shards > 1:
     local = functools.partial(
       local_attention, sliding_window=sliding_window, logits_soft_cap=cap, chunk=chunk, chunk_window=chunk_window
     )
-    return context_parallel.attention(local, q, k, v, segment_ids, balanced=load_balanced(config, t))
+    index = context_parallel.original_index(t, run.context_shards, run.load_balanced)
+    return ops.context_attention(plan, local, index, q, k, v, segment_ids, context_parallel.LocalTokens)
   if 0 < chunk < t and t % chunk == 0:
     return chunked_dot_product_attention(q, k, v, segment_ids, sliding_window, cap, chunk, chunk_window=chunk_window)
   return dot_product_attention(q, k, v, attention_mask(segment_ids, sliding_window, chunk_window=chunk_window), cap)
@@ -227,6 +173,7 @@ def temperature_scale(positions: jax.Array, config: Config) -> jax.Array:
 class Attention(nnx.Module):
   """Projections q/k/v/o, optional q/k norms, RoPE, and GQA attention over a packed batch.
 
+  `plan`: the run plan (parallel/plan.py), whose attention decisions training attention follows.
   `sliding_window` (0: global), `chunk_window` (None: config.chunk_attn_window_size; 0: none) and
   `rope_max_timescale` (None: config.rope_max_timescale) let a family make local and global layers;
   `norm` builds the q/k norms (Gemma's 1+w or plain RMSNorm), `qk_norm` overrides it for them alone
@@ -240,6 +187,7 @@ class Attention(nnx.Module):
     config: Config,
     *,
     rngs: nnx.Rngs,
+    plan: Plan,
     sliding_window: int = 0,
     rope_max_timescale: float | None = None,
     rope_type: str | None = None,
@@ -262,7 +210,7 @@ class Attention(nnx.Module):
       norm_args = dict(epsilon=config.normalization_layer_epsilon, dtype=dt, weight_dtype=wdt)
       qk_norm = norm if qk_norm is None else qk_norm
       self.query_norm, self.key_norm = qk_norm(h, **norm_args), qk_norm(h, **norm_args)
-    self.config = config
+    self.config, self.plan = config, plan
     self.sliding_window = sliding_window
     self.chunk_window = config.chunk_attn_window_size if chunk_window is None else chunk_window
     self.temperature_tuning = config.temperature_tuning and not use_rope
@@ -299,7 +247,7 @@ class Attention(nnx.Module):
     if self.temperature_tuning:
       q = q * temperature_scale(positions, self.config)[:, :, None, None].astype(q.dtype)
     if cache is None:
-      out = attend(self.config, q, k, v, segment_ids, self.sliding_window, self.chunk_window)
+      out = attend(self.plan, q, k, v, segment_ids, self.sliding_window, self.chunk_window)
     else:
       cache = kv_cache.update(cache, k, v, positions)
       keys, values = kv_cache.read(cache, v.dtype)

@@ -2,9 +2,8 @@
 
 The kernel works on one batch row of [heads, length, head_dim] arrays with static (causal, local) masks
 and per-token segment ids, so it is vmapped over the batch. Inside an SPMD program a Pallas kernel
-cannot be partitioned by XLA: it runs per shard under `jax.shard_map`, with the batch over the mesh
-axes of `activation_batch` and the heads over those of `activation_heads`, both resolved from the
-active logical axis rules (sharding.activate), so no mesh axis is named here.
+cannot be partitioned by XLA: given the run plan it runs per shard (parallel.ops.flash), with the batch
+and the heads split over the mesh axes the plan resolved for them.
 
 On CPU the kernels run in Pallas' interpreter (`interpret=True`): slow, for tests only.
 """
@@ -13,15 +12,17 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
-from jax.sharding import PartitionSpec
 
-from MaxText.layers.axes import HEAD_AXES, KV_HEAD_AXES, axes_size, mesh_axes
+from MaxText.parallel import ops
+
+if TYPE_CHECKING:
+  from MaxText.parallel.plan import Plan
 
 # TPU vector lanes: the kernel tiles the sequence in blocks that are multiples of this.
 LANES = 128
@@ -87,33 +88,6 @@ def _splash(
   return heads_major(out)
 
 
-class ShardPlan(NamedTuple):
-  """How flash_attention splits its arrays over the mesh: the shard_map specs, and whether k/v are
-  first repeated to one head per query head (kv heads too few to split over the heads' mesh axes)."""
-
-  q: PartitionSpec  # q and the output, [B, T, N, H]
-  kv: PartitionSpec  # k and v, [B, T, K, H]
-  segment_ids: PartitionSpec  # [B, T]
-  repeat_kv: bool
-
-
-def shard_plan(q_shape: tuple[int, ...], k_shape: tuple[int, ...], mesh: jax.sharding.AbstractMesh) -> ShardPlan:
-  """Batch over activation_batch's mesh axes and heads over activation_heads'; a dimension that does not
-  divide its axes' size stays whole (computed redundantly, still correct). The sequence and head_dim are
-  always whole per shard: the kernel's masks and softmax need the full key range."""
-  size = functools.partial(axes_size, mesh=mesh)
-  batch = mesh_axes("activation_batch", HEAD_AXES, mesh)
-  batch = batch if batch and q_shape[0] % size(batch) == 0 else None
-  heads = mesh_axes("activation_heads", HEAD_AXES, mesh)
-  heads = heads if heads and q_shape[2] % size(heads) == 0 else None
-  kv_heads = mesh_axes("activation_kv_heads", KV_HEAD_AXES, mesh)
-  # GQA keeps query head n on kv head n // G; per shard that holds when both head counts split evenly
-  # over the same axes. Otherwise k/v are repeated to N heads and split like q.
-  repeat_kv = heads is not None and (kv_heads != heads or k_shape[2] % size(heads) != 0)
-  q_spec = PartitionSpec(batch, None, heads, None)
-  return ShardPlan(q=q_spec, kv=q_spec, segment_ids=PartitionSpec(batch, None), repeat_kv=repeat_kv)
-
-
 def flash_attention(
   q: jax.Array,
   k: jax.Array,
@@ -124,6 +98,7 @@ def flash_attention(
   logits_soft_cap: float = 0.0,
   interpret: bool = False,
   chunk_window: int = 0,
+  plan: Plan | None = None,
 ) -> jax.Array:
   """Causal, packing-aware GQA attention through the splash kernels; dot_product_attention's contract.
 
@@ -132,7 +107,7 @@ def flash_attention(
   query i sees keys j with i - window < j <= i; chunk_window > 0: the same block of chunk_window places.
   logits_soft_cap > 0: logits -> cap * tanh(logits / cap).
   T must be a multiple of 128 (ValueError otherwise). interpret=True runs the Pallas interpreter (CPU).
-  Under an active mesh (jax.set_mesh) the kernel runs per shard (shard_plan); without one, directly.
+  With a `plan` the kernel runs per shard of the plan's mesh (parallel.ops.flash); without one, directly.
   """
   if k.shape != v.shape or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
     raise ValueError(
@@ -141,22 +116,9 @@ def flash_attention(
     )
   if segment_ids.shape != q.shape[:2]:
     raise ValueError(f"segment_ids must be [B, T] = {q.shape[:2]}; got {segment_ids.shape}")
-  block_size(q.shape[1])  # fail before shard_map with the length the user set, not a per-shard one
+  block_size(q.shape[1])  # fail with the length the user set, not a per-shard one
   body = functools.partial(
     _splash, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, interpret=interpret,
     chunk_window=chunk_window,
   )  # fmt: skip
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return body(q, k, v, segment_ids)
-  plan = shard_plan(q.shape, k.shape, mesh)
-  if plan.repeat_kv:
-    group = q.shape[2] // k.shape[2]
-    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
-  return jax.shard_map(
-    body,
-    mesh=mesh,
-    in_specs=(plan.q, plan.kv, plan.kv, plan.segment_ids),
-    out_specs=plan.q,
-    check_vma=False,  # pallas_call carries no varying-manual-axes annotations
-  )(q, k, v, segment_ids)
+  return body(q, k, v, segment_ids) if plan is None else ops.flash(plan, body, q, k, v, segment_ids)

@@ -12,13 +12,15 @@ Einsum letters: B, T, S, N, D as in the legend; R rope dims, P nope dims, C late
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText.config import Config, ConfigError
+from MaxText.config import Config
 from MaxText.layers import kv_cache
 from MaxText.layers.attention import attend, dot_product_attention
 from MaxText.layers.axes import HEAD_AXES
@@ -26,11 +28,14 @@ from MaxText.layers.embeddings import apply_rope, rope_attention_factor, scaled_
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.normalizations import RMSNorm
 
+if TYPE_CHECKING:
+  from MaxText.parallel.plan import Plan
+
 
 class MLAttention(nnx.Module):
   """x [B, T, D] -> [B, T, D]; same constructor keywords and call contract as Attention."""
 
-  def __init__(self, config: Config, *, rngs: nnx.Rngs, sliding_window: int = 0, norm=RMSNorm, **_):
+  def __init__(self, config: Config, *, rngs: nnx.Rngs, plan: Plan, sliding_window: int = 0, norm=RMSNorm, **_):
     dt, wdt = jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
     d, n = config.emb_dim, config.num_query_heads
     nope, rope, v = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
@@ -47,7 +52,7 @@ class MLAttention(nnx.Module):
     self.kv_norm = norm(config.kv_lora_rank, **norm_args)
     self.wkv_b = DenseGeneral(config.kv_lora_rank, (n, nope + v), ("kv_lora", "kv_heads", "kv"), **dense)
     self.out = DenseGeneral((n, v), d, ("heads", "kv", "embed"), **dense)
-    self.config, self.sliding_window = config, sliding_window
+    self.config, self.plan, self.sliding_window = config, plan, sliding_window
     self.dims = (nope, rope, v)
     self.query_scale = (nope + rope) ** -0.5
     if config.rope_type != "default" and config.rope_mscale_all_dim:  # as transformers' DeepSeek V2/V3
@@ -90,7 +95,7 @@ class MLAttention(nnx.Module):
     q = jnp.concatenate([q_nope, q_rope], axis=-1) * self.query_scale
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], rope))], axis=-1)
     if mask is None:
-      out = attend(c, q, k, v, segment_ids, self.sliding_window)
+      out = attend(self.plan, q, k, v, segment_ids, self.sliding_window)
     else:
       out = dot_product_attention(q, k, v, mask, c.attn_logits_soft_cap)
     out = checkpoint_name(nn.with_logical_constraint(out, HEAD_AXES), "context")
@@ -98,8 +103,8 @@ class MLAttention(nnx.Module):
 
   def init_cache(self, batch: int, length: int) -> kv_cache.LatentCache:
     c, dtype = self.config, jnp.dtype(self.config.dtype)
-    if c.quantize_kvcache:  # inference/quantize.check says so before any device work; layers built directly too
-      raise ConfigError("quantize_kvcache=true is not supported with MLA (deepseek); set quantize_kvcache=false")
+    if c.quantize_kvcache:  # users get inference/quantize.check's ConfigError before any device work
+      raise ValueError("quantize_kvcache=true is not supported with MLA (deepseek)")
     return kv_cache.LatentCache(
       jnp.zeros((batch, length, c.kv_lora_rank), dtype), jnp.zeros((batch, length, c.qk_rope_head_dim), dtype)
     )

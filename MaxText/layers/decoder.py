@@ -12,22 +12,26 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from MaxText.config import Config, ConfigError
+from MaxText.config import Config
 from MaxText.layers import context_parallel, lora, pipeline
 from MaxText.layers import mtp as mtp_lib
-from MaxText.layers.attention import load_balanced, soft_cap
+from MaxText.layers.attention import soft_cap
 from MaxText.layers.axes import ACTIVATION_AXES, LOGITS_AXES
 from MaxText.layers.decoder_layer import DecoderLayer, dropout
 from MaxText.layers.embeddings import Embed
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.normalizations import RMSNorm
+from MaxText.parallel.remat import remat
+
+if TYPE_CHECKING:
+  from MaxText.parallel.plan import Plan
 
 __all__ = [
   "ACTIVATION_AXES",
@@ -38,44 +42,12 @@ __all__ = [
   "Stack",
   "alternating_stacks",
   "dropout",
-  "remat",
 ]
-
-_cp = jax.checkpoint_policies
-_QKV = ("query_proj", "key_proj", "value_proj")
-_MINIMAL_WITH_CONTEXT = _cp.save_from_both_policies(
-  _cp.checkpoint_dots_with_no_batch_dims, _cp.save_only_these_names("context")
-)
-# MaxText's remat_policy names. "context" is the attention output before the out projection (the
-# fused kernel's result, expensive to remake); "*_offloaded" keep what they save in pinned host memory.
-POLICIES = {
-  "full": _cp.nothing_saveable,
-  "minimal": _cp.checkpoint_dots_with_no_batch_dims,
-  "minimal_with_context": _MINIMAL_WITH_CONTEXT,
-  "minimal_flash": _MINIMAL_WITH_CONTEXT,  # MaxText's second name for the same policy
-  "save_dot_with_context_except_mlp": _cp.save_only_these_names(*_QKV, "context", "out_proj"),
-  "save_dot_except_mlpwi": _cp.save_only_these_names(*_QKV, "out_proj", "mlpwo"),
-  "save_dot_except_mlp": _cp.save_only_these_names(*_QKV, "out_proj"),
-  "save_qkv_proj": _cp.save_only_these_names(*_QKV),
-  "save_out_proj": _cp.save_only_these_names("out_proj"),
-  "qkv_proj_offloaded": _cp.save_and_offload_only_these_names(
-    names_which_can_be_saved=[], names_which_can_be_offloaded=list(_QKV), offload_src="device",
-    offload_dst="pinned_host",
-  ),
-  "minimal_offloaded": _cp.offload_dot_with_no_batch_dims(offload_src="device", offload_dst="pinned_host"),
-}  # fmt: skip
-
-
-def remat(fn: Callable, policy: str, prevent_cse: bool) -> Callable:
-  """Wrap fn in jax.checkpoint with the named remat_policy ("none": store every activation)."""
-  if policy == "none":
-    return fn
-  return jax.checkpoint(fn, policy=POLICIES[policy], prevent_cse=prevent_cse)
 
 
 @dataclasses.dataclass(frozen=True)
 class Stack:
-  """`repeats` copies of the unit `make(config, rngs=...)`, each unit holding `layers_per_unit` layers."""
+  """`repeats` copies of the unit `make(config, rngs=..., plan=...)`, each unit holding `layers_per_unit` layers."""
 
   name: str  # the Decoder attribute holding the stack (its parameter path)
   make: Callable[..., nnx.Module]
@@ -101,8 +73,8 @@ class Family:
 class LayerBlock(nnx.Module):
   """A repeating unit of differently configured layers, applied in order (e.g. local, global)."""
 
-  def __init__(self, config: Config, makers: tuple[Callable[..., nnx.Module], ...], *, rngs: nnx.Rngs):
-    self.sublayers = nnx.List([make(config, rngs=rngs) for make in makers])
+  def __init__(self, config: Config, makers: tuple[Callable[..., nnx.Module], ...], *, rngs: nnx.Rngs, plan: Plan):
+    self.sublayers = nnx.List([make(config, rngs=rngs, plan=plan) for make in makers])
 
   def __call__(
     self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, rng: jax.Array | None, cache: Any = None
@@ -132,25 +104,25 @@ def alternating_stacks(config: Config, pattern: tuple[Callable[..., nnx.Module],
   return tuple(out)
 
 
-def _stacked_layers(stack: Stack, config: Config, rngs: nnx.Rngs) -> nnx.Module:
+def _stacked_layers(stack: Stack, config: Config, rngs: nnx.Rngs, plan: Plan) -> nnx.Module:
   """One module whose parameters carry a leading `layers` axis of size stack.repeats."""
 
   @nnx.split_rngs(splits=stack.repeats)
   @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
   def create(rngs: nnx.Rngs) -> nnx.Module:
-    return stack.make(config, rngs=rngs)
+    return stack.make(config, rngs=rngs, plan=plan)
 
   return create(rngs)
 
 
-def _unrolled_layers(stack: Stack, config: Config, rngs: nnx.Rngs) -> nnx.List:
+def _unrolled_layers(stack: Stack, config: Config, rngs: nnx.Rngs, plan: Plan) -> nnx.List:
   """stack.repeats separate modules, initialised exactly like the stacked ones.
 
   Slicing the stacked initialisation makes scan_layers=true and false the same model for a seed
   (and costs nothing under jit, where the stacked arrays are never materialised whole).
   """
-  _, stacked = nnx.split(_stacked_layers(stack, config, rngs))
-  graphdef, template = nnx.split(nnx.eval_shape(lambda: stack.make(config, rngs=nnx.Rngs(0))))
+  _, stacked = nnx.split(_stacked_layers(stack, config, rngs, plan))
+  graphdef, template = nnx.split(nnx.eval_shape(lambda: stack.make(config, rngs=nnx.Rngs(0), plan=plan)))
   treedef = jax.tree.structure(template)
   leaves = jax.tree.leaves(stacked)
   return nnx.List(
@@ -172,23 +144,22 @@ class DecoderOutput(NamedTuple):
 
 
 class Decoder(nnx.Module):
-  """tokens [B, T] -> logits [B, T, V]."""
+  """tokens [B, T] -> logits [B, T, V]. `plan`: the run plan (parallel/plan.py), which says how the layers
+  run (attention kernel, context split, pipeline, MoE dispatch, remat); the configuration it was built
+  from has been checked there."""
 
-  def __init__(self, config: Config, family: Family, *, rngs: nnx.Rngs):
+  def __init__(self, config: Config, family: Family, *, rngs: nnx.Rngs, plan: Plan):
     dt, wdt = jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
-    self.config, self.family = config, family
+    self.config, self.family, self.plan = config, family, plan
     embed = dict(dtype=dt, weight_dtype=wdt, rngs=rngs, iota=config.use_iota_embed)
     self.token_embedder = Embed(config.vocab_size, config.emb_dim, **embed)
     self.position_embedder = nnx.data(None)
     if family.learned_positions:
-      if config.trainable_position_size <= 0:
-        raise ConfigError(f"decoder_block={config.decoder_block} needs trainable_position_size > 0")
       self.position_embedder = Embed(config.trainable_position_size, config.emb_dim, **embed)
     self.stack_specs = lora.adapted_stacks(family.stacks(config), config)  # LoRA adapters, when lora_rank > 0
-    pipeline.plan(config, self.stack_specs)  # a layer count that does not split fails here, before compiling
     build = _stacked_layers if config.scan_layers else _unrolled_layers
     for stack in self.stack_specs:
-      setattr(self, stack.name, build(stack, config, rngs))
+      setattr(self, stack.name, build(stack, config, rngs, plan))
     self.decoder_norm = family.norm(
       config.emb_dim, epsilon=config.normalization_layer_epsilon, dtype=dt, weight_dtype=wdt
     )
@@ -200,14 +171,8 @@ class Decoder(nnx.Module):
     # Last: the main model's parameters stay those of mtp_num_layers=0 for a seed.
     self.mtp_modules = nnx.data(None)
     if config.mtp_num_layers:
-      if family.mtp_layer is None:
-        raise ConfigError(
-          f"mtp_num_layers={config.mtp_num_layers} is not available for decoder_block={config.decoder_block} "
-          "(multi-token prediction: deepseek and the llama2 family); set mtp_num_layers=0"
-        )
-      self.mtp_modules = nnx.List(
-        [mtp_lib.MtpModule(config, family.mtp_layer, rngs=rngs) for _ in range(config.mtp_num_layers)]
-      )
+      layer = functools.partial(family.mtp_layer, plan=plan)
+      self.mtp_modules = nnx.List([mtp_lib.MtpModule(config, layer, rngs=rngs) for _ in range(config.mtp_num_layers)])
 
   def __call__(
     self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array, dropout_rng: jax.Array | None = None
@@ -237,7 +202,8 @@ class Decoder(nnx.Module):
     # MTP depth k reads token i + k at position i: shifted here, in the natural order of the sequence.
     ahead = [mtp_lib.shift_left(tokens, k) for k in range(1, c.mtp_num_layers + 1)] if mtp else []
     # Context parallelism with load balancing: the layers run on the balanced layout, undone at the end.
-    shards = context_parallel.num_shards() if cache is None and load_balanced(c, tokens.shape[1]) else 1
+    run = self.plan.attention
+    shards = run.context_shards if cache is None and run.load_balanced else 1
     if shards > 1:
       tokens, positions, segment_ids = (context_parallel.balance(a, shards) for a in (tokens, positions, segment_ids))
       ahead = [context_parallel.balance(a, shards) for a in ahead]
@@ -311,7 +277,8 @@ class Decoder(nnx.Module):
     else:
       graphdef, _ = nnx.split(layers[0])
       params = [nnx.split(layer)[1] for layer in layers]
-    piped = pipeline.plan(c, self.stack_specs).get(stack.name, 0) if cache is None else 0
+    pipe = self.plan.pipeline
+    piped = pipe.units_of(stack.name) if pipe is not None and cache is None else 0
     if not piped:
       return self._run_units(graphdef, params, x, positions, segment_ids, dropout_rng, first_index, cache)
 
@@ -322,7 +289,7 @@ class Decoder(nnx.Module):
       return h, aux
 
     head = jax.tree.map(lambda p: p[:piped], params)
-    x, aux = pipeline.run(stage, head, x, positions, segment_ids, pipeline.schedule(c), first_index)
+    x, aux = pipeline.run(stage, head, x, positions, segment_ids, pipe.schedule, first_index, self.plan.axes.stage)
     if piped < stack.repeats:  # pipeline_parallel_layers left these units out: they run after, unpipelined
       tail = jax.tree.map(lambda p: p[piped:], params)
       x, tail_aux, _ = self._run_units(graphdef, tail, x, positions, segment_ids, dropout_rng, first_index + piped)
@@ -344,7 +311,7 @@ class Decoder(nnx.Module):
       return (h, aux + _intermediates_sum(unit), index + 1), unit_cache
 
     # Under scan, CSE across iterations cannot happen, so prevent_cse (which costs fusion) is off.
-    body = remat(one_unit, c.remat_policy, prevent_cse=not c.scan_layers)
+    body = remat(one_unit, self.plan.remat_policy, prevent_cse=not c.scan_layers)
     carry = (x, jnp.zeros((), jnp.float32), jnp.asarray(first_index, jnp.int32))
     if c.scan_layers:
       carry, cache = jax.lax.scan(body, carry, (params, cache))

@@ -5,7 +5,7 @@ experts) and through constructor arguments (norm convention, local window, RoPE 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flax.linen as nn
 import jax
@@ -19,6 +19,9 @@ from MaxText.layers.mlp import MlpBlock
 from MaxText.layers.moe import MoeBlock
 from MaxText.layers.normalizations import RMSNorm
 
+if TYPE_CHECKING:
+  from MaxText.parallel.plan import Plan
+
 
 def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
   """Inverted dropout; identity when rng is None (evaluation, decoding) or rate is 0."""
@@ -30,14 +33,16 @@ def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
 
 class DecoderLayer(nnx.Module):
   """x [B, T, D] -> [B, T, D]. `norm` builds every norm of the layer (RMSNorm or Gemma's 1 + w);
-  `attention` and `mlp` are builders `(config, *, rngs)` of the attention (Attention, MLAttention) and
-  the feed-forward block; mlp=None: a MoeBlock when config.num_experts > 1, else an MlpBlock."""
+  `attention` and `mlp` are builders `(config, *, rngs, plan)` of the attention (Attention, MLAttention)
+  and the feed-forward block; mlp=None: a MoeBlock when config.num_experts > 1, else an MlpBlock. `plan`:
+  the run plan (parallel/plan.py), passed on to both."""
 
   def __init__(
     self,
     config: Config,
     *,
     rngs: nnx.Rngs,
+    plan: Plan,
     norm: Callable[..., nnx.Module] = RMSNorm,
     sliding_window: int | None = None,
     rope_max_timescale: float | None = None,
@@ -51,13 +56,19 @@ class DecoderLayer(nnx.Module):
     window = config.sliding_window_size if sliding_window is None else sliding_window
     self.pre_self_attention_layer_norm = norm(d, **args)
     self.self_attention = attention(
-      config, rngs=rngs, sliding_window=window, rope_max_timescale=rope_max_timescale, rope_type=rope_type, norm=norm
+      config,
+      rngs=rngs,
+      plan=plan,
+      sliding_window=window,
+      rope_max_timescale=rope_max_timescale,
+      rope_type=rope_type,
+      norm=norm,
     )
     self.post_self_attention_norm = norm(d, **args) if config.use_post_attn_norm else nnx.data(None)
     self.post_self_attention_layer_norm = norm(d, **args)  # the pre-MLP norm (MaxText's name)
     if mlp is None:
       mlp = MoeBlock if config.num_experts > 1 else MlpBlock
-    self.mlp = mlp(config, rngs=rngs)
+    self.mlp = mlp(config, rngs=rngs, plan=plan)
     self.post_ffw_norm = norm(d, **args) if config.use_post_ffw_norm else nnx.data(None)
     self.dropout_rate = config.dropout_rate
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import qwix
 from flax import nnx
 
-from MaxText.config import Config, ConfigError
+from MaxText.config import Config
 
 ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")  # Qwix names a kernel's adapters <kernel name><suffix>
 
@@ -37,17 +37,7 @@ def enabled(config: Config) -> bool:
   return config.lora_rank > 0
 
 
-def check_serving(config: Config) -> None:
-  """Decoding or scoring a LoRA fine-tune needs its adapters: ConfigError when none are named (the keys'
-  values themselves are checked at load, config_checks._validate_lora)."""
-  if enabled(config) and not config.lora_weights_path and not config.lora_random_base:
-    raise ConfigError(
-      f"lora_rank={config.lora_rank} serves a LoRA fine-tune: set lora_weights_path to its adapters (a LoRA run's "
-      "checkpoints/<step>/state), or lora_rank=0 to serve load_parameters_path alone"
-    )
-
-
-def _kernel_paths(unit: nnx.Module) -> list[str]:
+def kernel_paths(unit: nnx.Module) -> list[str]:
   """'/'-joined paths of the modules of `unit` that own a `kernel` (the projections LoRA can target)."""
   return ["/".join(map(str, path)) for path, module in nnx.iter_modules(unit) if hasattr(module, "kernel")]
 
@@ -66,10 +56,9 @@ def add_adapters(unit: nnx.Module, config: Config, rngs: nnx.Rngs) -> nnx.Module
   # One key for all of this unit's adapters, drawn after the base was built: base weights match lora_rank=0.
   adapted = qwix.apply_lora_to_model(unit, provider, x, positions, segments, None, None, rngs=nnx.Rngs(rngs.params()))
   nnx.pop(adapted, nnx.Intermediate)  # what the dummy call recorded (MoE load-balance losses) is not state
-  if not jax.tree.leaves(nnx.state(adapted, nnx.LoRAParam)):
-    raise ConfigError(
-      f"lora_target_modules={config.lora_target_modules!r} matches no projection of a decoder layer; "
-      f"their paths are: {', '.join(_kernel_paths(unit))}"
+  if not jax.tree.leaves(nnx.state(adapted, nnx.LoRAParam)):  # the run plan checked the targets against the layers
+    raise ValueError(
+      f"lora_target_modules={config.lora_target_modules!r} matches no projection of {kernel_paths(unit)}"
     )
   return adapted
 
@@ -81,8 +70,8 @@ def adapted_stacks(stacks: tuple[Any, ...], config: Config) -> tuple[Any, ...]:
     return stacks
 
   def with_adapters(make: Callable[..., nnx.Module]) -> Callable[..., nnx.Module]:
-    def make_adapted(unit_config: Config, *, rngs: nnx.Rngs) -> nnx.Module:
-      return add_adapters(make(unit_config, rngs=rngs), unit_config, rngs)
+    def make_adapted(unit_config: Config, *, rngs: nnx.Rngs, plan: Any) -> nnx.Module:
+      return add_adapters(make(unit_config, rngs=rngs, plan=plan), unit_config, rngs)
 
     return make_adapted
 

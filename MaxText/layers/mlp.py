@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -26,7 +28,11 @@ class MlpBlock(nnx.Module):
   with config.mlp_bias or `use_bias` (gpt3). Hidden width F: `mlp_dim`, by default config.mlp_dim (MoE
   shared experts pass their own)."""
 
-  def __init__(self, config: Config, *, rngs: nnx.Rngs, use_bias: bool = False, mlp_dim: int | None = None):
+  def __init__(
+    self, config: Config, *, rngs: nnx.Rngs, use_bias: bool = False, mlp_dim: int | None = None, plan: Any = None
+  ):
+    # `plan` is unused: XLA partitions a dense MLP by itself. Taken so every feed-forward builder (this,
+    # MoeBlock) has the signature DecoderLayer calls.
     unknown = [a for a in config.mlp_activations if a not in ACTIVATIONS]
     if unknown:
       raise ValueError(f"Unknown mlp_activations {unknown}; choose from {sorted(ACTIVATIONS)}")

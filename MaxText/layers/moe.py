@@ -19,23 +19,23 @@ C capacity slots per expert, D model dim, F expert width.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from MaxText import sharding
 from MaxText.config import Config
 from MaxText.layers import moe_dispatch
-from MaxText.layers.attention import target_platform
-from MaxText.layers.axes import ACTIVATION_AXES, EXPERT_EMBED_AXES, EXPERT_MLP_AXES, MLP_AXES, axes_size, mesh_axes
+from MaxText.layers.axes import ACTIVATION_AXES, EXPERT_EMBED_AXES, EXPERT_MLP_AXES
 from MaxText.layers.linears import DenseGeneral, weight
 from MaxText.layers.mlp import ACTIVATIONS, MlpBlock
 from MaxText.layers.moe_dispatch import expert_capacity, expert_ranks
+from MaxText.parallel import ops
+
+if TYPE_CHECKING:
+  from MaxText.parallel.plan import Plan
 
 # Tokens that share an expert's capacity: the whole batch, each sequence (MaxText), each batch shard.
 CAPACITY_GROUPS = ("global", "sequence", "shard")
@@ -91,15 +91,6 @@ def capacity_mask(experts: jax.Array, num_experts: int, capacity_factor: float) 
   return expert_ranks(experts, num_experts) < expert_capacity(x, k, num_experts, capacity_factor)
 
 
-def varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-  """x marked as varying over `axes` inside a shard_map (identity forward; its cotangent is summed over
-  them). Quantized matmuls (Qwix) are custom VJPs, whose cotangents must vary over the same axes as their
-  operands: with every operand varying over all the product's axes they do. Plain matmuls need no marking
-  (JAX inserts it), so MoeBlock marks only under quantization, keeping the unquantized program as it was."""
-  missing = tuple(a for a in dict.fromkeys(axes) if a not in jax.typeof(x).mat.varying)
-  return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
 class Combine(nnx.Module):
   """expert outputs [X, k, D], combine weights [X, k] float32 -> [X, D] float32, their weighted sum.
 
@@ -116,7 +107,7 @@ class MoeBlock(nnx.Module):
   Expert width F: config.moe_mlp_dim (scaled like mlp_dim); the shared experts are one MLP of width
   shared_experts * F, as in DeepSeek and MaxText."""
 
-  def __init__(self, config: Config, *, rngs: nnx.Rngs):
+  def __init__(self, config: Config, *, rngs: nnx.Rngs, plan: Plan):
     dt, wdt = jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
     e, d, f = config.num_experts, config.emb_dim, config.moe_mlp_dim
     self.gate = DenseGeneral(d, e, ("embed", None), dtype=jnp.float32, weight_dtype=wdt, rngs=rngs)
@@ -128,7 +119,7 @@ class MoeBlock(nnx.Module):
     self.shared_experts = nnx.data(None)
     if config.shared_experts:
       self.shared_experts = MlpBlock(config, rngs=rngs, mlp_dim=f * config.shared_experts)
-    self.config, self.num_experts, self.k, self.dtype = config, e, config.num_experts_per_tok, dt
+    self.config, self.plan, self.num_experts, self.k, self.dtype = config, plan, e, config.num_experts_per_tok, dt
     self.capacity_factor = config.capacity_factor
     self.activation = ACTIVATIONS[config.mlp_activations[0]]
     self.combine = Combine()
@@ -158,16 +149,11 @@ class MoeBlock(nnx.Module):
     """tokens [X, D] -> Routing, per batch shard under a mesh: the partitioner would all-gather the
     [X, E] scores of the whole batch for top_k (seen on XLA:CPU), and routing is per token anyway."""
     logits, config = self.gate(tokens), self.config
-    bias = None if self.gate_bias is None else self.gate_bias[...]
-    mesh = jax.sharding.get_abstract_mesh()
-    batch = () if mesh.empty else mesh_axes("activation_batch", ACTIVATION_AXES, mesh)
-    if not batch or tokens.shape[0] % axes_size(batch, mesh):
-      return route(logits, config, bias)
-    rows = P(batch, None)
-    per_shard = functools.partial(jax.shard_map, mesh=mesh, out_specs=Routing(rows, rows, rows))
-    if bias is None:
-      return per_shard(lambda g: route(g, config), in_specs=rows)(logits)
-    return per_shard(lambda g, b: route(g, config, b), in_specs=(rows, P(None)))(logits, bias)
+    rows = Routing(2, 2, 2)  # each output is [X, ...], split like the tokens
+    if self.gate_bias is None:
+      return ops.per_batch_shard(self.plan, lambda g: route(g, config), logits, out=rows)
+    bias = self.gate_bias[...]
+    return ops.per_batch_shard(self.plan, lambda g, b: route(g, config, b), logits, bias, out=rows)
 
   def _experts(self, tokens: jax.Array, experts: jax.Array, length: int) -> jax.Array:
     """tokens [X, D], experts [X, k] -> each assignment's expert output [X, k, D] (dropless).
@@ -179,7 +165,7 @@ class MoeBlock(nnx.Module):
     (moe_dispatch.dropless); the weights are never gathered across `expert`.
     """
     compute = functools.partial(moe_dispatch.dropless, num_experts=self.num_experts, activation=self.activation)
-    compute = functools.partial(compute, ragged=target_platform() != "cpu")
+    compute = functools.partial(compute, ragged=self.plan.moe.ragged)
     return self._per_shard(compute, tokens, experts, length, whole_sequences=False)
 
   def _grouped_capacity_experts(self, tokens: jax.Array, experts: jax.Array, length: int) -> jax.Array:
@@ -201,53 +187,20 @@ class MoeBlock(nnx.Module):
     this cast of the whole layer stack out of the scanned loop, and with D minor libtpu 0.0.52 padded the
     copy to twice its bytes (896 instead of 448 MiB per chip for mixtral; sharding.lane_layout)."""
     params = (self.wi_0, self.wi_1, self.wo)
-    weights = tuple(weight(w, self.dtype) for w in params)
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or target_platform() != "tpu":
-      return weights
 
-    def keep_lanes(param: nnx.Param, w: jax.Array) -> jax.Array:
+    def cast(param: nnx.Param) -> jax.Array:
+      w = weight(param, self.dtype)
       # Inside the scanned stack the metadata still names the stacked dims (`layers`, leading) too.
       names = tuple(param.get_metadata().get("out_sharding") or ())[-w.ndim :]
-      if len(names) != w.ndim:
-        return w
-      named = sharding.fit(NamedSharding(mesh, nn.logical_to_mesh_axes(names)), w.shape)
-      return sharding.keep_lanes(w, named)
+      return ops.keep_lanes(self.plan, w, names)
 
-    return tuple(keep_lanes(p, w) for p, w in zip(params, weights))
+    return tuple(cast(p) for p in params)
 
   def _per_shard(self, compute, tokens: jax.Array, experts: jax.Array, length: int, whole_sequences: bool):
-    """compute(tokens, experts, wi_0, wi_1, wo, ep_axes=, ep=) per batch shard under the active mesh
-    (on the whole batch with ep=1 where there is none or the batch does not split evenly)."""
-    weights = self._weights()
-    tokens = tokens.astype(self.dtype)
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-      return compute(tokens, experts, *weights, ep_axes=(), ep=1)
-    batch = mesh_axes("activation_batch", ACTIVATION_AXES, mesh)
-    ep_axes = mesh_axes("activation_exp", EXPERT_EMBED_AXES, mesh)
+    """compute(tokens, experts, wi_0, wi_1, wo, ep_axes=, ep=) per batch shard (parallel.ops.experts)."""
     rows = tokens.shape[0] // length if whole_sequences else tokens.shape[0]
-    ep = axes_size(ep_axes, mesh)
-    if rows % axes_size(batch, mesh) or not set(ep_axes) <= set(batch) or self.num_experts % ep:
-      # Uneven splits (tiny batches; experts not split evenly) run as one global dispatch.
-      return compute(tokens, experts, *weights, ep_axes=(), ep=1)
-    mlp = mesh_axes("activation_mlp", MLP_AXES, mesh)
-    mlp = mlp if weights[0].shape[-1] % axes_size(mlp, mesh) == 0 else ()
-
-    vary = (*batch, *ep_axes, *mlp) if self.config.quantization else ()
-
-    def shard(tokens, experts, wi_0, wi_1, wo):
-      tokens, wi_0, wi_1, wo = (varying(x, vary) for x in (tokens, wi_0, wi_1, wo))
-      out = compute(tokens, experts, wi_0, wi_1, wo, ep_axes=ep_axes, ep=ep)
-      return jax.lax.psum(out, mlp) if mlp else out  # each shard of F gives a partial sum over F
-
-    b, e, f = batch or None, ep_axes or None, mlp or None
-    return jax.shard_map(
-      shard,
-      mesh=mesh,
-      in_specs=(P(b, None), P(b, None), P(e, None, f), P(e, None, f), P(e, f, None)),
-      out_specs=P(b, None, None),
-    )(tokens, experts, *weights)
+    weights = self._weights()
+    return ops.experts(self.plan, compute, tokens.astype(self.dtype), experts, weights, self.num_experts, rows)
 
   def _capacity_experts(self, tokens: jax.Array, experts: jax.Array) -> jax.Array:
     """tokens [X, D], experts [X, k] -> [X, k, D]: each kept assignment's expert output, 0 for the

@@ -20,7 +20,7 @@ the weights `layers`; base.yml's rules map both to the stage mesh axis.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -29,8 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText.config import Config, ConfigError
-from MaxText.layers.axes import ACTIVATION_AXES, mesh_axes
+from MaxText.layers.axes import ACTIVATION_AXES
 
 STAGE_AXES = ("activation_stage", *ACTIVATION_AXES)  # [S, B/M, T, D]: one microbatch per stage
 BUFFER_AXES = (None, *ACTIVATION_AXES)  # [M, B/M, T, D]: every microbatch, replicated over stages
@@ -55,67 +54,6 @@ class Schedule(NamedTuple):
   def bubble(self) -> float:
     """The fraction of stage-iterations that compute nothing useful: (S - 1) / (M*R + S - 1)."""
     return (self.stages - 1) / self.iterations
-
-
-def num_stages(config: Config) -> int:
-  """Pipeline stages: ici_pipeline_parallelism x dcn_pipeline_parallelism (validated > 0 at load)."""
-  return config.ici_pipeline_parallelism * config.dcn_pipeline_parallelism
-
-
-def schedule(config: Config) -> Schedule | None:
-  """The pipeline schedule, or None when there is one stage (no pipelining)."""
-  stages = num_stages(config)
-  if stages <= 1:
-    return None
-  micro = config.num_pipeline_microbatches
-  return Schedule(stages, stages if micro == -1 else micro, config.num_pipeline_repeats)
-
-
-def plan(config: Config, stacks: Sequence[Any]) -> dict[str, int]:
-  """Units of each stack (by name) that run pipelined: all of them, or with pipeline_parallel_layers=N
-  those among the model's first N layers; the remaining units of a stack run after, unpipelined.
-
-  Raises ConfigError when a stack's pipelined units do not split into stages x repeats.
-  """
-  sched = schedule(config)
-  if sched is None:
-    return {}
-  budget = config.num_decoder_layers if config.pipeline_parallel_layers == -1 else config.pipeline_parallel_layers
-  split = sched.stages * sched.repeats
-  out = {}
-  for stack in stacks:
-    units = min(stack.repeats, max(budget, 0) // stack.layers_per_unit)
-    budget -= stack.repeats * stack.layers_per_unit
-    if units % split:
-      per_unit = f" of {stack.layers_per_unit} layers" if stack.layers_per_unit > 1 else ""
-      raise ConfigError(
-        f"pipelining: {units} units{per_unit} of stack {stack.name!r} do not split into {sched.stages} stages x "
-        f"num_pipeline_repeats={sched.repeats}; change the layer count, the stages or the repeats, or set "
-        "pipeline_parallel_layers to a layer count that splits (the layers after it run unpipelined)"
-      )
-    out[stack.name] = units
-  if not any(out.values()):
-    raise ConfigError(f"pipelining: {sched.stages} stages but no layers to pipeline; raise pipeline_parallel_layers")
-  return out
-
-
-def describe(config: Config) -> str:
-  """One start-up line: stages, microbatches, repeats and the bubble fraction ("" without pipelining)."""
-  sched = schedule(config)
-  if sched is None:
-    return ""
-  return (
-    f"pipeline: {sched.stages} stages x {sched.repeats} repeats, {sched.microbatches} microbatches, "
-    f"{sched.iterations} iterations, bubble {sched.bubble:.1%} (idle stage-iterations)"
-  )
-
-
-def _stage_mesh_axes() -> tuple[str, ...] | None:
-  """The mesh axes that `activation_stage` maps to under the active rules and mesh (None: no sharding)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return None
-  return mesh_axes("activation_stage", STAGE_AXES, mesh) or None
 
 
 def _constrain(var: nnx.Variable, value: jax.Array, extra: int) -> nnx.Variable:
@@ -160,18 +98,18 @@ def run(
   segment_ids: jax.Array,
   sched: Schedule,
   first_unit: int,
+  stage_axes: tuple[str, ...] = (),
 ) -> tuple[jax.Array, jax.Array]:
   """Apply the stacked units `params` [U, ...] to x [B, T, D] as a pipeline; returns (x [B, T, D], aux),
   aux being the stack's auxiliary loss summed over units and averaged over microbatches.
 
   Microbatch m takes rows m, m+M, ... so that every data shard holds a share of each microbatch.
+  `stage_axes`: the mesh axes of `activation_stage` (the run plan's), over which the stages' work splits.
   """
   s_, m_, r_ = sched
   b = x.shape[0]
-  if b % m_:
-    raise ConfigError(f"a batch of {b} rows does not split into num_pipeline_microbatches={m_}; change either")
-  if r_ > 1 and m_ < s_:
-    raise ConfigError(f"num_pipeline_repeats={r_} needs num_pipeline_microbatches >= stages ({s_}), got {m_}")
+  if b % m_:  # the plan and sharding.global_batch_size check the training batch; this is a caller's mistake
+    raise ValueError(f"a batch of {b} rows does not split into {m_} pipeline microbatches")
   units = jax.tree.leaves(params)[0].shape[0]
   per_stage = units // (s_ * r_)
 
@@ -184,7 +122,7 @@ def run(
   params = jax.tree.map(lambda var: _constrain(var, var[...], 0), params, is_leaf=_is_var)
   weights = _view(params, sched)
   stage_ids = jnp.arange(s_)
-  body = jax.vmap(stage_fn, spmd_axis_name=_stage_mesh_axes())
+  body = jax.vmap(stage_fn, spmd_axis_name=stage_axes or None)
 
   # Queue layout: at the start of iteration t, buffer slot j holds microbatch (t + j) % M, so stage 0 reads
   # slot 0 and the last stage's finished microbatch goes to the fixed slot (1 - S) % M; the buffer then

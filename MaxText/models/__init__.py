@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from flax import nnx
 
-from MaxText.config import Config, ConfigError
+from MaxText.config import Config
 from MaxText.layers.decoder import Decoder, Family
 from MaxText.models import deepseek, gemma, gemma2, gemma3, gpt3, llama2, llama4
+
+if TYPE_CHECKING:
+  from MaxText.parallel.plan import Plan
 
 # Llama 3, Mistral, Mixtral and Qwen3 differ from Llama 2 by config keys only (README, "Models").
 REGISTRY: dict[str, Family] = {
@@ -25,13 +30,13 @@ REGISTRY: dict[str, Family] = {
 
 
 def family(config: Config) -> Family:
-  if config.decoder_block not in REGISTRY:
-    raise ConfigError(f"Unknown decoder_block {config.decoder_block!r}; choose one of {', '.join(sorted(REGISTRY))}")
+  """The family of config.decoder_block (checked against REGISTRY when the run plan is built)."""
   return REGISTRY[config.decoder_block]
 
 
-def build(config: Config, rngs: nnx.Rngs) -> Decoder:
-  """The model for `config`. Parameters carry logical axis names; they are placed by the caller."""
+def build(config: Config, rngs: nnx.Rngs, plan: Plan) -> Decoder:
+  """The model for `config`, run as `plan` says (parallel.plan.build(config, mesh)). Parameters carry logical
+  axis names; they are placed by the caller."""
   # Sharding is applied by the caller from the logical names (state.py), not eagerly per variable.
   with nnx.use_eager_sharding(False):
-    return Decoder(config, family(config), rngs=rngs)
+    return Decoder(config, family(config), rngs=rngs, plan=plan)

@@ -13,9 +13,14 @@ from MaxText.layers.normalizations import gemma_rms_norm
 LOCAL_PER_GLOBAL = 5
 
 
-def _local(config: Config, *, rngs):
+def _local(config: Config, *, rngs, plan):
   return DecoderLayer(
-    config, rngs=rngs, norm=gemma_rms_norm, rope_max_timescale=config.local_rope_max_timescale, rope_type="default"
+    config,
+    rngs=rngs,
+    plan=plan,
+    norm=gemma_rms_norm,
+    rope_max_timescale=config.local_rope_max_timescale,
+    rope_type="default",
   )
 
 

@@ -34,14 +34,14 @@ def period(config: Config) -> int:
   return math.lcm(config.nope_layer_interval or 1, config.interleave_moe_layer_step)
 
 
-def _layer(config: Config, *, rngs, index: int) -> DecoderLayer:
+def _layer(config: Config, *, rngs, plan, index: int) -> DecoderLayer:
   nope = is_nope_layer(config, index)
   attention = functools.partial(
     Attention, use_rope=not nope, use_qk_norm=config.use_qk_norm and not nope, qk_norm=UnitRMSNorm,
     chunk_window=0 if nope else config.chunk_attn_window_size,
   )  # fmt: skip
   mlp = MoeBlock if is_moe_layer(config, index) else MlpBlock
-  return DecoderLayer(config, rngs=rngs, attention=attention, mlp=mlp)
+  return DecoderLayer(config, rngs=rngs, plan=plan, attention=attention, mlp=mlp)
 
 
 def stacks(config: Config) -> tuple[Stack, ...]:

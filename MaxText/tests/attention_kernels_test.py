@@ -3,7 +3,6 @@ backward, sharded or not; and they lower to a Mosaic custom call when compiled f
 
 import os
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +11,8 @@ import pytest
 from MaxText import config, sharding
 from MaxText.layers import attention_kernels
 from MaxText.layers.attention import attention_mask, dot_product_attention
+from MaxText.parallel import ops
+from MaxText.parallel import plan as plan_lib
 
 BASE = os.path.join(config.CONFIG_DIR, "base.yml")
 
@@ -33,10 +34,10 @@ def reference(q, k, v, segment_ids, sliding_window=0, logits_soft_cap=0.0, chunk
   return dot_product_attention(q, k, v, mask, logits_soft_cap)
 
 
-def flash(q, k, v, segment_ids, sliding_window=0, logits_soft_cap=0.0, chunk_window=0):
+def flash(q, k, v, segment_ids, sliding_window=0, logits_soft_cap=0.0, chunk_window=0, plan=None):
   return attention_kernels.flash_attention(
     q, k, v, segment_ids, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, interpret=True,
-    chunk_window=chunk_window,
+    chunk_window=chunk_window, plan=plan,
   )  # fmt: skip
 
 
@@ -95,24 +96,26 @@ def mesh_config(*overrides):
   ids=["fsdp8", "data2_fsdp2_tensor2", "mqa_tensor4", "sequence2"],
 )
 def test_sharded_equals_unsharded(mesh_args, kv_heads, repeat_kv):
-  """Under the mesh and the base.yml rules the kernel runs per shard (shard_map) and gives the same values."""
+  """Under the run plan of the mesh and the base.yml rules the kernel runs per shard (shard_map) and gives the
+  same values."""
   c = mesh_config(*mesh_args)
   mesh = sharding.create_mesh(c)
+  plan = plan_lib.build(c, mesh)
   q, k, v, segment_ids, key = inputs(b=8, t=128, k=kv_heads, h=128)
   cotangent = jax.random.normal(key, q.shape)
   want = value_and_grads(reference, q, k, v, segment_ids, cotangent, sliding_window=64)
   with sharding.activate(c, mesh):
-    plan = attention_kernels.shard_plan(q.shape, k.shape, jax.sharding.get_abstract_mesh())
-    run = jax.jit(lambda *a: value_and_grads(flash, *a, sliding_window=64))
+    run = jax.jit(lambda *a: value_and_grads(flash, *a, sliding_window=64, plan=plan))
     got = run(q, k, v, segment_ids, cotangent)
-  assert plan.repeat_kv == repeat_kv
-  assert plan.q[0] is not None  # the batch is split
-  assert (plan.q[2] is not None) == (mesh.shape["tensor"] > 1)
+  split = ops.head_split(plan, q.shape, k.shape)
+  assert split.repeat_kv == repeat_kv
+  assert split.q[0] is not None  # the batch is split
+  assert (split.q[2] is not None) == (mesh.shape["tensor"] > 1)
   assert_close(got, want)
 
 
-def tpu_mesh(grid: str) -> jax.sharding.Mesh:
-  """A (data, tensor) mesh over the devices of a v5e topology description from libtpu (no TPU needed)."""
+def tpu_devices(grid: str) -> list:
+  """The devices of a v5e topology description from libtpu (no TPU needed)."""
   pytest.importorskip("libtpu", reason="compiling for TPU topologies needs libtpu (requirements-tpu.txt)")
   from jax.experimental import topologies
 
@@ -121,26 +124,28 @@ def tpu_mesh(grid: str) -> jax.sharding.Mesh:
     desc = topologies.get_topology_desc(topology_name=f"v5e:{grid}", platform="tpu")
   except Exception as e:  # the plugin raises different types when it cannot load
     pytest.skip(f"libtpu cannot describe v5e:{grid}: {e}")
-  devices = np.array(desc.devices).reshape(2, -1)
-  return jax.sharding.Mesh(devices, ("data", "tensor"))
+  return list(desc.devices)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_compiles_to_a_mosaic_kernel_for_tpu(head_dim):
-  """Forward and backward jitted for a v5e 2x2 slice: each lowers to TPU custom calls (the Pallas kernels)."""
-  mesh = tpu_mesh("2x2")
-  rules = (("activation_batch", "data"), ("activation_heads", "tensor"), ("activation_kv_heads", "tensor"))
+  """Forward and backward jitted for a v5e 2x2 slice (data 2 x tensor 2): each lowers to TPU custom calls (the
+  Pallas kernels), run per shard as the run plan says."""
+  c = mesh_config("ici_data_parallelism=2", "ici_tensor_parallelism=2", "ici_fsdp_parallelism=1")
+  mesh = sharding.create_mesh(c, tpu_devices("2x2"))
+  plan = plan_lib.build(c, mesh)
+  assert plan.platform == "tpu" and not plan.attention.interpret
   q = jax.ShapeDtypeStruct((4, 1024, 8, head_dim), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((4, 1024, 2, head_dim), jnp.bfloat16)
   ids = jax.ShapeDtypeStruct((4, 1024), jnp.int32)
 
   def step(q, k, v, segment_ids):
     loss = lambda q, k, v: jnp.sum(  # noqa: E731
-      attention_kernels.flash_attention(q, k, v, segment_ids, sliding_window=256, logits_soft_cap=30.0)
+      attention_kernels.flash_attention(q, k, v, segment_ids, sliding_window=256, logits_soft_cap=30.0, plan=plan)
     )
     return jax.grad(loss, (0, 1, 2))(q, k, v)
 
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+  with sharding.activate(c, mesh):
     compiled = jax.jit(step).lower(q, kv, kv, ids).compile()
   text = compiled.as_text()
   assert text.count("tpu_custom_call") >= 3, "forward, dq and dkv kernels"

@@ -117,14 +117,12 @@ def test_choice_sets_agree_with_the_registries_that_implement_them():
   from MaxText import data, models
   from MaxText.data import tokenizer
   from MaxText.inference import sampling
-  from MaxText.layers import attention, decoder, kv_cache, moe, quantization
+  from MaxText.layers import kv_cache, moe, quantization
 
   implemented = {
     "dataset_type": set(data.BACKENDS),
     "tokenizer_type": set(tokenizer.LOADERS),
-    "remat_policy": set(decoder.POLICIES) | {"none"},
     "decode_sampling_strategy": set(sampling.STRATEGIES),
-    "attention": set(attention.KINDS),
     "capacity_group": set(moe.CAPACITY_GROUPS),
     "quantization": set(quantization.MODES),
     "kv_quant_dtype": set(kv_cache.QUANT_DTYPES),

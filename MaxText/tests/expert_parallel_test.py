@@ -13,6 +13,7 @@ from flax import nnx
 
 from MaxText import config, sharding, state
 from MaxText.layers import moe
+from MaxText.parallel import plan as plan_lib
 
 BASE = os.path.join(config.CONFIG_DIR, "base.yml")
 TINY = ["base_emb_dim=16", "base_mlp_dim=24", "num_experts=8", "num_experts_per_tok=2", "dtype=float32"]
@@ -22,9 +23,10 @@ def load(*overrides):
   return config.load([BASE, "run_name=t", *TINY, *overrides], {})
 
 
-def block(c):
+def block(c, mesh=None):
+  """The layer for config `c`, run as the plan for `mesh` says (None: one device)."""
   with nnx.use_eager_sharding(False):
-    return moe.MoeBlock(c, rngs=nnx.Rngs(params=0))
+    return moe.MoeBlock(c, rngs=nnx.Rngs(params=0), plan=plan_lib.build(c, mesh))
 
 
 def loss_fn(graphdef):
@@ -34,9 +36,11 @@ def loss_fn(graphdef):
   return loss
 
 
-def sharded_step(c, params, graphdef, x):
-  """value_and_grad of the loss under c's mesh, and the jitted step (for its HLO)."""
+def sharded_step(c, params, layer_config, x):
+  """value_and_grad of the loss of the layer built from `layer_config` under c's mesh (and its plan), and
+  the jitted step (for its HLO)."""
   mesh = sharding.create_mesh(c)
+  graphdef = nnx.split(block(layer_config, mesh), nnx.Param)[0]
   with sharding.activate(c, mesh):  # as train.py computes the shardings: the experts' dim over `expert`
     placed = jax.device_put(params, state._shardings(params, c, mesh))
     assert placed["wi_0"].value.sharding.spec[0] == "expert"
@@ -59,7 +63,7 @@ def test_expert_parallel_equals_single_device(ep, mode):
   graphdef, params = nnx.split(block(ref), nnx.Param)
   x = jax.random.normal(jax.random.key(ep), (8, 4, 16))
   want, want_grads = jax.value_and_grad(loss_fn(graphdef))(params, x)
-  got, grads, hlo = sharded_step(c, params, graphdef, x)
+  got, grads, hlo = sharded_step(c, params, ref, x)
   # float32 sums in another order: 3e-5 relative on jax 0.12 at ep=8 with capacity (the gradients hold 1e-5)
   np.testing.assert_allclose(float(got), float(want), rtol=1e-4)
   leaves = jax.tree_util.tree_leaves_with_path
@@ -87,7 +91,7 @@ def test_expert_parallel_with_expert_width_over_tensor(mode):
   graphdef, params = nnx.split(block(load(*extra)), nnx.Param)
   x = jax.random.normal(jax.random.key(7), (8, 4, 16))
   want, want_grads = jax.value_and_grad(loss_fn(graphdef))(params, x)
-  got, grads, _ = sharded_step(c, params, graphdef, x)
+  got, grads, _ = sharded_step(c, params, load(*extra), x)
   np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
   for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
@@ -100,7 +104,7 @@ def test_routed_tokens_move_by_all_to_all_and_are_never_gathered(extra):
   c = load("ici_expert_parallelism=2", "ici_fsdp_parallelism=-1", *extra)
   graphdef, params = nnx.split(block(c), nnx.Param)
   x = jax.random.normal(jax.random.key(0), (8, 4, 16))
-  _, _, hlo = sharded_step(c, params, graphdef, x)
+  _, _, hlo = sharded_step(c, params, c, x)
   assert "all-to-all" in hlo
   shapes = gathered_shapes(hlo)
   assert shapes, "expected the FSDP weight gathers"

@@ -16,6 +16,7 @@ from MaxText import checkpointing, config, models, train
 from MaxText.config import ConfigError
 from MaxText.convert import hf_mapping, hf_to_maxtext, maxtext_to_hf
 from MaxText.layers import attention_mla, embeddings
+from MaxText.parallel import plan as plan_lib
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -100,7 +101,7 @@ def hf_model(family, tmp_path):
 
 def maxtext_logits(out_dir, tokens, *overrides):
   c = config.load([os.path.join(out_dir, "config.yml"), "run_name=t", "dtype=float32", *overrides], {})
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0))), nnx.Param)
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0), plan_lib.build(c))), nnx.Param)
   model = nnx.merge(graphdef, checkpointing.load_params(os.path.join(out_dir, "params"), abstract))
   b, t = tokens.shape
   return np.asarray(model(jnp.asarray(tokens), jnp.broadcast_to(jnp.arange(t), (b, t)), jnp.ones((b, t), jnp.int32)))
@@ -272,7 +273,7 @@ def test_bfloat16_storage_restores_as_rounded_float32(tmp_path):
 
   def params(out, *overrides):
     c = config.load([os.path.join(out, "config.yml"), "run_name=t", "dtype=float32", *overrides], {})
-    abstract = nnx.state(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0))), nnx.Param)
+    abstract = nnx.state(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0), plan_lib.build(c))), nnx.Param)
     return nnx.to_pure_dict(checkpointing.load_params(os.path.join(out, "params"), abstract))
 
   want = params(full)

@@ -10,6 +10,7 @@ import pytest
 
 from MaxText import config as config_lib
 from MaxText import metrics, plot_metrics
+from MaxText.parallel import plan as plan_lib
 
 
 def make_config(tmp_path, *overrides):
@@ -239,7 +240,9 @@ def xla_training_flops(cfg, batch_size):
 
   from MaxText import models, train_step
 
-  graphdef, params = nnx.split(nnx.eval_shape(lambda: models.build(cfg, nnx.Rngs(params=0))), nnx.Param)
+  graphdef, params = nnx.split(
+    nnx.eval_shape(lambda: models.build(cfg, nnx.Rngs(params=0), plan_lib.build(cfg))), nnx.Param
+  )
   tokens = jax.ShapeDtypeStruct((batch_size, cfg.max_target_length), jnp.int32)
   batch = {k: tokens for k in ("inputs", "targets", "inputs_segmentation", "targets_segmentation", "inputs_position")}
   grad = jax.jit(jax.grad(lambda p, b: train_step.loss_sums(graphdef, cfg, p, b, None)[0]))

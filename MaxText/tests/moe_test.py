@@ -12,15 +12,17 @@ from flax import nnx
 
 from MaxText import config, sharding
 from MaxText.layers import moe
+from MaxText.parallel import plan as plan_lib
 
 BASE = os.path.join(config.CONFIG_DIR, "base.yml")
 TINY = ["base_emb_dim=16", "base_mlp_dim=24", "num_experts=4", "num_experts_per_tok=2", "dtype=float32"]
 
 
-def block(*overrides):
+def block(*overrides, mesh=None):
+  """The layer, run as the plan for `mesh` says (None: one device)."""
   c = config.load([BASE, "run_name=t", *TINY, *overrides], {})
   with nnx.use_eager_sharding(False):
-    return moe.MoeBlock(c, rngs=nnx.Rngs(params=0))
+    return moe.MoeBlock(c, rngs=nnx.Rngs(params=0), plan=plan_lib.build(c, mesh))
 
 
 def reference(layer, x):
@@ -109,12 +111,13 @@ def test_sharded_equals_unsharded(capacity_factor):
   c = config.load([BASE, "run_name=t", *TINY, *args], {})
   mesh = sharding.create_mesh(c)
   graphdef, params = nnx.split(block(*args), nnx.Param)
+  sharded = nnx.split(block(*args, mesh=mesh), nnx.Param)[0]
   x = jax.random.normal(jax.random.key(3), (8, 4, 16))
   expected = nnx.merge(graphdef, params)(x)
   with sharding.activate(c, mesh):
     shardings = sharding.logical_to_mesh(nnx.get_partition_spec(params), mesh, sharding.axis_rules(c))
     placed = jax.device_put(params, shardings)
-    got = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))(placed, x)
+    got = jax.jit(lambda p, x: nnx.merge(sharded, p)(x))(placed, x)
   assert mesh.shape["expert"] == 2 and mesh.shape["fsdp"] == 2
   np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
 
@@ -126,15 +129,16 @@ def test_dropless_per_shard_dispatch_equals_unsharded_values_and_gradients():
   c = config.load([BASE, "run_name=t", *TINY, *args], {})
   mesh = sharding.create_mesh(c)
   graphdef, params = nnx.split(block(*args), nnx.Param)
+  sharded = nnx.split(block(*args, mesh=mesh), nnx.Param)[0]
   x = jax.random.normal(jax.random.key(4), (8, 4, 16))
 
-  def loss(p, x):
-    return jnp.sum(jnp.sin(nnx.merge(graphdef, p)(x)))
+  def loss(graphdef):
+    return lambda p, x: jnp.sum(jnp.sin(nnx.merge(graphdef, p)(x)))
 
-  expected, expected_grads = jax.value_and_grad(loss)(params, x)
+  expected, expected_grads = jax.value_and_grad(loss(graphdef))(params, x)
   with sharding.activate(c, mesh):
     shardings = sharding.logical_to_mesh(nnx.get_partition_spec(params), mesh, sharding.axis_rules(c))
-    step = jax.jit(jax.value_and_grad(loss))
+    step = jax.jit(jax.value_and_grad(loss(sharded)))
     got, grads = step(jax.device_put(params, shardings), x)
     assert "shard_map" in str(step.trace(jax.device_put(params, shardings), x).jaxpr)
   np.testing.assert_allclose(float(got), float(expected), rtol=1e-5)

@@ -17,6 +17,7 @@ from MaxText import data as data_lib
 from MaxText import state as state_lib
 from MaxText import train_step as steps
 from MaxText.config import ConfigError
+from MaxText.parallel import plan as plan_lib
 from MaxText.tests.conftest import BASE, ROOT, TINY, cfg, losses
 
 
@@ -78,8 +79,8 @@ def test_auto_vocab_tiling_keeps_each_piece_of_logits_small(tmp_path):
   assert tiles("vocab_size=128256", batch=2, length=4096) == 16  # llama3.1-70b: 3.9 GiB
   assert tiles("vocab_size=32000", "num_vocab_tiling=2", batch=4, length=2048) == 2  # explicit wins
   c = cfg(tmp_path, "m", "vocab_size=32000", "max_target_length=2048", "ici_fsdp_parallelism=8")
-  with sharding.activate(c, sharding.create_mesh(c)):  # the global batch of 32 is 4 per device
-    assert steps.vocab_tiles(c, 32, 2048) == 4
+  shards = plan_lib.build(c, sharding.create_mesh(c)).data_shards  # the global batch of 32 is 4 per device
+  assert shards == 8 and steps.vocab_tiles(c, 32, 2048, shards) == 4
   with pytest.raises(ConfigError, match="num_vocab_tiling=3"):
     cfg(tmp_path, "bad", "num_vocab_tiling=3")
 
@@ -184,7 +185,7 @@ def test_init_is_bit_identical_to_a_plain_jit(tmp_path, overrides):
     got = state_lib.init_state(c, tx, spec)
 
     def init():
-      params = state_lib._model_params(c, c.init_weights_seed)
+      params = state_lib._model_params(c, c.init_weights_seed, spec.plan)
       return state_lib.TrainState(step=jax.numpy.zeros((), "int32"), params=params, opt_state=tx.init(params))
 
     want = jax.jit(init, out_shardings=spec.shardings)()

@@ -1,0 +1,127 @@
+"""The run plan (parallel/plan.py): built once before tracing, frozen, shown; every layout error raised while
+it is built; the model follows the plan it was built with, never the active mesh or the platform."""
+
+import ast
+import dataclasses
+import os
+
+import jax
+import pytest
+from flax import nnx
+
+from MaxText import config, models, sharding, train
+from MaxText.config import ConfigError
+from MaxText.parallel import plan as plan_lib
+from MaxText.tests.conftest import TINY, cfg
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = os.path.join(config.CONFIG_DIR, "base.yml")
+
+
+def load(*overrides):
+  return config.load([BASE, "run_name=t", *TINY, *overrides], {})
+
+
+# What only the parallel package may do: read the active mesh or the platform, run per shard, name mesh
+# axes, or raise a configuration error in the middle of tracing.
+FORBIDDEN = {"get_abstract_mesh", "shard_map", "default_backend", "devices", "PartitionSpec", "ConfigError"}
+
+
+def forbidden_uses(path: str) -> list[str]:
+  tree = ast.parse(open(path).read())
+  found = []
+  for node in ast.walk(tree):
+    name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+    if isinstance(node, ast.alias):
+      name = node.name.split(".")[-1]
+    if name in FORBIDDEN:
+      found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: {name}")
+  return found
+
+
+def test_layers_and_models_read_no_mesh_platform_or_config():
+  files = [
+    os.path.join(d, f)
+    for d in (os.path.join(ROOT, "layers"), os.path.join(ROOT, "models"))
+    for f in sorted(os.listdir(d))
+    if f.endswith(".py")
+  ]
+  assert len(files) > 20
+  found = [use for f in files for use in forbidden_uses(f)]
+  assert not found, "\n".join(found)
+
+
+def test_plan_is_frozen_hashable_and_names_its_decisions():
+  c = load("ici_context_parallelism=2", "ici_fsdp_parallelism=4", "num_experts=4", "num_experts_per_tok=2")
+  plan = plan_lib.build(c, sharding.create_mesh(c))
+  assert hash(plan) == hash(plan_lib.build(c, sharding.create_mesh(c)))
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    plan.remat_policy = "none"
+  a = plan.attention
+  assert (a.kernel, a.context_shards, a.load_balanced, a.platform) == ("dot_product", 2, True, "cpu")
+  assert plan.axes.length == ("context",) and "expert" not in plan.axes.experts
+  assert plan.moe.ragged is False and plan.pipeline is None and plan.keep_lanes is False
+  assert plan.data_shards == 4  # fsdp 4; context is not a batch axis
+  lines = plan_lib.describe(plan, c)
+  assert lines[0] == "attention: dot_product, because autoselected: context parallelism over 2 shards runs dot_product"
+  assert any(line.startswith("context parallelism: sequence in 2 shards") for line in lines)
+  assert any(line.startswith("moe: dropless, no expert axis") for line in lines)
+
+
+def test_pipeline_schedule_is_planned_per_stack():
+  c = load("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4", "base_num_decoder_layers=6")
+  c = c.replace(pipeline_parallel_layers=4, num_pipeline_microbatches=4)
+  plan = plan_lib.build(c, sharding.create_mesh(c))
+  assert plan.pipeline.schedule == (2, 4, 1) and plan.pipeline.units == (("layers", 4),)
+  assert plan.axes.stage == ("stage",)
+  assert any("bubble 20.0%" in line for line in plan_lib.describe(plan, c))
+
+
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
+    (["ici_pipeline_parallelism=4", "base_num_decoder_layers=6"], "do not split into 4 stages"),
+    (["ici_context_parallelism=4", "ici_fsdp_parallelism=2", "max_target_length=36"], "must be a multiple of 8"),
+    (["attention=cudnn_flash_te"], "needs NVIDIA GPUs"),
+    (["lora_rank=4", "lora_random_base=true", "lora_target_modules=nothing/here"], "matches no projection"),
+    (["decoder_block=gemma", "mtp_num_layers=1"], "not available for decoder_block=gemma"),
+    (["decoder_block=gpt3", "trainable_position_size=0"], "needs trainable_position_size > 0"),
+    (["ici_tensor_parallelism=-1", "ici_fsdp_parallelism=1"], "tensor"),  # -1 is 8 only once the mesh exists
+  ],
+)
+def test_layout_errors_are_raised_when_the_plan_is_built(overrides, message):
+  c = load(*overrides)
+  with pytest.raises(ConfigError, match=message):
+    plan_lib.build(c, sharding.create_mesh(c))
+
+
+def test_the_model_follows_its_plan_not_the_active_mesh():
+  """The same MoE model traced under an active 8-device mesh: built with the one-device plan it runs no
+  shard_map; built with the mesh's plan it dispatches per batch shard."""
+  c = load("num_experts=4", "num_experts_per_tok=2", "ici_fsdp_parallelism=8")
+  mesh = sharding.create_mesh(c)
+  tokens = jax.numpy.ones((8, c.max_target_length), jax.numpy.int32)
+
+  def jaxpr(plan):
+    model = nnx.eval_shape(lambda: models.build(c, nnx.Rngs(params=0), plan))
+    graphdef, params = nnx.split(model)
+    with sharding.activate(c, mesh):
+      return str(jax.make_jaxpr(lambda p: nnx.merge(graphdef, p)(tokens, tokens, tokens))(params))
+
+  assert "shard_map" not in jaxpr(plan_lib.build(c))
+  assert "shard_map" in jaxpr(plan_lib.build(c, mesh))
+
+
+def test_the_run_header_and_decode_show_the_plan(tmp_path, capsys):
+  c = cfg(tmp_path, "plan", "steps=1", "per_device_batch_size=1", "remat_policy=minimal")
+  train.run(c)
+  out = capsys.readouterr().out
+  assert "  plan     attention: dot_product, because autoselected: no fused kernel on cpu" in out
+  assert "remat: minimal" in out
+
+
+def test_decoding_plans_no_training_kernel():
+  """Decoding attends over the KV cache: a training-only kernel setting is neither chosen nor refused."""
+  plan = plan_lib.build(load("attention=cudnn_flash_te"), decoding=True)
+  assert plan.attention.kernel == "dot_product" and plan.pipeline is None
+  assert plan_lib.describe(plan, load())[0] == "attention: dot_product, because decoding attends over the KV cache"

@@ -1,0 +1,123 @@
+"""Losses of tiny training runs across families, parallelism layouts, remat policies and kernels, written as
+exact float reprs, so that a refactor can be checked to change nothing: run it before and after, then
+`--compare BEFORE AFTER` (exit 1 on any difference, however small).
+
+  python3 end_to_end/cpu/loss_fingerprint.py --out /tmp/before.json      # ~6 min on 2 cores
+  python3 end_to_end/cpu/loss_fingerprint.py --compare /tmp/before.json /tmp/after.json
+
+Each case trains 3 steps on synthetic data on 8 CPU devices (XLA's forced host device count), float32 and
+bfloat16 cases both."""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+TINY = [
+  "dataset_type=synthetic", "base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=2", "base_mlp_dim=128",
+  "base_num_decoder_layers=2", "head_dim=16", "vocab_size=256", "max_target_length=32", "dtype=float32",
+  "log_config=false", "log_period=1", "learning_rate=1e-2", "warmup_steps_fraction=0", "enable_checkpointing=false",
+  "enable_tensorboard=false", "steps=3", "per_device_batch_size=2", "override_model_config=true",
+]  # fmt: skip
+MOE = ["num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=32"]
+MLA = ["q_lora_rank=16", "kv_lora_rank=16", "qk_nope_head_dim=8", "qk_rope_head_dim=8", "v_head_dim=8"]
+FAMILIES = {
+  "llama2": ["model_name=llama2-7b"],
+  "llama3.1": ["model_name=llama3.1-8b"],
+  "mistral": ["model_name=mistral-7b", "sliding_window_size=8"],
+  "mixtral": ["model_name=mixtral-8x7b", *MOE],
+  "gemma": ["model_name=gemma-2b"],
+  "gemma2": ["model_name=gemma2-2b", "sliding_window_size=8"],
+  "gemma3": ["model_name=gemma3-4b", "sliding_window_size=8", "base_num_decoder_layers=6"],
+  "gpt3": ["model_name=gpt3-175b", "trainable_position_size=64"],
+  "qwen3": ["model_name=qwen3-8b"],
+  "qwen3-moe": ["model_name=qwen3-30b-a3b", *MOE],
+  "deepseek2": ["model_name=deepseek2-16b", *MOE, *MLA, "q_lora_rank=0", "first_num_dense_layers=1",
+                "base_num_decoder_layers=3", "original_max_position_embeddings=16"],
+  "deepseek3": ["model_name=deepseek3-671b", *MOE, *MLA, "first_num_dense_layers=1", "base_num_decoder_layers=3",
+                "n_routing_groups=2", "topk_routing_group=1", "original_max_position_embeddings=16"],
+  "llama4": ["model_name=llama4-17b-16e", *MOE, "num_experts_per_tok=1", "base_num_decoder_layers=4",
+             "chunk_attn_window_size=8", "interleave_moe_layer_step=2", "temperature_tuning_floor_scale=8",
+             "original_max_position_embeddings=16"],
+}  # fmt: skip
+LAYOUTS = {
+  "fsdp8": ["ici_fsdp_parallelism=8"],
+  "dp2-fsdp4": ["ici_data_parallelism=2", "ici_fsdp_parallelism=4"],
+  "tp2-fsdp4": ["ici_tensor_parallelism=2", "ici_fsdp_parallelism=4"],
+  "seq2-fsdp4": ["ici_sequence_parallelism=2", "ici_fsdp_parallelism=4"],
+  "cp2-fsdp4": ["ici_context_parallelism=2", "ici_fsdp_parallelism=4"],
+  "cp4-flash": ["ici_context_parallelism=4", "ici_fsdp_parallelism=2", "attention=flash", "max_target_length=128"],
+  "cp4-balanced": ["ici_context_parallelism=4", "ici_fsdp_parallelism=2", "context_parallel_load_balance=true"],
+  "pp2": ["ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4", "num_pipeline_microbatches=4"],
+  "pp2-repeats": ["ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4", "num_pipeline_microbatches=2",
+                  "base_num_decoder_layers=4", "num_pipeline_repeats=2"],
+  "pp4": ["ici_pipeline_parallelism=4", "ici_fsdp_parallelism=2", "num_pipeline_microbatches=4",
+          "base_num_decoder_layers=4"],
+  "ep2-mixtral": ["model_name=mixtral-8x7b", *MOE, "ici_expert_parallelism=2", "ici_fsdp_parallelism=4"],
+  "ep4-dropping": ["model_name=mixtral-8x7b", *MOE, "ici_expert_parallelism=4", "ici_fsdp_parallelism=2",
+                   "capacity_factor=0.5"],
+  "ep2-deepseek3": FAMILIES["deepseek3"] + ["ici_expert_parallelism=2", "ici_fsdp_parallelism=4"],
+  "flash": ["attention=flash", "max_target_length=128"],
+  "flash-gemma2": FAMILIES["gemma2"] + ["attention=flash", "max_target_length=128"],
+  "bf16": ["dtype=bfloat16"],
+  "bf16-tp2": ["dtype=bfloat16", "ici_tensor_parallelism=2", "ici_fsdp_parallelism=4"],
+  "vocab-tiling": ["num_vocab_tiling=4"],
+  "lora": ["lora_rank=4", "lora_random_base=true"],
+  "int8": ["quantization=int8"],
+  "mtp": ["mtp_num_layers=1"],
+}  # fmt: skip
+REMAT = ["full", "minimal", "save_dot_except_mlp", "save_qkv_proj", "none", "save_out_proj", "qkv_proj_offloaded"]
+CASES = {f"family/{k}": v for k, v in FAMILIES.items()}
+CASES |= {f"layout/{k}": v for k, v in LAYOUTS.items()}
+CASES |= {f"remat/{k}": [f"remat_policy={k}"] for k in REMAT}
+CASES |= {"remat/none-unscanned": ["remat_policy=none", "scan_layers=false"]}
+CASES |= {"family/llama4-unscanned": FAMILIES["llama4"] + ["scan_layers=false"]}
+
+
+def run_case(name, overrides, out_dir):
+  from MaxText import config, train
+
+  base = os.path.join(os.path.dirname(__file__), "..", "..", "MaxText", "configs", "base.yml")
+  run = name.replace("/", "-")
+  c = config.load([base, f"run_name={run}", f"base_output_directory={out_dir}", *TINY, *overrides], {})
+  train.run(c)
+  with open(c.metrics_file) as f:
+    return [repr(json.loads(line)["loss"]) for line in f]
+
+
+def main(argv):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--out", help="write {case: [loss reprs]} here")
+  p.add_argument("--only", default="", help="comma-separated case-name prefixes")
+  p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
+  args = p.parse_args(argv[1:])
+  if args.compare:
+    before, after = (json.load(open(f)) for f in args.compare)
+    bad = [k for k in sorted(set(before) | set(after)) if before.get(k) != after.get(k)]
+    for k in bad:
+      print(f"DIFFERS {k}: {before.get(k)} -> {after.get(k)}")
+    print(f"{len(before) - len(bad)}/{len(before)} cases bit-identical")
+    return 1 if bad else 0
+  prefixes = [s for s in args.only.split(",") if s]
+  results = {}
+  with tempfile.TemporaryDirectory() as tmp:
+    for name, overrides in CASES.items():
+      if prefixes and not any(name.startswith(s) for s in prefixes):
+        continue
+      try:
+        results[name] = run_case(name, overrides, tmp)
+      except Exception as e:  # a case that fails is recorded as such (and must fail the same way after)
+        results[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+      print(name, results[name], flush=True)
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(results, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv))

@@ -124,11 +124,7 @@ def _is_file(path: str) -> bool:
   is probed within paths.PROBE_TIMEOUT_S."""
   from MaxText import paths  # noqa: PLC0415 (etils: not needed by --help)
 
-  return (
-    paths.with_timeout(lambda: paths.isfile(path), f"Config file {path!r}")
-    if paths.is_remote(path)
-    else os.path.isfile(path)
-  )
+  return paths.probe_isfile(path, f"Config file {path!r}")
 
 
 def _read_yaml(path: str) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from flax import nnx
 
 from MaxText import checkpointing, launch, paths
 from MaxText import state as state_lib
-from MaxText.config import Config, ConfigError
+from MaxText.config import Config, ConfigError, serving_config
 from MaxText.layers import lora
 
 OPTIONS = {"golden_logits_path": str, "atol": float, "rtol": float}
@@ -47,7 +47,7 @@ def model_logits(c: Config):
   model_config = state_lib.for_inference(c)  # the decoding model: MTP modules only train
   if lora.enabled(c):  # a LoRA fine-tune: its adapters folded into the base, scored as the plain model
     params = checkpointing.load_lora_merged(model_config)
-    spec = state_lib.param_spec(model_config.replace(lora_rank=0, lora_weights_path=""))
+    spec = state_lib.param_spec(serving_config(model_config))
   else:
     spec = state_lib.param_spec(model_config)
     params = checkpointing.load_params(c.load_parameters_path, spec.abstract)

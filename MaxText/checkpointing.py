@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 
 from MaxText import config_checks, paths
 from MaxText import state as state_lib
-from MaxText.config import Config, ConfigError
+from MaxText.config import Config, ConfigError, serving_config
 from MaxText.layers import lora
 from MaxText.state import StateSpec, TrainState
 
@@ -267,7 +267,7 @@ def _init_lora(config: Config, tx: optax.GradientTransformation, spec: StateSpec
 def load_lora_merged(config: Config, mesh: Mesh | None = None) -> nnx.State:
   """Serving a LoRA fine-tune (lora_rank > 0): the base (load_parameters_path, or with lora_random_base a fresh
   init) with the adapters of lora_weights_path (fresh ones, B = 0, only with lora_random_base) folded into its
-  kernels once, W + (lora_alpha / lora_rank) * A @ B. Returns the params of config.replace(lora_rank=0), so
+  kernels once, W + (lora_alpha / lora_rank) * A @ B. Returns the params of serving_config(config), so
   decoding runs plain matmuls; with a mesh they lie where that model's params are sharded."""
   config_checks.check_lora_serving(config)
   spec = state_lib.param_spec(config, mesh)
@@ -281,7 +281,7 @@ def load_lora_merged(config: Config, mesh: Mesh | None = None) -> nnx.State:
       base = load_params(config.load_parameters_path, abstract.frozen)
     if config.lora_weights_path:
       adapters = load_params(config.lora_weights_path, abstract.trainable)
-  plain = state_lib.param_spec(config.replace(lora_rank=0, lora_weights_path=""), mesh)
+  plain = state_lib.param_spec(serving_config(config), mesh)
   # One program, the base donated: each merged kernel may take its base kernel's buffer (same shape and
   # dtype), so the model is not held twice; out_shardings put it where the plain model keeps it.
   merge = jax.jit(lambda b, a: lora.merged(config, lora.combine(a, b)), donate_argnums=0, out_shardings=plain.shardings)

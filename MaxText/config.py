@@ -103,6 +103,13 @@ class Config:
     return "\n".join(f"{k}: {v!r}" for k, v in sorted(self._values.items()))
 
 
+def serving_config(config: Config) -> Config:
+  """The config a LoRA fine-tune is served, decoded, scored and exported with once its adapters are merged into
+  the base kernels (checkpointing.load_lora_merged): the plain model, lora_rank=0 and no lora_weights_path, every
+  other key as in `config`."""
+  return config.replace(lora_rank=0, lora_weights_path="")
+
+
 def _suggest(key: str, known: Mapping[str, Any] | Sequence[str]) -> str:
   close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
   return f" (did you mean {close[0]!r}?)" if close else ""
@@ -113,11 +120,7 @@ def _is_file(path: str) -> bool:
   is probed within paths.PROBE_TIMEOUT_S."""
   from MaxText import paths  # noqa: PLC0415 (etils: not needed by --help)
 
-  return (
-    paths.with_timeout(lambda: paths.isfile(path), f"Config file {path!r}")
-    if paths.is_remote(path)
-    else os.path.isfile(path)
-  )
+  return paths.probe_isfile(path, f"Config file {path!r}")
 
 
 def _read_yaml(path: str) -> dict[str, Any]:

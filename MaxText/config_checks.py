@@ -11,6 +11,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from MaxText import paths
 from MaxText.config import ConfigError
 
 
@@ -135,7 +136,7 @@ def _validate_tokenizer_path(c: dict[str, Any]) -> None:
   """A missing tokenizer file is an error, except on synthetic data, which never reads it: MaxText's
   recipes pass tokenizer_path=assets/tokenizer.llama2 even then, and their command lines run unchanged."""
   path = c["tokenizer_path"]
-  if not path or path.startswith("gs://") or os.path.exists(path) or c["dataset_type"] == "synthetic":
+  if not path or paths.may_exist(path) or c["dataset_type"] == "synthetic":
     return
   raise ConfigError(
     f"tokenizer_path={path!r} does not exist. MaxText's assets/ tokenizers are not shipped here: use the "
@@ -344,7 +345,7 @@ def validate(c: dict[str, Any]) -> None:
   if c["load_parameters_path"] and c["load_full_state_path"]:
     raise ConfigError("Set at most one of load_parameters_path and load_full_state_path")
   for key in ("load_parameters_path", "load_full_state_path"):
-    if c[key] and not c[key].startswith("gs://") and not os.path.exists(c[key]):
+    if c[key] and not paths.may_exist(c[key]):
       raise ConfigError(f"{key}={c[key]!r} does not exist")
   _validate_tokenizer_path(c)
   _validate_sft(c)

@@ -12,7 +12,9 @@ Local paths keep plain `os` semantics (absolute paths, `~` expansion), so local 
 from __future__ import annotations
 
 import contextlib
+import glob as pyglob
 import hashlib
+import itertools
 import logging
 import os
 import shutil
@@ -169,6 +171,57 @@ def with_timeout[T](fn: Callable[[], T], what: str, timeout_s: float | None = No
   return value
 
 
+def probe[T](path: str, fn: Callable[[], T], what: str, timeout_s: float | None = None) -> T:
+  """fn(), the first touch of `path`: for a remote path through with_timeout (StorageError naming `what` when
+  storage has no answer or fails), for a local one called directly (its errors the OS's own)."""
+  return with_timeout(fn, what, timeout_s) if is_remote(path) else fn()
+
+
+def probe_exists(path: str, what: str) -> bool:
+  """Whether `path` exists: probe()d when remote; os.path.exists of the path as given when local."""
+  return probe(path, lambda: exists(path), what) if is_remote(path) else os.path.exists(path)
+
+
+def probe_isfile(path: str, what: str) -> bool:
+  """Whether `path` is a file: probe()d when remote; os.path.isfile of the path as given when local."""
+  return probe(path, lambda: isfile(path), what) if is_remote(path) else os.path.isfile(path)
+
+
+def probe_isdir(path: str, what: str) -> bool:
+  """Whether `path` is a directory: probe()d when remote; os.path.isdir of the path as given when local."""
+  return probe(path, lambda: isdir(path), what) if is_remote(path) else os.path.isdir(path)
+
+
+def may_exist(path: str) -> bool:
+  """False only for a local `path` that does not exist. A remote one is not probed (config validation makes
+  no network calls; its reader or restore reports a missing object)."""
+  return is_remote(path) or os.path.exists(path)
+
+
+def may_read(path: str) -> bool:
+  """False only for a local `path` this process cannot read (os.access). A remote one is not probed (its
+  reader reports it)."""
+  return is_remote(path) or os.access(path, os.R_OK)
+
+
+def version_key(path: str) -> list[Any]:
+  """[size, modification time] of the file `path`, for cache keys: a local file's st_size and st_mtime_ns; an
+  object's length and its time as a string (an object's generation changes with every rewrite, as a file's
+  mtime does)."""
+  if is_remote(path):
+    stat = Path(path).stat()
+    return [stat.length, str(stat.mtime)]
+  stat = os.stat(path)
+  return [stat.st_size, stat.st_mtime_ns]
+
+
+def path_or_file(path: str) -> Any:
+  """What a reader taking a local path or a binary file object (pyarrow) gets: a local `path` itself (the
+  reader's own file access), a remote one opened through epath (range reads through gcsfs), since pyarrow's
+  own GCS client takes neither gcsfs's credentials nor the emulator's environment variable."""
+  return Path(path).open("rb") if is_remote(path) else path
+
+
 def check_writable(path: str, key: str, timeout_s: float | None = None) -> None:
   """StorageError naming `key` unless `path`'s bucket exists and takes a write, within timeout_s.
 
@@ -261,10 +314,15 @@ def local_copy(path: str) -> str:
   return target
 
 
-def publish(local_files: list[str], remote_dir: str) -> None:
-  """Copy `local_files` into the remote directory; the last one marks the set complete (readers wait for it)."""
+def publish(local_files: list[str], directory: str) -> None:
+  """Copy `local_files` into `directory`, in order (the last one marks the set complete: readers wait for it).
+  A file already in place (written into local_dir_for(directory) of a local directory, which is the directory
+  itself) is left as it is."""
   for local in local_files:
-    Path(join(remote_dir, os.path.basename(local))).write_bytes(epath.Path(local).read_bytes())
+    target = join(directory, os.path.basename(local))
+    if not is_remote(target) and absolute(target) == os.path.abspath(local):
+      continue
+    Path(target).write_bytes(epath.Path(local).read_bytes())
 
 
 def publish_tree(local_dir: str, remote_dir: str) -> None:
@@ -276,11 +334,13 @@ def publish_tree(local_dir: str, remote_dir: str) -> None:
 
 
 @contextlib.contextmanager
-def local_output_dir(path: str, key: str) -> Iterator[str]:
+def local_output_dir(path: str, key: str, replace: tuple[str, ...] = ()) -> Iterator[str]:
   """A local directory to write the files of the output directory `path` (the option `key`) into, for writers
   of local files only: `path` itself when local; for a remote one (checked writable first) a
   temporary directory whose files are uploaded to `path` when the block ends without an error, then removed
-  (so it needs local disk for all of them)."""
+  (so it needs local disk for all of them). `replace`: subdirectories of `path` written whole, removed from a
+  remote `path` before the upload so that no file of an earlier upload remains (a local writer replaces
+  its own)."""
   if not is_remote(path):
     yield path
     return
@@ -288,6 +348,10 @@ def local_output_dir(path: str, key: str) -> Iterator[str]:
   staging = tempfile.mkdtemp(prefix="maxtext-staging-")
   try:
     yield staging
+    for name in replace:
+      stale = Path(join(path, name))
+      if stale.exists():
+        stale.rmtree()
     publish_tree(staging, path)
   finally:
     shutil.rmtree(staging, ignore_errors=True)
@@ -304,6 +368,47 @@ def files_under(root: str) -> list[str]:
         yield prefix + child.name
 
   return list(walk(Path(root), ""))
+
+
+def _fixed_parts(pattern: str, sep: str) -> tuple[list[str], list[str]]:
+  """(the parts of `pattern` before its first wildcard, all its parts), split at `sep`."""
+  parts = pattern.split(sep)
+  return list(itertools.takewhile(lambda part: not any(c in part for c in "*?["), parts)), parts
+
+
+def glob(pattern: str, timeout_s: float | None = None) -> list[str]:
+  """Sorted files matching `pattern` (`**` recurses); may be empty. A local pattern after `~` expansion,
+  directories left out; a remote one is listed (its wildcards only after the fixed directories) within
+  timeout_s (PROBE_TIMEOUT_S), StorageError naming it otherwise; a remote name without wildcards is checked to
+  exist."""
+  if not is_remote(pattern):
+    return sorted(p for p in pyglob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
+  fixed, parts = _fixed_parts(pattern, "/")
+  if len(fixed) == len(parts):
+    found = with_timeout(lambda: epath.Path(pattern).exists(), f"Cannot list {pattern!r}", timeout_s)
+    return [pattern] if found else []
+  root, rest = epath.Path("/".join(fixed)), "/".join(parts[len(fixed) :])
+  return with_timeout(lambda: sorted(str(p) for p in root.glob(rest)), repr(pattern), timeout_s)
+
+
+def glob_root(pattern: str) -> str:
+  """Absolute directory above the first wildcard of `pattern` (its parent directory when it has none)."""
+  if is_remote(pattern):
+    fixed, parts = _fixed_parts(pattern, "/")
+    return "/".join(fixed) if len(fixed) < len(parts) else dirname(pattern)
+  fixed, parts = _fixed_parts(pattern, os.sep)
+  root = os.sep.join(fixed) if len(fixed) < len(parts) else os.path.dirname(pattern)
+  return os.path.abspath(root or ".")
+
+
+def wait_published(path: str, timeout_s: float, what: str) -> bool:
+  """Whether the file `path`, which process 0 wrote (publish), can be read here. A remote one is waited for
+  (wait_for: StorageError naming `what` after timeout_s); a local one is looked at once, since a directory
+  this host does not share with process 0 never shows it."""
+  if is_remote(path):
+    wait_for(path, timeout_s, what)
+    return True
+  return os.path.isfile(path)
 
 
 def copy_tree(source: str, target: str) -> list[str]:

@@ -28,10 +28,7 @@ MAX_PPL_LOSS = 30.0  # no perplexity axis past this loss: exp() of it is not rea
 def read_records(path: str) -> list[dict[str, Any]]:
   """The JSON objects of a JSON-lines file (local or gs://), skipping blank lines. StorageError naming a gs://
   path that cannot be read (no credentials, no answer) within paths.PROBE_TIMEOUT_S."""
-  if paths.is_remote(path):
-    text = paths.with_timeout(lambda: paths.Path(path).read_text(), repr(path))
-  else:
-    text = paths.Path(path).read_text()
+  text = paths.probe(path, lambda: paths.Path(path).read_text(), repr(path))
   return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 

@@ -58,7 +58,7 @@ def read(directory: str) -> dict[str, Any] | None:
   def text() -> str | None:
     return paths.Path(path).read_text() if paths.isfile(path) else None
 
-  found = paths.with_timeout(text, repr(path)) if paths.is_remote(path) else text()
+  found = paths.probe(path, text, repr(path))
   if found is None:
     return None
   try:
@@ -116,10 +116,7 @@ def _latest_step_dir(config: Config) -> str | None:
   path = config.checkpoint_dir
   if not config.enable_checkpointing:
     return None
-  if paths.is_remote(path):
-    steps = paths.with_timeout(lambda: checkpointing.committed_steps(path), f"checkpoint_dir={path!r}")
-  else:
-    steps = checkpointing.committed_steps(path)
+  steps = paths.probe(path, lambda: checkpointing.committed_steps(path), f"checkpoint_dir={path!r}")
   return paths.join(path, str(steps[-1]), "state") if steps else None
 
 

@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from typing import Any
 
 import jax
@@ -130,22 +129,11 @@ def convert(hf_path: str, output: str, scan_layers: bool = True, dtype: str = "f
 
   Either path may be gs://: a remote hf_path is fetched to a local copy (safetensors reads local files),
   a remote output is written to a local staging directory and then uploaded."""
-  if paths.is_remote(hf_path):
-    if not paths.with_timeout(lambda: paths.isdir(hf_path), f"--hf_path {hf_path!r}"):
-      raise ConfigError(f"--hf_path {hf_path!r} is not a directory; pass a Hugging Face model directory")
-    hf_path = paths.local_copy(hf_path)
-  if not paths.is_remote(output):
-    return _convert(hf_path, output, scan_layers, dtype)
-  paths.check_writable(output, "--output")
-  staging = tempfile.mkdtemp(prefix="maxtext-convert-")
-  try:
-    _convert(hf_path, staging, scan_layers, dtype, final=output)
-    stale = paths.Path(paths.join(output, "params"))
-    if stale.exists():
-      stale.rmtree()
-    paths.publish_tree(staging, output)
-  finally:
-    shutil.rmtree(staging, ignore_errors=True)
+  if not paths.probe_isdir(hf_path, f"--hf_path {hf_path!r}"):
+    raise ConfigError(f"--hf_path {hf_path!r} is not a directory; pass a Hugging Face model directory")
+  hf_path = paths.local_copy(hf_path)
+  with paths.local_output_dir(output, "--output", replace=("params",)) as local:
+    _convert(hf_path, local, scan_layers, dtype, final=output)
   return paths.join(output, "params")
 
 

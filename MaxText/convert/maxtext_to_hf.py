@@ -30,7 +30,7 @@ from flax import nnx
 from MaxText import checkpointing, launch, models, paths
 from MaxText import config as config_lib
 from MaxText import state as state_lib
-from MaxText.config import Config, ConfigError
+from MaxText.config import Config, ConfigError, serving_config
 from MaxText.convert import hf_mapping, streaming
 from MaxText.layers import lora
 
@@ -95,7 +95,7 @@ def convert(c: Config, output: str, dtype: str = "float32") -> None:
 def merge_lora(c: Config, directory: str) -> Config:
   """LoRA export: the base (load_parameters_path) with the adapters (lora_weights_path) folded into its
   kernels, W + (lora_alpha / lora_rank) * A @ B, written as a params checkpoint under `directory`; returns
-  the config that exports it (lora_rank=0). Holds the whole model in host memory once."""
+  the config that exports it (serving_config, reading those params). Holds the whole model in host memory once."""
   if not c.lora_weights_path:
     raise ConfigError(
       f"lora_rank={c.lora_rank}: set lora_weights_path to the adapters to merge (a LoRA run's "
@@ -103,7 +103,7 @@ def merge_lora(c: Config, directory: str) -> Config:
     )
   path = os.path.join(directory, "merged")
   checkpointing.save_params(path, checkpointing.load_lora_merged(c))  # the merge decode.py serves, too
-  return c.replace(lora_rank=0, lora_weights_path="", load_parameters_path=path)
+  return serving_config(c).replace(load_parameters_path=path)
 
 
 def _write(c: Config, output: str, dtype: str) -> None:

@@ -9,11 +9,8 @@ coding). Files are read through etils `epath`, the path type orbax, grain and tf
 from __future__ import annotations
 
 import bisect
-import glob
-import itertools
 import json
 import logging
-import os
 import tokenize
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -26,77 +23,27 @@ from MaxText.data.errors import DataError
 log = logging.getLogger(__name__)
 
 MULTI_DOCUMENT = (".jsonl", ".json", ".parquet")  # files holding one document per line / row
-REMOTE_PREFIXES = paths.REMOTE_PREFIXES  # paths handed to the readers unexpanded
 # Without network or credentials the storage client retries for minutes (and array_record would sit in
 # it); a remote pattern that lists nothing in this long fails with one line instead.
 REMOTE_CHECK_TIMEOUT_S = 30.0
 
 
-def local_files(pattern: str) -> list[str]:
-  """Sorted files (not directories) matching `pattern` after `~` expansion; `**` recurses. May be empty."""
-  return sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
+def matching(pattern: str) -> list[str]:
+  """Sorted files matching `pattern`, local or remote (paths.glob; `**` recurses); may be empty. DataError
+  naming it when storage does not answer within REMOTE_CHECK_TIMEOUT_S."""
+  try:
+    return paths.glob(pattern, REMOTE_CHECK_TIMEOUT_S)
+  except paths.StorageError as e:
+    raise DataError(str(e)) from None
 
 
 def expand(pattern: str) -> list[str]:
-  """`local_files(pattern)`, or `remote_files(pattern)` for a gs:// one (the readers take no globs there);
-  DataError naming the pattern when no file matches."""
-  if pattern.startswith(REMOTE_PREFIXES):
-    return remote_files(pattern)
-  paths = local_files(pattern)
-  if not paths:
-    raise DataError(f"{pattern!r} matches no files")
-  return paths
-
-
-def _first_remote_match(pattern: str) -> epath.Path | None:
-  """The first file matching the remote `pattern` (its wildcards only after the fixed directories)."""
-  parts = pattern.split("/")
-  fixed = list(itertools.takewhile(lambda part: not any(c in part for c in "*?["), parts))
-  if len(fixed) == len(parts):
-    return epath.Path(pattern) if epath.Path(pattern).exists() else None
-  return next(iter(epath.Path("/".join(fixed)).glob("/".join(parts[len(fixed) :]))), None)
-
-
-def check_remote(pattern: str, timeout_s: float | None = None) -> None:
-  """DataError naming `pattern` unless it matches a file within timeout_s (REMOTE_CHECK_TIMEOUT_S)."""
-  timeout_s = REMOTE_CHECK_TIMEOUT_S if timeout_s is None else timeout_s
-  try:
-    found = paths.with_timeout(lambda: _first_remote_match(pattern), f"Cannot list {pattern!r}", timeout_s)
-  except paths.StorageError as e:
-    raise DataError(str(e)) from None
-  if found is None:
-    raise DataError(f"{pattern!r} matches no files")
-
-
-def remote_files(pattern: str) -> list[str]:
-  """Sorted objects matching the remote glob `pattern` (`**` recurses); DataError naming it when none match or
-  storage does not answer within REMOTE_CHECK_TIMEOUT_S."""
-  parts = pattern.split("/")
-  fixed = list(itertools.takewhile(lambda part: not any(c in part for c in "*?["), parts))
-  if len(fixed) == len(parts):
-    check_remote(pattern)
-    return [pattern]
-  root = epath.Path("/".join(fixed))
-  try:
-    rest = "/".join(parts[len(fixed) :])
-    found = paths.with_timeout(lambda: sorted(str(p) for p in root.glob(rest)), repr(pattern), REMOTE_CHECK_TIMEOUT_S)
-  except paths.StorageError as e:
-    raise DataError(str(e)) from None
+  """`matching(pattern)`, handed to the readers as files (they take no globs on a bucket); DataError naming
+  the pattern when no file matches."""
+  found = matching(pattern)
   if not found:
     raise DataError(f"{pattern!r} matches no files")
   return found
-
-
-def glob_root(pattern: str) -> str:
-  """Absolute directory above the first wildcard of `pattern` (its parent directory when it has none)."""
-  if paths.is_remote(pattern):
-    parts = pattern.split("/")
-    fixed = list(itertools.takewhile(lambda part: not any(c in part for c in "*?["), parts))
-    return "/".join(fixed) if len(fixed) < len(parts) else paths.dirname(pattern)
-  parts = pattern.split(os.sep)
-  fixed = list(itertools.takewhile(lambda part: not any(c in part for c in "*?["), parts))
-  root = os.sep.join(fixed) if len(fixed) < len(parts) else os.path.dirname(pattern)
-  return os.path.abspath(root or ".")
 
 
 def read_document(path: str, strict: bool) -> str:
@@ -150,11 +97,10 @@ def read_parquet_column(path: str, column: str) -> list[str]:
 
 
 def _parquet_file(path: str) -> Any:
-  """pyarrow's ParquetFile of `path`; a gs:// one through epath's file object (range reads), since pyarrow's own
-  GCS client takes neither gcsfs's credentials nor the emulator's environment variable."""
+  """pyarrow's ParquetFile of `path`, local or remote (paths.path_or_file)."""
   import pyarrow.parquet as pq
 
-  return pq.ParquetFile(epath.Path(path).open("rb") if paths.is_remote(path) else path)
+  return pq.ParquetFile(paths.path_or_file(path))
 
 
 class ParquetSource:
@@ -209,8 +155,8 @@ class ParquetSource:
 
 def cli_texts(pattern: str, column: str) -> tuple[list[str], Iterator[str]]:
   """For command-line tools: the files matching `pattern` and a lazy stream of their documents; exits with a
-  message naming the pattern when no file matches. A gs:// pattern is listed (DataError when it matches none)."""
-  paths = remote_files(pattern) if pattern.startswith(REMOTE_PREFIXES) else local_files(pattern)
-  if not paths:
+  message naming the pattern when no file matches (local or remote)."""
+  found = matching(pattern)
+  if not found:
     raise SystemExit(f"--files {pattern!r} matches no files")
-  return paths, (t for p in paths for t in read_texts(p, True, column))
+  return found, (t for p in found for t in read_texts(p, True, column))

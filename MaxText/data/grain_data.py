@@ -15,7 +15,6 @@ MaxText/data/convert_to_arrayrecord.py). Parquet rows give their `text_column`.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -23,7 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, Sharding
 
-from MaxText import sharding
+from MaxText import paths, sharding
 from MaxText.config import Config
 from MaxText.data import tokenizer as tokenizers
 from MaxText.data.batches import Iterators, Rows, assemble_batch, process_rows
@@ -69,21 +68,21 @@ def record_text(record: Any, column: str) -> str:
   return record
 
 
-def open_source(paths: Sequence[str], file_type: str, column: str) -> Any:
-  """A random-access source over `paths`; DataError naming an unreadable file, an empty source, or no text."""
+def open_source(files: Sequence[str], file_type: str, column: str) -> Any:
+  """A random-access source over `files`; DataError naming an unreadable file, an empty source, or no text."""
   if file_type == "parquet":
-    source = ParquetSource(paths, column)
+    source = ParquetSource(files, column)
   else:
     from grain.sources import ArrayRecordDataSource
 
-    for path in paths:
-      if not path.startswith("gs://") and not os.access(path, os.R_OK):
+    for path in files:
+      if not paths.may_read(path):
         raise DataError(f"Cannot read ArrayRecord file {path!r}")
     try:
-      source = ArrayRecordDataSource(list(paths))
+      source = ArrayRecordDataSource(list(files))
     except Exception as e:  # array_record raises RuntimeError/ValueError/OSError by version
-      raise DataError(f"Cannot read ArrayRecord files {', '.join(paths)}: {e}") from None
-  return check_source(source, ", ".join(paths), column)
+      raise DataError(f"Cannot read ArrayRecord files {', '.join(files)}: {e}") from None
+  return check_source(source, ", ".join(files), column)
 
 
 def check_source(source: Any, where: str, column: str) -> Any:

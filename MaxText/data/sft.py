@@ -106,7 +106,7 @@ def file_records(path: str) -> Iterator[Record]:
     import pyarrow.parquet as pq
 
     try:
-      table = pq.read_table(paths.local_copy(path) if paths.is_remote(path) else path)
+      table = pq.read_table(paths.local_copy(path))  # a remote file fetched: pyarrow reads local ones
     except (OSError, ValueError) as e:
       raise DataError(f"Cannot read Parquet file {path!r}: {e}") from None
     for i, row in enumerate(table.to_pylist()):
@@ -167,7 +167,7 @@ def load_examples(config: Config, tok: Any, template: chat.ChatTemplate) -> tupl
     split, data_files = (config.hf_eval_split, "") if config.hf_eval_split else ("eval", config.hf_eval_files)
     return train, encode(config, tok, template, hf_records(config, split, data_files), "eval")
   pattern = os.path.expanduser(config.dataset_path)
-  found = files.remote_files(pattern) if paths.is_remote(pattern) else files.local_files(pattern)
+  found = files.matching(pattern)
   if not found:
     raise DataError(f"dataset_path={config.dataset_path!r} matches no files (e.g. dataset_path='/data/chat/*.jsonl')")
   records = [r for path in found for r in file_records(path)]

@@ -53,13 +53,10 @@ def list_documents(config: Config) -> Documents:
   """The files of the corpus: `dataset_path` (glob, `**` recursive) or the stdlib's *.py files."""
   if config.dataset_path:
     pattern = os.path.expanduser(config.dataset_path)
-    if paths.is_remote(pattern):
-      found = files.remote_files(pattern)
-    else:
-      found = sorted(os.path.abspath(p) for p in files.local_files(pattern))
+    found = sorted(paths.absolute(p) for p in files.matching(pattern))
     if not found:
       raise DataError(f"dataset_path={config.dataset_path!r} matches no files (for a directory, use 'dir/**/*.txt')")
-    docs = Documents(found, files.glob_root(pattern), strict=True)
+    docs = Documents(found, paths.glob_root(pattern), strict=True)
   else:
     root = sysconfig.get_paths()["stdlib"]
     docs = Documents(_stdlib_sources(root), root, strict=False)
@@ -124,15 +121,12 @@ def get_tokenizer(config: Config, train_texts: Callable[[], Sequence[str]]) -> t
   if jax.process_index() == 0 and not paths.isfile(published):
     start = time.perf_counter()
     path = tokenizers.train_sentencepiece(train_texts(), config.vocab_size, local_dir, config.data_shuffle_seed)
-    if paths.is_remote(published):  # the model file last: its presence marks a complete tokenizer
-      paths.publish([os.path.join(local_dir, "tokenizer.vocab"), path], config.tokenizer_dir)
+    # Uploaded when tokenizer_dir is remote; the model file last: its presence marks a complete tokenizer.
+    paths.publish([os.path.join(local_dir, "tokenizer.vocab"), path], config.tokenizer_dir)
     seconds = time.perf_counter() - start
     log.info("Trained a tokenizer (vocab_size=%d) in %.1f s: %s", config.vocab_size, seconds, published)
   _sync("maxtext_data_tokenizer")
-  if paths.is_remote(published):
-    paths.wait_for(published, PUBLISH_WAIT_S, "The tokenizer")
-    return tokenizers.load_for_config(config.replace(tokenizer_path=published))
-  if not os.path.isfile(published):
+  if not paths.wait_published(published, PUBLISH_WAIT_S, "The tokenizer"):
     raise DataError(
       f"Process {jax.process_index()} cannot see the tokenizer {published!r} that process 0 trained: put "
       "base_output_directory on a filesystem all hosts share (or a gs:// bucket), or set tokenizer_path"
@@ -156,13 +150,7 @@ def _cache_prefix(config: Config, docs: Documents, tok: tokenizers.Tokenizer) ->
   with open(tok.path, "rb") as f:
     key = [CACHE_FORMAT, hashlib.sha256(f.read()).hexdigest(), config.add_bos, config.add_eos, docs.strict]
   key += [config.tokenizer_type, config.text_column]
-  for path in docs.paths:
-    if paths.is_remote(path):  # an object's generation changes with every rewrite, as a file's mtime does
-      stat = paths.Path(path).stat()
-      key.append([path, stat.length, str(stat.mtime)])
-    else:
-      stat = os.stat(path)
-      key.append([path, stat.st_size, stat.st_mtime_ns])
+  key += [[path, *paths.version_key(path)] for path in docs.paths]
   digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:20]
   return paths.join(config.tokenizer_dir, f"corpus-{digest}")
 
@@ -186,25 +174,20 @@ def load_corpus(config: Config, docs: Documents, tok: tokenizers.Tokenizer, text
   """The tokenized corpus, from the cache in tokenizer_dir or tokenized (by process 0) and cached. A gs://
   cache is written locally, published to the bucket and memory-mapped from a local copy."""
   prefix = _cache_prefix(config, docs, tok)
-  remote = paths.is_remote(prefix)
-  local = os.path.join(paths.local_dir_for(paths.dirname(prefix)), os.path.basename(prefix)) if remote else prefix
+  local = os.path.join(paths.local_dir_for(paths.dirname(prefix)), os.path.basename(prefix))  # prefix when local
   marker = prefix + ".offsets.npy"  # written last: its presence marks a complete cache
   if jax.process_index() == 0 and not paths.isfile(marker):
     start = time.perf_counter()
     corpus = tokenize_documents(config, tok, texts())
     _save(local, corpus)
-    if remote:
-      paths.publish([f"{local}.{name}.npy" for name in ("tokens", "counts", "offsets")], paths.dirname(prefix))
+    paths.publish([f"{local}.{name}.npy" for name in ("tokens", "counts", "offsets")], paths.dirname(prefix))
     seconds = time.perf_counter() - start
     log.info("Tokenized %d documents (%d tokens) in %.1f s", len(corpus.offsets) - 1, len(corpus.tokens), seconds)
   _sync("maxtext_data_corpus")
-  if remote:
-    paths.wait_for(marker, PUBLISH_WAIT_S, "The tokenized corpus")
-    local = os.path.join(os.path.dirname(paths.local_copy(marker)), os.path.basename(prefix))
-    for name in ("tokens", "counts"):
-      paths.local_copy(f"{prefix}.{name}.npy")
-  elif not os.path.isfile(marker):  # hosts without a shared filesystem tokenize for themselves
-    return tokenize_documents(config, tok, texts())
+  if not paths.wait_published(marker, PUBLISH_WAIT_S, "The tokenized corpus"):
+    return tokenize_documents(config, tok, texts())  # hosts without a shared filesystem tokenize for themselves
+  for name in ("offsets", "tokens", "counts"):  # fetched into `local` when remote; already there when local
+    paths.local_copy(f"{prefix}.{name}.npy")
   loaded = {
     name: np.load(f"{local}.{name}.npy", mmap_mode="r" if name == "tokens" else None) for name in Corpus._fields
   }

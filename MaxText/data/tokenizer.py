@@ -70,8 +70,7 @@ def load_tokenizer(path: str, tokenizer_type: str = "sentencepiece") -> Tokenize
   """
   if tokenizer_type not in LOADERS:
     raise DataError(f"tokenizer_type={tokenizer_type!r} is not one of {', '.join(LOADERS)}")
-  found = paths.with_timeout(lambda: paths.exists(path), f"Tokenizer {path!r}") if paths.is_remote(path) else None
-  if not (found or os.path.exists(path)):
+  if not paths.probe_exists(path, f"Tokenizer {path!r}"):
     raise DataError(f"Tokenizer {path!r} does not exist; set tokenizer_path to a {tokenizer_type} tokenizer file")
   path = paths.local_copy(path)  # the tokenizer libraries open local files only
   try:

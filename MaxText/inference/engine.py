@@ -24,7 +24,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from MaxText import checkpointing, config_checks, sharding
 from MaxText import state as state_lib
-from MaxText.config import Config, ConfigError
+from MaxText.config import Config, ConfigError, serving_config
 from MaxText.inference import quantize, sampling
 from MaxText.inference import tokenizer as tokenizer_lib
 from MaxText.layers import lora
@@ -113,7 +113,7 @@ def load_params(config: Config, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State, st
   any int8w quantization: the served model is the plain one (lora_rank=0) and decoding costs nothing extra."""
   quantize.check(config)
   config_checks.check_lora_serving(config)
-  model_config = state_lib.for_inference(config).replace(lora_rank=0, lora_weights_path="")  # adapters merged
+  model_config = serving_config(state_lib.for_inference(config))  # adapters merged
   path = config.load_parameters_path
   with sharding.activate(config, mesh):
     # int8w serves int8 params (below) through plain matmuls: no training-time (QAT) wrapper on the model.

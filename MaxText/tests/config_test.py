@@ -132,3 +132,11 @@ def test_choice_sets_agree_with_the_registries_that_implement_them():
   presets = glob.glob(os.path.join(os.path.dirname(config.__file__), "configs", "models", "*.yml"))
   blocks = {config.load([BASE, f"model_name={os.path.basename(p)[:-4]}"]).decoder_block for p in presets}
   assert blocks <= set(models.REGISTRY), blocks - set(models.REGISTRY)
+
+
+def test_serving_config_is_the_plain_model_of_a_lora_fine_tune():
+  c = load("lora_rank=4", "lora_weights_path=/a")
+  served = config.serving_config(c)
+  assert (served.lora_rank, served.lora_weights_path) == (0, "")
+  changed = {k for k, v in served.to_dict().items() if c.to_dict()[k] != v}
+  assert changed == {"lora_rank", "lora_weights_path"}

@@ -1,12 +1,15 @@
-"""Model FLOPs per token, counted on the built model (flops.py), against counts written out by hand and the
-published sizes of the presets, and XLA's own count; and the MFU arithmetic."""
+"""Model FLOPs per token, counted on the built model (flops.py), against counts written out by hand: the
+tiny model of each family, the published sizes of the presets, and XLA's own count; and the MFU arithmetic."""
 
 import os
 
 import pytest
+from flax import nnx
 
 from MaxText import config as config_lib
 from MaxText import flops as flops_lib
+from MaxText.layers.linears import DenseGeneral
+from MaxText.layers.moe import MoeBlock
 
 
 def make_config(tmp_path, *overrides):
@@ -76,6 +79,115 @@ def test_attended_keys_global_sliding_and_chunked():
   assert flops_lib.attended_keys(36, chunk_window=8) == (4 * 32 + 4**2 / 2) / 36  # and a last block of 4
   assert flops_lib.attended_keys(32, chunk_window=64) == 16
   assert flops_lib.attended_keys(32, sliding_window=4, chunk_window=8) == (8 * 4 - 4**2 / 2) / 8  # a band per block
+
+
+# One tiny model per family, counted by hand from make_config's D=64, N=4, K=2, H=16, F=128, V=256, T=32:
+#   attention projections per layer: q 64*4*16 + k 64*2*16 + v 64*2*16 + o 4*16*64 = 12288
+#   SwiGLU MLP per layer: 3 * 64*128 = 24576; the logits head 64*256 = 16384 (x6 = 98304)
+#   forward QK^T + AV per layer and token: 2 * keys * N * (H_qk + H_v) = 2 * keys * 4 * 32 = 256 * keys, where keys
+#   is 16 (global, T/2), 7 (a window of 8: 8 - 8^2/64) or 4 (blocks of 8: 8^2/2 keys for 8 queries)
+# matmul = 6 * layer weights, attention = 3 * forward, embedding = 6 * 16384 (98304) unless said.
+MOE = ["num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=32"]
+MLA = ["q_lora_rank=16", "kv_lora_rank=16", "qk_nope_head_dim=8", "qk_rope_head_dim=8", "v_head_dim=8"]
+LLAMA4 = [
+  "decoder_block=llama4", "base_num_decoder_layers=8", "nope_layer_interval=4", "interleave_moe_layer_step=2",
+  "chunk_attn_window_size=8", "num_experts=4", "num_experts_per_tok=1", "shared_experts=1", "base_moe_mlp_dim=32",
+  "routed_score_func=sigmoid", "routed_weight_on_input=true", "temperature_tuning=true",
+]  # fmt: skip
+# fmt: off
+FAMILIES = {
+  # 2 layers of 12288 + 24576 = 36864; two global layers
+  "llama2": (["decoder_block=llama2"], 6 * 2 * 36864, 3 * 2 * 256 * 16, 98304),
+  # every layer a window of 8
+  "mistral": (["decoder_block=mistral", "sliding_window_size=8"], 6 * 2 * 36864, 3 * 2 * 256 * 7, 98304),
+  # MoE layers: 2 routed SwiGLU experts of width 32 (2 * 3 * 64*32 = 12288) and the router 64*4 = 256
+  "mixtral": (["decoder_block=mixtral", *MOE], 6 * 2 * (12288 + 12288 + 256), 3 * 2 * 256 * 16, 98304),
+  # qwen3 MoE with q/k norms (no matmuls): 8 experts, top 2: router 64*8 = 512
+  "qwen3": (
+    ["decoder_block=qwen3", "use_qk_norm=true", "num_experts=8", "num_experts_per_tok=2", "base_moe_mlp_dim=32"],
+    6 * 2 * (12288 + 12288 + 512), 3 * 2 * 256 * 16, 98304,
+  ),
+  # GeGLU and tied logits: the head is the embedding table, still 64*256
+  "gemma": (
+    ["decoder_block=gemma", "logits_via_embedding=true", "mlp_activations=[gelu,linear]"],
+    6 * 2 * 36864, 3 * 2 * 256 * 16, 98304,
+  ),
+  # 5 layers: local, global, local, global, local (two scanned pairs and a remainder layer)
+  "gemma2": (
+    ["decoder_block=gemma2", "base_num_decoder_layers=5", "sliding_window_size=8"],
+    6 * 5 * 36864, 3 * 256 * (3 * 7 + 2 * 16), 98304,
+  ),
+  # 8 layers: 5 local, 1 global, then a remainder of 2 local: 7 local, 1 global
+  "gemma3": (
+    ["decoder_block=gemma3", "base_num_decoder_layers=8", "sliding_window_size=8"],
+    6 * 8 * 36864, 3 * 256 * (7 * 7 + 16), 98304,
+  ),
+  # plain GELU MLP (2 * 64*128 = 16384); biases and the learned positions are not matmuls
+  "gpt3": (
+    ["decoder_block=gpt3", "trainable_position_size=32", "mlp_activations=[gelu]"],
+    6 * 2 * (12288 + 16384), 3 * 2 * 256 * 16, 98304,
+  ),
+  # 3 MLA layers: wq_a 64*16 + wq_b 16*4*16 + wkv_a 64*(16+8) + wkv_b 16*4*(8+8) + out 4*8*64
+  #   = 1024 + 1024 + 1536 + 1024 + 2048 = 6656; forward attention 2 * 16 keys * 4 * (16 + 8) = 3072
+  # layer 0 a dense SwiGLU MLP (24576); layers 1-2 MoE: routed 12288, one shared expert 3 * 64*32 = 6144, router 256
+  "deepseek": (
+    ["decoder_block=deepseek", "base_num_decoder_layers=3", "first_num_dense_layers=1", "shared_experts=1", *MOE, *MLA],
+    6 * (3 * 6656 + 24576 + 2 * (12288 + 6144 + 256)), 3 * 3 * 3072, 98304,
+  ),
+  # ... and one MTP module: one more MoE layer, its eh_proj 2*64*64 = 8192, one more logits head
+  "deepseek-mtp": (
+    ["decoder_block=deepseek", "base_num_decoder_layers=3", "first_num_dense_layers=1", "shared_experts=1", *MOE, *MLA,
+     "mtp_num_layers=1"],
+    6 * (4 * 6656 + 24576 + 3 * (12288 + 6144 + 256) + 8192), 3 * 4 * 3072, 2 * 98304,
+  ),
+  # 8 layers: NoPE (global) layers 3 and 7, the other 6 chunked (blocks of 8); MoE layers 1, 3, 5, 7 (one routed
+  # expert 3 * 64*32 = 6144, one shared 6144, router 256), dense SwiGLU layers 0, 2, 4, 6
+  "llama4": (LLAMA4, 6 * (8 * 12288 + 4 * 24576 + 4 * (6144 + 6144 + 256)), 3 * 256 * (6 * 4 + 2 * 16), 98304),
+}
+# fmt: on
+
+
+@pytest.mark.parametrize("scan", ["true", "false"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_flops_of_each_family_by_hand(tmp_path, family, scan):
+  overrides, matmul, attention, embedding = FAMILIES[family]
+  flops = flops_lib.training_flops_per_token(make_config(tmp_path, *overrides, f"scan_layers={scan}"))
+  assert (flops.matmul, flops.attention, flops.embedding) == (matmul, attention, embedding)
+  assert flops.total == matmul + attention + embedding
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_matrix_is_a_projection_expert_or_lookup_table(tmp_path, family):
+  """The count reads DenseGeneral kernels and MoeBlock experts: a family that multiplied by another matrix
+  would go uncounted, so there is none (unstacked layers: a matrix is a parameter of 2 or more dims)."""
+  model = flops_lib.abstract_model(make_config(tmp_path, *FAMILIES[family][0], "scan_layers=false"))
+  counted = {id(model.token_embedder.embedding)}  # the input lookup (and the head when tied)
+  if model.position_embedder is not None:
+    counted.add(id(model.position_embedder.embedding))
+  for _, module in nnx.iter_modules(model):
+    if isinstance(module, DenseGeneral):
+      counted |= {id(module.kernel), id(module.bias)}  # a bias is added, not multiplied (gpt3's q/k/v: [N, H])
+    elif isinstance(module, MoeBlock):
+      counted |= {id(getattr(module, name)) for name in flops_lib.EXPERT_WEIGHTS}
+  matrices = [p for _, p in nnx.iter_graph(model) if isinstance(p, nnx.Param) and p.get_value().ndim >= 2]
+  assert matrices and all(id(p) in counted for p in matrices)
+
+
+def test_flops_llama4_maverick_chunks_and_interleaves(tmp_path):
+  """Llama 4 Maverick: 48 layers, dense (F=16384) and MoE (128 experts top-1, width 8192, 1 shared) alternating,
+  every 4th layer NoPE (global), the others attention in chunks of 8192."""
+  flops = flops_lib.training_flops_per_token(preset(tmp_path, "llama4-17b-128e", 32768))
+  # D=5120 N=40 K=8 H=128 V=202048
+  attention_proj = 5120 * 128 * (40 + 8 + 8 + 40)  # 62,914,560
+  dense = 3 * 5120 * 16384  # 251,658,240
+  moe = 3 * 5120 * 8192 + 3 * 5120 * 8192 + 5120 * 128  # routed + shared + router: 252,313,600
+  active = 48 * attention_proj + 24 * dense + 24 * moe
+  assert active == 15_115_223_040
+  assert 17.1e9 < active + 2 * 5120 * 202048 < 17.3e9  # Meta's published 17B active (17.2B in HF's count)
+  assert flops.matmul == 6 * active
+  assert flops.embedding == 6 * 5120 * 202048
+  # 12 NoPE layers see 32768 / 2 keys per query, 36 chunked layers 8192 / 2 (four blocks of 8192)
+  assert flops.attention == 3 * 2 * 40 * 256 * (12 * 16384 + 36 * 4096)
 
 
 def preset(tmp_path, name, length, *overrides):

@@ -1,4 +1,5 @@
-"""Training FLOPs, MFU and the metric writers (stdout, JSON lines, TensorBoard).
+"""The metric writers (stdout, JSON lines, TensorBoard); the model FLOPs behind TFLOP/s and MFU are
+MaxText/flops.py's.
 
 The train loop hands `MetricLogger.log` host floats once per step (one step late: it reads step N's
 metrics after dispatching step N+1); the logger never touches a device, so it adds no
@@ -18,19 +19,16 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 
 from MaxText import console, paths
-from MaxText import state as state_lib
 from MaxText.config import Config
 from MaxText.console import format_duration
-from MaxText.layers import lora
-from MaxText.models import gemma2, gemma3
+from MaxText.flops import mfu
 
 COMPILE_STEPS = 2  # the first steps after start include jit compilation; timed apart
 # jax.monitoring event recorded when an XLA compilation ends (jax._src.dispatch.BACKEND_COMPILE_EVENT).
@@ -42,139 +40,9 @@ PLAIN_MEANS = ("grad_norm",)  # per-step values: plain mean over a window
 STEP_FLAGS = ("update_finite", "step_skipped")
 
 
-class FlopCount(NamedTuple):
-  """Training FLOPs per token (forward + backward); `total` is the sum of the three parts."""
-
-  total: float
-  matmul: float  # decoder-layer weight matmuls: attention projections, MLP / routed + shared experts, router
-  attention: float  # the QK^T and AV matmuls of causal (or sliding-window) self-attention
-  embedding: float  # the output (unembedding) projection; the input lookup is not a matmul
-
-
-class LayerKind(NamedTuple):
-  """What one decoder layer computes, as far as FLOPs go."""
-
-  window: int  # attention keys per query before causality: sliding_window_size, or 0 for global
-  moe: bool  # routed experts (MoeBlock) rather than a dense MLP
-  mla: bool  # multi-head latent attention (deepseek) rather than q/k/v/o projections
-
-
-# Families that alternate local and global layers: the period of the cycle, whose last layer is the
-# global one, taken from the families themselves (gemma2: local, global; gemma3: 5 local, then global).
-LOCAL_GLOBAL_PERIOD = {"gemma2": len(gemma2.PATTERN), "gemma3": gemma3.LOCAL_PER_GLOBAL + 1}
-
-
-def layer_kinds(config: Config) -> tuple[LayerKind, ...]:
-  """One LayerKind per decoder layer, in order, following models/ (checked against the built model in
-  metrics_test)."""
-  moe = config.num_experts > 1  # DecoderLayer builds a MoeBlock then
-  period = LOCAL_GLOBAL_PERIOD.get(config.decoder_block)
-  kinds = []
-  for i in range(config.num_decoder_layers):
-    window = config.sliding_window_size
-    if period is not None and i % period == period - 1:
-      window = 0
-    if config.decoder_block == "deepseek":  # first_num_dense_layers dense, then MoE; MLA everywhere
-      kinds.append(LayerKind(window, moe and i >= config.first_num_dense_layers, mla=True))
-    else:
-      kinds.append(LayerKind(window, moe, mla=False))
-  return tuple(kinds)
-
-
-def attended_keys(window: int, length: int) -> float:
-  """Mean keys per query of causal attention over `length` positions with a `window` (0: global).
-
-  The continuous (area) count: a causal [T, T] score matrix is T^2/2 (MaxText's convention: half of
-  full attention), a band of width S = min(window, T) below the diagonal is T*S - S^2/2; per query
-  that is S - S^2/(2T), which is T/2 for a global layer.
-  """
-  s = length if window <= 0 else min(window, length)
-  return s - s * s / (2.0 * length)
-
-
-def _attention_params(config: Config, mla: bool) -> int:
-  """Weights of one layer's attention projections, each used once per token."""
-  d, n = config.emb_dim, config.num_query_heads
-  if not mla:  # q, o: D*N*H; k, v: D*K*H
-    return d * config.head_dim * (2 * n + 2 * config.num_kv_heads)
-  nope, rope, v = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
-  if config.q_lora_rank:
-    query = d * config.q_lora_rank + config.q_lora_rank * n * (nope + rope)  # wq_a, wq_b
-  else:
-    query = d * n * (nope + rope)
-  kv = d * (config.kv_lora_rank + rope) + config.kv_lora_rank * n * (nope + v)  # wkv_a, wkv_b
-  return query + kv + n * v * d  # + out
-
-
-def _mlp_params(config: Config, moe: bool) -> int:
-  """Weights of one layer's feed-forward block that one token multiplies by (its active parameters)."""
-  d, inputs = config.emb_dim, len(config.mlp_activations)
-  if not moe:
-    return (inputs + 1) * d * config.mlp_dim
-  width = config.moe_mlp_dim  # routed expert width, scaled by global_parameter_scale like mlp_dim
-  routed = config.num_experts_per_tok * 3 * d * width  # MoeBlock: wi_0, wi_1, wo per chosen expert
-  shared = (inputs + 1) * d * width * config.shared_experts  # one MlpBlock of width shared_experts x width
-  return routed + shared + d * config.num_experts  # + the router
-
-
-def _attention_flops_forward(config: Config, kind: LayerKind) -> float:
-  """Forward QK^T + AV FLOPs per token of one layer: 2 FLOPs per multiply-add over the attended keys."""
-  if kind.mla:
-    qk, v = config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
-  else:
-    qk = v = config.head_dim
-  return 2.0 * attended_keys(kind.window, config.max_target_length) * config.num_query_heads * (qk + v)
-
-
-def training_flops_per_token(config: Config, trainable_params: int | None = None) -> FlopCount:
-  """Model FLOPs per trained token, forward + backward (3x the forward): the standard 6·N count.
-
-  Every weight matmul costs 2 FLOPs per weight per token forward and 4 backward (activation and weight
-  gradients), 6 in all, for the weights a token actually multiplies by:
-    matmul    = 6 · sum over layers (attention projections + feed-forward)
-                attention: q, k, v, o (D·H·(2N + 2K)), or MLA's wq_a/wq_b (or query), wkv_a, wkv_b, out
-                feed-forward: (A + 1)·D·F dense; MoE: k routed experts (3·D·F_e each), the shared experts
-                ((A + 1)·D·F_e·shared) and the router (D·E), F_e = moe_mlp_dim
-    embedding = 6·D·V        the logits projection (tied or not); the input lookup is not a matmul
-    attention = 3 · sum over layers 2·S_eff·N·(H_qk + H_v)
-                QK^T and AV, 2 FLOPs per multiply-add, over S_eff = attended_keys(window, T) keys:
-                T/2 for global causal layers (half of full attention, as MaxText counts it), less for
-                sliding-window layers; MLA's H_qk is qk_nope + qk_rope, H_v is v_head_dim.
-    mtp       = each of mtp_num_layers modules adds its layer (MoE when num_experts > 1), its eh_proj
-                (6·2D·D, in matmul) and one more logits projection (in embedding)
-  Under LoRA (lora_rank > 0) the base is frozen: the backward still computes activation gradients through
-  its weights but no weight gradients, so every base weight above (matmul and embedding) costs 4, not 6;
-  the adapters, trained and each used once per token (dense projections only), cost 6 each and are
-  counted in matmul: 4·N_frozen + 6·N_adapters, attention unchanged. `trainable_params` is then the
-  adapters' count (StateSpec.num_trainable); None counts them on an abstract build of the model.
-  Not counted: norms, activations, softmax, RoPE, the MoE dispatch (XLA's cost analysis does count them).
-  """
-  mtp_kind = LayerKind(config.sliding_window_size, config.num_experts > 1, mla=config.decoder_block == "deepseek")
-  kinds = layer_kinds(config) + (mtp_kind,) * config.mtp_num_layers
-  per_weight = 4.0 if lora.enabled(config) else 6.0  # LoRA: no weight gradients for the frozen base
-  matmul = per_weight * sum(_attention_params(config, k.mla) + _mlp_params(config, k.moe) for k in kinds)
-  matmul += per_weight * 2 * config.emb_dim**2 * config.mtp_num_layers
-  if lora.enabled(config):
-    matmul += 6.0 * (adapter_params(config) if trainable_params is None else trainable_params)
-  attention = 3.0 * sum(_attention_flops_forward(config, k) for k in kinds)
-  embedding = per_weight * config.emb_dim * config.vocab_size * (1 + config.mtp_num_layers)
-  return FlopCount(matmul + attention + embedding, matmul, attention, embedding)
-
-
-def adapter_params(config: Config) -> int:
-  """The LoRA adapters' parameter count, from an abstract build of the model (nothing is allocated)."""
-  abstract = state_lib.param_spec(config).abstract
-  return sum(x.size for x in jax.tree.leaves(lora.trainable(config, abstract)))
-
-
 def perplexity(loss: float) -> float:
   """exp(loss); inf instead of an OverflowError for a diverged loss, nan for a nan loss."""
   return math.inf if loss > MAX_EXP_ARG else math.exp(loss)
-
-
-def mfu(flops_per_step: float, step_time_s: float, num_devices: int, peak_flops_per_device: float) -> float:
-  """Model FLOPs utilisation: achieved model FLOP/s per device over the device's peak (a fraction)."""
-  return flops_per_step / step_time_s / num_devices / peak_flops_per_device
 
 
 def _mean(values: list[float]) -> float | None:
@@ -515,10 +383,3 @@ def format_summary(summary: Mapping[str, Any], config: Config | None = None) -> 
   if summary.get("skipped_steps"):
     lines.append(f"  skipped steps        {summary['skipped_steps']} (not applied: non-finite or a loss spike)")
   return "\n".join(lines)
-
-
-if __name__ == "__main__":
-  from MaxText import config as config_lib
-
-  flops = training_flops_per_token(config_lib.load(sys.argv[1:]))
-  print(f"training FLOPs per token: {flops.total:.4g} ({flops._asdict()})")

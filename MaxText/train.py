@@ -26,6 +26,7 @@ from MaxText import (
   checkpointing,
   compiled_step,
   console,
+  flops,
   launch,
   metrics,
   optimizers,
@@ -267,11 +268,12 @@ class StepReader:
 
 def make_logger(config: Config, parts: LoopParts, start: int, is_writer: bool) -> metrics.MetricLogger:
   tokens_per_step = parts.global_batch * config.max_target_length
+  per_token = flops.training_flops_per_token(config, flops.abstract_model(config, parts.spec))
   return metrics.MetricLogger(
     config,
     num_devices=parts.mesh.size,
     tokens_per_step=tokens_per_step,
-    flops_per_step=metrics.training_flops_per_token(config, parts.spec.num_trainable).total * tokens_per_step,
+    flops_per_step=per_token.total * tokens_per_step,
     peak_flops_per_device=parts.peak.flops,
     start_step=start,
     is_writer=is_writer,

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
-from MaxText import accelerators, config, launch, metrics, optimizers, sharding  # noqa: E402
+from MaxText import accelerators, config, flops, launch, optimizers, sharding  # noqa: E402
 from MaxText import data as data_lib  # noqa: E402
 from MaxText import state as state_lib  # noqa: E402
 from MaxText import train_step as steps  # noqa: E402
@@ -105,8 +105,8 @@ def prepare(c: config.Config) -> Run:
     compiled = step_fn.lower(state, first, jax.random.key(0)).compile()
     compile_s = time.perf_counter() - t0
   tokens = sharding.global_batch_size(c, mesh) * c.max_target_length
-  flops = metrics.training_flops_per_token(c).total * tokens
-  return Run(compiled, state, batches, tokens, flops, mesh.size, spec.num_params, compile_s)
+  step_flops = flops.training_flops_per_token(c, flops.abstract_model(c, spec)).total * tokens
+  return Run(compiled, state, batches, tokens, step_flops, mesh.size, spec.num_params, compile_s)
 
 
 def measure(c: config.Config, warmup: int = 2, timed: int = 5) -> dict:
@@ -127,7 +127,7 @@ def measure(c: config.Config, warmup: int = 2, timed: int = 5) -> dict:
     "tokens/s/device": run.tokens / step_s / run.devices,
     "TFLOP/s/device": run.flops / step_s / run.devices / 1e12,
     "peak TFLOP/s/device": peak / 1e12,
-    "MFU": metrics.mfu(run.flops, step_s, run.devices, peak),
+    "MFU": flops.mfu(run.flops, step_s, run.devices, peak),
     "compile time (s)": run.compile_s,
     "program memory/device (MiB)": program_bytes / MiB,
     "peak RSS (MiB)": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -160,7 +160,7 @@ def sweep(argv: list[str], warmup: int, timed: int, rounds: int) -> list[dict]:
         "step time (s)": step_s,
         "spread (s)": f"{min(t):.3f}-{max(t):.3f}",
         "tokens/s/device": run.tokens / step_s / run.devices,
-        "MFU": metrics.mfu(run.flops, step_s, run.devices, peak),
+        "MFU": flops.mfu(run.flops, step_s, run.devices, peak),
         "compile time (s)": run.compile_s,
       }
     )

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import checkpointing, config, metrics, models, saved_config, train
+from MaxText import checkpointing, config, flops, models, saved_config, train
 from MaxText import state as state_lib
 from MaxText import train_step as steps
 from MaxText.config import ConfigError
@@ -282,7 +282,7 @@ def test_decode_drops_the_mtp_modules(converted):
 def test_flops_count_each_mtp_module_as_one_more_layer_eh_proj_and_head():
   off, on = load(*DEEPSEEK), load(*DEEPSEEK, "mtp_num_layers=1")
   deeper = load(*DEEPSEEK, "base_num_decoder_layers=4")  # one more MoE layer, as the MTP module has
-  f_off, f_on, f_deeper = (metrics.training_flops_per_token(c) for c in (off, on, deeper))
+  f_off, f_on, f_deeper = (flops.training_flops_per_token(c) for c in (off, on, deeper))
   assert f_on.matmul == pytest.approx(f_deeper.matmul + 6 * 2 * on.emb_dim**2)
   assert f_on.attention == pytest.approx(f_deeper.attention) and f_on.embedding == 2 * f_off.embedding
 

@@ -1,0 +1,150 @@
+"""Model FLOPs per trained token, counted on the model that was built: the numerator of MFU.
+
+No second description of the architecture: the count walks the model's modules (an abstract build,
+nothing allocated) and reads from each what it computes. Every projection (DenseGeneral) counts its kernel,
+a MoeBlock its experts' weights times k / num_experts (the experts a token is routed to), every attention
+module its own window (global causal, sliding, Llama 4's chunks; NoPE layers are global), and the logits
+head once per application (the main model's, and one per multi-token-prediction module). Stacked layers
+(scan_layers) are counted through their kernels' leading layer axis.
+
+    python3 -m MaxText.flops MaxText/configs/base.yml model_name=llama2-7b   # the count for a config
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import NamedTuple
+
+import jax
+from flax import nnx
+
+from MaxText import state as state_lib
+from MaxText.config import Config
+from MaxText.layers.attention import Attention
+from MaxText.layers.attention_mla import MLAttention
+from MaxText.layers.linears import DenseGeneral
+from MaxText.layers.moe import MoeBlock
+
+EXPERT_WEIGHTS = ("wi_0", "wi_1", "wo")  # a MoeBlock's [E, ...] expert weights; its router is a DenseGeneral
+LOGITS_HEAD = "logits_dense"  # the Decoder's output projection (None when tied to token_embedder)
+
+
+class FlopCount(NamedTuple):
+  """Training FLOPs per token (forward + backward); `total` is the sum of the three parts."""
+
+  total: float
+  matmul: float  # decoder-layer weight matmuls: attention projections, MLP / routed + shared experts, router
+  attention: float  # the QK^T and AV matmuls of causal (sliding-window, chunked) self-attention
+  embedding: float  # the output (unembedding) projection; the input lookup is not a matmul
+
+
+class ForwardCount(NamedTuple):
+  """What one token computes in one forward pass, read off a built model."""
+
+  active: float  # base weights of every projection but the logits head (MoE: k of E experts)
+  adapters: int  # LoRA adapters (nnx.LoRAParam), each used once per token
+  logits: float  # the logits head's weights x its applications (1 + MTP modules)
+  attention: float  # forward QK^T + AV FLOPs per token, summed over the attention layers
+
+
+def attended_keys(length: int, sliding_window: int = 0, chunk_window: int = 0) -> float:
+  """Mean keys per query of causal attention over `length` positions (0 windows: global).
+
+  The continuous (area) count: a causal [T, T] score matrix is T^2/2 (MaxText's convention: half of full
+  attention), a band of width S < T below the diagonal T*S - S^2/2. Chunked attention (queries see only
+  their own block of C places, Llama 4) is that count within each block: T // C blocks of C and one of
+  T % C. Per query: T/2 for a global layer, S - S^2/(2T) for a sliding window.
+  """
+
+  def per_query(block: int) -> float:  # mean keys per query of one causal block
+    s = block if sliding_window <= 0 else min(sliding_window, block)
+    return s - s * s / (2.0 * block)
+
+  chunk = length if chunk_window <= 0 else min(chunk_window, length)
+  full, rest = divmod(length, chunk)
+  if not rest:  # every block alike (one block when global or sliding)
+    return per_query(chunk)
+  return (full * chunk * per_query(chunk) + rest * per_query(rest)) / length
+
+
+def _size(param: nnx.Variable) -> int:
+  return math.prod(param.get_value().shape)
+
+
+def _copies(dense: DenseGeneral) -> int:
+  """The layers a projection stands for: its kernel's leading stacked-layer dims (scan_layers), else 1."""
+  return _size(dense.kernel) // math.prod(dense.in_features + dense.out_features)
+
+
+def _attention_forward(module: Attention | MLAttention, length: int) -> float:
+  """Forward QK^T + AV FLOPs per token: 2 per multiply-add, over N heads, H_qk + H_v dims, the attended keys."""
+  heads, v_dims = module.out.in_features  # [N, H_v] -> D
+  query = module.query if getattr(module, "wq_b", None) is None else module.wq_b  # MLA with q_lora_rank
+  keys = attended_keys(length, module.sliding_window, getattr(module, "chunk_window", 0))
+  return 2.0 * keys * heads * (query.out_features[-1] + v_dims) * _copies(module.out)
+
+
+def forward_count(model: nnx.Module, length: int) -> ForwardCount:
+  """Walk `model` (a Decoder, abstract or real) for a training length of `length` tokens."""
+  active = attention = 0.0
+  for path, module in nnx.iter_modules(model):
+    if isinstance(module, DenseGeneral) and path != (LOGITS_HEAD,):
+      active += _size(module.kernel)
+    elif isinstance(module, MoeBlock):
+      active += sum(_size(getattr(module, w)) for w in EXPERT_WEIGHTS) * module.k / module.num_experts
+    elif isinstance(module, (Attention, MLAttention)):
+      attention += _attention_forward(module, length)
+  head = getattr(model, LOGITS_HEAD)
+  head_size = _size(model.token_embedder.embedding if head is None else head.kernel)
+  applications = 1 + len(model.mtp_modules or ())  # each MTP module applies the shared head again
+  adapters = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+  return ForwardCount(active, adapters, head_size * applications, attention)
+
+
+def abstract_model(config: Config, spec: state_lib.StateSpec | None = None) -> nnx.Module:
+  """The model train builds for `config`, abstract (nothing allocated): from the `spec` a run already has,
+  else from state.param_spec."""
+  if spec is not None:
+    return nnx.merge(spec.graphdef, spec.abstract.params)
+  params = state_lib.param_spec(config)
+  return nnx.merge(params.graphdef, params.abstract)
+
+
+def training_flops_per_token(config: Config, model: nnx.Module | None = None) -> FlopCount:
+  """Model FLOPs per trained token, forward + backward (3x the forward): the standard 6·N count.
+
+  `model`: the built model (abstract is enough: nnx.merge(spec.graphdef, spec.abstract)); None builds it
+  abstractly from `config`. Every weight matmul costs 2 FLOPs per weight per token forward and 4 backward
+  (activation and weight gradients), 6 in all, for the weights a token actually multiplies by:
+    matmul    = 6 · every projection (DenseGeneral kernel) but the logits head: attention q/k/v/o or MLA's,
+                MLPs, MoE routers and shared experts, MTP eh_proj; + 6 · k/E of each MoeBlock's experts
+    embedding = 6·D·V per logits application (tied or not; the main head and one per MTP module); the
+                input lookup is not a matmul
+    attention = 3 · sum over attention layers 2·S_eff·N·(H_qk + H_v)
+                QK^T and AV, 2 FLOPs per multiply-add, over S_eff = attended_keys(T, window, chunk) keys:
+                T/2 for global causal layers (half of full attention, as MaxText counts it), less for
+                sliding-window and chunked layers; MLA's H_qk is qk_nope + qk_rope, H_v is v_head_dim.
+  Under LoRA the base is frozen: the backward still computes activation gradients through its weights but
+  no weight gradients, so every base weight (matmul and embedding) costs 4, not 6; the adapters, trained
+  and each used once per token, cost 6 each and are counted in matmul. Not counted: norms, activations,
+  softmax, RoPE, biases, the MoE dispatch (XLA's cost analysis does count them).
+  """
+  w = forward_count(abstract_model(config) if model is None else model, config.max_target_length)
+  per_weight = 4.0 if w.adapters else 6.0  # LoRA: no weight gradients for the frozen base
+  matmul = per_weight * w.active + 6.0 * w.adapters
+  attention = 3.0 * w.attention
+  embedding = per_weight * w.logits
+  return FlopCount(matmul + attention + embedding, matmul, attention, embedding)
+
+
+def mfu(flops_per_step: float, step_time_s: float, num_devices: int, peak_flops_per_device: float) -> float:
+  """Model FLOPs utilisation: achieved model FLOP/s per device over the device's peak (a fraction)."""
+  return flops_per_step / step_time_s / num_devices / peak_flops_per_device
+
+
+if __name__ == "__main__":
+  from MaxText import config as config_lib
+
+  flops = training_flops_per_token(config_lib.load(sys.argv[1:]))
+  print(f"training FLOPs per token: {flops.total:.4g} ({flops._asdict()})")

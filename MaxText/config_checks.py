@@ -14,7 +14,6 @@ from typing import Any
 from MaxText import paths
 from MaxText.config import ConfigError
 
-
 # mesh axis -> the suffix of its ici_/dcn_ keys (MaxText calls the `stage` axis "pipeline").
 AXIS_KEY = {
   "data": "data",
@@ -30,8 +29,6 @@ AXIS_KEY = {
   "expert": "expert",
   "autoregressive": "autoregressive",
 }
-
-
 
 
 def pipeline_stages(c: Any) -> int:

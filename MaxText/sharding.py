@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from MaxText import config_checks
 from MaxText.config import Config, ConfigError
 
+
 def _fill(prefix: str, config: Config, total: int, what: str) -> list[int]:
   """Parallelism per mesh axis for `prefix` (ici|dcn), with one -1 filled so the product is total."""
   keys = [f"{prefix}_{config_checks.AXIS_KEY[a]}_parallelism" for a in config.mesh_axes]

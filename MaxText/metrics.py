@@ -143,10 +143,7 @@ class MetricLogger:
     if self._tb is None and self.config.enable_tensorboard:
       from tensorboardX import SummaryWriter  # lazy: pulls in protobuf; only the writer needs it
 
-      logdir = self.config.tensorboard_dir
-      if paths.is_remote(logdir):
-        self._tb_mirror = paths.DirMirror(logdir)
-        logdir = self._tb_mirror.local
+      logdir, self._tb_mirror = paths.writable_dir(self.config.tensorboard_dir)
       self._tb = SummaryWriter(logdir=logdir)
     return self._tb
 

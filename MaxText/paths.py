@@ -454,6 +454,15 @@ def wait_for(path: str, timeout_s: float, what: str, poll_s: float = 1.0) -> Non
     time.sleep(poll_s)
 
 
+def writable_dir(path: str) -> tuple[str, DirMirror | None]:
+  """A local directory a writer of local files can use for `path`: `path` itself when local, else a
+  DirMirror's local directory, whose files reach `path` (returned too, to close)."""
+  if not is_remote(path):
+    return path, None
+  mirror = DirMirror(path)
+  return mirror.local, mirror
+
+
 class DirMirror:
   """A fresh local directory whose files are copied to the remote directory `remote` (each file whose size
   changed) at most every MIRROR_SYNC_S seconds and at close; for writers that write only local files

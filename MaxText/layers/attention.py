@@ -17,12 +17,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText.config import Config
 from MaxText.layers import context_parallel, kv_cache
 from MaxText.layers.attention_kernels import flash_attention
 from MaxText.layers.axes import HEAD_AXES, KV_HEAD_AXES
 from MaxText.layers.embeddings import apply_rope, rope_attention_factor, scaled_rope_frequencies
 from MaxText.layers.linears import DenseGeneral
+from MaxText.layers.model_config import ModelConfig
 from MaxText.layers.normalizations import RMSNorm
 from MaxText.parallel import ops
 
@@ -163,7 +163,7 @@ def attend(
   return dot_product_attention(q, k, v, attention_mask(segment_ids, sliding_window, chunk_window=chunk_window), cap)
 
 
-def temperature_scale(positions: jax.Array, config: Config) -> jax.Array:
+def temperature_scale(positions: jax.Array, config: ModelConfig) -> jax.Array:
   """positions [B, T] -> float32 query multipliers [B, T]: 1 + scale * ln(1 + floor((position + 1) / floor_scale))
   (temperature_tuning_*), which sharpens attention far into a long context where no RoPE tells distance."""
   steps = jnp.floor((positions.astype(jnp.float32) + 1.0) / config.temperature_tuning_floor_scale)
@@ -184,7 +184,7 @@ class Attention(nnx.Module):
 
   def __init__(
     self,
-    config: Config,
+    config: ModelConfig,
     *,
     rngs: nnx.Rngs,
     plan: Plan,

@@ -20,12 +20,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText.config import Config
 from MaxText.layers import kv_cache
 from MaxText.layers.attention import attend, dot_product_attention
 from MaxText.layers.axes import HEAD_AXES
 from MaxText.layers.embeddings import apply_rope, rope_attention_factor, scaled_rope_frequencies, yarn_mscale
 from MaxText.layers.linears import DenseGeneral
+from MaxText.layers.model_config import ModelConfig
 from MaxText.layers.normalizations import RMSNorm
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 class MLAttention(nnx.Module):
   """x [B, T, D] -> [B, T, D]; same constructor keywords and call contract as Attention."""
 
-  def __init__(self, config: Config, *, rngs: nnx.Rngs, plan: Plan, sliding_window: int = 0, norm=RMSNorm, **_):
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, plan: Plan, sliding_window: int = 0, norm=RMSNorm, **_):
     dt, wdt = jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
     d, n = config.emb_dim, config.num_query_heads
     nope, rope, v = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim

@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from MaxText.config import Config
 from MaxText.layers import context_parallel, lora, pipeline
 from MaxText.layers import mtp as mtp_lib
 from MaxText.layers.attention import soft_cap
@@ -27,6 +26,7 @@ from MaxText.layers.axes import ACTIVATION_AXES, LOGITS_AXES
 from MaxText.layers.decoder_layer import DecoderLayer, dropout
 from MaxText.layers.embeddings import Embed
 from MaxText.layers.linears import DenseGeneral
+from MaxText.layers.model_config import ModelConfig
 from MaxText.layers.normalizations import RMSNorm
 from MaxText.parallel.remat import remat
 
@@ -55,7 +55,7 @@ class Stack:
   layers_per_unit: int = 1
 
 
-def single_stack(config: Config) -> tuple[Stack, ...]:
+def single_stack(config: ModelConfig) -> tuple[Stack, ...]:
   return (Stack("layers", DecoderLayer, config.num_decoder_layers),)
 
 
@@ -63,7 +63,7 @@ def single_stack(config: Config) -> tuple[Stack, ...]:
 class Family:
   """What a model family changes around its layers."""
 
-  stacks: Callable[[Config], tuple[Stack, ...]] = single_stack  # the layers, in order
+  stacks: Callable[[ModelConfig], tuple[Stack, ...]] = single_stack  # the layers, in order
   norm: Callable[..., nnx.Module] = RMSNorm  # the final norm's convention
   scale_embeddings: bool = False  # multiply token embeddings by sqrt(emb_dim) (gemma)
   learned_positions: bool = False  # add a trainable_position_size x emb_dim position embedding (gpt3)
@@ -73,7 +73,7 @@ class Family:
 class LayerBlock(nnx.Module):
   """A repeating unit of differently configured layers, applied in order (e.g. local, global)."""
 
-  def __init__(self, config: Config, makers: tuple[Callable[..., nnx.Module], ...], *, rngs: nnx.Rngs, plan: Plan):
+  def __init__(self, config: ModelConfig, makers: tuple[Callable[..., nnx.Module], ...], *, rngs: nnx.Rngs, plan: Plan):
     self.sublayers = nnx.List([make(config, rngs=rngs, plan=plan) for make in makers])
 
   def __call__(
@@ -91,7 +91,7 @@ class LayerBlock(nnx.Module):
     return tuple(layer.init_cache(batch, length) for layer in self.sublayers)
 
 
-def alternating_stacks(config: Config, pattern: tuple[Callable[..., nnx.Module], ...]) -> tuple[Stack, ...]:
+def alternating_stacks(config: ModelConfig, pattern: tuple[Callable[..., nnx.Module], ...]) -> tuple[Stack, ...]:
   """Layers cycling through the builders `pattern` (layer i is pattern[i % len]): whole cycles are scanned
   as one LayerBlock; a shorter remainder cycle, if any, forms a second stack (gemma2, gemma3)."""
   period = len(pattern)
@@ -104,7 +104,7 @@ def alternating_stacks(config: Config, pattern: tuple[Callable[..., nnx.Module],
   return tuple(out)
 
 
-def _stacked_layers(stack: Stack, config: Config, rngs: nnx.Rngs, plan: Plan) -> nnx.Module:
+def _stacked_layers(stack: Stack, config: ModelConfig, rngs: nnx.Rngs, plan: Plan) -> nnx.Module:
   """One module whose parameters carry a leading `layers` axis of size stack.repeats."""
 
   @nnx.split_rngs(splits=stack.repeats)
@@ -115,7 +115,7 @@ def _stacked_layers(stack: Stack, config: Config, rngs: nnx.Rngs, plan: Plan) ->
   return create(rngs)
 
 
-def _unrolled_layers(stack: Stack, config: Config, rngs: nnx.Rngs, plan: Plan) -> nnx.List:
+def _unrolled_layers(stack: Stack, config: ModelConfig, rngs: nnx.Rngs, plan: Plan) -> nnx.List:
   """stack.repeats separate modules, initialised exactly like the stacked ones.
 
   Slicing the stacked initialisation makes scan_layers=true and false the same model for a seed
@@ -148,7 +148,7 @@ class Decoder(nnx.Module):
   run (attention kernel, context split, pipeline, MoE dispatch, remat); the configuration it was built
   from has been checked there."""
 
-  def __init__(self, config: Config, family: Family, *, rngs: nnx.Rngs, plan: Plan):
+  def __init__(self, config: ModelConfig, family: Family, *, rngs: nnx.Rngs, plan: Plan):
     dt, wdt = jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
     self.config, self.family, self.plan = config, family, plan
     embed = dict(dtype=dt, weight_dtype=wdt, rngs=rngs, iota=config.use_iota_embed)

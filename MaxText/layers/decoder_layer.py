@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from MaxText.config import Config
 from MaxText.layers.attention import Attention
 from MaxText.layers.axes import ACTIVATION_AXES
 from MaxText.layers.mlp import MlpBlock
+from MaxText.layers.model_config import ModelConfig
 from MaxText.layers.moe import MoeBlock
 from MaxText.layers.normalizations import RMSNorm
 
@@ -39,7 +39,7 @@ class DecoderLayer(nnx.Module):
 
   def __init__(
     self,
-    config: Config,
+    config: ModelConfig,
     *,
     rngs: nnx.Rngs,
     plan: Plan,

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from MaxText.config import Config
+from MaxText.layers.model_config import ModelConfig
 
 
 class Embed(nnx.Module):
@@ -59,7 +59,7 @@ def rope_frequencies(head_dim: int, min_timescale: float, max_timescale: float) 
   return 1.0 / rope_timescales(head_dim, min_timescale, max_timescale)
 
 
-def llama3_scaling(inv_freq: jax.Array, config: Config) -> jax.Array:
+def llama3_scaling(inv_freq: jax.Array, config: ModelConfig) -> jax.Array:
   """Llama 3.1: long wavelengths divided by rope_factor, short ones kept, a smooth blend between."""
   factor, low, high = config.rope_factor, config.rope_low_freq_factor, config.rope_high_freq_factor
   original = config.original_max_position_embeddings
@@ -76,7 +76,7 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
   return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def yarn_scaling(head_dim: int, config: Config, max_timescale: float) -> jax.Array:
+def yarn_scaling(head_dim: int, config: ModelConfig, max_timescale: float) -> jax.Array:
   """YaRN (as transformers computes it): dims rotating more than rope_beta_fast times over
   original_max_position_embeddings keep their frequency, those rotating fewer than rope_beta_slow
   times are divided by rope_factor, a linear ramp over the dims between."""
@@ -96,7 +96,7 @@ def yarn_scaling(head_dim: int, config: Config, max_timescale: float) -> jax.Arr
   return (1.0 / (factor * timescale)) * (1 - keep) + (1.0 / timescale) * keep
 
 
-def scaled_rope_frequencies(config: Config, head_dim: int, max_timescale: float, rope_type: str) -> jax.Array:
+def scaled_rope_frequencies(config: ModelConfig, head_dim: int, max_timescale: float, rope_type: str) -> jax.Array:
   """rope_frequencies with the rope_type scaling (default | llama3 | linear | yarn) applied."""
   if rope_type == "yarn":
     return yarn_scaling(head_dim, config, max_timescale)
@@ -108,7 +108,7 @@ def scaled_rope_frequencies(config: Config, head_dim: int, max_timescale: float,
   return inv_freq
 
 
-def rope_attention_factor(config: Config, rope_type: str) -> float:
+def rope_attention_factor(config: ModelConfig, rope_type: str) -> float:
   """Multiplier of cos/sin (so of the rotated dims): 1 except for yarn, where it is rope_attention_factor
   or, when that is 0, mscale(rope_factor, rope_mscale) / mscale(rope_factor, rope_mscale_all_dim) when
   both are set, else mscale(rope_factor)."""

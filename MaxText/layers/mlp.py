@@ -10,9 +10,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText.config import Config
 from MaxText.layers.axes import MLP_AXES
 from MaxText.layers.linears import DenseGeneral
+from MaxText.layers.model_config import ModelConfig
 
 ACTIVATIONS = {
   "silu": jax.nn.silu,
@@ -29,7 +29,7 @@ class MlpBlock(nnx.Module):
   shared experts pass their own)."""
 
   def __init__(
-    self, config: Config, *, rngs: nnx.Rngs, use_bias: bool = False, mlp_dim: int | None = None, plan: Any = None
+    self, config: ModelConfig, *, rngs: nnx.Rngs, use_bias: bool = False, mlp_dim: int | None = None, plan: Any = None
   ):
     # `plan` is unused: XLA partitions a dense MLP by itself. Taken so every feed-forward builder (this,
     # MoeBlock) has the signature DecoderLayer calls.

@@ -26,11 +26,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from MaxText.config import Config
 from MaxText.layers import moe_dispatch
 from MaxText.layers.axes import ACTIVATION_AXES, EXPERT_EMBED_AXES, EXPERT_MLP_AXES
 from MaxText.layers.linears import DenseGeneral, weight
 from MaxText.layers.mlp import ACTIVATIONS, MlpBlock
+from MaxText.layers.model_config import ModelConfig
 from MaxText.layers.moe_dispatch import expert_capacity, expert_ranks
 from MaxText.parallel import ops
 
@@ -63,7 +63,7 @@ def group_limit(choice: jax.Array, groups: int, top_groups: int, score: str = "t
   return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(x, e)
 
 
-def route(logits: jax.Array, config: Config, bias: jax.Array | None = None) -> Routing:
+def route(logits: jax.Array, config: ModelConfig, bias: jax.Array | None = None) -> Routing:
   """logits [X, E] -> scores (routed_score_func, float32); experts chosen by scores + bias within the
   allowed groups; combine weights = their scores, renormalised (norm_topk_prob) and scaled."""
   logits = logits.astype(jnp.float32)
@@ -107,7 +107,7 @@ class MoeBlock(nnx.Module):
   Expert width F: config.moe_mlp_dim (scaled like mlp_dim); the shared experts are one MLP of width
   shared_experts * F, as in DeepSeek and MaxText."""
 
-  def __init__(self, config: Config, *, rngs: nnx.Rngs, plan: Plan):
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, plan: Plan):
     dt, wdt = jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
     e, d, f = config.num_experts, config.emb_dim, config.moe_mlp_dim
     self.gate = DenseGeneral(d, e, ("embed", None), dtype=jnp.float32, weight_dtype=wdt, rngs=rngs)

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from MaxText.config import Config
 from MaxText.layers.linears import DenseGeneral
+from MaxText.layers.model_config import ModelConfig
 from MaxText.layers.normalizations import RMSNorm
 
 
@@ -31,7 +31,7 @@ class MtpModule(nnx.Module):
   """One MTP depth. `layer` builds the transformer layer `(config, *, rngs)` (the family's last kind);
   the decoder applies it (scan/remat as its own layers), so this module only mixes and normalises."""
 
-  def __init__(self, config: Config, layer: Callable[..., nnx.Module], *, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, layer: Callable[..., nnx.Module], *, rngs: nnx.Rngs):
     d, dt, wdt = config.emb_dim, jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
     norm = dict(epsilon=config.normalization_layer_epsilon, dtype=dt, weight_dtype=wdt)
     self.enorm, self.hnorm, self.shared_head_norm = RMSNorm(d, **norm), RMSNorm(d, **norm), RMSNorm(d, **norm)

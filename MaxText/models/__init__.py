@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from flax import nnx
 
-from MaxText.config import Config
 from MaxText.layers.decoder import Decoder, Family
+from MaxText.layers.model_config import ModelConfig
 from MaxText.models import deepseek, gemma, gemma2, gemma3, gpt3, llama2, llama4
 
 if TYPE_CHECKING:
@@ -29,14 +29,15 @@ REGISTRY: dict[str, Family] = {
 }
 
 
-def family(config: Config) -> Family:
+def family(config: ModelConfig) -> Family:
   """The family of config.decoder_block (checked against REGISTRY when the run plan is built)."""
   return REGISTRY[config.decoder_block]
 
 
-def build(config: Config, rngs: nnx.Rngs, plan: Plan) -> Decoder:
-  """The model for `config`, run as `plan` says (parallel.plan.build(config, mesh)). Parameters carry logical
-  axis names; they are placed by the caller."""
+def build(config: Any, rngs: nnx.Rngs, plan: Plan) -> Decoder:
+  """The model for `config` (the run's Config; the model sees its ModelConfig only), run as `plan` says
+  (parallel.plan.build(config, mesh)). Parameters carry logical axis names; they are placed by the caller."""
+  model_config = ModelConfig.from_config(config)
   # Sharding is applied by the caller from the logical names (state.py), not eagerly per variable.
   with nnx.use_eager_sharding(False):
-    return Decoder(config, family(config), rngs=rngs, plan=plan)
+    return Decoder(model_config, family(model_config), rngs=rngs, plan=plan)

@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import functools
 
-from MaxText.config import Config
 from MaxText.layers.attention_mla import MLAttention
 from MaxText.layers.decoder import Family, Stack
 from MaxText.layers.decoder_layer import DecoderLayer
 from MaxText.layers.mlp import MlpBlock
+from MaxText.layers.model_config import ModelConfig
 
 # The layer after the dense ones: MoE when num_experts > 1 (DecoderLayer's default), else a dense MLP.
 MOE_LAYER = functools.partial(DecoderLayer, attention=MLAttention)
 
 
-def stacks(config: Config) -> tuple[Stack, ...]:
+def stacks(config: ModelConfig) -> tuple[Stack, ...]:
   dense, moe = config.first_num_dense_layers, config.num_decoder_layers - config.first_num_dense_layers
   out = []
   if dense:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import functools
 
-from MaxText.config import Config
 from MaxText.layers.decoder import Family, Stack
 from MaxText.layers.decoder_layer import DecoderLayer
+from MaxText.layers.model_config import ModelConfig
 from MaxText.layers.normalizations import gemma_rms_norm
 
 
-def stacks(config: Config) -> tuple[Stack, ...]:
+def stacks(config: ModelConfig) -> tuple[Stack, ...]:
   return (Stack("layers", functools.partial(DecoderLayer, norm=gemma_rms_norm), config.num_decoder_layers),)
 
 

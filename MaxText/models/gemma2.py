@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import functools
 
-from MaxText.config import Config
 from MaxText.layers.decoder import Family, Stack, alternating_stacks
 from MaxText.layers.decoder_layer import DecoderLayer
+from MaxText.layers.model_config import ModelConfig
 from MaxText.layers.normalizations import gemma_rms_norm
 
 PATTERN = (
@@ -16,7 +16,7 @@ PATTERN = (
 )
 
 
-def stacks(config: Config) -> tuple[Stack, ...]:
+def stacks(config: ModelConfig) -> tuple[Stack, ...]:
   return alternating_stacks(config, PATTERN)
 
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import functools
 
-from MaxText.config import Config
 from MaxText.layers.decoder import Family, Stack, alternating_stacks
 from MaxText.layers.decoder_layer import DecoderLayer
+from MaxText.layers.model_config import ModelConfig
 from MaxText.layers.normalizations import gemma_rms_norm
 
 LOCAL_PER_GLOBAL = 5
 
 
-def _local(config: Config, *, rngs, plan):
+def _local(config: ModelConfig, *, rngs, plan):
   return DecoderLayer(
     config,
     rngs=rngs,
@@ -24,7 +24,7 @@ def _local(config: Config, *, rngs, plan):
   )
 
 
-def stacks(config: Config) -> tuple[Stack, ...]:
+def stacks(config: ModelConfig) -> tuple[Stack, ...]:
   glob = functools.partial(DecoderLayer, norm=gemma_rms_norm, sliding_window=0)
   return alternating_stacks(config, (_local,) * LOCAL_PER_GLOBAL + (glob,))
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import functools
 
-from MaxText.config import Config
 from MaxText.layers.attention import Attention
 from MaxText.layers.decoder import Family, Stack
 from MaxText.layers.decoder_layer import DecoderLayer
 from MaxText.layers.mlp import MlpBlock
+from MaxText.layers.model_config import ModelConfig
 from MaxText.layers.normalizations import LayerNorm
 
 
-def stacks(config: Config) -> tuple[Stack, ...]:
+def stacks(config: ModelConfig) -> tuple[Stack, ...]:
   attention = functools.partial(Attention, use_bias=True, use_rope=False)
   mlp = functools.partial(MlpBlock, use_bias=True)
   layer = functools.partial(DecoderLayer, norm=LayerNorm, attention=attention, mlp=mlp)

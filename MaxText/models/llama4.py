@@ -9,32 +9,32 @@ from __future__ import annotations
 import functools
 import math
 
-from MaxText.config import Config
 from MaxText.layers.attention import Attention
 from MaxText.layers.decoder import Family, Stack, alternating_stacks
 from MaxText.layers.decoder_layer import DecoderLayer
 from MaxText.layers.mlp import MlpBlock
+from MaxText.layers.model_config import ModelConfig
 from MaxText.layers.moe import MoeBlock
 from MaxText.layers.normalizations import UnitRMSNorm
 
 
-def is_nope_layer(config: Config, index: int) -> bool:
+def is_nope_layer(config: ModelConfig, index: int) -> bool:
   """Layer `index` (0-based) has no RoPE: the last of each group of nope_layer_interval (HF no_rope_layers)."""
   interval = config.nope_layer_interval
   return bool(interval) and (index + 1) % interval == 0
 
 
-def is_moe_layer(config: Config, index: int) -> bool:
+def is_moe_layer(config: ModelConfig, index: int) -> bool:
   """Layer `index` is MoE: the last of each group of interleave_moe_layer_step (HF moe_layers)."""
   return config.num_experts > 1 and (index + 1) % config.interleave_moe_layer_step == 0
 
 
-def period(config: Config) -> int:
+def period(config: ModelConfig) -> int:
   """Layers per repeating unit: the least common multiple of the NoPE and MoE intervals."""
   return math.lcm(config.nope_layer_interval or 1, config.interleave_moe_layer_step)
 
 
-def _layer(config: Config, *, rngs, plan, index: int) -> DecoderLayer:
+def _layer(config: ModelConfig, *, rngs, plan, index: int) -> DecoderLayer:
   nope = is_nope_layer(config, index)
   attention = functools.partial(
     Attention, use_rope=not nope, use_qk_norm=config.use_qk_norm and not nope, qk_norm=UnitRMSNorm,
@@ -44,7 +44,7 @@ def _layer(config: Config, *, rngs, plan, index: int) -> DecoderLayer:
   return DecoderLayer(config, rngs=rngs, plan=plan, attention=attention, mlp=mlp)
 
 
-def stacks(config: Config) -> tuple[Stack, ...]:
+def stacks(config: ModelConfig) -> tuple[Stack, ...]:
   return alternating_stacks(config, tuple(functools.partial(_layer, index=i) for i in range(period(config))))
 
 

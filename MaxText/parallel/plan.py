@@ -30,6 +30,7 @@ from MaxText.config import Config, ConfigError
 from MaxText.layers import lora
 from MaxText.layers.attention_kernels import LANES
 from MaxText.layers.axes import EXPERT_EMBED_AXES, HEAD_AXES, KV_HEAD_AXES, MLP_AXES
+from MaxText.layers.model_config import ModelConfig
 from MaxText.layers.pipeline import STAGE_AXES, Schedule
 
 
@@ -246,9 +247,10 @@ def _check_lora_targets(config: Config, stacks: Sequence[Any], plan: Plan) -> No
   re.fullmatch), checked on abstract layers: nothing is allocated."""
   if not lora.enabled(config):
     return
+  model_config = ModelConfig.from_config(config)
   for stack in stacks:
     with nnx.use_eager_sharding(False):  # as models.build: shapes only, no placement
-      unit = nnx.eval_shape(lambda s=stack: s.make(config, rngs=nnx.Rngs(0), plan=plan))
+      unit = nnx.eval_shape(lambda s=stack: s.make(model_config, rngs=nnx.Rngs(0), plan=plan))
     paths = lora.kernel_paths(unit)
     if not any(re.fullmatch(config.lora_target_modules, p) for p in paths):
       raise ConfigError(
@@ -270,7 +272,7 @@ def build(
   platform = target_platform(abstract)
   rules = tuple(sharding.axis_rules(config))
   axes = activation_axes(abstract, rules)
-  stacks = family.stacks(config)
+  stacks = family.stacks(ModelConfig.from_config(config))
   moe = None
   if config.num_experts > 1:
     moe = MoePlan(platform != "cpu", bool(config.quantization), config.capacity_factor, config.capacity_group)

@@ -21,7 +21,8 @@ from flax import nnx
 
 from MaxText import checkpointing, launch, paths
 from MaxText import state as state_lib
-from MaxText.config import Config, ConfigError
+from MaxText.config import Config
+from MaxText.errors import ConfigError
 from MaxText.layers import lora
 
 OPTIONS = {"golden_logits_path": str, "atol": float, "rtol": float}

@@ -11,7 +11,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from MaxText.config import ConfigError
+from MaxText.errors import ConfigError
 
 
 def _validate_family_options(c: dict[str, Any]) -> None:

@@ -21,8 +21,8 @@ from collections.abc import Iterator, Sequence
 
 from MaxText import config as config_lib
 from MaxText import distributed, paths, preemption
-from MaxText.config import Config, ConfigError
-from MaxText.data.errors import DataError
+from MaxText.config import Config
+from MaxText.errors import ConfigError, DataError
 
 HELP_FLAGS = ("-h", "--help")
 BASE_YML = os.path.join(config_lib.CONFIG_DIR, "base.yml")

@@ -18,7 +18,8 @@ from jax.experimental import mesh_utils
 from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText.config import Config, ConfigError
+from MaxText.config import Config
+from MaxText.errors import ConfigError
 
 # mesh axis -> the suffix of its ici_/dcn_ keys (MaxText calls the `stage` axis "pipeline").
 AXIS_KEY = {

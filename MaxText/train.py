@@ -38,7 +38,8 @@ from MaxText import (
 from MaxText import data as data_lib
 from MaxText import state as state_lib
 from MaxText import train_step as steps
-from MaxText.config import Config, ConfigError
+from MaxText.config import Config
+from MaxText.errors import ConfigError
 from MaxText.layers import lora, pipeline
 
 

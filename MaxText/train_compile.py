@@ -31,7 +31,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from MaxText import accelerators, compiled_step, launch, optimizers, sharding
 from MaxText import state as state_lib
 from MaxText import train_step as steps
-from MaxText.config import Config, ConfigError
+from MaxText.config import Config
+from MaxText.errors import ConfigError
 from MaxText.layers import pipeline
 
 GiB = 2**30

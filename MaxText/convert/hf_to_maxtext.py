@@ -30,8 +30,9 @@ from flax import nnx
 from MaxText import config as config_lib
 from MaxText import launch, models, paths
 from MaxText import state as state_lib
-from MaxText.config import Config, ConfigError
+from MaxText.config import Config
 from MaxText.convert import fp8, hf_mapping, streaming
+from MaxText.errors import ConfigError
 
 
 def get(tree: dict, path: tuple) -> Any:

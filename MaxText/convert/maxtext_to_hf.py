@@ -30,8 +30,9 @@ from flax import nnx
 from MaxText import checkpointing, launch, models, paths
 from MaxText import config as config_lib
 from MaxText import state as state_lib
-from MaxText.config import Config, ConfigError
+from MaxText.config import Config
 from MaxText.convert import hf_mapping, streaming
+from MaxText.errors import ConfigError
 from MaxText.layers import lora
 
 DTYPES = ("float32", "bfloat16", "float16")

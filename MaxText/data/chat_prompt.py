@@ -11,8 +11,8 @@ The template usually starts with the BOS token's text: decode it with add_bos=fa
 import sys
 
 from MaxText.data import chat
-from MaxText.data.errors import DataError
 from MaxText.data.tokenizer import load_tokenizer
+from MaxText.errors import DataError
 
 
 def main(argv: list[str]) -> None:

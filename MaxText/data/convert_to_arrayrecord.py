@@ -15,8 +15,8 @@ import os
 from collections.abc import Iterable, Sequence
 
 from MaxText import paths
-from MaxText.data.errors import DataError
 from MaxText.data.files import cli_texts
+from MaxText.errors import DataError
 
 
 def write_arrayrecord(texts: Iterable[str], output_dir: str, prefix: str = "data", num_shards: int = 1) -> list[str]:

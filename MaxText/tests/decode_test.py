@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from MaxText import checkpointing, config, decode, models
-from MaxText.config import ConfigError
+from MaxText.errors import ConfigError
 from MaxText.inference import Engine, engine, sampling
 from MaxText.tests.conftest import ROOT, run_processes
 

@@ -13,8 +13,8 @@ import pytest
 from flax import nnx
 
 from MaxText import checkpointing, config, models, train
-from MaxText.config import ConfigError
 from MaxText.convert import hf_mapping, hf_to_maxtext, maxtext_to_hf
+from MaxText.errors import ConfigError
 from MaxText.layers import attention_mla, embeddings
 
 torch = pytest.importorskip("torch")

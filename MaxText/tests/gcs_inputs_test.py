@@ -13,9 +13,9 @@ import pytest
 
 from MaxText import config as config_lib
 from MaxText import paths
-from MaxText.config import ConfigError
 from MaxText.data import make_iterators
 from MaxText.data.convert_to_arrayrecord import write_arrayrecord
+from MaxText.errors import ConfigError
 from MaxText.tests.conftest import BASE, DOCS, TINY, assert_same_batches, data_config, losses, mesh_of, take_batches
 
 

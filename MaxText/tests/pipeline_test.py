@@ -14,7 +14,7 @@ from flax import nnx
 
 from MaxText import config, sharding, state, train
 from MaxText import train_step as steps
-from MaxText.config import ConfigError
+from MaxText.errors import ConfigError
 from MaxText.layers import pipeline
 from MaxText.tests.conftest import cfg, losses
 

@@ -14,7 +14,7 @@ import pytest
 import qwix
 
 from MaxText import config, decode
-from MaxText.config import ConfigError
+from MaxText.errors import ConfigError
 from MaxText.inference import Engine, engine, quantize
 from MaxText.layers import kv_cache
 from MaxText.tests.decode_test import BASE, FAMILIES, TINY

@@ -176,22 +176,3 @@ def start(argv: Sequence[str], usage: Usage, *, overrides: Sequence[str] = (), j
     except distributed.DistributedInitError as e:
       sys.exit(f"Distributed initialisation failed: {e}")
   return config
-
-
-# Console scripts (pyproject.toml [project.scripts]): the entry points by name, from any directory.
-def train_command() -> None:
-  from MaxText import train
-
-  train.main(sys.argv)
-
-
-def decode_command() -> None:
-  from MaxText import decode
-
-  decode.main(sys.argv[1:])
-
-
-def train_compile_command() -> None:
-  from MaxText import train_compile
-
-  train_compile.main(sys.argv)

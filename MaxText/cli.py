@@ -16,7 +16,7 @@ def train_command() -> None:
 def decode_command() -> None:
   from MaxText import decode
 
-  decode.main(sys.argv[1:])
+  decode.main(sys.argv)
 
 
 def train_compile_command() -> None:

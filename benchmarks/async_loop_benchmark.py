@@ -97,9 +97,11 @@ def mean_step_time(c: config.Config, delay_ms: float, sync: bool) -> float:
 
 
 def main(argv: list[str]) -> None:
+  """argv: sys.argv (the program name first)."""
+  launch.doc_help(argv[1:], __doc__)
   own = dict(OWN_ARGS)
   rest = []
-  for arg in argv:
+  for arg in argv[1:]:
     key = arg.split("=", 1)[0]
     if key in own:
       own[key] = arg.split("=", 1)[1]
@@ -124,5 +126,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  launch.doc_help(sys.argv[1:], __doc__)
-  main(sys.argv[1:])
+  main(sys.argv)

@@ -62,9 +62,12 @@ def input_seconds(batches, n: int = 20) -> float:
 
 
 def main(argv: list[str]) -> None:
-  own = {k: int(a.split("=", 1)[1]) for k in OWN_ARGS for a in argv if a.startswith(f"{k}=")}
+  """argv: sys.argv (the program name first)."""
+  launch.doc_help(argv[1:], __doc__)
+  args = argv[1:]
+  own = {k: int(a.split("=", 1)[1]) for k in OWN_ARGS for a in args if a.startswith(f"{k}=")}
   rounds, n = own.get("rounds", OWN_ARGS["rounds"]), own.get("steps", OWN_ARGS["steps"])
-  overrides = [a for a in argv if a.split("=", 1)[0] not in OWN_ARGS]
+  overrides = [a for a in args if a.split("=", 1)[0] not in OWN_ARGS]
   files, model = prepare_corpus()
   base = [os.path.join(config.CONFIG_DIR, "base.yml"), *BENCHMARK, *overrides]
   synthetic = config.load(base, {})
@@ -104,5 +107,4 @@ def report(times: dict, inputs: dict, workers: int) -> None:
 
 
 if __name__ == "__main__":
-  launch.doc_help(sys.argv[1:], __doc__)
-  main(sys.argv[1:])
+  main(sys.argv)

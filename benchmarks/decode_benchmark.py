@@ -69,6 +69,8 @@ def hf_model(c: config.Config, params, workdir: str):
 
 
 def main(argv: list[str]) -> None:
+  """argv: sys.argv (the program name first)."""
+  launch.doc_help(argv[1:], __doc__)
   c = config.load([os.path.join(config.CONFIG_DIR, "base.yml"), *BENCHMARK, *DECODE, *argv[1:]])
   mesh = sharding.create_mesh(c)
   graphdef, params, _ = engine.load_params(c, mesh)
@@ -87,5 +89,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  launch.doc_help(sys.argv[1:], __doc__)
   main(sys.argv)

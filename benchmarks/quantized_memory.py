@@ -77,17 +77,19 @@ def row(name: str, setting: str, overrides: list[str]) -> tuple[int, float, str]
 
 
 def main(argv: list[str]) -> None:
-  models = {" ".join(argv): argv} if any(a.startswith("model_name=") for a in argv) else MODELS
+  """argv: sys.argv (the program name first)."""
+  launch.doc_help(argv[1:], __doc__)
+  overrides = argv[1:]
+  models = {" ".join(overrides): overrides} if any(a.startswith("model_name=") for a in overrides) else MODELS
   print(f"jax {jax.__version__}; weights as served (dtype bfloat16), KV cache of batch 1")
   print("| model | setting | weights (GiB) | vs bf16 | KV cache per token (KiB) | vs bf16 |")
   print("|---|---|---|---|---|---|")
   for name, base in models.items():
-    rows = [row(name, s, [*base, *extra, *(argv if models is MODELS else [])]) for s, extra in SETTINGS.items()]
+    rows = [row(name, s, [*base, *extra, *(overrides if models is MODELS else [])]) for s, extra in SETTINGS.items()]
     w0, kv0 = rows[0][0], rows[0][1]
     for w, kv, prefix in rows:
       print(f"{prefix} {w / 2**30:.3f} | {w / w0:.2f}x | {kv / 2**10:.2f} | {kv / kv0:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":
-  launch.doc_help(sys.argv[1:], __doc__)
-  main(sys.argv[1:])
+  main(sys.argv)

@@ -200,6 +200,8 @@ def _flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:
 
 
 def main(argv: list[str]) -> None:
+  """argv: sys.argv (the program name first)."""
+  launch.doc_help(argv[1:], __doc__)
   flags, overrides = _flags(argv[1:])
   base = (
     [flags["config"], *HARNESS]
@@ -217,5 +219,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  launch.doc_help(sys.argv[1:], __doc__)
   main(sys.argv)

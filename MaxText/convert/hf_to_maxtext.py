@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -221,7 +222,8 @@ def _fill(state: nnx.State, leaves: dict[tuple, Any]) -> nnx.State:
   return state
 
 
-def main(argv: list[str]) -> None:
+def main(argv: Sequence[str]) -> None:
+  """argv: sys.argv (the program name first)."""
   parser = argparse.ArgumentParser(
     prog="python3 -m MaxText.convert.hf_to_maxtext",
     epilog="More: docs/models.md in the repository.",
@@ -234,7 +236,7 @@ def main(argv: list[str]) -> None:
   parser.add_argument(
     "--dtype", default="float32", choices=("float32", "bfloat16"), help="storage dtype (bfloat16: half the disk)"
   )
-  args = parser.parse_args(argv)
+  args = parser.parse_args(argv[1:])
   jax.config.update("jax_platforms", "cpu")
   try:
     path = convert(args.hf_path, args.output, args.scan_layers == "true", args.dtype)
@@ -246,4 +248,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  main(sys.argv)

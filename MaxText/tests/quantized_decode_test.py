@@ -105,7 +105,7 @@ def test_moe_experts_are_int8_and_the_router_stays_float():
 def test_saved_int8_params_decode_without_quantizing_again(tmp_path, capsys):
   path = str(tmp_path / "int8")
   args = [BASE, *TINY, "vocab_size=320", "init_weights_seed=3", "prompt=hi", "decode_max_new_tokens=4"]
-  decode.main([*args, "quantization=int8w", f"save_quantized_params_path={path}"])
+  decode.main(["decode.py", *args, "quantization=int8w", f"save_quantized_params_path={path}"])
   assert f"Saved int8 params to {path}" in capsys.readouterr().out
   assert quantize.is_quantized_checkpoint(path)
   fresh, saved = (

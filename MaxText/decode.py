@@ -18,9 +18,6 @@ import os
 import sys
 from collections.abc import Sequence
 
-if __package__ in (None, ""):  # run as a script: import the package from the repository root
-  sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 import jax
 
 from MaxText import launch, saved_config, sharding

@@ -21,9 +21,6 @@ import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-if __package__ in (None, ""):  # run as a script: import the package from the repository root
-  sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec

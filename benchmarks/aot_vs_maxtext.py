@@ -22,8 +22,7 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import aot_memory  # noqa: E402
+import aot_memory  # beside this file (`python3 benchmarks/aot_vs_maxtext.py` imports from its directory)
 
 GIB = 2**30
 # MaxText understands these keys with the same meaning; cases with any other (ours only) are skipped.

@@ -22,13 +22,11 @@ import tempfile
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
 
-import jax  # noqa: E402
-
-from MaxText import accelerators, checkpointing, config, launch, optimizers, sharding, train  # noqa: E402
-from MaxText import data as data_lib  # noqa: E402
-from MaxText import state as state_lib  # noqa: E402
+from MaxText import accelerators, checkpointing, config, launch, optimizers, sharding, train
+from MaxText import data as data_lib
+from MaxText import state as state_lib
 
 MODEL = [
   "dataset_type=synthetic",

@@ -16,17 +16,15 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+from train_benchmark import BENCHMARK  # beside this file: a script imports from its own directory
 
-import jax  # noqa: E402
-
-from benchmarks.train_benchmark import BENCHMARK  # noqa: E402
-from MaxText import config, launch, optimizers, sharding  # noqa: E402
-from MaxText import data as data_lib  # noqa: E402
-from MaxText import state as state_lib  # noqa: E402
-from MaxText import train_step as steps  # noqa: E402
-from MaxText.data import text, tokenizer  # noqa: E402
-from MaxText.data.convert_to_arrayrecord import write_arrayrecord  # noqa: E402
+from MaxText import config, launch, optimizers, sharding
+from MaxText import data as data_lib
+from MaxText import state as state_lib
+from MaxText import train_step as steps
+from MaxText.data import text, tokenizer
+from MaxText.data.convert_to_arrayrecord import write_arrayrecord
 
 ROOT = "/tmp/maxtext_benchmarks/data"
 OWN_ARGS = {"rounds": 3, "steps": 5}

@@ -16,15 +16,13 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import numpy as np
+from train_benchmark import BENCHMARK  # beside this file: a script imports from its own directory
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-from benchmarks.train_benchmark import BENCHMARK  # noqa: E402
-from MaxText import checkpointing, config, launch, sharding  # noqa: E402
-from MaxText.convert import maxtext_to_hf  # noqa: E402
-from MaxText.inference import Engine, engine  # noqa: E402
+from MaxText import checkpointing, config, launch, sharding
+from MaxText.convert import maxtext_to_hf
+from MaxText.inference import Engine, engine
 
 DECODE = ["run_name=decode_benchmark", "max_prefill_predict_length=64", "decode_max_new_tokens=64"]
 PROMPT_TOKENS = 32

@@ -16,16 +16,14 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from train_benchmark import BENCHMARK  # beside this file: a script imports from its own directory
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from benchmarks.train_benchmark import BENCHMARK  # noqa: E402
-from MaxText import config, launch  # noqa: E402
-from MaxText import state as state_lib  # noqa: E402
-from MaxText.inference import quantize  # noqa: E402
+from MaxText import config, launch
+from MaxText import state as state_lib
+from MaxText.inference import quantize
 
 MODELS = {
   "benchmark ~110M": BENCHMARK,

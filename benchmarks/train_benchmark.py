@@ -28,14 +28,12 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
 
-import jax  # noqa: E402
-
-from MaxText import accelerators, config, launch, metrics, optimizers, sharding  # noqa: E402
-from MaxText import data as data_lib  # noqa: E402
-from MaxText import state as state_lib  # noqa: E402
-from MaxText import train_step as steps  # noqa: E402
+from MaxText import accelerators, config, launch, metrics, optimizers, sharding
+from MaxText import data as data_lib
+from MaxText import state as state_lib
+from MaxText import train_step as steps
 
 # Keys every run gets: synthetic data, no files written but the (unused) run directory.
 HARNESS = [

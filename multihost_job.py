@@ -217,13 +217,14 @@ def print_dry_run(args: argparse.Namespace, files: dict[str, str], commands: lis
     print("# run: " + shlex.join(command))
 
 
-def main(argv: list[str]) -> int:
-  args = parse_args(argv)
+def main(argv: list[str]) -> None:
+  """argv: sys.argv (the program name first). Exits 1 when a submission command fails."""
+  args = parse_args(argv[1:])
   workdir = os.path.join(tempfile.gettempdir(), f"multihost_job_{args.RUN_NAME}")
   files, commands = plan(args, workdir)
   if args.DRY_RUN:
     print_dry_run(args, files, commands)
-    return 0
+    return
   os.makedirs(workdir, exist_ok=True)
   archive = os.path.join(workdir, "code.tar.gz")
   make_archive(args.SCRIPT_DIR, archive)
@@ -235,13 +236,12 @@ def main(argv: list[str]) -> int:
   for command in commands:
     print("multihost_job: " + shlex.join(command), flush=True)
     if subprocess.run(command).returncode:
-      return 1
+      sys.exit(1)
   print(f"multihost_job: submitted {args.RUN_NAME}; logs will appear in gs://{args.BUCKET_NAME}/{args.RUN_NAME}/logs/")
   if args.PLATFORM == "tpu":
     when = "is kept (--KEEP_TPUS)" if args.KEEP_TPUS else "is deleted when the job ends"
     print(f"multihost_job: the queued resource {when}; to delete it now: {shlex.join(delete_command(args))}")
-  return 0
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  main(sys.argv)

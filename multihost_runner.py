@@ -200,13 +200,16 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def main(argv: list[str]) -> int:
-  args = parse_args(argv)
+def main(argv: list[str]) -> None:
+  """argv: sys.argv (the program name first). Exits with the first failing host's status."""
+  args = parse_args(argv[1:])
   hosts = ssh_hosts(args) if args.HOSTS else tpu_hosts(args)
   if not args.USE_EXISTING_FOLDER:
     copy_folder(hosts, args.SCRIPT_DIR)
-  return run_all(hosts, args)
+  status = run_all(hosts, args)
+  if status:
+    sys.exit(status)
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  main(sys.argv)

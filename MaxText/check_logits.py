@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -21,7 +22,8 @@ from flax import nnx
 
 from MaxText import checkpointing, launch, paths
 from MaxText import state as state_lib
-from MaxText.config import Config, ConfigError, serving_config
+from MaxText.config import Config, serving_config
+from MaxText.errors import ConfigError
 from MaxText.layers import lora
 
 OPTIONS = {"golden_logits_path": str, "atol": float, "rtol": float}
@@ -74,7 +76,7 @@ USAGE = launch.Usage(
 )
 
 
-def split_options(argv: list[str]) -> tuple[list[str], dict]:
+def split_options(argv: Sequence[str]) -> tuple[list[str], dict]:
   """(config argv, this command's own options); a bad value is a ConfigError."""
   options = {"atol": 1e-5, "rtol": 1e-5, "golden_logits_path": ""}
   rest = []
@@ -90,10 +92,10 @@ def split_options(argv: list[str]) -> tuple[list[str], dict]:
   return rest, options
 
 
-def main(argv: list[str]) -> int:
-  """argv: the arguments after the program name. Returns the exit status (0: every prompt within tolerance)."""
+def main(argv: Sequence[str]) -> None:
+  """argv: sys.argv (the program name first). Exits 1 when a prompt is outside the tolerance."""
   with launch.user_errors():
-    rest, opts = split_options(argv)
+    rest, opts = split_options(argv[1:])
   # Runs on this host's devices without a mesh: it joins no multi-process job.
   c = launch.start(rest, USAGE, overrides=("dtype=float32", "weight_dtype=float32"), join_job=False)
   with launch.user_errors():
@@ -109,8 +111,9 @@ def main(argv: list[str]) -> int:
       print(f"prompt {i}: max abs {r.max_abs:.3e} max rel {r.max_rel:.3e} KL {r.kl:.3e} {'ok' if r.ok else 'FAIL'}")
       ok &= r.ok
   print("PASS" if ok else f"FAIL: logits outside atol={opts['atol']} rtol={opts['rtol']}")
-  return 0 if ok else 1
+  if not ok:
+    sys.exit(1)
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  main(sys.argv)

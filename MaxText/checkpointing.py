@@ -33,7 +33,8 @@ from jax.sharding import Mesh
 
 from MaxText import config_checks, paths
 from MaxText import state as state_lib
-from MaxText.config import Config, ConfigError, serving_config
+from MaxText.config import Config, serving_config
+from MaxText.errors import CheckpointError, ConfigError  # CheckpointError: also importable from here
 from MaxText.layers import lora
 from MaxText.state import StateSpec, TrainState
 
@@ -41,10 +42,6 @@ TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax names a step directory being writt
 UNREADABLE_DIR = "checkpoints_unreadable"  # next to checkpoints/: where unreadable steps are moved
 NONFINITE_DIR = "checkpoints_nonfinite"  # next to checkpoints/: steps whose own loss is not finite
 NONFINITE_FILE = "nonfinite_loss_steps.json"  # in the run dir: those steps, recorded when the run stopped
-
-
-class CheckpointError(RuntimeError):
-  """A checkpoint could not be saved or restored; the message is one line saying what to do."""
 
 
 class Restored(NamedTuple):

@@ -14,7 +14,8 @@ import jax
 from jax.sharding import Mesh
 
 from MaxText import paths
-from MaxText.config import Config, ConfigError
+from MaxText.config import Config
+from MaxText.errors import ConfigError
 
 FORMAT_VERSION = 1  # of the compiled_trainstep_file pickle
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from MaxText import config_checks
+from MaxText.errors import ConfigError  # also importable from here, its home before errors.py
 from MaxText.parallel import kernels, remat
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
@@ -55,10 +57,6 @@ DERIVED = (
   "tokenizer_dir",
   "learning_rate_schedule_steps_resolved",
 )
-
-
-class ConfigError(ValueError):
-  """A configuration that cannot be run; the message says what to change."""
 
 
 class Config:
@@ -301,7 +299,5 @@ def _finalize(values: dict[str, Any]) -> dict[str, Any]:
     out["metrics_file"] = paths.join(out["run_dir"], "metrics.jsonl")
   sched = values["learning_rate_schedule_steps"]
   out["learning_rate_schedule_steps_resolved"] = values["steps"] if sched == -1 else sched
-  from MaxText import config_checks  # noqa: PLC0415 (it imports ConfigError from here)
-
   config_checks.validate(out)
   return out

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from MaxText import paths
-from MaxText.config import ConfigError
+from MaxText.errors import ConfigError
 
 # mesh axis -> the suffix of its ici_/dcn_ keys (MaxText calls the `stage` axis "pipeline").
 AXIS_KEY = {

@@ -18,9 +18,6 @@ import os
 import sys
 from collections.abc import Sequence
 
-if __package__ in (None, ""):  # run as a script: import the package from the repository root
-  sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 import jax
 
 from MaxText import launch, saved_config, sharding
@@ -77,12 +74,12 @@ USAGE = launch.Usage(
 
 
 def main(argv: Sequence[str]) -> None:
-  """argv: the arguments after the program name."""
-  config = launch.start(argv, USAGE)
+  """argv: sys.argv (the program name first)."""
+  config = launch.start(argv[1:], USAGE)
   logging.getLogger("absl").addFilter(_no_missing_metadata_warning)
   # A training config's batch (quickstart: 8 rows per device) would decode the same prompt on every row;
   # one row unless the command line or M_PER_DEVICE_BATCH_SIZE asks for a batch.
-  asked = any(a.startswith("per_device_batch_size=") for a in argv) or "M_PER_DEVICE_BATCH_SIZE" in os.environ
+  asked = any(a.startswith("per_device_batch_size=") for a in argv[1:]) or "M_PER_DEVICE_BATCH_SIZE" in os.environ
   with launch.user_errors():
     saved_config.check(config)  # a checkpoint of another architecture, named before any device work
     run(config, rows=None if asked else 1)
@@ -95,4 +92,4 @@ def _no_missing_metadata_warning(record: logging.LogRecord) -> bool:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  main(sys.argv)

@@ -31,13 +31,10 @@ from typing import Any, NamedTuple
 import jax
 
 from MaxText.config import Config
+from MaxText.errors import DistributedInitError  # also importable from here
 
 DEFAULT_PORT = 8476  # JAX's usual coordinator port when JAX_COORDINATOR_PORT is not set
 ABORT_MARGIN_S = 5  # JAX's own initialization deadline is this much later than ours, so ours fires first
-
-
-class DistributedInitError(RuntimeError):
-  """The processes could not form a job (coordinator unreachable, timeout, bad environment)."""
 
 
 class Plan(NamedTuple):

@@ -21,8 +21,8 @@ from collections.abc import Iterator, Sequence
 
 from MaxText import config as config_lib
 from MaxText import distributed, paths, preemption
-from MaxText.config import Config, ConfigError
-from MaxText.data.errors import DataError
+from MaxText.config import Config
+from MaxText.errors import ConfigError, DataError
 
 HELP_FLAGS = ("-h", "--help")
 BASE_YML = os.path.join(config_lib.CONFIG_DIR, "base.yml")
@@ -176,22 +176,3 @@ def start(argv: Sequence[str], usage: Usage, *, overrides: Sequence[str] = (), j
     except distributed.DistributedInitError as e:
       sys.exit(f"Distributed initialisation failed: {e}")
   return config
-
-
-# Console scripts (pyproject.toml [project.scripts]): the entry points by name, from any directory.
-def train_command() -> None:
-  from MaxText import train
-
-  train.main(sys.argv)
-
-
-def decode_command() -> None:
-  from MaxText import decode
-
-  decode.main(sys.argv[1:])
-
-
-def train_compile_command() -> None:
-  from MaxText import train_compile
-
-  train_compile.main(sys.argv)

@@ -116,14 +116,15 @@ def plot(metrics_path: str, output: str, smoothing: float = DEFAULT_SMOOTHING) -
   return output
 
 
-def main(argv: Sequence[str]) -> int:
+def main(argv: Sequence[str]) -> None:
+  """argv: sys.argv (the program name first)."""
   parser = argparse.ArgumentParser(prog="python3 -m MaxText.plot_metrics", description=__doc__.splitlines()[0])
   parser.add_argument("metrics_file", help="metrics.jsonl written by a training run")
   parser.add_argument("--output", default="", help="PNG path (default: the metrics file with .png)")
   parser.add_argument(
     "--smoothing", type=float, default=DEFAULT_SMOOTHING, help="moving-average weight in [0, 1); 0: raw curves"
   )
-  args = parser.parse_args(argv)
+  args = parser.parse_args(argv[1:])
   if not 0 <= args.smoothing < 1:
     parser.error(f"--smoothing {args.smoothing}: use a weight in [0, 1), e.g. 0.6, or 0 for raw curves")
   output = args.output or os.path.splitext(args.metrics_file)[0] + ".png"
@@ -131,8 +132,7 @@ def main(argv: Sequence[str]) -> int:
     print(f"wrote {plot(args.metrics_file, output, args.smoothing)}")
   except paths.StorageError as e:
     sys.exit(f"Storage error: {e}")
-  return 0
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  main(sys.argv)

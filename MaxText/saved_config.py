@@ -16,7 +16,8 @@ from flax import nnx
 
 from MaxText import checkpointing, paths
 from MaxText import state as state_lib
-from MaxText.config import Config, ConfigError
+from MaxText.config import Config
+from MaxText.errors import ConfigError
 
 # Keys that decide the shapes or the structure of the saved state: (key, its base_* key when derived).
 SHAPE_KEYS = (

@@ -19,7 +19,8 @@ from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from MaxText import config_checks
-from MaxText.config import Config, ConfigError
+from MaxText.config import Config
+from MaxText.errors import ConfigError
 
 
 def _fill(prefix: str, config: Config, total: int, what: str) -> list[int]:

@@ -14,9 +14,6 @@ import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-if __package__ in (None, ""):  # run as a script: import the package from the repository root
-  sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 import jax
 import yaml
 from jax.sharding import Mesh
@@ -38,7 +35,8 @@ from MaxText import (
 from MaxText import data as data_lib
 from MaxText import state as state_lib
 from MaxText import train_step as steps
-from MaxText.config import Config, ConfigError
+from MaxText.config import Config
+from MaxText.errors import ConfigError
 from MaxText.layers import lora
 from MaxText.parallel import plan as plan_lib
 

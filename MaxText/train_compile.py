@@ -21,9 +21,6 @@ import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-if __package__ in (None, ""):  # run as a script: import the package from the repository root
-  sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -31,7 +28,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from MaxText import accelerators, compiled_step, launch, optimizers, sharding
 from MaxText import state as state_lib
 from MaxText import train_step as steps
-from MaxText.config import Config, ConfigError
+from MaxText.config import Config
+from MaxText.errors import ConfigError
 from MaxText.parallel import plan as plan_lib
 
 GiB = 2**30

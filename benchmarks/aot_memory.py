@@ -118,8 +118,12 @@ def select(words: list[str]) -> list[Case]:
   return [c for c in CASES if not words or any(w in c.name for w in words)]
 
 
-def main(words: list[str]) -> None:
-  cases = select(words)
+def main(argv: list[str]) -> None:
+  """argv: sys.argv (the program name first), then words that select cases."""
+  if {"-h", "--help"} & set(argv[1:]):
+    print(__doc__.strip())
+    sys.exit(0)
+  cases = select(argv[1:])
   print("| case | remat, attention | mesh (axes > 1) | args GiB | temp GiB | total GiB | compile s |")
   print("|---|---|---|---|---|---|---|")
   for c in cases:
@@ -134,7 +138,4 @@ def main(words: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  if {"-h", "--help"} & set(sys.argv[1:]):
-    print(__doc__.strip())
-    sys.exit(0)
-  main(sys.argv[1:])
+  main(sys.argv)

@@ -22,8 +22,7 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import aot_memory  # noqa: E402
+import aot_memory  # beside this file (`python3 benchmarks/aot_vs_maxtext.py` imports from its directory)
 
 GIB = 2**30
 # MaxText understands these keys with the same meaning; cases with any other (ours only) are skipped.
@@ -70,12 +69,13 @@ def versions(python: str) -> str:
   return subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
+  """argv: sys.argv (the program name first)."""
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--maxtext-python", required=True, help="a Python with the maxtext package")
   parser.add_argument("--ours-python", default=sys.executable, help="a Python with our requirements (this one)")
   parser.add_argument("words", nargs="*", help="cases whose name contains one of these words (default: all)")
-  args = parser.parse_args()
+  args = parser.parse_args(argv[1:])
   cases = [c for c in aot_memory.select(args.words) if comparable(c)]
   base = maxtext_base(args.maxtext_python)
   print(f"Ours: {versions(args.ours_python)}. MaxText: {versions(args.maxtext_python)}.")
@@ -94,4 +94,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  main(sys.argv)

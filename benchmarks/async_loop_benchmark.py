@@ -22,13 +22,11 @@ import tempfile
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
 
-import jax  # noqa: E402
-
-from MaxText import accelerators, checkpointing, config, launch, optimizers, sharding, train  # noqa: E402
-from MaxText import data as data_lib  # noqa: E402
-from MaxText import state as state_lib  # noqa: E402
+from MaxText import accelerators, checkpointing, config, launch, optimizers, sharding, train
+from MaxText import data as data_lib
+from MaxText import state as state_lib
 
 MODEL = [
   "dataset_type=synthetic",
@@ -97,9 +95,11 @@ def mean_step_time(c: config.Config, delay_ms: float, sync: bool) -> float:
 
 
 def main(argv: list[str]) -> None:
+  """argv: sys.argv (the program name first)."""
+  launch.doc_help(argv[1:], __doc__)
   own = dict(OWN_ARGS)
   rest = []
-  for arg in argv:
+  for arg in argv[1:]:
     key = arg.split("=", 1)[0]
     if key in own:
       own[key] = arg.split("=", 1)[1]
@@ -124,5 +124,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  launch.doc_help(sys.argv[1:], __doc__)
-  main(sys.argv[1:])
+  main(sys.argv)

@@ -92,6 +92,7 @@ def measure(src: str, dst: str, scan_layers: bool, direction: str = "import") ->
 
 
 def main(argv: list[str]) -> None:
+  """argv: sys.argv (the program name first)."""
   parser = argparse.ArgumentParser(
     prog="python3 benchmarks/convert_benchmark.py",
     epilog="More: benchmarks/README.md in the repository.",
@@ -105,7 +106,7 @@ def main(argv: list[str]) -> None:
   parser.add_argument("--heads", type=int, default=8)
   parser.add_argument("--scan_layers", default="true", choices=("true", "false"))
   parser.add_argument("--workdir", default=None, help="scratch directory (default: a temporary one)")
-  args = parser.parse_args(argv)
+  args = parser.parse_args(argv[1:])
   with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
     hf, out = os.path.join(tmp, "hf"), os.path.join(tmp, "out")
     total, largest = write_llama(hf, args.layers, args.emb, args.mlp, args.vocab, args.heads)
@@ -126,4 +127,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  main(sys.argv)

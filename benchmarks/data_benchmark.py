@@ -16,17 +16,15 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+from train_benchmark import BENCHMARK  # beside this file: a script imports from its own directory
 
-import jax  # noqa: E402
-
-from benchmarks.train_benchmark import BENCHMARK  # noqa: E402
-from MaxText import config, launch, optimizers, sharding  # noqa: E402
-from MaxText import data as data_lib  # noqa: E402
-from MaxText import state as state_lib  # noqa: E402
-from MaxText import train_step as steps  # noqa: E402
-from MaxText.data import text, tokenizer  # noqa: E402
-from MaxText.data.convert_to_arrayrecord import write_arrayrecord  # noqa: E402
+from MaxText import config, launch, optimizers, sharding
+from MaxText import data as data_lib
+from MaxText import state as state_lib
+from MaxText import train_step as steps
+from MaxText.data import text, tokenizer
+from MaxText.data.convert_to_arrayrecord import write_arrayrecord
 
 ROOT = "/tmp/maxtext_benchmarks/data"
 OWN_ARGS = {"rounds": 3, "steps": 5}
@@ -62,9 +60,12 @@ def input_seconds(batches, n: int = 20) -> float:
 
 
 def main(argv: list[str]) -> None:
-  own = {k: int(a.split("=", 1)[1]) for k in OWN_ARGS for a in argv if a.startswith(f"{k}=")}
+  """argv: sys.argv (the program name first)."""
+  launch.doc_help(argv[1:], __doc__)
+  args = argv[1:]
+  own = {k: int(a.split("=", 1)[1]) for k in OWN_ARGS for a in args if a.startswith(f"{k}=")}
   rounds, n = own.get("rounds", OWN_ARGS["rounds"]), own.get("steps", OWN_ARGS["steps"])
-  overrides = [a for a in argv if a.split("=", 1)[0] not in OWN_ARGS]
+  overrides = [a for a in args if a.split("=", 1)[0] not in OWN_ARGS]
   files, model = prepare_corpus()
   base = [os.path.join(config.CONFIG_DIR, "base.yml"), *BENCHMARK, *overrides]
   synthetic = config.load(base, {})
@@ -104,5 +105,4 @@ def report(times: dict, inputs: dict, workers: int) -> None:
 
 
 if __name__ == "__main__":
-  launch.doc_help(sys.argv[1:], __doc__)
-  main(sys.argv[1:])
+  main(sys.argv)

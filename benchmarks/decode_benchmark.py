@@ -16,15 +16,13 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import numpy as np
+from train_benchmark import BENCHMARK  # beside this file: a script imports from its own directory
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-from benchmarks.train_benchmark import BENCHMARK  # noqa: E402
-from MaxText import checkpointing, config, launch, sharding  # noqa: E402
-from MaxText.convert import maxtext_to_hf  # noqa: E402
-from MaxText.inference import Engine, engine  # noqa: E402
+from MaxText import checkpointing, config, launch, sharding
+from MaxText.convert import maxtext_to_hf
+from MaxText.inference import Engine, engine
 
 DECODE = ["run_name=decode_benchmark", "max_prefill_predict_length=64", "decode_max_new_tokens=64"]
 PROMPT_TOKENS = 32
@@ -69,6 +67,8 @@ def hf_model(c: config.Config, params, workdir: str):
 
 
 def main(argv: list[str]) -> None:
+  """argv: sys.argv (the program name first)."""
+  launch.doc_help(argv[1:], __doc__)
   c = config.load([os.path.join(config.CONFIG_DIR, "base.yml"), *BENCHMARK, *DECODE, *argv[1:]])
   mesh = sharding.create_mesh(c)
   graphdef, params, _ = engine.load_params(c, mesh)
@@ -87,5 +87,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  launch.doc_help(sys.argv[1:], __doc__)
   main(sys.argv)

@@ -49,7 +49,12 @@ def run(overrides: tuple[str, ...], mode: str) -> dict[str, str]:
   return {k: m.group(1) if m else "?" for k, m in found.items()}
 
 
-def main(words: list[str]) -> None:
+def main(argv: list[str]) -> None:
+  """argv: sys.argv (the program name first), then words that select cases."""
+  if {"-h", "--help"} & set(argv[1:]):
+    print(__doc__.strip())
+    sys.exit(0)
+  words = argv[1:]
   print("| case | quantization | FLOPs / device / step | args GiB | temp GiB | total GiB | compile s |")
   print("|---|---|---|---|---|---|---|")
   for name, overrides in CASES.items():
@@ -66,7 +71,4 @@ def main(words: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  if {"-h", "--help"} & set(sys.argv[1:]):
-    print(__doc__.strip())
-    sys.exit(0)
-  main(sys.argv[1:])
+  main(sys.argv)

@@ -49,7 +49,12 @@ def summary(records: list[dict]) -> dict[str, float]:
   }
 
 
-def main(overrides: list[str]) -> None:
+def main(argv: list[str]) -> None:
+  """argv: sys.argv (the program name first), then key=value overrides for every run."""
+  if {"-h", "--help"} & set(argv[1:]):
+    print(__doc__.strip())
+    sys.exit(0)
+  overrides = argv[1:]
   out = tempfile.mkdtemp(prefix="quant_quality_")
   results = {}
   for label, mode in MODES.items():
@@ -69,7 +74,4 @@ def main(overrides: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  if {"-h", "--help"} & set(sys.argv[1:]):
-    print(__doc__.strip())
-    sys.exit(0)
-  main(sys.argv[1:])
+  main(sys.argv)

@@ -16,16 +16,14 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from train_benchmark import BENCHMARK  # beside this file: a script imports from its own directory
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from benchmarks.train_benchmark import BENCHMARK  # noqa: E402
-from MaxText import config, launch  # noqa: E402
-from MaxText import state as state_lib  # noqa: E402
-from MaxText.inference import quantize  # noqa: E402
+from MaxText import config, launch
+from MaxText import state as state_lib
+from MaxText.inference import quantize
 
 MODELS = {
   "benchmark ~110M": BENCHMARK,
@@ -77,17 +75,19 @@ def row(name: str, setting: str, overrides: list[str]) -> tuple[int, float, str]
 
 
 def main(argv: list[str]) -> None:
-  models = {" ".join(argv): argv} if any(a.startswith("model_name=") for a in argv) else MODELS
+  """argv: sys.argv (the program name first)."""
+  launch.doc_help(argv[1:], __doc__)
+  overrides = argv[1:]
+  models = {" ".join(overrides): overrides} if any(a.startswith("model_name=") for a in overrides) else MODELS
   print(f"jax {jax.__version__}; weights as served (dtype bfloat16), KV cache of batch 1")
   print("| model | setting | weights (GiB) | vs bf16 | KV cache per token (KiB) | vs bf16 |")
   print("|---|---|---|---|---|---|")
   for name, base in models.items():
-    rows = [row(name, s, [*base, *extra, *(argv if models is MODELS else [])]) for s, extra in SETTINGS.items()]
+    rows = [row(name, s, [*base, *extra, *(overrides if models is MODELS else [])]) for s, extra in SETTINGS.items()]
     w0, kv0 = rows[0][0], rows[0][1]
     for w, kv, prefix in rows:
       print(f"{prefix} {w / 2**30:.3f} | {w / w0:.2f}x | {kv / 2**10:.2f} | {kv / kv0:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":
-  launch.doc_help(sys.argv[1:], __doc__)
-  main(sys.argv[1:])
+  main(sys.argv)

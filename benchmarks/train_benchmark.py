@@ -28,14 +28,12 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
 
-import jax  # noqa: E402
-
-from MaxText import accelerators, config, flops, launch, optimizers, sharding  # noqa: E402
-from MaxText import data as data_lib  # noqa: E402
-from MaxText import state as state_lib  # noqa: E402
-from MaxText import train_step as steps  # noqa: E402
+from MaxText import accelerators, config, flops, launch, optimizers, sharding
+from MaxText import data as data_lib
+from MaxText import state as state_lib
+from MaxText import train_step as steps
 
 # Keys every run gets: synthetic data, no files written but the (unused) run directory.
 HARNESS = [
@@ -200,6 +198,8 @@ def _flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:
 
 
 def main(argv: list[str]) -> None:
+  """argv: sys.argv (the program name first)."""
+  launch.doc_help(argv[1:], __doc__)
   flags, overrides = _flags(argv[1:])
   base = (
     [flags["config"], *HARNESS]
@@ -217,5 +217,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  launch.doc_help(sys.argv[1:], __doc__)
   main(sys.argv)

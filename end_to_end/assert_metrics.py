@@ -27,7 +27,8 @@ def check(records: list[dict], steps: int | None, keys: list[str], max_final_los
   return errors
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str]) -> None:
+  """argv: sys.argv (the program name first). Exits 1 when a check fails."""
   parser = argparse.ArgumentParser(
     prog="python3 end_to_end/assert_metrics.py",
     epilog="More: docs/outputs.md in the repository.",
@@ -39,7 +40,7 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--keys", default="loss")
   parser.add_argument("--max_final_loss", type=float)
   parser.add_argument("--min_loss_drop", type=float)
-  args = parser.parse_args(argv)
+  args = parser.parse_args(argv[1:])
   with open(args.metrics_file) as f:
     records = [json.loads(line) for line in f if line.strip()]
   errors = check(records, args.steps, args.keys.split(","), args.max_final_loss, args.min_loss_drop)
@@ -48,8 +49,9 @@ def main(argv: list[str]) -> int:
   if not errors:
     final = [r["loss"] for r in records if r.get("loss") is not None and "eval_loss" not in r][-1]
     print(f"OK {args.metrics_file}: {len(records)} records, final training loss {final:.4f}")
-  return 1 if errors else 0
+  if errors:
+    sys.exit(1)
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  main(sys.argv)

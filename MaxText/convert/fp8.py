@@ -19,7 +19,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from MaxText.config import ConfigError
+from MaxText.errors import ConfigError
 
 SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from MaxText.config import Config, ConfigError
+from MaxText.config import Config
+from MaxText.errors import ConfigError
 
 KEYS = {  # HF field -> MaxText key
   "n_embd": "base_emb_dim",

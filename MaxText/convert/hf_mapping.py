@@ -12,8 +12,9 @@ import math
 from collections.abc import Collection, Iterator
 from typing import Any, NamedTuple
 
-from MaxText.config import Config, ConfigError
+from MaxText.config import Config
 from MaxText.convert import fp8, gpt2_mapping
+from MaxText.errors import ConfigError
 
 # HF model_type -> decoder_block, and back (with the HF architecture class).
 DECODER_BLOCK = {

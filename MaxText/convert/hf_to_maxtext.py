@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -29,8 +30,9 @@ from flax import nnx
 from MaxText import config as config_lib
 from MaxText import launch, models, paths
 from MaxText import state as state_lib
-from MaxText.config import Config, ConfigError
+from MaxText.config import Config
 from MaxText.convert import fp8, hf_mapping, streaming
+from MaxText.errors import ConfigError
 
 
 def get(tree: dict, path: tuple) -> Any:
@@ -208,7 +210,8 @@ def _fill(state: nnx.State, leaves: dict[tuple, Any]) -> nnx.State:
   return state
 
 
-def main(argv: list[str]) -> None:
+def main(argv: Sequence[str]) -> None:
+  """argv: sys.argv (the program name first)."""
   parser = argparse.ArgumentParser(
     prog="python3 -m MaxText.convert.hf_to_maxtext",
     epilog="More: docs/models.md in the repository.",
@@ -221,7 +224,7 @@ def main(argv: list[str]) -> None:
   parser.add_argument(
     "--dtype", default="float32", choices=("float32", "bfloat16"), help="storage dtype (bfloat16: half the disk)"
   )
-  args = parser.parse_args(argv)
+  args = parser.parse_args(argv[1:])
   jax.config.update("jax_platforms", "cpu")
   try:
     path = convert(args.hf_path, args.output, args.scan_layers == "true", args.dtype)
@@ -233,4 +236,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  main(sys.argv)

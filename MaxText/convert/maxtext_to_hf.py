@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -30,8 +31,9 @@ from flax import nnx
 from MaxText import checkpointing, launch, models, paths
 from MaxText import config as config_lib
 from MaxText import state as state_lib
-from MaxText.config import Config, ConfigError, serving_config
+from MaxText.config import Config, serving_config
 from MaxText.convert import hf_mapping, streaming
+from MaxText.errors import ConfigError
 from MaxText.layers import lora
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -138,7 +140,8 @@ def _write(c: Config, output: str, dtype: str) -> None:
     json.dump(hf_mapping.hf_config(c, dtype), f, indent=1)
 
 
-def main(argv: list[str]) -> None:
+def main(argv: Sequence[str]) -> None:
+  """argv: sys.argv (the program name first)."""
   parser = argparse.ArgumentParser(
     prog="python3 -m MaxText.convert.maxtext_to_hf",
     epilog="More: docs/models.md in the repository.",
@@ -148,7 +151,7 @@ def main(argv: list[str]) -> None:
   parser.add_argument("config", nargs="+", help="CONFIG.yml load_parameters_path=... [key=value ...]")
   parser.add_argument("--output", required=True, help="Hugging Face directory to write")
   parser.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype of the written tensors")
-  args = parser.parse_args(argv)
+  args = parser.parse_args(argv[1:])
   jax.config.update("jax_platforms", "cpu")
   try:
     c = config_lib.load([*args.config, "dtype=float32"])
@@ -161,4 +164,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  main(sys.argv)

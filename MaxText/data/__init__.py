@@ -12,8 +12,8 @@ from jax.sharding import Mesh
 from MaxText.config import Config
 from MaxText.data import grain_data, hf_data, sft, synthetic, text, tfds_data
 from MaxText.data.batches import FIELDS, BatchIterator, BatchSource, Iterators
-from MaxText.data.errors import DataError
 from MaxText.data.tokenizer import Tokenizer
+from MaxText.errors import DataError
 
 __all__ = ["FIELDS", "BACKENDS", "BatchIterator", "BatchSource", "Iterators", "Tokenizer", "make_iterators"]
 

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from MaxText.data.errors import DataError
+from MaxText.errors import DataError
 
 ROLES = ("system", "user", "assistant", "tool")
 # Used when the tokenizer has no chat template and sft_chat_template is empty (documented in docs/sft.md):

@@ -11,19 +11,21 @@ The template usually starts with the BOS token's text: decode it with add_bos=fa
 import sys
 
 from MaxText.data import chat
-from MaxText.data.errors import DataError
 from MaxText.data.tokenizer import load_tokenizer
+from MaxText.errors import DataError
 
 
 def main(argv: list[str]) -> None:
-  if len(argv) not in (2, 3):
+  """argv: sys.argv (the program name first)."""
+  args = argv[1:]
+  if len(args) not in (2, 3):
     raise SystemExit(__doc__.split("\n\n")[1].strip())
   try:
-    template = chat.load_template(load_tokenizer(argv[0], "huggingface"), argv[2] if len(argv) == 3 else "")
-    sys.stdout.write(template.render([{"role": "user", "content": argv[1]}], add_generation_prompt=True))
+    template = chat.load_template(load_tokenizer(args[0], "huggingface"), args[2] if len(args) == 3 else "")
+    sys.stdout.write(template.render([{"role": "user", "content": args[1]}], add_generation_prompt=True))
   except DataError as e:
     raise SystemExit(str(e)) from None
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  main(sys.argv)

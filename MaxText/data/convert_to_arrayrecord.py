@@ -12,11 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from collections.abc import Iterable, Sequence
 
-from MaxText import paths
-from MaxText.data.errors import DataError
+from MaxText import launch, paths
 from MaxText.data.files import cli_texts
+from MaxText.errors import DataError
 
 
 def write_arrayrecord(texts: Iterable[str], output_dir: str, prefix: str = "data", num_shards: int = 1) -> list[str]:
@@ -40,7 +41,8 @@ def write_arrayrecord(texts: Iterable[str], output_dir: str, prefix: str = "data
   return shards
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str]) -> None:
+  """argv: sys.argv (the program name first)."""
   parser = argparse.ArgumentParser(
     prog="python3 -m MaxText.data.convert_to_arrayrecord",
     epilog="More: docs/data.md in the repository.",
@@ -51,9 +53,7 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser.add_argument("--prefix", default="data", help="file name prefix")
   parser.add_argument("--num_shards", type=int, default=1, help="number of output files")
   parser.add_argument("--text_column", default="text", help=".jsonl/.parquet field holding the text")
-  args = parser.parse_args(argv)
-  from MaxText import launch  # noqa: PLC0415 (launch imports this package)
-
+  args = parser.parse_args(argv[1:])
   with launch.user_errors(), paths.local_output_dir(args.output_dir, "--output_dir") as local:  # local or gs://
     _, texts = cli_texts(args.files, args.text_column)
     written = write_arrayrecord(texts, local, args.prefix, args.num_shards)
@@ -61,4 +61,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-  main()
+  main(sys.argv)

@@ -18,7 +18,7 @@ from typing import Any
 from etils import epath
 
 from MaxText import paths
-from MaxText.data.errors import DataError
+from MaxText.errors import DataError
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from MaxText import paths, sharding
 from MaxText.config import Config
 from MaxText.data import tokenizer as tokenizers
 from MaxText.data.batches import Iterators, Rows, assemble_batch, process_rows
-from MaxText.data.errors import DataError
 from MaxText.data.files import ParquetSource, expand
+from MaxText.errors import DataError
 
 
 class Component(NamedTuple):

@@ -71,12 +71,12 @@ def usage():
 
 
 def main(argv: Sequence[str]) -> None:
-  """argv: the arguments after the program name."""
+  """argv: sys.argv (the program name first)."""
   import jax
 
   from MaxText import data, launch, sharding
 
-  config_argv, own = split_args(argv)
+  config_argv, own = split_args(argv[1:])
   config = launch.start(config_argv, usage())
   with launch.user_errors():
     mesh = sharding.create_mesh(config)
@@ -95,4 +95,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  main(sys.argv)

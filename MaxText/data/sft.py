@@ -28,7 +28,7 @@ from MaxText.config import Config
 from MaxText.data import chat, files, hf_data
 from MaxText.data import tokenizer as tokenizers
 from MaxText.data.batches import BatchIterator, Iterators
-from MaxText.data.errors import DataError
+from MaxText.errors import DataError
 
 log = logging.getLogger(__name__)
 PACK_SALT = 0x5F7  # seeds the fixed packing order apart from the per-epoch row orders (which use epoch >= 0)

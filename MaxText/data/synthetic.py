@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 from MaxText import sharding
 from MaxText.config import Config
 from MaxText.data.batches import BatchIterator, Iterators
-from MaxText.data.errors import DataError
+from MaxText.errors import DataError
 
 TRAIN_STREAM, EVAL_STREAM = 0, 1
 

@@ -31,8 +31,8 @@ from MaxText.config import Config
 from MaxText.data import files
 from MaxText.data import tokenizer as tokenizers
 from MaxText.data.batches import BatchIterator, Iterators
-from MaxText.data.errors import DataError
 from MaxText.data.packing import DocumentRows
+from MaxText.errors import DataError
 
 log = logging.getLogger(__name__)
 CACHE_FORMAT = 2  # bump when the cached token layout changes

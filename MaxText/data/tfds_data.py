@@ -16,8 +16,8 @@ from jax.sharding import Mesh
 from MaxText.config import Config
 from MaxText.data import tokenizer as tokenizers
 from MaxText.data.batches import Iterators
-from MaxText.data.errors import DataError
 from MaxText.data.grain_data import Component, check_source, make_pipeline
+from MaxText.errors import DataError
 
 
 def data_source(config: Config, split: str) -> Any:

@@ -16,7 +16,7 @@ import numpy as np
 import sentencepiece as spm
 
 from MaxText import paths
-from MaxText.data.errors import DataError
+from MaxText.errors import DataError
 
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 MODEL_FILE = "tokenizer.model"

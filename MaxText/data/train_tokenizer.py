@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Sequence
 
-from MaxText import paths
+from MaxText import launch, paths
 from MaxText.data.files import cli_texts
 from MaxText.data.tokenizer import load_tokenizer, train_sentencepiece
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str]) -> None:
+  """argv: sys.argv (the program name first)."""
   parser = argparse.ArgumentParser(
     prog="python3 -m MaxText.data.train_tokenizer",
     epilog="More: docs/data.md in the repository.",
@@ -30,9 +32,7 @@ def main(argv: Sequence[str] | None = None) -> None:
   )
   parser.add_argument("--text_column", default="text", help=".jsonl/.parquet field holding the text")
   parser.add_argument("--seed", type=int, default=0, help="seed of the sentence sampling")
-  args = parser.parse_args(argv)
-  from MaxText import launch  # noqa: PLC0415 (launch imports this package)
-
+  args = parser.parse_args(argv[1:])
   with launch.user_errors(), paths.local_output_dir(args.output_dir, "--output_dir") as local:  # local or gs://
     files, texts = cli_texts(args.files, args.text_column)
     path = train_sentencepiece(texts, args.vocab_size, local, args.seed)
@@ -41,4 +41,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-  main()
+  main(sys.argv)

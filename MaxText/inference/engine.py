@@ -24,7 +24,8 @@ from jax.sharding import Mesh, PartitionSpec
 
 from MaxText import checkpointing, config_checks, sharding
 from MaxText import state as state_lib
-from MaxText.config import Config, ConfigError, serving_config
+from MaxText.config import Config, serving_config
+from MaxText.errors import ConfigError
 from MaxText.inference import quantize, sampling
 from MaxText.inference import tokenizer as tokenizer_lib
 from MaxText.layers import lora

@@ -30,7 +30,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxText import checkpointing
 from MaxText import state as state_lib
-from MaxText.config import Config, ConfigError
+from MaxText.config import Config
+from MaxText.errors import ConfigError
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.moe import MoeBlock
 

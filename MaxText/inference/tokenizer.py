@@ -10,8 +10,9 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from MaxText import paths
-from MaxText.config import Config, ConfigError
+from MaxText.config import Config
 from MaxText.data import tokenizer as tokenizers
+from MaxText.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -69,7 +69,7 @@ def run_main(main: Callable[[list[str]], None], argv: Sequence[str]) -> Outcome:
 
 class Case(NamedTuple):
   entry: str  # train | decode | convert
-  args: tuple[str, ...]  # after the config file (train/decode) or the whole argv (convert); {d}: a scratch dir
+  args: tuple[str, ...]  # after the config file, or (argparse tools) after the program name; {d}: a scratch dir
   names: str  # the key or path the one line must name
   knowable: bool = True  # from the config alone: must fail before any compilation
 
@@ -282,11 +282,12 @@ def _save_params(path: str, *overrides: str) -> None:
 
 
 def _argv(case: Case, scratch: dict) -> list[str]:
+  """sys.argv for the case's main: the program name first."""
   args = [a.format(**scratch) for a in case.args]
   if case.entry in OWN_ARGV:
-    return args
+    return [f"{case.entry}.py", *args]
   common = [f"base_output_directory={scratch['d']}/out", "run_name=bad", *TINY, "steps=2"]
-  return ["train.py", BASE, *common, *args] if case.entry == "train" else [BASE, *common, *args]
+  return [f"{case.entry}.py", BASE, *common, *args]
 
 
 MAINS = {
@@ -297,7 +298,7 @@ MAINS = {
   "to_arrayrecord": convert_to_arrayrecord.main,
   "train_tokenizer": train_tokenizer.main,
 }
-OWN_ARGV = ("convert", "to_arrayrecord", "train_tokenizer")  # argparse tools: the case's args are all of argv
+OWN_ARGV = ("convert", "to_arrayrecord", "train_tokenizer")  # argparse tools: no config file, only the case's args
 
 
 def assert_one_line_exit(outcome: Outcome, names: str) -> None:
@@ -333,9 +334,8 @@ SUBPROCESS_CASES = ("negative_learning_rate", "kv_heads_over_tensor", "text_no_m
 def test_real_process_exits_as_in_process(name, scratch):
   """The in-process verdict is the one a user sees: status 1, the same line last on stderr, no traceback."""
   case = CASES[name]
-  argv = _argv(case, scratch)
+  argv = _argv(case, scratch)[1:]
   script = {"train": "MaxText/train.py", "convert": "MaxText/convert/hf_to_maxtext.py"}[case.entry]
-  argv = argv[1:] if case.entry == "train" else argv
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
   real = subprocess.run([sys.executable, script, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   inproc = run_main(MAINS[case.entry], _argv(case, scratch))

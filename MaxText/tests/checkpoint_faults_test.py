@@ -16,7 +16,7 @@ import pytest
 
 from MaxText import checkpointing, optimizers, sharding, train
 from MaxText import state as state_lib
-from MaxText.config import ConfigError
+from MaxText.errors import ConfigError
 from MaxText.tests.conftest import BASE, ROOT, TINY, cfg
 
 COMMON = ["per_device_batch_size=1", "enable_checkpointing=true", "checkpoint_period=2", "steps=4"]

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from MaxText import config
-from MaxText.config import ConfigError
+from MaxText.errors import ConfigError
 
 BASE = os.path.join(config.CONFIG_DIR, "base.yml")
 

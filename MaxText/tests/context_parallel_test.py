@@ -12,7 +12,7 @@ from flax import nnx
 
 from MaxText import config, models, sharding
 from MaxText import train_step as steps
-from MaxText.config import ConfigError
+from MaxText.errors import ConfigError
 from MaxText.layers import context_parallel
 from MaxText.parallel import plan as plan_lib
 

@@ -9,8 +9,8 @@ import shutil
 import numpy as np
 import pytest
 
-from MaxText.config import ConfigError
 from MaxText.convert import fp8, hf_to_maxtext
+from MaxText.errors import ConfigError
 from MaxText.tests.families_test import T, hf_model, maxtext_logits
 
 torch = pytest.importorskip("torch")

@@ -293,7 +293,9 @@ def test_inspect_prints_decoded_segments(tmp_path, corpus, capsys):
   from MaxText.data import inspect
 
   glob, model = corpus
-  inspect.main([*data_argv(tmp_path, f"dataset_path={glob}", f"tokenizer_path={model}"), "num_batches=2", "rows=8"])
+  inspect.main(
+    ["inspect.py", *data_argv(tmp_path, f"dataset_path={glob}", f"tokenizer_path={model}"), "num_batches=2", "rows=8"]
+  )
   out = capsys.readouterr().out
   assert "=== batch 1: (8, 32) int32" in out and "row 7:" in out and "batch 2" not in out
   assert "segment 2:" in out and "from position 0 BOS" in out and "has a target" not in out

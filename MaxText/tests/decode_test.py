@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from MaxText import checkpointing, config, decode, models
-from MaxText.config import ConfigError
+from MaxText.errors import ConfigError
 from MaxText.inference import Engine, engine, sampling
 from MaxText.parallel import plan as plan_lib
 from MaxText.tests.conftest import ROOT, run_processes
@@ -159,14 +159,15 @@ def test_bad_inputs_are_clear_errors(tiny_engine, tmp_path):
 
 
 def test_decode_command_line(capsys):
-  decode.main([BASE, *TINY, "vocab_size=320", "prompt=I love to", "per_device_batch_size=1", "decode_max_new_tokens=4"])
+  argv = ["decode.py", BASE, *TINY, "vocab_size=320", "prompt=I love to", "decode_max_new_tokens=4"]
+  decode.main([*argv, "per_device_batch_size=1"])
   out = capsys.readouterr().out
   assert "random weights" in out and "Prompt: 'I love to'" in out and "Time to first token" in out
   assert "(8 rows x 3 steps)" in out
 
 
 def test_decode_command_line_decodes_one_row_unless_a_batch_is_asked_for(capsys):
-  decode.main([BASE, *TINY, "vocab_size=320", "prompt=I love to", "decode_max_new_tokens=4"])
+  decode.main(["decode.py", BASE, *TINY, "vocab_size=320", "prompt=I love to", "decode_max_new_tokens=4"])
   assert "(1 row x 3 steps)" in capsys.readouterr().out  # not base.yml's per_device_batch_size x 8 devices
 
 

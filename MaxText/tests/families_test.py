@@ -13,8 +13,8 @@ import pytest
 from flax import nnx
 
 from MaxText import checkpointing, config, models, train
-from MaxText.config import ConfigError
 from MaxText.convert import hf_mapping, hf_to_maxtext, maxtext_to_hf
+from MaxText.errors import ConfigError
 from MaxText.layers import attention_mla, embeddings
 from MaxText.parallel import plan as plan_lib
 
@@ -215,12 +215,12 @@ def test_command_lines_and_check_logits(tmp_path):
   tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
   tokenizer.save(os.path.join(hf_path, "tokenizer.json"))
   out, back = os.path.join(tmp_path, "mt"), os.path.join(tmp_path, "back")
-  hf_to_maxtext.main(["--hf_path", hf_path, "--output", out, "--scan_layers", "false"])
+  hf_to_maxtext.main(["hf_to_maxtext.py", "--hf_path", hf_path, "--output", out, "--scan_layers", "false"])
   cfg, params = os.path.join(out, "config.yml"), f"load_parameters_path={out}/params"
   run_dir = [f"base_output_directory={tmp_path}", "run_name=decode", "add_bos=false", "decode_max_new_tokens=3"]
   result = decode.run(config.load([cfg, params, *run_dir], {}))  # the converted tokenizer, no tokenizer flags
   assert all(len(c.tokens) == 3 for c in result.completions)
-  maxtext_to_hf.main([cfg, params, "--output", back])
+  maxtext_to_hf.main(["maxtext_to_hf.py", cfg, params, "--output", back])
   assert transformers.AutoModelForCausalLM.from_pretrained(back) is not None
   tokens = np.random.default_rng(1).integers(0, 64, (2, T))
   with torch.no_grad():
@@ -230,8 +230,10 @@ def test_command_lines_and_check_logits(tmp_path):
     for t, lg in zip(tokens, logits):
       g.write(json.dumps({"tokens": t.tolist(), "logits": lg.tolist()}) + "\n")
       b.write(json.dumps({"tokens": t.tolist(), "logits": (lg + 1e-3).tolist()}) + "\n")
-  assert check_logits.main([cfg, params, f"golden_logits_path={golden}"]) == 0
-  assert check_logits.main([cfg, params, f"golden_logits_path={bad}", "atol=1e-4", "rtol=0"]) == 1
+  check_logits.main(["check_logits.py", cfg, params, f"golden_logits_path={golden}"])  # within tolerance
+  with pytest.raises(SystemExit) as e:
+    check_logits.main(["check_logits.py", cfg, params, f"golden_logits_path={bad}", "atol=1e-4", "rtol=0"])
+  assert e.value.code == 1
 
 
 def test_bias_export_needs_a_class_with_that_flag():
@@ -269,7 +271,7 @@ def test_bfloat16_storage_restores_as_rounded_float32(tmp_path):
   _, hf_path = hf_model("llama2", tmp_path)
   full, half = os.path.join(tmp_path, "f32"), os.path.join(tmp_path, "bf16")
   hf_to_maxtext.convert(hf_path, full)
-  hf_to_maxtext.main(["--hf_path", hf_path, "--output", half, "--dtype", "bfloat16"])
+  hf_to_maxtext.main(["hf_to_maxtext.py", "--hf_path", hf_path, "--output", half, "--dtype", "bfloat16"])
 
   def params(out, *overrides):
     c = config.load([os.path.join(out, "config.yml"), "run_name=t", "dtype=float32", *overrides], {})

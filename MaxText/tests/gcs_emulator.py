@@ -41,7 +41,8 @@ def _patch_download_headers() -> None:
 
 
 def main(argv: list[str]) -> None:
-  port, buckets = int(argv[0]), argv[1:]
+  """argv: sys.argv (the program name first): PORT [BUCKET ...]."""
+  port, buckets = int(argv[1]), argv[2:]
   _patch_download_headers()
   from gcp_storage_emulator import server
 
@@ -55,4 +56,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  main(sys.argv)

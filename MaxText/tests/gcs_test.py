@@ -220,7 +220,8 @@ def test_hf_to_maxtext_and_back_through_a_bucket(bucket, tmp_path):
   assert params == f"{bucket}/converted/params"
   assert "config.yml" in paths.listdir(f"{bucket}/converted")
   assert "params" in checkpointing.saved_tree(params)
-  maxtext_to_hf.main([f"{bucket}/converted/config.yml", f"load_parameters_path={params}", "--output", f"{bucket}/back"])
+  converted = f"{bucket}/converted/config.yml"
+  maxtext_to_hf.main(["maxtext_to_hf.py", converted, f"load_parameters_path={params}", "--output", f"{bucket}/back"])
   back = paths.local_copy(f"{bucket}/back")
   assert {"config.json", "model.safetensors.index.json"} <= set(os.listdir(back))
   exported = {k: v for n in os.listdir(back) if n.endswith(".safetensors") for k, v in load_file(f"{back}/{n}").items()}
@@ -229,7 +230,7 @@ def test_hf_to_maxtext_and_back_through_a_bucket(bucket, tmp_path):
   }
   assert exported.keys() == original.keys() and all((exported[k] == original[k]).all() for k in original)
   with pytest.raises(SystemExit, match=r"^Conversion error: load_parameters_path .*/nothing' does not exist"):
-    maxtext_to_hf.main([f"{bucket}/converted/config.yml", f"load_parameters_path={bucket}/nothing", "--output", back])
+    maxtext_to_hf.main(["maxtext_to_hf.py", converted, f"load_parameters_path={bucket}/nothing", "--output", back])
 
 
 def test_download_dataset_copies_c4_to_a_bucket_and_a_local_dir(gcs, bucket, tmp_path):
@@ -270,9 +271,21 @@ def test_data_tools_read_and_write_a_bucket(bucket, tmp_path):
 
   for i, doc in enumerate(DOCS):
     paths.Path(f"{bucket}/docs/{i:02d}.txt").write_text(doc)
-  train_tokenizer.main(["--files", f"{bucket}/docs/*.txt", "--vocab_size", "300", "--output_dir", f"{bucket}/tok"])
+  train_tokenizer.main(
+    ["train_tokenizer.py", "--files", f"{bucket}/docs/*.txt", "--vocab_size", "300", "--output_dir", f"{bucket}/tok"]
+  )
   assert load_tokenizer(f"{bucket}/tok/tokenizer.model").vocab_size <= 300
-  convert_to_arrayrecord.main(["--files", f"{bucket}/docs/*.txt", "--output_dir", f"{bucket}/ar", "--num_shards", "2"])
+  convert_to_arrayrecord.main(
+    [
+      "convert_to_arrayrecord.py",
+      "--files",
+      f"{bucket}/docs/*.txt",
+      "--output_dir",
+      f"{bucket}/ar",
+      "--num_shards",
+      "2",
+    ]
+  )
   assert paths.listdir(f"{bucket}/ar") == [f"data-0000{i}-of-00002.array_record" for i in range(2)]
   source = ArrayRecordDataSource([f"{bucket}/ar/{name}" for name in paths.listdir(f"{bucket}/ar")])
   assert len(source) == len(DOCS)

@@ -135,7 +135,8 @@ def test_grain_bad_input(tmp_path, corpus, records):
 
 def test_convert_command(tmp_path, corpus, records):
   (tmp_path / "in.jsonl").write_text("".join(json.dumps({"t": d}) + "\n" for d in DOCS))
-  convert_main(["--files", f"{tmp_path}/*.jsonl", "--output_dir", str(tmp_path / "out"), "--text_column", "t"])
+  files, out = f"{tmp_path}/*.jsonl", str(tmp_path / "out")
+  convert_main(["convert_to_arrayrecord.py", "--files", files, "--output_dir", out, "--text_column", "t"])
   cfg = _grain_config(tmp_path, corpus, records, f"grain_train_files={tmp_path}/out/data-*.array_record")
   its = make_iterators(cfg.replace(packing=False, max_target_length=128), mesh_of(cfg, 4))
   assert sorted(its.tokenizer.decode(r) for b in take_batches(its.train, 3) for r in b["inputs"]) == sorted(DOCS)

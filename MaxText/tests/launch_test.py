@@ -83,7 +83,7 @@ def test_no_arguments_print_the_usage_not_an_error(capsys):
 def test_tool_clis_print_usage_with_pointers(capsys, module, prog):
   main = __import__(module, fromlist=["main"]).main
   with pytest.raises(SystemExit) as e:
-    main(["--help"])
+    main([f"{module}.py", "--help"])
   assert e.value.code == 0
   assert capsys.readouterr().out.startswith(f"usage: {prog}")
 

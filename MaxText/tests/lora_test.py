@@ -12,8 +12,8 @@ from flax import nnx
 from MaxText import check_logits, checkpointing, optimizers, sharding, train, train_compile
 from MaxText import state as state_lib
 from MaxText import train_step as steps
-from MaxText.config import ConfigError
 from MaxText.convert import maxtext_to_hf
+from MaxText.errors import ConfigError
 from MaxText.inference import engine
 from MaxText.layers import lora
 from MaxText.tests.conftest import cfg, losses

@@ -220,7 +220,7 @@ def test_plot_writes_png(tmp_path):
     run_steps(logger, [1.0] * 30)
     logger.log_eval(30, {"loss": 2.5})
   output = tmp_path / "plots" / "loss.png"
-  assert plot_metrics.main([cfg.metrics_file, "--output", str(output)]) == 0
+  plot_metrics.main(["plot_metrics.py", cfg.metrics_file, "--output", str(output)])
   with open(output, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   assert output.stat().st_size > 1000
@@ -232,7 +232,7 @@ def test_plot_smoothing():
   got = plot_metrics.smooth([0.0, 10.0], 0.5)
   assert got[0] == 0.0 and 0.0 < got[1] < 10.0
   with pytest.raises(SystemExit):
-    plot_metrics.main(["unused.jsonl", "--smoothing", "1.5"])
+    plot_metrics.main(["plot_metrics.py", "unused.jsonl", "--smoothing", "1.5"])
 
 
 def test_compiles_belong_to_the_step_whose_dispatch_they_end_in(tmp_path):

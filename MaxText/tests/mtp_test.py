@@ -17,8 +17,8 @@ from flax import nnx
 from MaxText import checkpointing, config, flops, models, saved_config, train
 from MaxText import state as state_lib
 from MaxText import train_step as steps
-from MaxText.config import ConfigError
 from MaxText.convert import hf_mapping, hf_to_maxtext, maxtext_to_hf
+from MaxText.errors import ConfigError
 from MaxText.inference import Engine
 from MaxText.layers import mtp
 from MaxText.parallel import plan as plan_lib

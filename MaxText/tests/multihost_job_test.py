@@ -11,8 +11,6 @@ import tempfile
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
 from MaxText.tests.conftest import ROOT
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")

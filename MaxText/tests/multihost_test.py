@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from MaxText import distributed, train
-from MaxText.config import ConfigError
+from MaxText.errors import ConfigError
 from MaxText.tests.conftest import BASE, ROOT, TINY, cfg, free_port, run_processes
 
 COMMON = ["steps=10", "per_device_batch_size=2", "hardware=cpu", "enable_checkpointing=true"]

@@ -13,7 +13,7 @@ import pytest
 
 from MaxText import config, sharding, state, train
 from MaxText import train_step as steps
-from MaxText.config import ConfigError
+from MaxText.errors import ConfigError
 from MaxText.layers import pipeline
 from MaxText.parallel import plan as plan_lib
 from MaxText.tests.conftest import cfg, losses

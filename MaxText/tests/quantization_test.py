@@ -17,7 +17,7 @@ from flax import nnx
 from MaxText import models, optimizers, sharding, train, train_compile
 from MaxText import state as state_lib
 from MaxText import train_step as steps
-from MaxText.config import ConfigError
+from MaxText.errors import ConfigError
 from MaxText.layers import quantization
 from MaxText.parallel import plan as plan_lib
 from MaxText.tests.conftest import BASE, ROOT, TINY, cfg, losses

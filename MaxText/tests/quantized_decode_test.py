@@ -14,7 +14,7 @@ import pytest
 import qwix
 
 from MaxText import config, decode
-from MaxText.config import ConfigError
+from MaxText.errors import ConfigError
 from MaxText.inference import Engine, engine, quantize
 from MaxText.layers import kv_cache
 from MaxText.tests.decode_test import BASE, FAMILIES, TINY
@@ -105,7 +105,7 @@ def test_moe_experts_are_int8_and_the_router_stays_float():
 def test_saved_int8_params_decode_without_quantizing_again(tmp_path, capsys):
   path = str(tmp_path / "int8")
   args = [BASE, *TINY, "vocab_size=320", "init_weights_seed=3", "prompt=hi", "decode_max_new_tokens=4"]
-  decode.main([*args, "quantization=int8w", f"save_quantized_params_path={path}"])
+  decode.main(["decode.py", *args, "quantization=int8w", f"save_quantized_params_path={path}"])
   assert f"Saved int8 params to {path}" in capsys.readouterr().out
   assert quantize.is_quantized_checkpoint(path)
   fresh, saved = (

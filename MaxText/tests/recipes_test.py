@@ -8,7 +8,7 @@ import os
 import pytest
 
 from MaxText import config, sharding, train_compile
-from MaxText.config import ConfigError
+from MaxText.errors import ConfigError
 
 # recipe -> (compile_topology, compile_topology_num_slices) it is published for
 TPU_RECIPES = {

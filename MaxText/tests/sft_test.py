@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 
 from MaxText import config, train
-from MaxText.config import ConfigError
 from MaxText.data import chat, sft
 from MaxText.data import make_iterators as make_data
 from MaxText.data import tokenizer as tokenizers
-from MaxText.data.errors import DataError
+from MaxText.errors import ConfigError, DataError
 from MaxText.tests.conftest import BASE, TINY, as_numpy, check_batch, losses, mesh_of
 
 CHATML = (

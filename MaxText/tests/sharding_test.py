@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from MaxText import config, sharding
-from MaxText.config import ConfigError
+from MaxText.errors import ConfigError
 from MaxText.parallel import plan as plan_lib
 
 BASE = os.path.join(config.CONFIG_DIR, "base.yml")

@@ -119,7 +119,15 @@ def test_train_command_reads_jsonl(tmp_path):
 
   (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
   train_tokenizer.main(
-    ["--files", str(tmp_path / "*.jsonl"), "--vocab_size", "400", "--output_dir", str(tmp_path / "o")]
+    [
+      "train_tokenizer.py",
+      "--files",
+      str(tmp_path / "*.jsonl"),
+      "--vocab_size",
+      "400",
+      "--output_dir",
+      str(tmp_path / "o"),
+    ]
   )
   assert _pieces(str(tmp_path / "o" / "tokenizer.model")) == _pieces(
     tokenizers.train_sentencepiece(TEXTS, 400, str(tmp_path))

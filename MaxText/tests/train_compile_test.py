@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from MaxText import accelerators, compiled_step, sharding, train, train_compile
-from MaxText.config import ConfigError
+from MaxText.errors import ConfigError
 from MaxText.tests.conftest import ROOT, TINY, cfg, losses
 
 BASE = os.path.join("MaxText", "configs", "base.yml")

@@ -16,7 +16,7 @@ from MaxText import checkpointing, optimizers, sharding, train
 from MaxText import data as data_lib
 from MaxText import state as state_lib
 from MaxText import train_step as steps
-from MaxText.config import ConfigError
+from MaxText.errors import ConfigError
 from MaxText.parallel import plan as plan_lib
 from MaxText.tests.conftest import BASE, ROOT, TINY, cfg, losses
 

@@ -53,7 +53,11 @@ def write_tokenizer(directory: str, texts: list[str]) -> None:
     json.dump({**cfg, "tokenizer_class": "PreTrainedTokenizerFast"}, f, indent=1)
 
 
-def main(out: str) -> None:
+def main(argv: list[str]) -> None:
+  """argv: sys.argv (the program name first): OUT_DIR."""
+  if len(argv) != 2:
+    raise SystemExit(__doc__.split("\n\n")[1].strip())
+  out = argv[1]
   import torch
   import transformers
 
@@ -71,6 +75,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-  if len(sys.argv) != 2:
-    raise SystemExit(__doc__.split("\n\n")[1].strip())
-  main(sys.argv[1])
+  main(sys.argv)

@@ -20,4 +20,5 @@ fi
 # Let XLA own GPU memory (it plans the step's peak) and keep NCCL on the right interfaces (set by the image).
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}"
 echo "launch.sh: node $NODE_RANK of $NNODES, $GPUS_PER_NODE GPUs, coordinator $JAX_COORDINATOR_ADDRESS:$JAX_COORDINATOR_PORT"
-exec "${PYTHON:-python3}" MaxText/train.py "$@" hardware=gpu
+# -m from the repository root imports this checkout's MaxText even in an image where setup.sh did not install it.
+exec "${PYTHON:-python3}" -m MaxText.train "$@" hardware=gpu

@@ -1,0 +1,26 @@
+"""The errors a user's input causes, each with a message that says what to change.
+
+The bottom of the import graph: it imports nothing from MaxText, so any module can raise these without
+importing the module that defines the concept (config_checks raises ConfigError without importing config).
+launch.py turns ConfigError and DataError into one line on stderr ("Config error: ...", "Data error: ...");
+train.py does the same for CheckpointError, launch.py for DistributedInitError. The old homes re-export them
+(config.ConfigError, data.errors.DataError, checkpointing.CheckpointError, distributed.DistributedInitError).
+"""
+
+
+class ConfigError(ValueError):
+  """A configuration that cannot be run; the message says what to change."""
+
+
+class DataError(ValueError):
+  """A dataset, data file or tokenizer the config names cannot be read or used; the message says how to fix it.
+
+  A ValueError, so callers that caught ValueError from the data modules still do."""
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint could not be saved or restored; the message is one line saying what to do."""
+
+
+class DistributedInitError(RuntimeError):
+  """The processes could not form a job (coordinator unreachable, timeout, bad environment)."""

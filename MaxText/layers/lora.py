@@ -37,6 +37,12 @@ def enabled(config: Config) -> bool:
   return config.lora_rank > 0
 
 
+def trainable_filter(config: Config) -> Any:
+  """The nnx filter of the parameters that train: under LoRA the adapters (the base is frozen), else all.
+  state.param_spec turns it into the model's state.Partition, the one owner of the trainable/frozen split."""
+  return nnx.LoRAParam if enabled(config) else ...
+
+
 def kernel_paths(unit: nnx.Module) -> list[str]:
   """'/'-joined paths of the modules of `unit` that own a `kernel` (the projections LoRA can target)."""
   return ["/".join(map(str, path)) for path, module in nnx.iter_modules(unit) if hasattr(module, "kernel")]

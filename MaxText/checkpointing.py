@@ -202,20 +202,21 @@ def restore_or_init(
 ) -> Restored:
   """The starting state, in order of precedence: this run's latest readable checkpoint, then the load_* paths.
 
-  Under LoRA (layers/lora.py) checkpoints hold the adapters and their optimizer state only; the frozen base
-  always comes from load_parameters_path (or, with lora_random_base, from init_weights_seed)."""
-  if lora.enabled(config):
+  When spec.partition freezes parameters (LoRA: the base) checkpoints hold the trainable ones (the adapters)
+  and their optimizer state only; the frozen base always comes from load_parameters_path (or, with
+  lora_random_base, from init_weights_seed)."""
+  if spec.partition.freezes:
     _check_lora_base(config)
   if manager is not None:
     _set_aside_nonfinite(config, manager)
-  saved = lora.adapters(config, spec.abstract)  # what a checkpoint of this run holds
+  saved = spec.partition.checkpointed(spec.abstract)  # what a checkpoint of this run holds
   if manager is not None and manager.all_steps():
     restored = _restore_latest_good(config, manager, saved)
     return restored._replace(state=_with_base(config, tx, spec, restored.state))
   if config.load_full_state_path:
     state = _with_base(config, tx, spec, _restore_tree(config.load_full_state_path, saved))
     return Restored(state, None, "load_full_state_path")
-  if lora.enabled(config):
+  if spec.partition.freezes:
     return _init_lora(config, tx, spec)
   fresh = state_lib.init_state(config, tx, spec)
   if config.load_parameters_path:
@@ -234,31 +235,31 @@ def _check_lora_base(config: Config) -> None:
 
 def _base_params(config: Config, tx: optax.GradientTransformation, spec: StateSpec) -> nnx.State:
   """The frozen base parameters: load_parameters_path, or (lora_random_base) those of a fresh init."""
-  frozen = lora.split(config, spec.abstract.params).frozen
+  frozen = spec.partition.split(spec.abstract.params).frozen
   if config.load_parameters_path:
     return load_params(config.load_parameters_path, frozen)
-  return lora.split(config, state_lib.init_state(config, tx, spec).params).frozen
+  return spec.partition.split(state_lib.init_state(config, tx, spec).params).frozen
 
 
 def _with_base(config: Config, tx: optax.GradientTransformation, spec: StateSpec, state: TrainState) -> TrainState:
   """A restored checkpoint's state (under LoRA: adapters only) completed with the frozen base."""
-  if not lora.enabled(config):
+  if not spec.partition.freezes:
     return state
-  return state.replace(params=lora.combine(state.params, _base_params(config, tx, spec)))
+  return state.replace(params=spec.partition.combine(state.params, _base_params(config, tx, spec)))
 
 
 def _init_lora(config: Config, tx: optax.GradientTransformation, spec: StateSpec) -> Restored:
   """A fresh LoRA state: the base, adapters from lora_weights_path or fresh (B = 0: the base's outputs)."""
   fresh = state_lib.init_state(config, tx, spec)
-  adapters, base = lora.split(config, fresh.params)
-  abstract = lora.split(config, spec.abstract.params)
+  adapters, base = spec.partition.split(fresh.params)
+  abstract = spec.partition.split(spec.abstract.params)
   source = "init"
   if config.load_parameters_path:
     base, source = load_params(config.load_parameters_path, abstract.frozen), "load_parameters_path"
   if config.lora_weights_path:
     adapters = load_params(config.lora_weights_path, abstract.trainable)
     source += " + lora_weights_path"
-  return Restored(fresh.replace(params=lora.combine(adapters, base)), None, source)
+  return Restored(fresh.replace(params=spec.partition.combine(adapters, base)), None, source)
 
 
 def load_lora_merged(config: Config, mesh: Mesh | None = None) -> nnx.State:
@@ -268,12 +269,12 @@ def load_lora_merged(config: Config, mesh: Mesh | None = None) -> nnx.State:
   decoding runs plain matmuls; with a mesh they lie where that model's params are sharded."""
   config_checks.check_lora_serving(config)
   spec = state_lib.param_spec(config, mesh)
-  abstract = lora.split(config, spec.abstract)
+  abstract = spec.partition.split(spec.abstract)
   if config.load_parameters_path and config.lora_weights_path:
     base = load_params(config.load_parameters_path, abstract.frozen)
     adapters = load_params(config.lora_weights_path, abstract.trainable)
   else:  # lora_random_base: the seed's base (as training drew it) and, when none are given, fresh adapters
-    adapters, base = lora.split(config, state_lib.init_params(config, spec))
+    adapters, base = spec.partition.split(state_lib.init_params(config, spec))
     if config.load_parameters_path:
       base = load_params(config.load_parameters_path, abstract.frozen)
     if config.lora_weights_path:
@@ -281,7 +282,9 @@ def load_lora_merged(config: Config, mesh: Mesh | None = None) -> nnx.State:
   plain = state_lib.param_spec(serving_config(config), mesh)
   # One program, the base donated: each merged kernel may take its base kernel's buffer (same shape and
   # dtype), so the model is not held twice; out_shardings put it where the plain model keeps it.
-  merge = jax.jit(lambda b, a: lora.merged(config, lora.combine(a, b)), donate_argnums=0, out_shardings=plain.shardings)
+  merge = jax.jit(
+    lambda b, a: lora.merged(config, spec.partition.combine(a, b)), donate_argnums=0, out_shardings=plain.shardings
+  )
   return merge(base, adapters)
 
 

@@ -7,7 +7,8 @@ checkpointing: all of them need the same model structure and the same parameter 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import flax.struct
@@ -27,7 +28,47 @@ from MaxText.parallel import plan as plan_lib
 class TrainState:
   step: jax.Array  # int32 scalar: optimizer steps taken
   params: nnx.State  # model parameters (nnx.Param variables, logical axis names in their metadata)
-  opt_state: optax.OptState  # of the trainable params: all of them, or under LoRA the adapters (layers/lora.py)
+  opt_state: optax.OptState  # of the trainable params: all of them, or under LoRA the adapters (Partition)
+
+
+class Split(NamedTuple):
+  trainable: nnx.State  # what the optimizer sees: every parameter, or under LoRA the adapters
+  frozen: nnx.State | None  # the parameters never updated (under LoRA the base), else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Partition:
+  """Which parameters train: the optimizer differentiates, updates and keeps state for those only, and a
+  checkpoint holds those only (the frozen rest is read from where the run started: load_parameters_path).
+  Decided once per model, in param_spec (lora.trainable_filter); hashable, so it binds into a jitted step."""
+
+  trainable_filter: Any = ...  # an nnx filter over the parameters: ... (all of them) or nnx.LoRAParam
+
+  @property
+  def freezes(self) -> bool:
+    """Some parameters are frozen (under LoRA: the base)."""
+    return self.trainable_filter is not ...
+
+  def split(self, params: nnx.State) -> Split:
+    """params (every nnx.Param of the model) -> trainable and frozen parts (frozen None when nothing is)."""
+    if not self.freezes:
+      return Split(params, None)
+    return Split(*nnx.split_state(params, self.trainable_filter, ...))
+
+  def combine(self, trainable: nnx.State, frozen: nnx.State | None) -> nnx.State:
+    """The inverse of split: the whole parameter state."""
+    return trainable if frozen is None else nnx.merge_state(trainable, frozen)
+
+  def trainable(self, params: nnx.State) -> nnx.State:
+    """The parameters the optimizer updates (and keeps state for): split(params).trainable."""
+    return self.split(params).trainable
+
+  def checkpointed(self, state: TrainState) -> TrainState:
+    """A TrainState as checkpoints hold it: with frozen parameters, its params are the trainable ones only."""
+    return state.replace(params=self.trainable(state.params)) if self.freezes else state
+
+
+TRAIN_ALL = Partition()  # every parameter trains: the partition without LoRA
 
 
 class ParamSpec(NamedTuple):
@@ -35,6 +76,7 @@ class ParamSpec(NamedTuple):
   abstract: nnx.State  # nnx.Param variables of jax.ShapeDtypeStruct (with their NamedSharding given a mesh)
   shardings: nnx.State | None  # NamedSharding per parameter; None when built without a mesh
   plan: plan_lib.Plan  # how the model runs (the graphdef holds it too)
+  partition: Partition  # which parameters train (all, or under LoRA the adapters)
 
 
 class StateSpec(NamedTuple):
@@ -44,6 +86,7 @@ class StateSpec(NamedTuple):
   num_params: int  # every parameter (base + adapters under LoRA)
   num_trainable: int  # the parameters the optimizer updates: num_params, or under LoRA the adapters'
   plan: plan_lib.Plan  # how the model runs (the graphdef holds it too)
+  partition: Partition  # which parameters train: split, combine, what a checkpoint holds
 
 
 def build_model(config: Config, seed: int, plan: plan_lib.Plan) -> nnx.Module:
@@ -89,10 +132,11 @@ def param_spec(config: Config, mesh: Mesh | None = None, plan: plan_lib.Plan | N
   plan = plan_lib.build(config, mesh) if plan is None else plan
   model = nnx.eval_shape(lambda: build_model(config, 0, plan))
   graphdef, abstract = nnx.split(model, nnx.Param)
+  partition = Partition(lora.trainable_filter(config))
   if mesh is None:
-    return ParamSpec(graphdef, abstract, None, plan)
+    return ParamSpec(graphdef, abstract, None, plan, partition)
   shardings = _shardings(abstract, config, mesh)
-  return ParamSpec(graphdef, _with_shardings(abstract, shardings), shardings, plan)
+  return ParamSpec(graphdef, _with_shardings(abstract, shardings), shardings, plan, partition)
 
 
 # XLA:CPU spends most of the init program's compile time in LLVM's heaviest optimisation passes over the
@@ -120,7 +164,8 @@ def state_spec(
 ) -> StateSpec:
   """Shapes, dtypes and shardings of the whole train state (param_spec + the optimizer's state)."""
   params = param_spec(config, mesh, plan)
-  opt_state = jax.eval_shape(tx.init, lora.trainable(config, params.abstract))  # LoRA: adapters only
+  trainable = params.partition.trainable(params.abstract)  # LoRA: adapters only
+  opt_state = jax.eval_shape(tx.init, trainable)
   opt_shardings = _shardings(opt_state, config, mesh)
   step_sharding = _shardings(jax.ShapeDtypeStruct((), jnp.int32), config, mesh)
   shardings = TrainState(step=step_sharding, params=params.shardings, opt_state=opt_shardings)
@@ -130,8 +175,8 @@ def state_spec(
     opt_state=_with_shardings(opt_state, opt_shardings),
   )
   num_params = sum(x.size for x in jax.tree.leaves(params.abstract))
-  num_trainable = sum(x.size for x in jax.tree.leaves(lora.trainable(config, params.abstract)))
-  return StateSpec(params.graphdef, abstract, shardings, num_params, num_trainable, params.plan)
+  num_trainable = sum(x.size for x in jax.tree.leaves(trainable))
+  return StateSpec(params.graphdef, abstract, shardings, num_params, num_trainable, params.plan, params.partition)
 
 
 def init_state(config: Config, tx: optax.GradientTransformation, spec: StateSpec) -> TrainState:
@@ -139,6 +184,7 @@ def init_state(config: Config, tx: optax.GradientTransformation, spec: StateSpec
 
   def init() -> TrainState:
     params = _model_params(config, config.init_weights_seed, spec.plan)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(lora.trainable(config, params)))
+    opt_state = tx.init(spec.partition.trainable(params))
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
 
   return _jit_init(init, spec.shardings)()

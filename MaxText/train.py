@@ -37,7 +37,6 @@ from MaxText import state as state_lib
 from MaxText import train_step as steps
 from MaxText.config import Config
 from MaxText.errors import ConfigError
-from MaxText.layers import lora
 from MaxText.parallel import plan as plan_lib
 
 
@@ -288,7 +287,7 @@ def print_header(config: Config, parts: LoopParts, start: int) -> None:
   header = console.run_header(
     config,
     num_params=parts.spec.num_params,
-    num_trainable=parts.spec.num_trainable if lora.enabled(config) else None,
+    num_trainable=parts.spec.num_trainable if parts.spec.partition.freezes else None,
     mesh_shape=dict(parts.mesh.shape),
     global_batch=parts.global_batch,
     start=start,
@@ -342,7 +341,8 @@ def train_loop(config: Config, parts: LoopParts) -> dict[str, Any]:
           logger.log_eval(done, result)
           reached = 0 < config.target_eval_loss and result["eval_loss"] <= config.target_eval_loss
         if manager is not None and (saving or reached):
-          checkpointing.save(manager, done, lora.adapters(config, state), data.train.get_state())  # LoRA: adapters
+          saved = parts.spec.partition.checkpointed(state)  # LoRA: the adapters
+          checkpointing.save(manager, done, saved, data.train.get_state())
           logger.log_checkpoint(done, checkpoint_path(config, done))
         if reached:
           if is_writer:

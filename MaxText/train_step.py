@@ -16,9 +16,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from MaxText import sharding
 from MaxText.config import Config
-from MaxText.layers import lora, mtp
+from MaxText.layers import mtp
 from MaxText.parallel.plan import Plan
-from MaxText.state import StateSpec, TrainState, for_inference
+from MaxText.state import TRAIN_ALL, Partition, StateSpec, TrainState, for_inference
 
 Batch = dict[str, jax.Array]  # int32 [B, T]: inputs, targets, *_segmentation, inputs_position
 
@@ -110,12 +110,12 @@ def aux_zeros(config: Config) -> dict[str, jax.Array]:
   return {k: jnp.zeros((), jnp.float32) for k in keys}
 
 
-def _grads(graphdef, config, params, frozen, batch, rng, data_axes):
-  """Summed gradients with respect to `params` (the trainable part; `frozen`, the rest or None, gets none)
-  and loss sums, over gradient_accumulation_steps micro-batches."""
+def _grads(graphdef, config, partition, params, frozen, batch, rng, data_axes):
+  """Summed gradients with respect to `params` (the trainable part of `partition`; `frozen`, the rest or
+  None, gets none) and loss sums, over gradient_accumulation_steps micro-batches."""
 
   def objective(trainable, batch, rng):
-    return loss_sums(graphdef, config, lora.combine(trainable, frozen), batch, rng)
+    return loss_sums(graphdef, config, partition.combine(trainable, frozen), batch, rng)
 
   grad_fn = jax.grad(objective, has_aux=True)
   micro = config.gradient_accumulation_steps
@@ -168,6 +168,7 @@ def train_step(
   *,
   abstract_params: nnx.State | None = None,
   plan: Plan | None = None,
+  partition: Partition = TRAIN_ALL,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer step on the global batch; metrics are device scalars. `schedule` is the one that
   drives `tx` (optimizers.build), evaluated here only to log this step's learning rate.
@@ -177,13 +178,13 @@ def train_step(
   and checkpoint numbering do not shift), metrics["update_finite"] is 0 and metrics["step_skipped"] 1.
   Checking the result, not just the loss, catches an overflow one step before it reaches the loss.
   `abstract_params` (StateSpec.abstract.params: shapes and shardings) and the run `plan` let TPU gradients take
-  sharding.lane_layout."""
+  sharding.lane_layout. `partition` (StateSpec.partition) says which parameters train: by default all."""
   data_axes = sharding.data_axes(config)
   # Under LoRA only the adapters are differentiated and updated; the frozen base passes through untouched.
-  trainable, frozen = lora.split(config, state.params)
-  grads, aux = _grads(graphdef, config, trainable, frozen, batch, rng, data_axes)
+  trainable, frozen = partition.split(state.params)
+  grads, aux = _grads(graphdef, config, partition, trainable, frozen, batch, rng, data_axes)
   if abstract_params is not None and plan is not None:
-    grads = lane_friendly(grads, lora.trainable(config, abstract_params), plan)
+    grads = lane_friendly(grads, partition.trainable(abstract_params), plan)
   tokens = jnp.maximum(aux["tokens"], 1.0)
   grads = jax.tree.map(lambda g: g / tokens, grads)
   loss, grad_norm = aux["nll"] / tokens, optax.global_norm(grads)
@@ -195,7 +196,7 @@ def train_step(
   params, opt_state = jax.tree.map(
     lambda new, old: jnp.where(finite, new, old), (params, opt_state), (trainable, state.opt_state)
   )
-  params = lora.combine(params, frozen)
+  params = partition.combine(params, frozen)
   spiked = opt_state.skipped if config.skip_step_on_spikes else jnp.array(False)
   metrics = {
     "loss": loss,
@@ -253,7 +254,14 @@ def jit_train_step(
   replicated = NamedSharding(mesh, PartitionSpec())
   return jax.jit(
     functools.partial(
-      train_step, spec.graphdef, tx, schedule, config, abstract_params=spec.abstract.params, plan=spec.plan
+      train_step,
+      spec.graphdef,
+      tx,
+      schedule,
+      config,
+      abstract_params=spec.abstract.params,
+      plan=spec.plan,
+      partition=spec.partition,
     ),
     in_shardings=(spec.shardings, batch_shardings(config, mesh), replicated),
     out_shardings=(spec.shardings, replicated),

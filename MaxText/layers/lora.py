@@ -13,15 +13,15 @@ as it is built (`adapted_stacks`), before the decoder stacks and scans its layer
 works on temporary copies of a layer, where a parameter created on first use would be lost.
 
 Training splits the parameters into the adapters (the only thing differentiated and optimised) and
-the frozen base (`split` / `combine`); checkpoints keep the adapters (`adapters`), export and decode fold them
-into the base kernels (`merged`). docs/lora.md.
+the frozen base; checkpoints keep the adapters. That split is the state spec's (state.Partition, built
+from `trainable_filter`). Export and decode fold the adapters into the base kernels (`merged`). docs/lora.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,12 @@ ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")  # Qwix names a kernel's adapters <ker
 
 def enabled(config: Config) -> bool:
   return config.lora_rank > 0
+
+
+def trainable_filter(config: Config) -> Any:
+  """The nnx filter of the parameters that train: under LoRA the adapters (the base is frozen), else all.
+  state.param_spec turns it into the model's state.Partition, the one owner of the trainable/frozen split."""
+  return nnx.LoRAParam if enabled(config) else ...
 
 
 def kernel_paths(unit: nnx.Module) -> list[str]:
@@ -78,34 +84,6 @@ def adapted_stacks(stacks: tuple[Any, ...], config: Config) -> tuple[Any, ...]:
   return tuple(dataclasses.replace(s, make=with_adapters(s.make)) for s in stacks)
 
 
-class Split(NamedTuple):
-  trainable: nnx.State  # what the optimizer sees: the adapters under LoRA, else every parameter
-  frozen: nnx.State | None  # the base parameters under LoRA (never updated), else None
-
-
-def split(config: Config, params: nnx.State) -> Split:
-  """params (all of the model's nnx.Param, adapters included) -> trainable and frozen parts."""
-  if not enabled(config):
-    return Split(params, None)
-  trainable, frozen = nnx.split_state(params, nnx.LoRAParam, ...)
-  return Split(trainable, frozen)
-
-
-def combine(trainable: nnx.State, frozen: nnx.State | None) -> nnx.State:
-  """The inverse of split: the whole parameter state."""
-  return trainable if frozen is None else nnx.merge_state(trainable, frozen)
-
-
-def trainable(config: Config, params: Any) -> Any:
-  """The parameters the optimizer updates (and keeps state for): split(config, params).trainable."""
-  return split(config, params).trainable
-
-
-def adapters(config: Config, state: Any) -> Any:
-  """A TrainState as checkpoints hold it: under LoRA its params are the adapters only."""
-  return state.replace(params=trainable(config, state.params)) if enabled(config) else state
-
-
 def merged_kernel(kernel: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
   """kernel + scale * A @ B, in float32, cast back to the kernel's dtype.
 
@@ -136,6 +114,7 @@ def merged(config: Config, params: nnx.State) -> nnx.State:
   with lora_rank=0, whose outputs equal the adapted model's (up to float rounding)."""
   if not enabled(config):
     return params
-  base = jax.tree.map(lambda x: x, split(config, params).frozen)  # a copy: replace_by_pure_dict is in place
+  _, frozen = nnx.split_state(params, nnx.LoRAParam, ...)
+  base = jax.tree.map(lambda x: x, frozen)  # a copy: replace_by_pure_dict is in place
   nnx.replace_by_pure_dict(base, _merge_tree(nnx.to_pure_dict(params), config.lora_alpha / config.lora_rank))
   return base

@@ -73,11 +73,11 @@ def test_only_adapters_train_and_the_base_stays_bit_identical(tmp_path):
   mesh, optimizer, spec = _setup(c)
   with sharding.activate(c, mesh):
     state = state_lib.init_state(c, optimizer.tx, spec)
-  before = _host(lora.split(c, state.params))
+  before = _host(spec.partition.split(state.params))
   assert before.trainable and all("_lora_" in n for n in _names(before.trainable))
   assert not any("_lora_" in n for n in _names(before.frozen))
   state, losses = _train(c, mesh, optimizer, spec, state, 6)
-  after = _host(lora.split(c, state.params))
+  after = _host(spec.partition.split(state.params))
   assert losses[-1] < losses[0] - 0.05
   assert all(_equal(before.frozen, after.frozen))
   assert not any(_equal(before.trainable, after.trainable))  # every adapter moved
@@ -86,6 +86,24 @@ def test_only_adapters_train_and_the_base_stays_bit_identical(tmp_path):
   moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 0]
   assert {x.shape for x in moments} == adapter_shapes
   assert sum(x.size for x in moments) == 2 * sum(x.size for x in jax.tree.leaves(after.trainable))
+
+
+def test_the_state_spec_owns_the_trainable_split(tmp_path):
+  """param_spec decides once what trains (state.Partition, hashable so the jitted step binds it): with LoRA
+  the adapters, the base frozen; without, everything, and nothing is split off."""
+  lora_spec = state_lib.param_spec(cfg(tmp_path, "p", *LORA))
+  plain_spec = state_lib.param_spec(cfg(tmp_path, "q", *LORA, "lora_rank=0"))
+  assert lora_spec.partition == state_lib.Partition(nnx.LoRAParam) and lora_spec.partition.freezes
+  assert plain_spec.partition == state_lib.TRAIN_ALL and not plain_spec.partition.freezes
+  assert hash(lora_spec.partition) == hash(state_lib.Partition(nnx.LoRAParam))
+  trainable, frozen = plain_spec.partition.split(plain_spec.abstract)
+  assert trainable is plain_spec.abstract and frozen is None
+  assert plain_spec.partition.combine(trainable, frozen) is trainable
+  adapters, base = lora_spec.partition.split(lora_spec.abstract)
+  assert adapters and all("_lora_" in n for n in _names(adapters))
+  assert _names(base) == _names(plain_spec.abstract)
+  whole = lora_spec.partition.combine(adapters, base)
+  assert _names(whole) == _names(lora_spec.abstract)
 
 
 def test_checkpoint_holds_adapters_only_and_resumes_onto_the_loaded_base(tmp_path):
@@ -101,11 +119,11 @@ def test_checkpoint_holds_adapters_only_and_resumes_onto_the_loaded_base(tmp_pat
   with sharding.activate(c, mesh):
     restored = checkpointing.restore_or_init(c, optimizer.tx, spec, None)
   assert restored.source == "load_parameters_path"
-  frozen = lora.split(c, restored.state.params).frozen
+  frozen = spec.partition.split(restored.state.params).frozen
   assert all(_equal(_host(frozen), _host(base)))
   state, _ = _train(c, mesh, optimizer, spec, restored.state, 2)
   manager = checkpointing.create_manager(c)
-  checkpointing.save(manager, 2, lora.adapters(c, state), {})
+  checkpointing.save(manager, 2, spec.partition.checkpointed(state), {})
   checkpointing.finish(manager)
   saved = checkpointing.saved_tree(os.path.join(c.checkpoint_dir, "2", "state"))
   assert all(n.endswith(("_lora_a']['value']", "_lora_b']['value']")) for n in _names(saved["params"]))
@@ -149,13 +167,13 @@ def test_merged_model_equals_base_plus_adapters(tmp_path, scan):
     spec, plain_spec = state_lib.param_spec(c, mesh), state_lib.param_spec(plain, mesh)
     params = state_lib.init_params(c, spec)
   # Fresh adapters are a no-op (B = 0): give them values so that merging has something to fold in.
-  adapters, base = lora.split(c, params)
+  adapters, base = spec.partition.split(params)
   keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(adapters))))
   adapters = jax.tree.map(lambda x: 0.1 * jax.random.normal(next(keys), x.shape, x.dtype), adapters)
   tokens = jnp.asarray(_batch(c)["inputs"])
   with sharding.activate(c, mesh):
-    adapted = _logits(spec.graphdef, lora.combine(adapters, base), tokens)
-    merged = _logits(plain_spec.graphdef, lora.merged(c, lora.combine(adapters, base)), tokens)
+    adapted = _logits(spec.graphdef, spec.partition.combine(adapters, base), tokens)
+    merged = _logits(plain_spec.graphdef, lora.merged(c, spec.partition.combine(adapters, base)), tokens)
     base_only = _logits(plain_spec.graphdef, base, tokens)
   np.testing.assert_allclose(merged, adapted, atol=2e-5, rtol=2e-5)
   assert np.abs(adapted - base_only).max() > 1e-2  # the adapters did change the outputs
@@ -167,13 +185,14 @@ def test_export_merges_the_adapters_into_the_base(tmp_path):
   c = cfg(tmp_path, "e", *LORA, "lora_random_base=true")
   mesh = sharding.create_mesh(c)
   with sharding.activate(c, mesh):
-    params = state_lib.init_params(c, state_lib.param_spec(c, mesh))
-  adapters, base = lora.split(c, params)
+    spec = state_lib.param_spec(c, mesh)
+    params = state_lib.init_params(c, spec)
+  adapters, base = spec.partition.split(params)
   adapters = jax.tree.map(lambda x: x + 0.01, adapters)
   paths = {name: os.path.join(tmp_path, name) for name in ("base", "adapters", "merged")}
   checkpointing.save_params(paths["base"], base)
   checkpointing.save_params(paths["adapters"], adapters)
-  checkpointing.save_params(paths["merged"], lora.merged(c, lora.combine(adapters, base)))
+  checkpointing.save_params(paths["merged"], lora.merged(c, spec.partition.combine(adapters, base)))
   exported = c.replace(load_parameters_path=paths["base"], lora_weights_path=paths["adapters"])
   maxtext_to_hf.convert(exported, os.path.join(tmp_path, "hf_lora"))
   maxtext_to_hf.convert(c.replace(lora_rank=0, load_parameters_path=paths["merged"]), os.path.join(tmp_path, "hf"))
@@ -228,14 +247,15 @@ def test_decode_merges_the_adapters_at_load(tmp_path):
   c = cfg(tmp_path, "d", *LORA, "lora_random_base=true")
   mesh = sharding.create_mesh(c)
   with sharding.activate(c, mesh):
-    params = state_lib.init_params(c, state_lib.param_spec(c, mesh))
-  adapters, base = lora.split(c, params)
+    spec = state_lib.param_spec(c, mesh)
+    params = state_lib.init_params(c, spec)
+  adapters, base = spec.partition.split(params)
   keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(adapters))))
   adapters = jax.tree.map(lambda x: 0.1 * jax.random.normal(next(keys), x.shape, x.dtype), adapters)
   paths = {name: os.path.join(tmp_path, name) for name in ("base", "adapters", "merged")}
   checkpointing.save_params(paths["base"], base)
   checkpointing.save_params(paths["adapters"], adapters)
-  checkpointing.save_params(paths["merged"], lora.merged(c, lora.combine(adapters, base)))
+  checkpointing.save_params(paths["merged"], lora.merged(c, spec.partition.combine(adapters, base)))
   served = c.replace(lora_random_base=False, load_parameters_path=paths["base"], lora_weights_path=paths["adapters"])
   exported = c.replace(lora_rank=0, lora_random_base=False, load_parameters_path=paths["merged"])
   prompt = [3, 1, 4, 1, 5, 9, 2, 6]

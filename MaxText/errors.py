@@ -4,7 +4,8 @@ The bottom of the import graph: it imports nothing from MaxText, so any module c
 importing the module that defines the concept (config_checks raises ConfigError without importing config).
 launch.py turns ConfigError and DataError into one line on stderr ("Config error: ...", "Data error: ...");
 train.py does the same for CheckpointError, launch.py for DistributedInitError. The old homes re-export them
-(config.ConfigError, data.errors.DataError, checkpointing.CheckpointError, distributed.DistributedInitError).
+(config.ConfigError, data.errors.DataError, checkpointing.CheckpointError, distributed.DistributedInitError,
+paths.StorageError).
 """
 
 
@@ -24,3 +25,7 @@ class CheckpointError(RuntimeError):
 
 class DistributedInitError(RuntimeError):
   """The processes could not form a job (coordinator unreachable, timeout, bad environment)."""
+
+
+class StorageError(OSError):
+  """A path the config names cannot be reached, listed or written; the message names it and what to check."""

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import jax
 from flax import nnx
 
+from MaxText import config as config_lib
 from MaxText import state as state_lib
 from MaxText.config import Config
 from MaxText.layers.attention import Attention
@@ -143,8 +144,11 @@ def mfu(flops_per_step: float, step_time_s: float, num_devices: int, peak_flops_
   return flops_per_step / step_time_s / num_devices / peak_flops_per_device
 
 
-if __name__ == "__main__":
-  from MaxText import config as config_lib
-
-  flops = training_flops_per_token(config_lib.load(sys.argv[1:]))
+def main(argv: list[str]) -> None:
+  """python3 -m MaxText.flops CONFIG.yml [key=value ...]: the training FLOPs per token of that model."""
+  flops = training_flops_per_token(config_lib.load(argv[1:]))
   print(f"training FLOPs per token: {flops.total:.4g} ({flops._asdict()})")
+
+
+if __name__ == "__main__":
+  main(sys.argv)

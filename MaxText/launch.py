@@ -116,7 +116,7 @@ def check_outputs(config: Config) -> None:
 def check_output_file(key: str, file: str, example: str) -> None:
   """check_output_dir for the directory of the file that `key` names, and the file is not a directory
   (the error suggests `example` inside it)."""
-  if file and not paths.is_remote(file) and os.path.isdir(file):
+  if paths.is_local_dir(file):
     raise ConfigError(f"{key}={file!r} is a directory; name a file, e.g. {paths.join(file, example)}")
   check_output_dir(key, paths.dirname(file))
 
@@ -124,11 +124,7 @@ def check_output_file(key: str, file: str, example: str) -> None:
 def check_output_dir(key: str, path: str) -> None:
   """ConfigError naming `key` when the local directory `path` cannot be made or written (StorageError for a
   gs:// one that is not a writable bucket, checked on process 0 only); '' passes."""
-  if paths.is_remote(path):
-    if jax_process_index() == 0:
-      paths.check_writable(path, key)
-    return
-  if not path:
+  if paths.checked_remote_output(path, key, lambda: jax_process_index() == 0) or not path:
     return
   existing = os.path.abspath(path)
   while not os.path.exists(existing):  # the nearest existing ancestor is where directories get made

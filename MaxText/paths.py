@@ -27,6 +27,8 @@ from typing import Any
 
 from etils import epath
 
+from MaxText.errors import StorageError  # also importable from here, its home before errors.py
+
 REMOTE_PREFIXES = ("gs://",)  # paths that name objects in a bucket, never a local file
 # Without network or credentials the storage clients retry for minutes; a probe that has no answer in this
 # long fails with one line naming the path instead.
@@ -44,10 +46,6 @@ CREDENTIALS_HELP = (
 # gcsfs asks each bucket for its (hierarchical namespace) type through a client that wants default
 # credentials, and logs a warning for every path when it cannot: noise, the plain API is used either way.
 logging.getLogger("gcsfs").setLevel(logging.ERROR)
-
-
-class StorageError(OSError):
-  """A path the config names cannot be reached, listed or written; the message names it and what to check."""
 
 
 def is_remote(path: str | os.PathLike | None) -> bool:
@@ -236,6 +234,21 @@ def check_writable(path: str, key: str, timeout_s: float | None = None) -> None:
     marker.unlink()
 
   with_timeout(probe, f"{key}={path!r}", timeout_s)
+
+
+def is_local_dir(path: str) -> bool:
+  """Whether `path` is an existing local directory (a gs:// path is not probed: False)."""
+  return bool(path) and not is_remote(path) and os.path.isdir(path)
+
+
+def checked_remote_output(path: str, key: str, is_writer: Callable[[], bool]) -> bool:
+  """For a gs:// output directory: check_writable on the writer process (is_writer()) and True; False for a
+  local path, whose checks are the caller's."""
+  if not is_remote(path):
+    return False
+  if is_writer():
+    check_writable(path, key)
+  return True
 
 
 def download(path: str) -> str:
@@ -427,19 +440,19 @@ def copy_tree(source: str, target: str) -> list[str]:
   return names
 
 
-def main(argv: list[str]) -> int:
-  """`python3 -m MaxText.paths copy SOURCE TARGET`: copy_tree, for download_dataset.sh where gsutil is missing
-  (gcsfs's settings come from FSSPEC_GCS_* variables, e.g. FSSPEC_GCS_REQUESTER_PAYS=PROJECT)."""
-  if len(argv) != 3 or argv[0] != "copy":
+def main(argv: list[str]) -> None:
+  """`python3 -m MaxText.paths copy SOURCE TARGET` (argv: sys.argv): copy_tree, for download_dataset.sh where
+  gsutil is missing (gcsfs's settings come from FSSPEC_GCS_* variables, e.g. FSSPEC_GCS_REQUESTER_PAYS=PROJECT)."""
+  args = argv[1:]
+  if len(args) != 3 or args[0] != "copy":
     print("usage: python3 -m MaxText.paths copy SOURCE_DIR TARGET_DIR (each local or gs://)", file=sys.stderr)
-    return 2
+    sys.exit(2)
   try:
-    names = copy_tree(argv[1], argv[2])
+    names = copy_tree(args[1], args[2])
   except (StorageError, OSError) as e:
     print(f"Storage error: {(str(e).splitlines() or [type(e).__name__])[0]}", file=sys.stderr)
-    return 1
-  print(f"copied {len(names)} files from {argv[1]} to {argv[2]}")
-  return 0
+    sys.exit(1)
+  print(f"copied {len(names)} files from {args[1]} to {args[2]}")
 
 
 def wait_for(path: str, timeout_s: float, what: str, poll_s: float = 1.0) -> None:
@@ -491,4 +504,4 @@ class DirMirror:
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  main(sys.argv)

@@ -16,7 +16,7 @@ STRING_TESTS = {"startswith", "endswith", "removeprefix", "find", "rfind", "inde
 REGEX_TESTS = {"match", "fullmatch", "search", "compile"}
 # Modules owned by other reworks (metrics writers, entry-point checks) that still ask paths.is_remote; they
 # never test the prefix themselves. Remove a name once its module calls a paths helper instead.
-IS_REMOTE_ALLOWED = {"launch.py"}
+IS_REMOTE_ALLOWED: set[str] = set()
 
 
 def _names_scheme(node: ast.AST) -> bool:

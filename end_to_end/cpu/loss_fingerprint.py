@@ -101,7 +101,7 @@ def main(argv):
     for k in bad:
       print(f"DIFFERS {k}: {before.get(k)} -> {after.get(k)}")
     print(f"{len(before) - len(bad)}/{len(before)} cases bit-identical")
-    return 1 if bad else 0
+    sys.exit(1 if bad else 0)
   prefixes = [s for s in args.only.split(",") if s]
   results = {}
   with tempfile.TemporaryDirectory() as tmp:
@@ -116,8 +116,7 @@ def main(argv):
   if args.out:
     with open(args.out, "w") as f:
       json.dump(results, f, indent=1)
-  return 0
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv))
+  main(sys.argv)

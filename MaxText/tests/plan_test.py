@@ -148,3 +148,14 @@ def test_layers_read_only_the_model_config():
   c = load()
   model = nnx.eval_shape(lambda: models.build(c, nnx.Rngs(params=0), plan_lib.build(c)))
   assert type(model.config) is ModelConfig and model.config == ModelConfig.from_config(c)
+
+
+def test_base_yml_documents_every_kernel_and_remat_policy():
+  """The names are declared once (parallel/kernels.py, parallel/remat.py); base.yml's comments list them all."""
+  from MaxText.parallel import kernels, remat
+
+  lines = {line.split(":")[0]: line for line in open(BASE) if not line.startswith((" ", "#"))}
+  for key, names in (("attention", kernels.KINDS), ("remat_policy", remat.NAMES)):
+    assert config.CHOICES[key] == names
+    missing = [n for n in names if n not in lines[key].split("#", 1)[1]]
+    assert not missing, (key, missing)

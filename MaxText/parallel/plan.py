@@ -166,6 +166,11 @@ def _attention(config: Config, platform: str, axes: Axes, mesh) -> AttentionPlan
     raise ConfigError(
       f"attention=cudnn_flash_te needs NVIDIA GPUs (cuDNN); JAX runs on {platform}. Use attention=dot_product here"
     )
+  if kernel == "flash" and length % LANES:
+    raise ConfigError(
+      f"attention=flash needs max_target_length to be a multiple of {LANES}; got {length}. Set max_target_length "
+      f"to a multiple of {LANES} (e.g. {-(-length // LANES) * LANES}) or use attention=dot_product"
+    )
   if kernel == "cudnn_flash_te" and cap:
     raise ConfigError("attention=cudnn_flash_te does not support attn_logits_soft_cap; use attention=dot_product")
   # The fused kernels see the whole sequence (gathered by XLA); only dot_product runs context-parallel.

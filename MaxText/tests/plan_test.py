@@ -84,6 +84,7 @@ def test_pipeline_schedule_is_planned_per_stack():
     (["ici_pipeline_parallelism=4", "base_num_decoder_layers=6"], "do not split into 4 stages"),
     (["ici_context_parallelism=4", "ici_fsdp_parallelism=2", "max_target_length=36"], "must be a multiple of 8"),
     (["attention=cudnn_flash_te"], "needs NVIDIA GPUs"),
+    (["attention=flash", "max_target_length=200"], "multiple of 128; got 200"),
     (["lora_rank=4", "lora_random_base=true", "lora_target_modules=nothing/here"], "matches no projection"),
     (["decoder_block=gemma", "mtp_num_layers=1"], "not available for decoder_block=gemma"),
     (["decoder_block=gpt3", "trainable_position_size=0"], "needs trainable_position_size > 0"),

@@ -187,14 +187,14 @@ class MoeBlock(nnx.Module):
     this cast of the whole layer stack out of the scanned loop, and with D minor libtpu 0.0.52 padded the
     copy to twice its bytes (896 instead of 448 MiB per chip for mixtral; sharding.lane_layout)."""
     params = (self.wi_0, self.wi_1, self.wo)
+    weights = tuple(weight(p, self.dtype) for p in params)
 
-    def cast(param: nnx.Param) -> jax.Array:
-      w = weight(param, self.dtype)
+    def keep_lanes(param: nnx.Param, w: jax.Array) -> jax.Array:
       # Inside the scanned stack the metadata still names the stacked dims (`layers`, leading) too.
       names = tuple(param.get_metadata().get("out_sharding") or ())[-w.ndim :]
       return ops.keep_lanes(self.plan, w, names)
 
-    return tuple(cast(p) for p in params)
+    return tuple(keep_lanes(p, w) for p, w in zip(params, weights))
 
   def _per_shard(self, compute, tokens: jax.Array, experts: jax.Array, length: int, whole_sequences: bool):
     """compute(tokens, experts, wi_0, wi_1, wo, ep_axes=, ep=) per batch shard (parallel.ops.experts)."""

@@ -262,7 +262,7 @@ def test_published_deepseek_configs_map_to_the_presets(preset):
   module = importlib.import_module(model.__module__)
   softmax_scale = module.yarn_apply_mscale(hf_cfg.rope_parameters, (c.qk_nope_head_dim + c.qk_rope_head_dim) ** -0.5)
   with nnx.use_eager_sharding(False):
-    mla = nnx.eval_shape(lambda: attention_mla.MLAttention(c, rngs=nnx.Rngs(0)))
+    mla = nnx.eval_shape(lambda: attention_mla.MLAttention(c, rngs=nnx.Rngs(0), plan=plan_lib.build(c)))
   assert mla.query_scale == pytest.approx(softmax_scale, rel=1e-12)
 
 

@@ -97,6 +97,7 @@ class Plan:
   moe: MoePlan | None  # None: no experts
   remat_policy: str
   keep_lanes: bool  # TPU: weights and gradients keep their larger dim minor (sharding.lane_layout)
+  decoding: bool = False  # built for decode.py: no training kernel, schedule or loss
 
   @property
   def platform(self) -> str:
@@ -291,6 +292,7 @@ def build(
     moe=moe,
     remat_policy=config.remat_policy,
     keep_lanes=platform == "tpu" and abstract is not None,
+    decoding=decoding,
   )
   _check_lora_targets(config, stacks, plan)
   return plan
@@ -318,7 +320,10 @@ def describe(plan: Plan, config: Config) -> list[str]:
     moves = f"all-to-all over {plan.axes.experts}" if plan.axes.experts else "no expert axis"
     lines.append(f"moe: {how}, {moves}, {'ragged' if plan.moe.ragged else 'padded dense'} dispatch")
   tiles = "auto (by logits bytes per device)" if config.num_vocab_tiling == -1 else str(config.num_vocab_tiling)
-  lines.append(f"loss: vocab tiling {tiles}; remat: {plan.remat_policy}; data axes {plan.data_axes}")
+  if plan.decoding:
+    lines.append(f"data axes {plan.data_axes}")
+  else:
+    lines.append(f"loss: vocab tiling {tiles}; remat: {plan.remat_policy}; data axes {plan.data_axes}")
   if plan.keep_lanes:
     lines.append("layout: TPU lane-friendly layouts for narrow weight shards (sharding.lane_layout)")
   return lines

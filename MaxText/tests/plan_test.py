@@ -126,7 +126,9 @@ def test_decoding_plans_no_training_kernel():
   """Decoding attends over the KV cache: a training-only kernel setting is neither chosen nor refused."""
   plan = plan_lib.build(load("attention=cudnn_flash_te"), decoding=True)
   assert plan.attention.kernel == "dot_product" and plan.pipeline is None
-  assert plan_lib.describe(plan, load())[0] == "attention: dot_product, because decoding attends over the KV cache"
+  lines = plan_lib.describe(plan, load())
+  assert lines[0] == "attention: dot_product, because decoding attends over the KV cache"
+  assert not any("remat" in line or "pipeline" in line for line in lines)
 
 
 def test_layers_read_only_the_model_config():

@@ -24,6 +24,15 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 ENV_PREFIX = "M_"
 
 # Keys whose value must be one of a fixed set; checked at load.
+# dataset_type -> the module whose make_iterators(config, mesh) reads it (data.make_iterators imports it when
+# used, so each backend's libraries load only for its runs). The one list of the dataset types.
+DATASET_BACKENDS = {
+  "synthetic": "MaxText.data.synthetic",
+  "text": "MaxText.data.text",
+  "grain": "MaxText.data.grain_data",
+  "tfds": "MaxText.data.tfds_data",
+  "hf": "MaxText.data.hf_data",
+}
 CHOICES = {
   "dtype": ("bfloat16", "float32", "float16"),
   "weight_dtype": ("float32", "bfloat16"),
@@ -32,7 +41,7 @@ CHOICES = {
   "quantization": ("", "int8", "fp8", "int8w"),
   "kv_quant_dtype": ("int8", "fp8"),
   "remat_policy": remat.NAMES,
-  "dataset_type": ("synthetic", "text", "grain", "tfds", "hf"),
+  "dataset_type": tuple(DATASET_BACKENDS),
   "tokenizer_type": ("sentencepiece", "tiktoken", "huggingface"),
   "grain_file_type": ("arrayrecord", "parquet"),
   "hardware": ("auto", "cpu", "gpu", "tpu"),

@@ -7,24 +7,20 @@ and `set_state(state)`, which replays exactly the batches that followed `get_sta
 
 from __future__ import annotations
 
+import importlib
+
 from jax.sharding import Mesh
 
-from MaxText.config import Config
-from MaxText.data import grain_data, hf_data, sft, synthetic, text, tfds_data
+from MaxText.config import DATASET_BACKENDS, Config
+from MaxText.data import sft
 from MaxText.data.batches import FIELDS, BatchIterator, BatchSource, Iterators
 from MaxText.data.tokenizer import Tokenizer
 from MaxText.errors import DataError
 
 __all__ = ["FIELDS", "BACKENDS", "BatchIterator", "BatchSource", "Iterators", "Tokenizer", "make_iterators"]
 
-# dataset_type -> backend; each takes (config, mesh) and returns Iterators.
-BACKENDS = {
-  "synthetic": synthetic.make_iterators,
-  "text": text.make_iterators,
-  "grain": grain_data.make_iterators,
-  "hf": hf_data.make_iterators,
-  "tfds": tfds_data.make_iterators,
-}
+# dataset_type -> the backend module; its make_iterators takes (config, mesh) and returns Iterators.
+BACKENDS = DATASET_BACKENDS
 
 
 def make_iterators(config: Config, mesh: Mesh) -> Iterators:
@@ -33,4 +29,4 @@ def make_iterators(config: Config, mesh: Mesh) -> Iterators:
     raise DataError(f"dataset_type={config.dataset_type!r} is not one of {', '.join(sorted(BACKENDS))}")
   if config.use_sft:  # chat/instruction examples, loss on the completion (data/sft.py reads text or hf sources)
     return sft.make_iterators(config, mesh)
-  return BACKENDS[config.dataset_type](config, mesh)
+  return importlib.import_module(BACKENDS[config.dataset_type]).make_iterators(config, mesh)

@@ -106,6 +106,3 @@ class ModelConfig:
     values = {f.name: config[f.name] for f in dataclasses.fields(cls)}
     values["mlp_activations"] = tuple(values["mlp_activations"])  # frozen and hashable, like the rest
     return cls(**values)
-
-  def __getitem__(self, key: str) -> Any:
-    return getattr(self, key)

@@ -319,10 +319,10 @@ def describe(plan: Plan, config: Config) -> list[str]:
     )
     moves = f"all-to-all over {plan.axes.experts}" if plan.axes.experts else "no expert axis"
     lines.append(f"moe: {how}, {moves}, {'ragged' if plan.moe.ragged else 'padded dense'} dispatch")
-  tiles = "auto (by logits bytes per device)" if config.num_vocab_tiling == -1 else str(config.num_vocab_tiling)
   if plan.decoding:
     lines.append(f"data axes {plan.data_axes}")
   else:
+    tiles = "auto (by logits bytes per device)" if config.num_vocab_tiling == -1 else str(config.num_vocab_tiling)
     lines.append(f"loss: vocab tiling {tiles}; remat: {plan.remat_policy}; data axes {plan.data_axes}")
   if plan.keep_lanes:
     lines.append("layout: TPU lane-friendly layouts for narrow weight shards (sharding.lane_layout)")

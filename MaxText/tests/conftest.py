@@ -28,8 +28,8 @@ from MaxText.data import tokenizer as tokenizers  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE = os.path.join(ROOT, "MaxText", "configs", "base.yml")
-TINY = [
-  "dataset_type=synthetic",
+# The tiny model's sizes: D=64, N=4, K=2, H=16, F=128, L=2, V=256, T=32 (the FLOP tests count them by hand).
+SIZES = [
   "base_emb_dim=64",
   "base_num_query_heads=4",
   "base_num_kv_heads=2",
@@ -38,6 +38,10 @@ TINY = [
   "head_dim=16",
   "vocab_size=256",
   "max_target_length=32",
+]
+TINY = [
+  "dataset_type=synthetic",
+  *SIZES,
   "dtype=float32",
   "log_config=false",
   "log_period=1",
@@ -46,6 +50,11 @@ TINY = [
   "enable_checkpointing=false",
   "enable_tensorboard=false",
 ]
+
+
+def sized_config(tmp_path, *overrides):
+  """base.yml with the tiny model's SIZES only (every other key at its default), outputs under tmp_path."""
+  return config.load([BASE, "run_name=t", f"base_output_directory={tmp_path}", *SIZES, *overrides], {})
 
 
 def cfg(tmp_path, name, *overrides):

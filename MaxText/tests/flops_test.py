@@ -10,29 +10,11 @@ from MaxText import config as config_lib
 from MaxText import flops as flops_lib
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.moe import MoeBlock
-
-
-def make_config(tmp_path, *overrides):
-  return config_lib.load(
-    [
-      os.path.join(config_lib.CONFIG_DIR, "base.yml"),
-      "run_name=t",
-      f"base_output_directory={tmp_path}",
-      "base_emb_dim=64",
-      "base_num_query_heads=4",
-      "base_num_kv_heads=2",
-      "head_dim=16",
-      "base_mlp_dim=128",
-      "base_num_decoder_layers=2",
-      "vocab_size=256",
-      "max_target_length=32",
-      *overrides,
-    ]
-  )
+from MaxText.tests.conftest import sized_config
 
 
 def test_flops_per_token_by_hand(tmp_path):
-  cfg = make_config(tmp_path)  # D=64, N=4, K=2, H=16, F=128, L=2, V=256, T=32, 2 MLP inputs
+  cfg = sized_config(tmp_path)  # D=64, N=4, K=2, H=16, F=128, L=2, V=256, T=32, 2 MLP inputs
   # attention projections per layer: q 64*4*16 + k 64*2*16 + v 64*2*16 + o 4*16*64 = 4096+2048+2048+4096 = 12288
   # MLP per layer: (2 inputs + 1 output) * 64*128 = 24576; per layer 36864; 2 layers 73728; x6 = 442368
   # unembedding: 6 * 64 * 256 = 98304
@@ -45,15 +27,15 @@ def test_flops_per_token_by_hand(tmp_path):
 
 
 def test_flops_per_token_single_activation_mlp(tmp_path):
-  cfg = make_config(tmp_path, "mlp_activations=[gelu]")
+  cfg = sized_config(tmp_path, "mlp_activations=[gelu]")
   # MLP drops one input projection: 2 layers * 6 * 64*128 = 98304 fewer FLOPs
   assert flops_lib.training_flops_per_token(cfg).total == 565248 - 98304
 
 
 def test_lora_flops_count_frozen_weights_at_4_and_adapters_at_6(tmp_path):
   """Under LoRA the base gets activation gradients but no weight gradients: 4 FLOPs per frozen weight, 6 per
-  adapter weight, attention as before (make_config: D=64, N=4, K=2, H=16, F=128, L=2, V=256, T=32)."""
-  cfg = make_config(tmp_path, "lora_rank=4")
+  adapter weight, attention as before (sized_config: D=64, N=4, K=2, H=16, F=128, L=2, V=256, T=32)."""
+  cfg = sized_config(tmp_path, "lora_rank=4")
   # rank-4 adapters A [in, 4], B [4, out] on q, k, v, o, wi/0, wi/1, wo, per layer:
   # 4 * ((64 + 64) + (64 + 32) + (64 + 32) + (64 + 64) + 2 * (64 + 128) + (128 + 64)) = 4 * 1024 = 4096
   model = flops_lib.abstract_model(cfg)
@@ -67,8 +49,8 @@ def test_lora_flops_count_frozen_weights_at_4_and_adapters_at_6(tmp_path):
 
 def test_quantized_model_counts_as_the_plain_one(tmp_path):
   """Quantization wraps the model's matmuls (Qwix changes its class, not its parameters): same FLOPs."""
-  plain = flops_lib.training_flops_per_token(make_config(tmp_path))
-  assert flops_lib.training_flops_per_token(make_config(tmp_path, "quantization=int8")) == plain
+  plain = flops_lib.training_flops_per_token(sized_config(tmp_path))
+  assert flops_lib.training_flops_per_token(sized_config(tmp_path, "quantization=int8")) == plain
 
 
 def test_attended_keys_global_sliding_and_chunked():
@@ -81,7 +63,7 @@ def test_attended_keys_global_sliding_and_chunked():
   assert flops_lib.attended_keys(32, sliding_window=4, chunk_window=8) == (8 * 4 - 4**2 / 2) / 8  # a band per block
 
 
-# One tiny model per family, counted by hand from make_config's D=64, N=4, K=2, H=16, F=128, V=256, T=32:
+# One tiny model per family, counted by hand from sized_config's D=64, N=4, K=2, H=16, F=128, V=256, T=32:
 #   attention projections per layer: q 64*4*16 + k 64*2*16 + v 64*2*16 + o 4*16*64 = 12288
 #   SwiGLU MLP per layer: 3 * 64*128 = 24576; the logits head 64*256 = 16384 (x6 = 98304)
 #   forward QK^T + AV per layer and token: 2 * keys * N * (H_qk + H_v) = 2 * keys * 4 * 32 = 256 * keys, where keys
@@ -151,7 +133,7 @@ FAMILIES = {
 @pytest.mark.parametrize("family", FAMILIES)
 def test_flops_of_each_family_by_hand(tmp_path, family, scan):
   overrides, matmul, attention, embedding = FAMILIES[family]
-  flops = flops_lib.training_flops_per_token(make_config(tmp_path, *overrides, f"scan_layers={scan}"))
+  flops = flops_lib.training_flops_per_token(sized_config(tmp_path, *overrides, f"scan_layers={scan}"))
   assert (flops.matmul, flops.attention, flops.embedding) == (matmul, attention, embedding)
   assert flops.total == matmul + attention + embedding
 
@@ -160,7 +142,7 @@ def test_flops_of_each_family_by_hand(tmp_path, family, scan):
 def test_every_matrix_is_a_projection_expert_or_lookup_table(tmp_path, family):
   """The count reads DenseGeneral kernels and MoeBlock experts: a family that multiplied by another matrix
   would go uncounted, so there is none (unstacked layers: a matrix is a parameter of 2 or more dims)."""
-  model = flops_lib.abstract_model(make_config(tmp_path, *FAMILIES[family][0], "scan_layers=false"))
+  model = flops_lib.abstract_model(sized_config(tmp_path, *FAMILIES[family][0], "scan_layers=false"))
   counted = {id(model.token_embedder.embedding)}  # the input lookup (and the head when tied)
   if model.position_embedder is not None:
     counted.add(id(model.position_embedder.embedding))
@@ -235,7 +217,7 @@ def test_flops_mixtral_8x7b_counts_two_routed_experts(tmp_path):
 def test_flops_expert_width_scales_with_global_parameter_scale(tmp_path):
   # A MoE model grown 4x: mlp widths double (base 64 -> 128, expert base 32 -> 64), as MoeBlock builds them.
   moe = ["num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=32", "base_mlp_dim=64", "base_emb_dim=16"]
-  c = make_config(tmp_path, *moe, "global_parameter_scale=4", "base_num_query_heads=2", "base_num_kv_heads=2")
+  c = sized_config(tmp_path, *moe, "global_parameter_scale=4", "base_num_query_heads=2", "base_num_kv_heads=2")
   assert c.moe_mlp_dim == 64 and c.emb_dim == 32
   layer_moe = 2 * 3 * 32 * 64 + 32 * 4  # two routed experts of width 64, and the router
   attention_proj = 32 * c.head_dim * (2 * c.num_query_heads + 2 * c.num_kv_heads)
@@ -354,7 +336,7 @@ TINY_DENSE = [
   ids=["dense", "gqa-gelu", "moe", "mla"],
 )
 def test_flops_match_xla_cost_analysis(tmp_path, overrides):
-  cfg = make_config(tmp_path, *TINY_DENSE, *overrides)
+  cfg = sized_config(tmp_path, *TINY_DENSE, *overrides)
   batch_size = 2
   ours = flops_lib.training_flops_per_token(cfg).total * batch_size * cfg.max_target_length
   xla = xla_training_flops(cfg, batch_size)

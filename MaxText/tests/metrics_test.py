@@ -8,27 +8,8 @@ import time
 
 import pytest
 
-from MaxText import config as config_lib
 from MaxText import metrics, plot_metrics
-
-
-def make_config(tmp_path, *overrides):
-  return config_lib.load(
-    [
-      os.path.join(config_lib.CONFIG_DIR, "base.yml"),
-      "run_name=t",
-      f"base_output_directory={tmp_path}",
-      "base_emb_dim=64",
-      "base_num_query_heads=4",
-      "base_num_kv_heads=2",
-      "head_dim=16",
-      "base_mlp_dim=128",
-      "base_num_decoder_layers=2",
-      "vocab_size=256",
-      "max_target_length=32",
-      *overrides,
-    ]
-  )
+from MaxText.tests.conftest import sized_config
 
 
 def make_logger(cfg, **kwargs):
@@ -57,7 +38,7 @@ def run_steps(logger, times, start=0):
 
 
 def test_records_every_log_period_and_last_step(tmp_path, capsys):
-  cfg = make_config(tmp_path, "steps=25", "log_period=10", "enable_tensorboard=false")
+  cfg = sized_config(tmp_path, "steps=25", "log_period=10", "enable_tensorboard=false")
   with make_logger(cfg) as logger:
     run_steps(logger, [1.0] * 25)
   records = read_jsonl(cfg.metrics_file)
@@ -76,7 +57,7 @@ def test_records_every_log_period_and_last_step(tmp_path, capsys):
 
 
 def test_compile_steps_excluded_from_averages(tmp_path):
-  cfg = make_config(tmp_path, "steps=12", "log_period=5", "enable_tensorboard=false")
+  cfg = sized_config(tmp_path, "steps=12", "log_period=5", "enable_tensorboard=false")
   logger = make_logger(cfg, start_step=3)
   run_steps(logger, [30.0, 20.0, 0.5, 0.5, 0.5, 0.5, 0.5, 1.5, 1.5], start=3)
   summary = logger.close()
@@ -94,7 +75,7 @@ def test_compile_steps_excluded_from_averages(tmp_path):
 
 
 def test_compile_steps_report_no_mfu(tmp_path, capsys):
-  cfg = make_config(tmp_path, "steps=6", "log_period=1", "enable_tensorboard=false")
+  cfg = sized_config(tmp_path, "steps=6", "log_period=1", "enable_tensorboard=false")
   with make_logger(cfg) as logger:
     run_steps(logger, [10.0, 5.0, 1.0, 1.0])
   records = read_jsonl(cfg.metrics_file)
@@ -110,7 +91,7 @@ def test_a_step_that_compiles_later_is_a_compile_step(tmp_path, capsys):
   import jax
   import jax.numpy as jnp
 
-  cfg = make_config(tmp_path, "steps=8", "log_period=1", "enable_tensorboard=false")
+  cfg = sized_config(tmp_path, "steps=8", "log_period=1", "enable_tensorboard=false")
   double = jax.jit(lambda x: 2 * x)
   with make_logger(cfg) as logger:
     run_steps(logger, [1.0, 1.0, 1.0])
@@ -132,7 +113,7 @@ def test_a_step_that_compiles_later_is_a_compile_step(tmp_path, capsys):
 
 
 def test_eval_records_and_non_writer(tmp_path, capsys):
-  cfg = make_config(tmp_path, "steps=4", "log_period=2", "enable_tensorboard=false")
+  cfg = sized_config(tmp_path, "steps=4", "log_period=2", "enable_tensorboard=false")
   with make_logger(cfg) as logger:
     run_steps(logger, [1.0] * 3)
     logger.log_eval(2, {"loss": 3.0})
@@ -140,7 +121,7 @@ def test_eval_records_and_non_writer(tmp_path, capsys):
   assert last["eval_loss"] == 3.0 and last["eval_perplexity"] == pytest.approx(math.exp(3.0))
   assert logger.close()["eval_loss"] == 3.0  # close is idempotent
 
-  other = make_config(tmp_path / "other", "steps=4", "log_period=2")
+  other = sized_config(tmp_path / "other", "steps=4", "log_period=2")
   capsys.readouterr()
   with make_logger(other, is_writer=False) as logger:
     run_steps(logger, [1.0] * 4)
@@ -150,7 +131,7 @@ def test_eval_records_and_non_writer(tmp_path, capsys):
 
 
 def test_non_finite_loss_is_null_in_json(tmp_path):
-  cfg = make_config(tmp_path, "steps=2", "enable_tensorboard=false")
+  cfg = sized_config(tmp_path, "steps=2", "enable_tensorboard=false")
   with make_logger(cfg) as logger:
     logger.log(1, {"loss": math.nan}, 1.0)
     logger.log(2, {"loss": 1e4}, 1.0)
@@ -159,14 +140,14 @@ def test_non_finite_loss_is_null_in_json(tmp_path):
 
 
 def test_tensorboard_event_file(tmp_path):
-  cfg = make_config(tmp_path, "steps=3", "log_period=1")
+  cfg = sized_config(tmp_path, "steps=3", "log_period=1")
   with make_logger(cfg) as logger:
     run_steps(logger, [1.0] * 3)
   assert glob.glob(os.path.join(cfg.tensorboard_dir, "events.out.tfevents*"))
 
 
 def test_window_means_are_token_weighted(tmp_path):
-  cfg = make_config(tmp_path, "steps=6", "log_period=3", "enable_tensorboard=false")
+  cfg = sized_config(tmp_path, "steps=6", "log_period=3", "enable_tensorboard=false")
   with make_logger(cfg) as logger:
     run_steps(logger, [1.0, 1.0])  # the compile steps, logged alone
     for step, loss, tokens, grad in ((3, 1.0, 100.0, 1.0), (4, 9.0, 100.0, 2.0), (5, 4.0, 300.0, 6.0)):
@@ -182,7 +163,7 @@ def test_window_means_are_token_weighted(tmp_path):
 
 
 def test_measured_peak_is_raised_so_mfu_stays_below_one(tmp_path, capsys):
-  cfg = make_config(tmp_path, "steps=4", "log_period=1", "enable_tensorboard=false")
+  cfg = sized_config(tmp_path, "steps=4", "log_period=1", "enable_tensorboard=false")
   # 1e12 FLOPs in 0.1 s on 2 devices is 5e12 FLOP/s per device, more than the measured 4e12
   with make_logger(cfg, peak_is_measured=True) as logger:
     run_steps(logger, [1.0, 1.0, 0.1, 0.2])
@@ -190,20 +171,20 @@ def test_measured_peak_is_raised_so_mfu_stays_below_one(tmp_path, capsys):
   assert records[2]["mfu"] == pytest.approx(1.0) and records[3]["mfu"] == pytest.approx(0.5)
   assert logger.summary()["peak_tflops_per_s_per_device"] == pytest.approx(5.0)
   assert "beats the measured peak" in capsys.readouterr().out
-  with make_logger(make_config(tmp_path / "table", "steps=3", "enable_tensorboard=false")) as logger:
+  with make_logger(sized_config(tmp_path / "table", "steps=3", "enable_tensorboard=false")) as logger:
     run_steps(logger, [1.0, 1.0, 0.1])  # a table peak is not raised: MFU > 1 would mean wrong FLOPs
   assert logger.summary()["peak_tflops_per_s_per_device"] == pytest.approx(4.0)
 
 
 def test_no_tensorboard_file_without_records(tmp_path):
-  cfg = make_config(tmp_path, "steps=3", "log_period=1")
+  cfg = sized_config(tmp_path, "steps=3", "log_period=1")
   with make_logger(cfg, start_step=3):
     pass
   assert not os.path.exists(cfg.tensorboard_dir)
 
 
 def test_summary_names_the_outputs(tmp_path, capsys):
-  cfg = make_config(tmp_path, "steps=2", "enable_tensorboard=true")
+  cfg = sized_config(tmp_path, "steps=2", "enable_tensorboard=true")
   with make_logger(cfg, started=time.perf_counter() - 75.0) as logger:
     run_steps(logger, [1.0, 1.0])
     logger.log_checkpoint(2, "/ckpt/2/state")
@@ -215,7 +196,7 @@ def test_summary_names_the_outputs(tmp_path, capsys):
 
 
 def test_plot_writes_png(tmp_path):
-  cfg = make_config(tmp_path, "steps=30", "log_period=5", "enable_tensorboard=false")
+  cfg = sized_config(tmp_path, "steps=30", "log_period=5", "enable_tensorboard=false")
   with make_logger(cfg) as logger:
     run_steps(logger, [1.0] * 30)
     logger.log_eval(30, {"loss": 2.5})
@@ -240,7 +221,7 @@ def test_compiles_belong_to_the_step_whose_dispatch_they_end_in(tmp_path):
   import jax
   import jax.numpy as jnp
 
-  cfg = make_config(tmp_path, "steps=8", "log_period=1", "enable_tensorboard=false")
+  cfg = sized_config(tmp_path, "steps=8", "log_period=1", "enable_tensorboard=false")
   triple = jax.jit(lambda x: 3 * x)
 
   def dispatch(size):

@@ -98,6 +98,8 @@ def test_tool_clis_print_usage_with_pointers(capsys, module, prog):
     ["bash", "end_to_end/cpu/smoke.sh", "--help"],
     ["bash", "end_to_end/cpu/compare_maxtext.sh", "--help"],
     ["bash", "end_to_end/gpu/launch.sh", "--help"],
+    ["bash", "end_to_end/gpu/pipeline.sh", "--help"],
+    ["bash", "scripts/multigpu_jaxpp.sh", "--help"],
     [sys.executable, "multihost_runner.py", "--help"],
     [sys.executable, "multihost_job.py", "--help"],
     [sys.executable, "end_to_end/assert_metrics.py", "--help"],

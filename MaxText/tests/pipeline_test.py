@@ -1,6 +1,7 @@
 """Pipeline parallelism (layers/pipeline.py): the pipelined step computes the unpipelined step's losses
 and gradients, with the same parameters, on 8 CPU devices; bad pipeline settings fail with ConfigError."""
 
+import json
 import os
 import re
 import subprocess
@@ -16,7 +17,7 @@ from MaxText import train_step as steps
 from MaxText.errors import ConfigError
 from MaxText.layers import pipeline
 from MaxText.parallel import plan as plan_lib
-from MaxText.tests.conftest import cfg, losses
+from MaxText.tests.conftest import cfg, free_port, losses
 
 BASE = os.path.join(config.CONFIG_DIR, "base.yml")
 TINY = [
@@ -218,6 +219,64 @@ def test_launcher_arguments_load(tmp_path):
   c = config.load(out.stdout.split(), {})
   assert (c.ici_data_parallelism, c.ici_pipeline_parallelism, c.ici_tensor_parallelism) == (2, 4, 1)
   assert plan_lib.schedule(c) == pipeline.Schedule(4, 8, 1) and c.per_device_batch_size == 2
+
+
+# The JaxPP fork's documented launcher lines (NVIDIA/maxtext-jaxpp README: tiny llama2, mixtral, mistral).
+JAXPP_FLAGS = "--max_target_length=64 --model=default --dp=1 --pp=1 --mp=1 --batch_size_per_device=1"
+JAXPP_FLAGS += " --num_pipeline_microbatches=1 jaxpp_remote=false"
+JAXPP_TAIL = "vocab_size=32000 enable_dropout=false logits_via_embedding=false normalization_layer_epsilon=1.0e-5"
+JAXPP_LINES = {
+  "llama2": "base_emb_dim=1024 base_num_query_heads=8 base_num_kv_heads=8 base_mlp_dim=11008 "
+  f"base_num_decoder_layers=1 head_dim=128 {JAXPP_TAIL} decoder_block=llama2",
+  "mixtral": "base_emb_dim=1024 base_num_query_heads=2 base_num_kv_heads=2 base_mlp_dim=896 "
+  f"base_num_decoder_layers=2 head_dim=16 {JAXPP_TAIL} num_experts=8 num_experts_per_tok=2 decoder_block=mistral",
+  "mistral": "base_emb_dim=2048 base_num_query_heads=1 base_num_kv_heads=1 base_mlp_dim=896 "
+  f"base_num_decoder_layers=1 head_dim=8 {JAXPP_TAIL} decoder_block=mistral",
+}
+JAXPP_SCRIPT = os.path.join(os.path.dirname(config.CONFIG_DIR), "..", "scripts", "multigpu_jaxpp.sh")
+
+
+def run_jaxpp_line(words: list[str], env: dict[str, str], timeout: int = 60) -> subprocess.CompletedProcess:
+  return subprocess.run(
+    ["bash", JAXPP_SCRIPT, *words], env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout
+  )
+
+
+@pytest.mark.parametrize("name", sorted(JAXPP_LINES))
+def test_jaxpp_fork_lines_map_onto_pipeline_keys(name):
+  """scripts/multigpu_jaxpp.sh takes the fork's lines as written: flags -> our keys, jaxpp_remote noted."""
+  out = run_jaxpp_line([*JAXPP_FLAGS.split(), *JAXPP_LINES[name].split()], {"DRY_RUN": "1"})
+  assert out.returncode == 0, out.stderr
+  assert "jaxpp_remote=false ignored" in out.stderr
+  c = config.load(out.stdout.split(), {})
+  assert (c.ici_data_parallelism, c.ici_pipeline_parallelism, c.ici_tensor_parallelism) == (1, 1, 1)
+  assert (c.per_device_batch_size, c.num_pipeline_microbatches, c.max_target_length) == (1, 1, 64)
+  assert (c.model_name, c.dataset_type, c.steps, c.enable_checkpointing) == ("default", "synthetic", 30, False)
+  assert c.vocab_size == 32000 and c.num_experts == (8 if name == "mixtral" else 1)
+
+
+def test_pipeline_launcher_rejects_unknown_flags():
+  out = run_jaxpp_line(["--dp=1", "--tp=2"], {"DRY_RUN": "1"})
+  assert out.returncode == 2 and "unknown flag --tp" in out.stderr and "--pp" in out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,pp", [("llama2", 1), ("mixtral", 2), ("mistral", 1)])
+def test_jaxpp_fork_lines_train_on_cpu(tmp_path, name, pp):
+  """Each reference line runs through the script (pipeline.sh, launch.sh, train.py) on CPU: as written, then
+  tiny widths, 2 steps and hardware=cpu appended (later words win); mixtral with 2 stages."""
+  words = [*JAXPP_FLAGS.split(), *JAXPP_LINES[name].split(), f"--pp={pp}", f"--num_pipeline_microbatches={pp}"]
+  words += ["base_emb_dim=32", "base_mlp_dim=64", "vocab_size=128", "steps=2", "hardware=cpu"]
+  words += [f"base_output_directory={tmp_path}", "run_name=jaxpp"]
+  env = {
+    "XLA_FLAGS": f"--xla_force_host_platform_device_count={pp}", "XLA_RECIPE": "none", "JAX_PLATFORMS": "cpu",
+    "JAX_COORDINATOR_PORT": str(free_port()), "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+  }  # fmt: skip
+  out = run_jaxpp_line(words, env, timeout=300)
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+  lines = (tmp_path / "jaxpp" / "metrics.jsonl").read_text().splitlines()
+  assert [json.loads(line)["step"] for line in lines] == [1, 2]
+  assert f"pipeline: {pp} stages" in out.stdout if pp > 1 else "pipeline:" not in out.stdout
 
 
 def test_stacked_layers_live_only_on_their_stage_devices():

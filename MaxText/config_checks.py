@@ -11,7 +11,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from MaxText import paths
+from MaxText import hlo_dump, paths
 from MaxText.errors import ConfigError
 
 # mesh axis -> the suffix of its ici_/dcn_ keys (MaxText calls the `stage` axis "pipeline").
@@ -371,12 +371,28 @@ def validate(c: dict[str, Any]) -> None:
     raise ConfigError(
       f"num_vocab_tiling={tiles} must be -1 (auto) or a positive divisor of max_target_length={c['max_target_length']}"
     )
+  _validate_hlo_dump(c)
   chunk, length = c["attention_query_chunk"], c["max_target_length"]
   if chunk < 0 or (chunk and length > chunk and length % chunk):
     raise ConfigError(
       f"attention_query_chunk={chunk} must be 0 (off) or divide max_target_length={length}; "
       f"e.g. attention_query_chunk={math.gcd(length, 512)}"
     )
+
+
+def _validate_hlo_dump(c: dict[str, Any]) -> None:
+  """The dump_hlo_* keys (hlo_dump.py): XLA writes the dump to a local directory; the module name is a regex."""
+  flags = hlo_dump.parse_flags(c["dump_hlo_xla_flags"])
+  for key, where in (("dump_hlo_local_dir", c["dump_hlo_local_dir"]), ("dump_hlo_xla_flags", flags.get("xla_dump_to"))):
+    if where and paths.is_remote(str(where)):
+      raise ConfigError(
+        f"{key}: XLA writes its dump to a local directory, not {where!r}; set dump_hlo_gcs_dir={where!r} "
+        "to have it copied there"
+      )
+  try:
+    re.compile(c["dump_hlo_module_name"])
+  except re.error as e:
+    raise ConfigError(f"dump_hlo_module_name={c['dump_hlo_module_name']!r} is not a regular expression: {e}") from None
 
 
 def check_lora_serving(c: Any) -> None:

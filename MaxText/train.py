@@ -24,6 +24,7 @@ from MaxText import (
   compiled_step,
   console,
   flops,
+  hlo_dump,
   launch,
   metrics,
   optimizers,
@@ -163,6 +164,7 @@ def run(config: Config, devices: Sequence[Any] | None = None, started: float | N
     finally:  # on success or error, let in-flight (async) checkpoints of good steps complete
       if manager is not None:
         checkpointing.finish(manager)
+      hlo_dump.publish(config, jax.process_index() == 0)  # dump_hlo: the step's HLO into the run directory
 
 
 def already_done(config: Config, start: int) -> bool:

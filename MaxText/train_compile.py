@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText import accelerators, compiled_step, launch, optimizers, sharding
+from MaxText import accelerators, compiled_step, hlo_dump, launch, optimizers, sharding
 from MaxText import state as state_lib
 from MaxText import train_step as steps
 from MaxText.config import Config
@@ -249,6 +249,7 @@ def main(argv: Sequence[str]) -> None:
       sys.exit(f"Out of memory: {e}")
     if note:
       print(note, flush=True)
+    hlo_dump.publish(config, is_writer=True)
     if config.compiled_trainstep_file:
       compiled_step.save_compiled(config.compiled_trainstep_file, compiled, config, mesh)
       print(f"saved the compiled train step to {config.compiled_trainstep_file}", flush=True)

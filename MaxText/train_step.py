@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText import sharding
+from MaxText import hlo_dump, sharding
 from MaxText.config import Config
 from MaxText.layers import mtp
 from MaxText.parallel.plan import Plan
@@ -241,9 +241,10 @@ CPU_LOW_PRECISION_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 def step_compiler_options(config: Config, mesh: Mesh) -> dict[str, Any] | None:
   """The compiler options of the train and eval steps: CPU_LOW_PRECISION_OPTIONS for a CPU mesh and a
-  compute dtype below float32, else none."""
+  compute dtype below float32, and XLA's dump options with dump_hlo (hlo_dump.py); None when neither."""
   low_precision = jnp.dtype(config.dtype).itemsize < 4
-  return CPU_LOW_PRECISION_OPTIONS if mesh.devices.flat[0].platform == "cpu" and low_precision else None
+  cpu = CPU_LOW_PRECISION_OPTIONS if mesh.devices.flat[0].platform == "cpu" and low_precision else {}
+  return {**cpu, **hlo_dump.compiler_options(config)} or None
 
 
 def jit_train_step(

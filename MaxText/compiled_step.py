@@ -1,8 +1,9 @@
 """A compiled train step saved to compiled_trainstep_file (by train_compile.py) and loaded by train.py.
 
 The file holds the serialized executable and the program signature it was compiled for (the config
-values that shape the program, the mesh and the devices); loading compares that signature with the run's
-and refuses a step compiled for anything else, naming every difference.
+values that shape the program, the mesh and the devices); train.py reads it before it builds any state,
+refuses a step compiled for other hardware in one line, and one compiled for another program naming every
+difference.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from jax.sharding import Mesh
 
 from MaxText import paths
 from MaxText.config import Config
-from MaxText.errors import ConfigError
+from MaxText.errors import ConfigError, ListedConfigError
 
 FORMAT_VERSION = 1  # of the compiled_trainstep_file pickle
 
@@ -38,10 +39,14 @@ RUNTIME_KEYS = (
 
 
 def program_signature(config: Config, mesh: Mesh) -> dict[str, Any]:
-  """What a compiled step depends on: program-relevant config values, the mesh and the devices."""
+  """What a compiled step depends on: program-relevant config values, the mesh and the devices. `target` (the
+  compile_topology it was compiled for) only words the hardware mismatch; it is not compared."""
   keys = {k: v for k, v in config.to_dict().items() if k not in RUNTIME_KEYS}
   device = mesh.devices.flat[0]
-  return {"config": keys, "mesh": dict(mesh.shape), "num_devices": mesh.size, "device_kind": device.device_kind}
+  return {
+    "config": keys, "mesh": dict(mesh.shape), "num_devices": mesh.size, "device_kind": device.device_kind,
+    "target": config.compile_topology,
+  }  # fmt: skip
 
 
 def save_compiled(path: str, compiled: Any, config: Config, mesh: Mesh) -> None:
@@ -60,11 +65,23 @@ def save_compiled(path: str, compiled: Any, config: Config, mesh: Mesh) -> None:
   paths.Path(path).write_bytes(pickle.dumps(payload))
 
 
+def _other_hardware(path: str, saved: dict[str, Any], current: dict[str, Any]) -> str | None:
+  """One line when the step was compiled for other devices (kind or count) than this run's."""
+  if (saved["device_kind"], saved["num_devices"]) == (current["device_kind"], current["num_devices"]):
+    return None
+  target = f" (compile_topology={saved['target']})" if saved.get("target") not in (None, "", "cpu") else ""
+  local = " compile_topology=cpu" if current["device_kind"] == "cpu" else ""
+  return (
+    f"compiled_trainstep_file={path!r} was compiled for {saved['num_devices']} x {saved['device_kind']}{target}, "
+    f"but this run has {current['num_devices']} x {current['device_kind']}: run it on that hardware, or compile "
+    f"for these devices with train_compile.py{local}"
+  )
+
+
 def _mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
   found = []
-  for key in ("num_devices", "device_kind", "mesh"):
-    if saved[key] != current[key]:
-      found.append(f"{key}: compiled for {saved[key]}, this run has {current[key]}")
+  if saved["mesh"] != current["mesh"]:
+    found.append(f"mesh: compiled for {saved['mesh']}, this run has {current['mesh']}")
   for key in sorted(set(saved["config"]) | set(current["config"])):
     old, new = saved["config"].get(key, "<absent>"), current["config"].get(key, "<absent>")
     if old != new:
@@ -72,12 +89,10 @@ def _mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
   return found
 
 
-def load_compiled(config: Config, mesh: Mesh) -> Any:
-  """The train step from compiled_trainstep_file, called like jit_train_step's (state, batch, rng).
-
-  Fails with a ConfigError naming every difference when the file was compiled for other shapes,
-  sizes, settings or devices than this run's.
-  """
+def read_checked(config: Config, mesh: Mesh) -> dict[str, Any]:
+  """The contents of compiled_trainstep_file, checked against this run before anything is built for it: a
+  ConfigError in one line when the file is missing, from another jax or for other hardware; a
+  ListedConfigError naming every differing setting (one per line) when it was compiled for another program."""
   path = config.compiled_trainstep_file
   if not paths.with_timeout(lambda: paths.isfile(path), f"compiled_trainstep_file={path!r}"):
     raise ConfigError(f"compiled_trainstep_file={path!r} does not exist; write it with train_compile.py")
@@ -86,12 +101,21 @@ def load_compiled(config: Config, mesh: Mesh) -> Any:
     raise ConfigError(f"compiled_trainstep_file={path!r} was not written by this version of train_compile.py")
   if payload["jax"] != jax.__version__:
     raise ConfigError(f"{path!r} was compiled with jax {payload['jax']}, this is jax {jax.__version__}; recompile")
-  wrong = _mismatches(payload["signature"], program_signature(config, mesh))
+  current = program_signature(config, mesh)
+  hardware = _other_hardware(path, payload["signature"], current)
+  if hardware:
+    raise ConfigError(hardware)
+  wrong = _mismatches(payload["signature"], current)
   if wrong:
-    raise ConfigError(
-      f"compiled_trainstep_file={path!r} does not match this run; recompile with train_compile.py or use the "
-      "compiled settings:\n  " + "\n  ".join(wrong)
+    raise ListedConfigError(
+      f"compiled_trainstep_file={path!r} does not match this run in {len(wrong)} settings; recompile with "
+      "train_compile.py or use the compiled settings:\n  " + "\n  ".join(wrong)
     )
+  return payload
+
+
+def load_compiled(payload: dict[str, Any]) -> Any:
+  """The train step of a read_checked payload, called like jit_train_step's (state, batch, rng)."""
   from jax.experimental import serialize_executable
 
   return serialize_executable.deserialize_and_load(payload["executable"], payload["in_tree"], payload["out_tree"])

@@ -13,6 +13,11 @@ class ConfigError(ValueError):
   """A configuration that cannot be run; the message says what to change."""
 
 
+class ListedConfigError(ConfigError):
+  """A ConfigError whose first line says what to change and whose further lines list what the user needs in
+  full (every setting a compiled step differs in): the one-line exit prints them all, not the first line only."""
+
+
 class DataError(ValueError):
   """A dataset, data file or tokenizer the config names cannot be read or used; the message says how to fix it.
 

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from MaxText import config as config_lib
 from MaxText import distributed, paths, preemption
 from MaxText.config import Config
-from MaxText.errors import ConfigError, DataError
+from MaxText.errors import ConfigError, DataError, ListedConfigError
 
 HELP_FLAGS = ("-h", "--help")
 BASE_YML = os.path.join(config_lib.CONFIG_DIR, "base.yml")
@@ -87,7 +87,10 @@ def setup_logging() -> None:
 
 def one_line(prefix: str, error: BaseException) -> str:
   """`prefix: message` on one line: the message's first line (what was wrong and how to fix it comes first;
-  a quoted library message follows), cut to MAX_MESSAGE_CHARS."""
+  a quoted library message follows), cut to MAX_MESSAGE_CHARS; a ListedConfigError whole (its lines are a list
+  the user needs in full)."""
+  if isinstance(error, ListedConfigError):  # our own listing: every line is needed
+    return f"{prefix}: {error}"
   lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
   text = lines[0] + (f" [{len(lines) - 1} more lines omitted]" if len(lines) > 1 else "")
   if len(text) > MAX_MESSAGE_CHARS:

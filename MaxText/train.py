@@ -141,6 +141,8 @@ def run(config: Config, devices: Sequence[Any] | None = None, started: float | N
   check_hardware(config)
   config = keep_schedule_on_resume(config)
   mesh = sharding.create_mesh(config, devices)
+  # A step compiled for other hardware or settings is refused before any state is built for it.
+  compiled = compiled_step.read_checked(config, mesh) if config.compiled_trainstep_file else None
   global_batch = sharding.global_batch_size(config, mesh)  # fails early on a batch that cannot split
   plan = plan_lib.build(config, mesh)  # every layout decision, and every layout error, before any compile
   optimizer = optimizers.build(config)
@@ -156,7 +158,7 @@ def run(config: Config, devices: Sequence[Any] | None = None, started: float | N
       return {"steps_run": 0}
     write_config(config)
     try:
-      step_fn = train_step_fn(config, mesh, optimizer, spec)
+      step_fn = train_step_fn(config, mesh, optimizer, spec, compiled)
       parts = LoopParts(mesh, spec, restored, data, manager, step_fn, global_batch, peak, started, watch)
       return train_loop(config, parts)
     except NonFiniteLossError as e:  # name the checkpoint a restart resumes from (in-flight saves complete first)
@@ -195,10 +197,12 @@ def keep_schedule_on_resume(config: Config) -> Config:
   return config
 
 
-def train_step_fn(config: Config, mesh: Mesh, optimizer: optimizers.Optimizer, spec: state_lib.StateSpec) -> Any:
-  """The jitted train step, or the one train_compile.py saved in compiled_trainstep_file."""
-  if config.compiled_trainstep_file:
-    return compiled_step.load_compiled(config, mesh)
+def train_step_fn(
+  config: Config, mesh: Mesh, optimizer: optimizers.Optimizer, spec: state_lib.StateSpec, compiled: Any = None
+) -> Any:
+  """The jitted train step, or the one train_compile.py saved (`compiled`: compiled_step.read_checked's)."""
+  if compiled is not None:
+    return compiled_step.load_compiled(compiled)
   return steps.jit_train_step(config, mesh, optimizer.tx, spec, optimizer.schedule)
 
 

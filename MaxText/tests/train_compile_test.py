@@ -2,6 +2,7 @@
 out-of-memory exit, and a compiled step saved on the local 8-device CPU topology then run by train.py."""
 
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -192,10 +193,65 @@ def test_saved_step_runs_in_train_with_the_same_losses(tmp_path):
 
   with pytest.raises(ConfigError, match=r"per_device_batch_size: compiled with 2.0, this run has 4.0"):
     train.run(cfg(tmp_path, "other_batch", "steps=1", "per_device_batch_size=4", f"compiled_trainstep_file={path}"))
-  with pytest.raises(ConfigError, match=r"num_devices: compiled for 8, this run has 4"):
+  with pytest.raises(ConfigError, match=r"was compiled for 8 x cpu, but this run has 4 x cpu: run it on that"):
     train.run(
       cfg(tmp_path, "fewer", "steps=1", "per_device_batch_size=4", f"compiled_trainstep_file={path}"),
       devices=jax.devices()[:4],
     )
   with pytest.raises(ConfigError, match="does not exist"):
     train.run(cfg(tmp_path, "missing", "steps=1", f"compiled_trainstep_file={tmp_path}/nope.pickle"))
+
+
+def no_state(monkeypatch) -> None:
+  """Building the state for a refused compiled step fails the test (the README's 16B pickle on a CPU host
+  allocated 94 GiB of state before it was refused)."""
+
+  def fail(*args, **kwargs):
+    raise AssertionError("the state was built before the compiled step was checked")
+
+  monkeypatch.setattr(train.state_lib, "state_spec", fail)
+  monkeypatch.setattr(train.checkpointing, "restore_or_init", fail)
+
+
+def test_step_compiled_for_a_tpu_topology_is_refused_on_cpu_in_one_line_before_any_state(tmp_path, monkeypatch):
+  path = os.path.join(tmp_path, "step.pickle")
+  common = [*TINY, "per_device_batch_size=1", f"compiled_trainstep_file={path}"]
+  result = compile_command(*common, "compile_topology=v5e-8", f"base_output_directory={tmp_path}")
+  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+  no_state(monkeypatch)
+  with pytest.raises(SystemExit) as e:
+    train.main(["train.py", BASE, *common, "run_name=cpu", f"base_output_directory={tmp_path}"])
+  assert str(e.value.code) == (
+    f"Config error: compiled_trainstep_file={path!r} was compiled for 8 x TPU v5 lite (compile_topology=v5e-8), "
+    "but this run has 8 x cpu: run it on that hardware, or compile for these devices with train_compile.py "
+    "compile_topology=cpu"
+  )
+
+
+def test_step_compiled_for_other_settings_lists_every_difference_before_any_state(tmp_path, monkeypatch):
+  """The signature check needs no executable: a file holding only the signature of another program."""
+  path = os.path.join(tmp_path, "step.pickle")
+  compiled = cfg(tmp_path, "compiled", "per_device_batch_size=2", "learning_rate=0.5")
+  payload = {"format": compiled_step.FORMAT_VERSION, "jax": jax.__version__, "executable": b"", "in_tree": None}
+  payload |= {"out_tree": None, "signature": compiled_step.program_signature(compiled, sharding.create_mesh(compiled))}
+  with open(path, "wb") as f:
+    pickle.dump(payload, f)
+  no_state(monkeypatch)
+  changed = ["per_device_batch_size=4", "learning_rate=0.25", "dtype=bfloat16", "base_mlp_dim=64", "head_dim=8"]
+  argv = ["train.py", BASE, *TINY, "run_name=other", f"base_output_directory={tmp_path}", *changed]
+  with pytest.raises(SystemExit) as e:
+    train.main([*argv, f"compiled_trainstep_file={path}"])
+  message = str(e.value.code)
+  assert message.startswith(f"Config error: compiled_trainstep_file={path!r} does not match this run in 7 settings")
+  listed = [
+    "per_device_batch_size: compiled with 2.0, this run has 4.0",
+    "learning_rate: compiled with 0.5, this run has 0.25",
+    "dtype: compiled with 'float32', this run has 'bfloat16'",
+    "base_mlp_dim: compiled with 128, this run has 64",
+    "mlp_dim: compiled with 128",
+    "moe_mlp_dim: compiled with 128",
+    "head_dim: compiled with 16",
+  ]
+  for line in listed:
+    assert f"\n  {line}" in message, message
+  assert "omitted" not in message

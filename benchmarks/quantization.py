@@ -29,7 +29,7 @@ REPORT = {
   "args": re.compile(r"arguments ([0-9.]+) GiB"),
   "temp": re.compile(r"temporaries ([0-9.]+) GiB"),
   "total": re.compile(r"total ([0-9.]+) GiB"),
-  "flops": re.compile(r"compiled FLOPs per device per step: ([0-9.e+]+)"),
+  "flops": re.compile(r"XLA cost analysis FLOPs per device per step: ([0-9.e+]+)"),
 }
 
 

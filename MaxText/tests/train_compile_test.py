@@ -47,7 +47,7 @@ def test_16b_on_two_v5e_256_slices_fits_under_its_recorded_ceiling():
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
   assert "compiled for 512 x TPU v5 lite" in result.stdout
   assert "'data': 2" in result.stdout and "'fsdp': 256" in result.stdout
-  for what in ("arguments", "temporaries", "total", "HBM per device 16.00 GiB", "compiled FLOPs per device"):
+  for what in ("arguments", "temporaries", "total", "HBM per device 16.00 GiB", "XLA cost analysis FLOPs per device"):
     assert what in result.stdout
   assert reported_gib(result.stdout, "total") <= CEILING_GIB["16b_total"]
 
@@ -255,3 +255,21 @@ def test_step_compiled_for_other_settings_lists_every_difference_before_any_stat
   for line in listed:
     assert f"\n  {line}" in message, message
   assert "omitted" not in message
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_compiled_flops_are_labelled_beside_the_model_flops(tmp_path, capsys, scan):
+  """XLA's cost analysis counts a loop body once: with scanned layers its figure is a lower bound and says so;
+  without loops it is the step's (the model's 6·N·T plus remat's forward recomputation, plus the rest)."""
+  argv = ["train_compile.py", BASE, *TINY, f"base_output_directory={tmp_path}", "run_name=flops"]
+  train_compile.main([*argv, "compile_topology=cpu", "per_device_batch_size=1", f"scan_layers={scan}"])
+  out = capsys.readouterr().out
+  model = 565248 * 32  # flops_test.test_flops_per_token_by_hand's count per token x 32 tokens per device
+  assert f"  model FLOPs per device per step: {model:.3e} (6·N·T + attention; what MFU counts)\n" in out, out
+  xla = float(re.search(r"XLA cost analysis FLOPs per device per step: ([0-9.e+]+)", out).group(1))
+  if scan:
+    assert "- a lower bound: the bodies of its 2 loops (e.g. scanned layers) are counted once, not per trip" in out
+    assert xla < model
+  else:
+    assert "(remat recomputation and non-matmul ops included)" in out
+    assert 1.0 < xla / model < 1.6  # full remat runs the forward twice: 8·N·T of the 6·N·T

@@ -81,12 +81,17 @@ def compiler_options(config: Any) -> dict[str, Any]:
 
 def publish(config: Any, is_writer: bool) -> str | None:
   """Copy the dump to target_dir when XLA wrote it elsewhere (writer process only); returns where the dump
-  is (None without dump_hlo, or when XLA wrote nothing: no module matched dump_hlo_module_name)."""
+  is (None without dump_hlo, or when XLA wrote nothing: a step loaded from compiled_trainstep_file, or no
+  module matched dump_hlo_module_name)."""
   if not config.dump_hlo or not is_writer:
     return None
   source, target = local_dir(config), target_dir(config)
   if not os.path.isdir(source) or not os.listdir(source):
-    print(f"dump_hlo: no HLO in {source} (no module matched dump_hlo_module_name={config.dump_hlo_module_name!r})")
+    print(
+      f"dump_hlo: XLA wrote no HLO to {source} (no step was compiled here, or none matched "
+      f"dump_hlo_module_name={config.dump_hlo_module_name!r})",
+      flush=True,
+    )
     return None
   if paths.absolute(source) != paths.absolute(target):
     paths.copy_tree(source, target)

@@ -21,9 +21,13 @@ def finished(tmp_path_factory):
   """(run directory, stdout) of a one-step tiny run with a checkpoint."""
   out = tmp_path_factory.mktemp("saved")
   argv = ["train.py", BASE, f"base_output_directory={out}", "run_name=r", *TINY, "steps=1", "enable_checkpointing=true"]
-  stdout = io.StringIO()
-  with contextlib.redirect_stdout(stdout):
-    train.main(argv)
+  stdout, cwd = io.StringIO(), os.getcwd()
+  os.chdir(ROOT)  # where the quick start runs from: the command names MaxText/decode.py relative to it
+  try:
+    with contextlib.redirect_stdout(stdout):
+      train.main(argv)
+  finally:
+    os.chdir(cwd)
   return str(out / "r"), stdout.getvalue()
 
 

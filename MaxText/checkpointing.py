@@ -360,8 +360,9 @@ def _restore_tree(path: str, abstract: Any) -> Any:
 
 
 def saved_tree(path: str) -> Any:
-  """The tree (nested dicts of per-array metadata) of the orbax PyTree checkpoint at `path`."""
-  metadata = ocp.PyTreeCheckpointer().metadata(path)
+  """The tree (nested dicts of per-array metadata) of the orbax PyTree checkpoint at `path`. Absolute: orbax reads
+  no item metadata under a relative path (it warns "Failed to get item metadata" and returns none)."""
+  metadata = ocp.PyTreeCheckpointer().metadata(paths.absolute(path))
   return metadata.item_metadata.tree if hasattr(metadata, "item_metadata") else metadata
 
 

@@ -241,7 +241,9 @@ def load(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Confi
   defaults = _read_yaml(os.path.join(CONFIG_DIR, "base.yml"))
   values = dict(defaults)
   path = resolve_config_path(argv[0])
-  _apply(values, _read_yaml(path), defaults, path)
+  from_file = _read_yaml(path)
+  saved_run = _drop_derived(from_file)
+  _apply(values, from_file, defaults, path)
 
   cli = _parse_overrides(argv[1:])
   env = {k[len(ENV_PREFIX) :].lower(): v for k, v in environ.items() if k.startswith(ENV_PREFIX)}
@@ -250,7 +252,8 @@ def load(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Confi
   model_name = _coerce("model_name", user.get("model_name", values["model_name"]), "")
   override = _coerce("override_model_config", user.get("override_model_config", values["override_model_config"]), False)
   preset = _load_preset(model_name, defaults)
-  _apply(values, preset, defaults, f"models/{model_name}.yml")
+  if not (saved_run and model_name == values["model_name"]):  # a saved run's file holds its preset's keys as run
+    _apply(values, preset, defaults, f"models/{model_name}.yml")
   before = dict(values)
   _apply(values, cli, defaults, "command line")
   _apply(values, env, defaults, "environment")
@@ -262,6 +265,24 @@ def load(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Confi
         "pass override_model_config=true to allow it"
       )
   return Config(_finalize(values))
+
+
+def _drop_derived(values: dict[str, Any]) -> bool:
+  """Whether `values` (a config file's keys) is a run's saved config.yml, which holds every resolved key (train.py
+  writes it): then its derived keys are dropped, to be recomputed from the keys they derive from, and a
+  metrics_file that was its run directory's default is reset, so that run_name=... or base_output_directory=...
+  on the command line moves it with the run."""
+  derived = [key for key in DERIVED if key in values]
+  if not derived:
+    return False
+  from MaxText import paths  # noqa: PLC0415 (etils: not needed by --help)
+
+  run_dir = values.get("run_dir")
+  for key in derived:
+    del values[key]
+  if run_dir and values.get("metrics_file") == paths.join(str(run_dir), "metrics.jsonl"):
+    values["metrics_file"] = ""
+  return True
 
 
 def _load_preset(model_name: str, defaults: Mapping[str, Any]) -> dict[str, Any]:

@@ -4,6 +4,8 @@ between records, and where the outputs went at the end (docs/outputs.md shows ea
 from __future__ import annotations
 
 import math
+import os
+import shlex
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -88,13 +90,31 @@ def outputs_lines(config: Config, last_checkpoint: str | None) -> list[str]:
   lines = [f"  run directory        {paths.absolute(config.run_dir)}"]
   if last_checkpoint:
     lines.append(f"  last checkpoint      {last_checkpoint}")
-    decode = f"python3 MaxText/decode.py MaxText/configs/base.yml load_parameters_path={last_checkpoint}"
-    lines.append(f"    generate:          {decode}")
+    lines.append(f"    generate:          {decode_command(config, last_checkpoint)}")
   lines.append(f"  metrics              {paths.absolute(config.metrics_file)}")
   lines.append(f"    plot:              python3 -m MaxText.plot_metrics {paths.absolute(config.metrics_file)}")
   if config.enable_tensorboard:
     lines.append(f"    TensorBoard:       tensorboard --logdir {paths.absolute(config.tensorboard_dir)}")
   return lines
+
+
+def decode_command(config: Config, checkpoint: str) -> str:
+  """The decode.py command line for `checkpoint` of this run: the run's own config.yml (its model, tokenizer and
+  run directory) with the checkpoint's params, or under LoRA its adapters over the run's base."""
+  script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode.py")
+  relative = os.path.relpath(script)  # MaxText/decode.py from the repository root
+  args = [
+    "python3",
+    script if relative.startswith("..") else relative,
+    paths.join(paths.absolute(config.run_dir), "config.yml"),
+  ]
+  if config.lora_rank > 0:
+    args.append(f"lora_weights_path={checkpoint}")
+  else:
+    args.append(f"load_parameters_path={checkpoint}")
+    if config.load_full_state_path:  # how this run started; decode.py takes one of the two
+      args.append("load_full_state_path=")
+  return shlex.join(args)
 
 
 class Progress:

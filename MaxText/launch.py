@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import sys
+import tempfile
 from collections.abc import Iterator, Sequence
 
 from MaxText import config as config_lib
@@ -136,6 +137,10 @@ def check_output_dir(key: str, path: str) -> None:
     raise ConfigError(f"{key}: {existing!r} is a file, so {path!r} cannot be a directory; choose another {key}")
   if not os.access(existing, os.W_OK | os.X_OK):
     raise ConfigError(f"{key}: cannot write under {existing!r} (permission denied); choose a writable {key}")
+  try:  # os.access says yes to root everywhere, /proc and read-only mounts included: make a directory there
+    os.rmdir(tempfile.mkdtemp(prefix=".maxtext-check-", dir=existing))
+  except OSError as e:
+    raise ConfigError(f"{key}: cannot write under {existing!r} ({e.strerror}); choose a writable {key}") from None
 
 
 def jax_process_index() -> int:

@@ -55,12 +55,26 @@ def check_hardware(config: Config) -> None:
     raise ConfigError(f"hardware={config.hardware} but JAX found {backend} devices; set hardware=auto or {backend}")
 
 
+# The output locations config.yml records as absolute paths (local ones), so that the file given back as the
+# config (train.py, decode.py, train_compile.py) points at this run from any working directory.
+LOCATION_KEYS = (
+  "base_output_directory",
+  "run_dir",
+  "checkpoint_dir",
+  "tensorboard_dir",
+  "tokenizer_dir",
+  "metrics_file",
+)
+
+
 def write_config(config: Config) -> None:
-  """Record the resolved config next to the run's outputs (writer process only)."""
+  """Record the resolved config next to the run's outputs (writer process only); usable as the config of a
+  later command (config.load recomputes the derived keys it holds)."""
   if jax.process_index() != 0:
     return
   paths.makedirs(config.run_dir)
-  paths.Path(paths.join(config.run_dir, "config.yml")).write_text(yaml.safe_dump(config.to_dict(), sort_keys=True))
+  values = {**config.to_dict(), **{key: paths.absolute(config[key]) for key in LOCATION_KEYS}}
+  paths.Path(paths.join(config.run_dir, "config.yml")).write_text(yaml.safe_dump(values, sort_keys=True))
 
 
 def evaluate(config: Config, eval_fn: Any, params: Any, eval_factory: Any) -> dict[str, float]:

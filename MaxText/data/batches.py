@@ -34,7 +34,7 @@ class RowSource(Protocol):
     ...
 
   def next_row(self, state: dict[str, Any]) -> int:
-    """Inverse of `state`; raises ValueError when `state` does not belong to this stream."""
+    """Inverse of `state`; raises DataError (a ValueError) when `state` does not belong to this stream."""
     ...
 
 

@@ -46,8 +46,9 @@ def expand(pattern: str) -> list[str]:
   return found
 
 
-def read_document(path: str, strict: bool) -> str:
-  """Text of `path`: UTF-8, or a .py file's PEP 263 coding; "" for an undecodable file when not strict."""
+def read_document(path: str, strict: bool, skipped: list[str] | None = None) -> str:
+  """Text of `path`: UTF-8, or a .py file's PEP 263 coding; "" for an undecodable file when not strict (its path
+  appended to `skipped` when given, for the caller to count, else logged)."""
   try:
     data = epath.Path(path).read_bytes()
   except OSError as e:
@@ -60,18 +61,22 @@ def read_document(path: str, strict: bool) -> str:
   except (UnicodeDecodeError, SyntaxError, LookupError) as e:
     if strict:
       raise DataError(f"Cannot decode document {path!r} as text: {e}") from None
-    log.info("Skipping undecodable document %s: %s", path, e)
+    if skipped is None:
+      log.info("Skipping undecodable document %s: %s", path, e)
+    else:
+      skipped.append(path)
     return ""
 
 
-def read_texts(path: str, strict: bool, column: str) -> list[str]:
+def read_texts(path: str, strict: bool, column: str, skipped: list[str] | None = None) -> list[str]:
   """The documents of one file: `column` of each line of a .jsonl/.json file or row of a .parquet file; any
-  other file is one document. DataError naming the file (and line) that cannot be read or lacks `column`."""
+  other file is one document (read_document: `skipped` collects the undecodable ones when not strict). DataError
+  naming the file (and line) that cannot be read or lacks `column`."""
   if path.endswith((".jsonl", ".json")):
     return read_jsonl(path, column)
   if path.endswith(".parquet"):
     return read_parquet_column(path, column)
-  return [read_document(path, strict)]
+  return [read_document(path, strict, skipped)]
 
 
 def read_jsonl(path: str, column: str) -> list[str]:

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from MaxText.errors import DataError
+
 
 class DocumentRows:
   """A `batches.RowSource` over documents tokens[offsets[d]:offsets[d + 1]] for d in `doc_ids`.
@@ -81,7 +83,7 @@ class DocumentRows:
 
   def next_row(self, state: dict[str, Any]) -> int:
     if state.get("rows_per_epoch") != self.rows_per_epoch:
-      raise ValueError(
+      raise DataError(  # a user's change of data settings on a resume: one line (launch.USER_ERRORS)
         f"Data state {state} was saved for a stream of {state.get('rows_per_epoch')} rows per epoch, but this one "
         f"has {self.rows_per_epoch}: the corpus, tokenizer, max_target_length or packing changed, so it cannot "
         "resume exactly; restore the original data settings or start a new run_name"

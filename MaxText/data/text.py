@@ -204,9 +204,30 @@ def _save(prefix: str, corpus: Corpus) -> None:
 
 
 def read_all(config: Config, docs: Documents) -> Texts:
-  """Every document of the corpus; DataError naming a file that cannot be read or lacks text_column."""
-  per_file = [files.read_texts(p, docs.strict, config.text_column) for p in docs.paths]
+  """Every document of the corpus; DataError naming a file that cannot be read or lacks text_column. Undecodable
+  files of a corpus read leniently (the stdlib holds a few test files on purpose) are counted in one line."""
+  skipped: list[str] = []
+  per_file = [files.read_texts(p, docs.strict, config.text_column, skipped) for p in docs.paths]
+  if skipped:
+    log.info(
+      "Skipped %d file%s that do not decode as text (e.g. %s)",
+      len(skipped), "" if len(skipped) == 1 else "s", os.path.relpath(skipped[0], docs.root),
+    )  # fmt: skip
   return Texts(list(itertools.chain.from_iterable(per_file)), np.array([len(t) for t in per_file], np.int64))
+
+
+def _warn_if_smaller_than_a_batch(config: Config, corpus: Corpus, train_ids: np.ndarray, rows: int, batch: int) -> None:
+  """A training split of fewer `rows` than one step's `batch` trains (each step sees it several times over), but a
+  user who pointed dataset_path at the wrong files should hear of it before anything compiles."""
+  if rows >= batch or jax.process_index() != 0:
+    return
+  tokens = int(np.sum(corpus.offsets[train_ids + 1] - corpus.offsets[train_ids]))
+  log.warning(
+    "The training split is %d document%s of %d tokens in all: %d row%s of max_target_length=%d, fewer than one "
+    "step's %d rows, so every batch repeats it; is dataset_path=%r the corpus you meant?",
+    len(train_ids), "" if len(train_ids) == 1 else "s", tokens, rows, "" if rows == 1 else "s",
+    config.max_target_length, batch, config.dataset_path,
+  )  # fmt: skip
 
 
 def make_iterators(config: Config, mesh: Mesh) -> Iterators:
@@ -236,7 +257,10 @@ def make_iterators(config: Config, mesh: Mesh) -> Iterators:
     rows = DocumentRows(corpus.tokens, corpus.offsets, ids, length, config.packing, seed)
     return BatchIterator(rows, spec, batch, length, num_rows=rows.rows_per_epoch if one_epoch else None)
 
-  train = iterator(train_ids, config.data_shuffle_seed, sharding.global_batch_size(config, mesh))
+  batch = sharding.global_batch_size(config, mesh)
+  train_rows = DocumentRows(corpus.tokens, corpus.offsets, train_ids, length, config.packing, config.data_shuffle_seed)
+  _warn_if_smaller_than_a_batch(config, corpus, train_ids, train_rows.rows_per_epoch, batch)
+  train = BatchIterator(train_rows, spec, batch, length)
   eval_batch = sharding.global_batch_size(config, mesh, config.eval_per_device_batch_size or None)
   eval_factory = (lambda: iterator(eval_ids, None, eval_batch, config.eval_steps == -1)) if len(eval_ids) else None
   return Iterators(train, eval_factory, tok)

@@ -229,7 +229,14 @@ class Engine:
     prefill_len = bucket(longest, c.max_prefill_predict_length)
     # From the config and max_new_tokens only, so that the decode step compiles once for every prompt.
     cache_len = max(bucket(c.max_prefill_predict_length + max_new_tokens, c.max_target_length), prefill_len)
-    return prefill_len, cache_len, min(new, cache_len - longest)
+    new = min(new, cache_len - longest)
+    if new < max_new_tokens:  # before anything compiles; the completions' finish_reason is "length"
+      log.warning(
+        "max_new_tokens=%d (decode_max_new_tokens), but max_target_length=%d leaves room for %d after the longest "
+        "prompt's %d tokens: generating at most %d (set max_target_length=%d for all of them)",
+        max_new_tokens, c.max_target_length, new, longest, new, longest + max_new_tokens,
+      )  # fmt: skip
+    return prefill_len, cache_len, new
 
   def _batch(self, ids: list[list[int]], prefill_len: int) -> tuple[jax.Array, jax.Array]:
     """Right-padded tokens [B', P] and lengths [B'], B' a multiple of the batch shards, on the mesh."""

@@ -155,6 +155,9 @@ CASES = {
   "output_dir_under_file": T("base_output_directory", "base_output_directory={d}/afile/out"),
   "metrics_under_file": T("metrics_file", "metrics_file={d}/afile/m.jsonl"),
   "metrics_is_dir": T("metrics_file", "metrics_file={d}"),
+  "output_dir_in_proc": T("base_output_directory", "base_output_directory=/proc/x"),  # root may write anywhere else
+  "metrics_in_proc": T("metrics_file", "metrics_file=/proc/m.jsonl"),
+  "flash_length_on_cpu": T("max_target_length", "attention=flash", "max_target_length=96"),
   # checkpoints of another architecture
   "resume_other_architecture": T(
     "emb_dim", "base_output_directory={d}/runs", "run_name=old", "enable_checkpointing=true"
@@ -321,6 +324,21 @@ def test_bad_input_exits_with_one_line(name, scratch, monkeypatch):
   assert not built, f"{name}: the train step was built before the error"
   if case.knowable:
     assert outcome.compiles == 0, f"{name}: {outcome.compiles} compilations before the error"
+
+
+def test_resuming_with_other_data_exits_with_one_line(scratch, tmp_path):
+  """The run's data iterator state does not fit the new corpus: one line, before the train step is built, and the
+  run's checkpoint untouched."""
+  for name, count in (("a", 4), ("b", 5)):
+    for i in range(count):
+      _write(f"{tmp_path}/{name}/{i}.txt", f"document {i} of corpus {name} " * 20)
+  common = [BASE, f"base_output_directory={tmp_path}/out", "run_name=r", *TINY, *(a.format(**scratch) for a in SP)]
+  common += ["dataset_type=text", "enable_checkpointing=true"]
+  first = run_main(train.main, ["train.py", *common, "steps=1", f"dataset_path={tmp_path}/a/*.txt"])
+  assert first.code == 0, first.stderr[-3000:]
+  outcome = run_main(train.main, ["train.py", *common, "steps=2", f"dataset_path={tmp_path}/b/*.txt"])
+  assert_one_line_exit(outcome, "rows per epoch")
+  assert outcome.compiles == 0 and os.listdir(f"{tmp_path}/out/r/checkpoints") == ["1"]
 
 
 def test_there_are_at_least_sixty_cases():

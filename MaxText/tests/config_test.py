@@ -5,6 +5,7 @@ import importlib
 import os
 
 import pytest
+import yaml
 
 from MaxText import config
 from MaxText.errors import ConfigError
@@ -143,3 +144,37 @@ def test_serving_config_is_the_plain_model_of_a_lora_fine_tune():
   assert (served.lora_rank, served.lora_weights_path) == (0, "")
   changed = {k for k, v in served.to_dict().items() if c.to_dict()[k] != v}
   assert changed == {"lora_rank", "lora_weights_path"}
+
+
+def _saved(tmp_path, c):
+  """c written as train.py writes a run's config.yml: every resolved key, derived ones included."""
+  path = tmp_path / "config.yml"
+  path.write_text(yaml.safe_dump(c.to_dict(), sort_keys=True))
+  return str(path)
+
+
+def test_a_runs_saved_config_loads_back_as_the_same_config(tmp_path):
+  c = load(f"base_output_directory={tmp_path}", "model_name=qwen3-0.6b", "steps=7", "learning_rate=1e-3")
+  assert config.load([_saved(tmp_path, c)], {}).to_dict() == c.to_dict()
+
+
+def test_a_saved_config_keeps_what_override_model_config_changed(tmp_path):
+  c = load("model_name=llama2-7b", "base_num_decoder_layers=2", "override_model_config=true")
+  again = config.load([_saved(tmp_path, c)], {})
+  assert (again.num_decoder_layers, again.emb_dim) == (2, 4096)  # the preset is not applied over the run's values
+  with pytest.raises(ConfigError, match="override_model_config"):  # a preset's key still needs the flag
+    config.load([_saved(tmp_path, load("model_name=llama2-7b")), "base_emb_dim=64"], {})
+
+
+def test_a_saved_config_recomputes_its_derived_keys_from_the_command_line(tmp_path):
+  c = load(f"base_output_directory={tmp_path}", "run_name=first")
+  again = config.load([_saved(tmp_path, c), "run_name=second", "base_emb_dim=64"], {})
+  assert again.run_dir == str(tmp_path / "second") and again.metrics_file == str(tmp_path / "second/metrics.jsonl")
+  assert again.emb_dim == 64
+  own = load(f"base_output_directory={tmp_path}", "metrics_file=/elsewhere/m.jsonl")
+  assert config.load([_saved(tmp_path, own), "run_name=x"], {}).metrics_file == "/elsewhere/m.jsonl"
+
+
+def test_derived_keys_stay_errors_on_the_command_line(tmp_path):
+  with pytest.raises(ConfigError, match="checkpoint_dir is derived"):
+    load(f"checkpoint_dir={tmp_path}")

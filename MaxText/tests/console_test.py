@@ -74,6 +74,14 @@ def test_progress_bar_on_a_terminal_only(capsys):
 def test_outputs_lines(tmp_path):
   c = cfg(tmp_path, "o", "enable_tensorboard=true")
   text = "\n".join(console.outputs_lines(c, "/x/checkpoints/5/state"))
-  assert "load_parameters_path=/x/checkpoints/5/state" in text
+  assert f"decode.py {os.path.abspath(c.run_dir)}/config.yml load_parameters_path=/x/checkpoints/5/state" in text
   assert f"tensorboard --logdir {os.path.abspath(c.tensorboard_dir)}" in text
   assert "last checkpoint" not in "\n".join(console.outputs_lines(c, None))
+
+
+def test_the_decode_command_fits_how_the_run_was_trained(tmp_path):
+  """The run's own config.yml, with the checkpoint where decode.py reads it: params, or a LoRA run's adapters."""
+  lora = cfg(tmp_path, "l", "lora_rank=4", f"load_parameters_path={tmp_path}")  # the paths must exist
+  assert console.decode_command(lora, "/r/5/state").endswith("config.yml lora_weights_path=/r/5/state")
+  full = cfg(tmp_path, "f", f"load_full_state_path={tmp_path}")
+  assert console.decode_command(full, "/r/5/state").endswith("load_parameters_path=/r/5/state load_full_state_path=")

@@ -1,6 +1,7 @@
 """Input pipeline (MaxText/data): synthetic and text backends, packing, resume, errors."""
 
 import json
+import logging
 import os
 
 import jax
@@ -9,7 +10,7 @@ import pytest
 
 from MaxText import config, sharding
 from MaxText import data as data_package
-from MaxText.data import make_iterators, text
+from MaxText.data import files, make_iterators, text
 from MaxText.data import tokenizer as tokenizers
 from MaxText.data.batches import process_rows
 from MaxText.data.packing import DocumentRows
@@ -336,3 +337,41 @@ def test_data_package_imports_have_no_cycle():
     graphlib.TopologicalSorter(graph).prepare()
   except graphlib.CycleError as e:
     pytest.fail(f"MaxText/data has an import cycle: {' -> '.join(e.args[1])}")
+
+
+def _logged(fn, *loggers):
+  """fn()'s result and the messages `loggers` logged meanwhile (the MaxText logger does not propagate to caplog)."""
+  messages = []
+  handler = logging.Handler(logging.INFO)
+  handler.emit = lambda record: messages.append((record.levelno, record.getMessage()))
+  levels = [logger.level for logger in loggers]
+  for logger in loggers:
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)  # as launch.setup_logging sets it for the entry points
+  try:
+    return fn(), messages
+  finally:
+    for logger, level in zip(loggers, levels):
+      logger.removeHandler(handler)
+      logger.setLevel(level)
+
+
+def test_undecodable_files_of_a_lenient_corpus_are_one_count_line(tmp_path, corpus):
+  """The stdlib corpus skips the test suite's deliberately undecodable files: one line, not one per file."""
+  for name, data in (("a.py", b"x = 1\n"), ("b.py", b"# -*- coding: nope -*-\n"), ("c.txt", b"caf\xe9")):
+    (tmp_path / name).write_bytes(data)
+  docs = text.Documents([str(tmp_path / n) for n in ("a.py", "b.py", "c.txt")], str(tmp_path), strict=False)
+  texts, said = _logged(lambda: text.read_all(text_config(tmp_path, corpus), docs), text.log, files.log)
+  assert texts.texts == ["x = 1\n", "", ""]
+  assert said == [(logging.INFO, "Skipped 2 files that do not decode as text (e.g. b.py)")]
+
+
+def test_a_corpus_smaller_than_one_batch_is_warned_of(tmp_path, corpus):
+  (tmp_path / "tiny").mkdir()
+  (tmp_path / "tiny" / "a.txt").write_text("hi")
+  cfg = text_config(tmp_path, corpus, f"dataset_path={tmp_path}/tiny/*.txt")
+  _, said = _logged(lambda: make_iterators(cfg, mesh_of(cfg, 2)), text.log)  # 2 rows per step, 1 in the corpus
+  warnings = [m for level, m in said if level == logging.WARNING]
+  assert len(warnings) == 1 and "1 document of 4 tokens" in warnings[0] and "one step's 2 rows" in warnings[0]
+  _, said = _logged(lambda: make_iterators(cfg, mesh_of(cfg, 1)), text.log)  # it fills a one-row batch
+  assert not [m for level, m in said if level == logging.WARNING]

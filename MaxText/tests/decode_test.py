@@ -2,6 +2,7 @@
 strategies, the generate() API (batching, padding, stops, streaming, log-probs, no recompilation),
 decode.py and its errors."""
 
+import logging
 import os
 import sys
 
@@ -156,6 +157,37 @@ def test_bad_inputs_are_clear_errors(tiny_engine, tmp_path):
   with pytest.raises(ConfigError, match="does not match this model"):
     Engine.load(load("vocab_size=320", "base_emb_dim=64", f"load_parameters_path={path}"))
   assert Engine.load(load("vocab_size=320", f"load_parameters_path={path}")).source == path
+
+
+def _warnings(fn, logger=engine.log):
+  """fn()'s result and the warnings `logger` logged meanwhile (the MaxText logger does not propagate to caplog)."""
+  records = []
+  handler = logging.Handler(logging.WARNING)
+  handler.emit = lambda record: records.append(record.getMessage())
+  logger.addHandler(handler)
+  try:
+    return fn(), records
+  finally:
+    logger.removeHandler(handler)
+
+
+def test_a_generation_cut_short_by_max_target_length_is_said(tiny_engine):
+  """max_target_length=32 holds a 4-token prompt and 28 new tokens, not 100: a warning says so and how to get all."""
+  out, said = _warnings(lambda: tiny_engine.generate([[1, 2, 3, 4]], 100, stop_tokens=[]))
+  assert len(out.completions[0].tokens) == 28 and out.completions[0].finish_reason == "length"
+  assert len(said) == 1 and "max_target_length=32 leaves room for 28" in said[0], said
+  assert "set max_target_length=104" in said[0]
+  assert _warnings(lambda: tiny_engine.generate([[1, 2, 3, 4]], 28, stop_tokens=[]))[1] == []  # what fits: silent
+
+
+def test_a_relative_params_path_reads_its_metadata_without_a_warning(tiny_engine, tmp_path, monkeypatch):
+  """orbax reads no item metadata under a relative path: it warned "Failed to get item metadata" on every decode
+  of outputs/... and saw no tree (so an int8 checkpoint there would not have been recognised as one)."""
+  checkpointing.save_params(str(tmp_path / "params"), tiny_engine.params)
+  monkeypatch.chdir(tmp_path)
+  tree, said = _warnings(lambda: checkpointing.saved_tree("params"), logging.getLogger("absl"))
+  assert isinstance(tree, dict) and "params" in tree
+  assert not [m for m in said if "item metadata" in m], said
 
 
 def test_decode_command_line(capsys):

@@ -39,8 +39,9 @@ def export(c: Config, output: str, dtype: str = "float32") -> None:
     raise ConfigError("to_upstream needs load_parameters_path=<the checkpoint to export>")
   spec = state_lib.param_spec(state_lib.for_inference(c))
   params = checkpointing.load_params(c.load_parameters_path, spec.abstract)
-  pure = jax.tree.map(lambda x: np.asarray(x).astype(jnp.dtype(dtype)), nnx.to_pure_dict(params))
-  tree = {"params": {"params": upstream.from_ours(pure)}}
+  # cast after re-laying: the query kernels are rescaled first, in float32 (a bf16 cast before would round twice)
+  tree = upstream.from_ours(jax.tree.map(np.asarray, nnx.to_pure_dict(params)))
+  tree = {"params": {"params": jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), tree)}}
   checkpointer = ocp.PyTreeCheckpointer()
   checkpointer.save(paths.absolute(output), tree)
   jax.effects_barrier()

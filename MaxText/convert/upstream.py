@@ -42,12 +42,12 @@ def params_of(tree: dict, kind: str) -> dict:
   return tree["params"]["params"] if kind == "linen" else tree
 
 
-def _unwrap(tree: Any) -> Any:
+def unwrap(tree: Any) -> Any:
   """{value: array} leaves (the nnx layout) -> arrays."""
   if isinstance(tree, dict):
     if set(tree) == {"value"} and not isinstance(tree["value"], dict):
       return tree["value"]
-    return {k: _unwrap(v) for k, v in tree.items()}
+    return {k: unwrap(v) for k, v in tree.items()}
   return tree
 
 
@@ -90,7 +90,7 @@ def _move_axis(tree: Any, source: int, target: int) -> Any:
 
 def to_ours(params: dict) -> dict:
   """Upstream P (either layout's leaves) -> our parameter names (see the module docstring)."""
-  params = _unwrap(params)
+  params = unwrap(params)
   out = {k: _rename(v) for k, v in params.items() if k != "decoder"}
   for key, value in params.get("decoder", {}).items():
     match = _LAYER.fullmatch(key)

@@ -163,5 +163,7 @@ def main(out: str, names: list[str]) -> None:
 
 
 if __name__ == "__main__":
+  if {"-h", "--help"} & set(sys.argv[1:]):
+    sys.exit(print(__doc__))
   default = os.path.join(ROOT, "MaxText", "tests", "fixtures", "maxtext")
   main(sys.argv[1] if len(sys.argv) > 1 else default, sys.argv[2:])

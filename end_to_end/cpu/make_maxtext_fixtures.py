@@ -15,6 +15,7 @@ plus fixtures.json (the model keys, prompt, steps and losses) and <name>.logits.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -136,7 +137,8 @@ def logits(work: str, model: str, scan: bool, checkpoint: str, out: str) -> None
     subprocess.run([sys.executable, script, out, *args], env=ENV, stdout=f, stderr=subprocess.STDOUT, check=True)
 
 
-def main(out: str, names: list[str]) -> None:
+def make(out: str, names: list[str]) -> None:
+  """Remake the fixtures `names` (all of KEEP when empty) under `out`."""
   import numpy as np  # noqa: PLC0415
 
   work = tempfile.mkdtemp(prefix="maxtext_fixtures_")
@@ -162,8 +164,20 @@ def main(out: str, names: list[str]) -> None:
   print(f"work files in {work}")
 
 
+def main(argv: list[str]) -> None:
+  """argv: sys.argv (the program name first)."""
+  parser = argparse.ArgumentParser(
+    prog="python3 end_to_end/cpu/make_maxtext_fixtures.py",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  parser.add_argument("out", nargs="?", default=os.path.join(ROOT, "MaxText", "tests", "fixtures", "maxtext"))
+  parser.add_argument("names", nargs="*", help=f"fixtures to remake, of {', '.join(KEEP)} (default: all)")
+  args = parser.parse_args(argv[1:])
+  if set(args.names) - set(KEEP):
+    parser.error(f"unknown fixtures {sorted(set(args.names) - set(KEEP))}; known: {', '.join(KEEP)}")
+  make(args.out, args.names)
+
+
 if __name__ == "__main__":
-  if {"-h", "--help"} & set(sys.argv[1:]):
-    sys.exit(print(__doc__))
-  default = os.path.join(ROOT, "MaxText", "tests", "fixtures", "maxtext")
-  main(sys.argv[1] if len(sys.argv) > 1 else default, sys.argv[2:])
+  main(sys.argv)

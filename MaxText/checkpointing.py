@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
@@ -500,24 +499,13 @@ def _restore_upstream_state(path: str, tree: dict, abstract: TrainState, fresh: 
     )
   saved = _restore_numpy(path, tree["params"]["params"], "linen", step=tree["step"], opt_state=tree["opt_state"])
   count, mu, nu = upstream.adam_of(saved["opt_state"])
-  start = fresh()
   params = _placed(path, key, upstream.to_ours(saved["params"]["params"]), abstract.params)
-
-  def moments(part: Any) -> Any:
-    if isinstance(part, optax.ScaleByAdamState):
-      into = part.mu  # the moments of every trainable parameter, laid out like the params
-      mu_, nu_ = (_placed(path, key, upstream.to_ours(m.get("params", m)), into) for m in (mu, nu))
-      return part._replace(count=jnp.asarray(count, part.count.dtype), mu=mu_, nu=nu_)
-    if isinstance(part, optax.ScaleByScheduleState):
-      return part._replace(count=jnp.asarray(count, part.count.dtype))
-    return part
-
-  is_state = lambda x: isinstance(x, (optax.ScaleByAdamState, optax.ScaleByScheduleState))  # noqa: E731
-  if not any(is_state(x) for x in jax.tree.leaves(start.opt_state, is_leaf=is_state)):
+  fit = lambda moment, like: _placed(path, key, upstream.to_ours(moment.get("params", moment)), like)  # noqa: E731
+  opt_state = upstream.with_adam(fresh().opt_state, count, mu, nu, fit)
+  if opt_state is None:
     raise ConfigError(f"{key} {path!r}: this run's optimizer has no AdamW state to take the checkpoint's moments")
-  opt_state = jax.tree.map(moments, start.opt_state, is_leaf=is_state)
   opt_state = jax.device_put(opt_state, jax.tree.map(lambda a: a.sharding, abstract.opt_state))
-  step = jax.device_put(jnp.asarray(saved["step"], jnp.int32), abstract.step.sharding)
+  step = jax.device_put(np.asarray(saved["step"], np.int32), abstract.step.sharding)
   return TrainState(step=step, params=params, opt_state=opt_state)
 
 

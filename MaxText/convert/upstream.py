@@ -1,4 +1,4 @@
-"""Upstream MaxText's orbax checkpoint trees <-> ours (host numpy trees; no model, no config).
+"""Upstream MaxText's orbax checkpoint trees <-> ours (host numpy trees and optax states; no model, no config).
 
 Upstream writes two trees (facts of maxtext 0.2.5, checked by MaxText/tests/maxtext_checkpoint_test.py
 against checkpoints its own train.py wrote):
@@ -16,9 +16,12 @@ axis first: the form checkpointing._relayout fits to a model either way (scan_la
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
+import optax
 
 SCAN_AXIS = 1  # upstream's param_scan_axis default: where its scanned layers stack
 MOE_BLOCK = "MoeBlock_0"  # upstream's routed-experts module in a mixtral layer (ours: mlp)
@@ -152,3 +155,22 @@ def adam_of(opt_state: Any) -> tuple[Any, Any, Any] | None:
       if found is not None:
         return found
   return None
+
+
+def with_adam(opt_state: Any, count: Any, mu: Any, nu: Any, fit: Callable[[Any, Any], Any]) -> Any | None:
+  """Our optax state `opt_state` with upstream's AdamW `count` in its Adam and schedule counts, and its moments
+  `mu`, `nu` (upstream trees) put in place by fit(moment, our moment) -> ours; the rest of our state (e.g.
+  skip_spikes' history) is kept. None when `opt_state` has no Adam state to take them."""
+  is_state = lambda x: isinstance(x, (optax.ScaleByAdamState, optax.ScaleByScheduleState))  # noqa: E731
+  if not any(isinstance(x, optax.ScaleByAdamState) for x in jax.tree.leaves(opt_state, is_leaf=is_state)):
+    return None
+
+  def take(part: Any) -> Any:
+    if isinstance(part, optax.ScaleByAdamState):
+      steps = np.asarray(count, part.count.dtype)
+      return part._replace(count=steps, mu=fit(mu, part.mu), nu=fit(nu, part.nu))
+    if isinstance(part, optax.ScaleByScheduleState):
+      return part._replace(count=np.asarray(count, part.count.dtype))
+    return part
+
+  return jax.tree.map(take, opt_state, is_leaf=is_state)

@@ -180,3 +180,27 @@ def test_export_command_as_documented(tmp_path, capsys):
   with pytest.raises(SystemExit) as e:
     to_upstream.main(["to_upstream.py", "--help"])
   assert e.value.code == 0 and capsys.readouterr().out.startswith("usage: python3 -m MaxText.convert.to_upstream")
+
+
+@pytest.mark.parametrize(
+  "tree, kind",
+  [
+    ({"params": {"params": {"decoder": {}, "token_embedder": {}}}, "opt_state": [], "step": 0}, "linen"),
+    ({"params": {"params": {"decoder": {}, "token_embedder": {}}}}, "linen"),
+    ({"decoder": {"layers": {}}, "token_embedder": {"embedding": {"value": 0}}}, "nnx"),
+    ({"params": {"layers": {}, "token_embedder": {}}, "opt_state": [], "step": 0}, None),  # ours
+    ({"params": {"layers": {}, "token_embedder": {}}}, None),  # our params-only
+  ],
+)
+def test_layout_is_read_from_the_tree(tree, kind):
+  assert upstream.layout(tree) == kind
+
+
+def test_upstream_state_of_another_optimizer_says_to_load_params(tmp_path):
+  """An upstream train state whose optimizer kept no AdamW moments (e.g. opt_type=sgd): one line, what to do."""
+  name = next(n for n in NAMES if INDEX["fixtures"][n]["kind"] == "full")
+  raw = saved_arrays(fixture(name))
+  path = str(tmp_path / "sgd")
+  ocp.PyTreeCheckpointer().save(path, {"params": raw["params"], "opt_state": [{"count": raw["step"]}], "step": 3})
+  with pytest.raises(ConfigError, match="no AdamW moments .* load its parameters with load_parameters_path"):
+    full_state(tmp_path, name, f"load_full_state_path={path}")

@@ -11,6 +11,10 @@ NNX tree: decoder/.../{value}, bf16), and records upstream's logits for a fixed 
 upstream's own from_pretrained. Which layouts are kept (to stay small):
   llama2_scanned_full, llama2_unrolled_params, mixtral_scanned_params, mixtral_unrolled_full
 plus fixtures.json (the model keys, prompt, steps and losses) and <name>.logits.npy.
+
+  /path/to/mt-venv/bin/python end_to_end/cpu/make_maxtext_fixtures.py --check-export .venv/bin/python
+checks the other direction: each fixture exported by our MaxText.convert.to_upstream (in the other layer
+layout) gives upstream's from_pretrained the fixture's logits.
 """
 
 from __future__ import annotations
@@ -164,6 +168,30 @@ def make(out: str, names: list[str]) -> None:
   print(f"work files in {work}")
 
 
+def check_exports(out: str, names: list[str], ours: str) -> None:
+  """Export each fixture with our MaxText.convert.to_upstream (run by `ours`, this repository's Python) in the
+  other layer layout and the fixture's dtype, and check upstream's logits from the export equal the fixture's."""
+  import numpy as np  # noqa: PLC0415
+
+  work = tempfile.mkdtemp(prefix="maxtext_exports_")
+  for name in names or KEEP:
+    model, scan, kind = KEEP[name]
+    exported = os.path.join(work, name)
+    keys = [f"{k}={v}" for k, v in MODELS[model].items()]
+    command = [ours, "-m", "MaxText.convert.to_upstream", os.path.join(ROOT, "MaxText", "configs", "base.yml")]
+    command += ["run_name=export", f"base_output_directory={work}", "override_model_config=true", *keys]
+    command += [f"scan_layers={str(not scan).lower()}", f"load_parameters_path={os.path.join(out, name)}"]
+    command += ["--output", exported, "--dtype", "bfloat16" if kind == "params" else "float32"]
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    with open(exported + ".log", "w") as log:
+      subprocess.run(command, cwd=ROOT, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
+    logits(work, model, not scan, exported, exported + ".npy")
+    error = float(np.abs(np.load(exported + ".npy") - np.load(os.path.join(out, f"{name}.logits.npy"))).max())
+    print(f"{name}: exported with scan_layers={not scan}; upstream's logits from it differ by {error:.2e}")
+    if error > 2e-5:
+      sys.exit(f"{name}: upstream's logits from our export differ from the fixture's by {error}")
+
+
 def main(argv: list[str]) -> None:
   """argv: sys.argv (the program name first)."""
   parser = argparse.ArgumentParser(
@@ -173,10 +201,18 @@ def main(argv: list[str]) -> None:
   )
   parser.add_argument("out", nargs="?", default=os.path.join(ROOT, "MaxText", "tests", "fixtures", "maxtext"))
   parser.add_argument("names", nargs="*", help=f"fixtures to remake, of {', '.join(KEEP)} (default: all)")
+  parser.add_argument(
+    "--check-export",
+    metavar="OUR_PYTHON",
+    help="instead of making fixtures, check that upstream reads our exports of them (OUR_PYTHON: this repository's)",
+  )
   args = parser.parse_args(argv[1:])
   if set(args.names) - set(KEEP):
     parser.error(f"unknown fixtures {sorted(set(args.names) - set(KEEP))}; known: {', '.join(KEEP)}")
-  make(args.out, args.names)
+  if args.check_export:
+    check_exports(args.out, args.names, args.check_export)
+  else:
+    make(args.out, args.names)
 
 
 if __name__ == "__main__":

@@ -210,9 +210,9 @@ def main(argv: list[str]) -> None:
   if set(args.names) - set(KEEP):
     parser.error(f"unknown fixtures {sorted(set(args.names) - set(KEEP))}; known: {', '.join(KEEP)}")
   if args.check_export:
-    check_exports(args.out, args.names, args.check_export)
+    check_exports(os.path.abspath(args.out), args.names, args.check_export)
   else:
-    make(args.out, args.names)
+    make(os.path.abspath(args.out), args.names)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", 
 with open(os.path.join(FIXTURES, "fixtures.json")) as f:
   INDEX = json.load(f)
 NAMES = sorted(INDEX["fixtures"])
+FULL = [n for n in NAMES if INDEX["fixtures"][n]["kind"] == "full"]  # upstream train states
+PARAMS = [n for n in NAMES if INDEX["fixtures"][n]["kind"] == "params"]  # upstream params-only checkpoints
 
 
 def fixture(name: str) -> str:
@@ -47,9 +49,26 @@ def saved_arrays(path: str) -> dict:
   return ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
 
 
+def saved_tree(name: str):
+  return checkpointing.saved_tree(fixture(name))
+
+
+def full_state(tmp_path, name: str, *overrides: str) -> checkpointing.Restored:
+  """What train.py starts from with load_full_state_path=<fixture> (and `overrides`)."""
+  c = load(tmp_path, name, f"load_full_state_path={fixture(name)}", *overrides)
+  tx = optimizers.build(c).tx
+  spec = state_lib.state_spec(c, tx, sharding.create_mesh(c))
+  return checkpointing.restore_or_init(c, tx, spec, None)
+
+
+def adam(opt_state) -> optax.ScaleByAdamState:
+  is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)  # noqa: E731
+  return next(x for x in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(x))
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_fixture_layouts_are_detected(name):
-  kind = upstream.layout(checkpointing.saved_tree(fixture(name)))
+  kind = upstream.layout(saved_tree(name))
   assert kind == ("linen" if INDEX["fixtures"][name]["kind"] == "full" else "nnx")
 
 
@@ -63,45 +82,32 @@ def test_logits_match_upstream(tmp_path, name, scan):
   np.testing.assert_allclose(ours, golden, atol=2e-5, rtol=1e-5)
 
 
-def full_state(tmp_path, name: str, *overrides: str):
-  c = load(tmp_path, name, f"load_full_state_path={fixture(name)}", *overrides)
-  mesh = sharding.create_mesh(c)
-  tx = optimizers.build(c).tx
-  spec = state_lib.state_spec(c, tx, mesh)
-  return c, spec, checkpointing.restore_or_init(c, tx, spec, None)
-
-
-def adam(opt_state) -> optax.ScaleByAdamState:
-  is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)  # noqa: E731
-  return next(x for x in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(x))
-
-
-@pytest.mark.parametrize("name", [n for n in NAMES if INDEX["fixtures"][n]["kind"] == "full"])
-def test_full_state_brings_step_and_adam_moments(tmp_path, name):
+@pytest.mark.parametrize("scan", [True, False])
+@pytest.mark.parametrize("name", FULL)
+def test_full_state_brings_step_and_adam_moments(tmp_path, name, scan):
   raw = saved_arrays(fixture(name))
-  c, _, restored = full_state(tmp_path, name, "scan_layers=true")
+  restored = full_state(tmp_path, name, f"scan_layers={str(scan).lower()}")
   assert restored.source == "load_full_state_path"
   assert int(restored.state.step) == int(raw["step"]) == INDEX["fixtures"][name]["step"] + 1
   moments = adam(restored.state.opt_state)
-  upstream_mu = adam_of_raw(raw)["mu"]["params"]
-  assert int(moments.count) == int(raw["step"])
-  np.testing.assert_array_equal(
-    moments.mu["token_embedder"]["embedding"].value, upstream_mu["token_embedder"]["embedding"]
-  )
-  # a layer's moment, at its place in our stack (upstream stacks on axis 1 or names layers_<i>)
-  ours = np.asarray(moments.nu["layers"]["self_attention"]["out"]["kernel"].value)[1]
-  decoder = adam_of_raw(raw)["nu"]["params"]["decoder"]
-  theirs = decoder["layers_1"] if "layers_1" in decoder else jax.tree.map(lambda a: a[:, 1], decoder["layers"])
-  np.testing.assert_array_equal(ours, theirs["self_attention"]["out"]["kernel"])
-
-
-def adam_of_raw(raw: dict) -> dict:
   count, mu, nu = upstream.adam_of(raw["opt_state"])
-  return {"count": count, "mu": mu, "nu": nu}
+  assert int(moments.count) == int(count) == int(raw["step"])
+  embedding = moments.mu["token_embedder"]["embedding"].value
+  np.testing.assert_array_equal(embedding, mu["params"]["token_embedder"]["embedding"])
+  # layer 1's moment, where each side keeps it (ours: layers[1] or the stack's row 1; upstream: layers_1 or
+  # its stack's axis 1)
+  layers = moments.nu["layers"]
+  ours = (
+    layers[1]["self_attention"]["out"]["kernel"].value
+    if not scan
+    else layers["self_attention"]["out"]["kernel"].value[1]
+  )
+  decoder = nu["params"]["decoder"]
+  theirs = decoder["layers_1"] if "layers_1" in decoder else jax.tree.map(lambda a: a[:, 1], decoder["layers"])
+  np.testing.assert_array_equal(np.asarray(ours), theirs["self_attention"]["out"]["kernel"])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in NAMES if INDEX["fixtures"][n]["kind"] == "full"])
+@pytest.mark.parametrize("name", FULL)
 def test_training_continues_from_an_upstream_full_state(tmp_path, name):
   start = INDEX["fixtures"][name]["step"] + 1  # optimizer steps upstream took
   c = load(
@@ -123,7 +129,7 @@ def test_training_continues_from_an_upstream_full_state(tmp_path, name):
     assert json.loads(f.readline())["step"] == start + 1  # the first step run here is upstream's next one
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if INDEX["fixtures"][n]["kind"] == "params"])
+@pytest.mark.parametrize("name", PARAMS)
 def test_params_only_checkpoint_is_not_a_full_state(tmp_path, name):
   with pytest.raises(ConfigError, match="params-only checkpoint; pass it as load_parameters_path"):
     full_state(tmp_path, name)
@@ -165,10 +171,6 @@ def test_export_round_trips(tmp_path, name, scan):
     jax.tree.map(same, ours, theirs)
 
 
-def saved_tree(name: str):
-  return checkpointing.saved_tree(fixture(name))
-
-
 def test_export_command_as_documented(tmp_path, capsys):
   """docs/checkpoints.md's to_upstream command line; a missing load_parameters_path is one line."""
   name = NAMES[0]
@@ -198,7 +200,7 @@ def test_layout_is_read_from_the_tree(tree, kind):
 
 def test_upstream_state_of_another_optimizer_says_to_load_params(tmp_path):
   """An upstream train state whose optimizer kept no AdamW moments (e.g. opt_type=sgd): one line, what to do."""
-  name = next(n for n in NAMES if INDEX["fixtures"][n]["kind"] == "full")
+  name = FULL[0]
   raw = saved_arrays(fixture(name))
   path = str(tmp_path / "sgd")
   ocp.PyTreeCheckpointer().save(path, {"params": raw["params"], "opt_state": [{"count": raw["step"]}], "step": 3})

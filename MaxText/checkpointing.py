@@ -443,7 +443,26 @@ def _relayout(target: Any, saved: Any) -> Any:
     return jax.tree.map(lambda *xs: np.stack(xs), *[_relayout(_unstacked(target), layer) for layer in layers])
   if target_list and not digits:  # target unrolled, saved stacked
     return {i: _relayout(target[i], jax.tree.map(lambda x, i=i: x[i], saved)) for i in target}
-  return {k: _relayout(target[k], saved[str(k)]) for k in target}
+  return {k: _relayout_child(target[k], saved, str(k)) for k in target}
+
+
+class _Mismatch(ValueError):
+  """Where (the parameter's path) and why a saved tree does not fit the model's."""
+
+  def __init__(self, path: list[str], why: str):
+    self.path, self.why = path, why
+    super().__init__(f"{'/'.join(path)}: {why}")
+
+
+def _relayout_child(target: Any, saved: dict, key: str) -> Any:
+  if key not in saved:
+    raise _Mismatch([key], "not in the checkpoint")
+  try:
+    return _relayout(target, saved[key])
+  except _Mismatch as e:
+    raise _Mismatch([key, *e.path], e.why) from None
+  except (KeyError, ValueError, TypeError) as e:
+    raise _Mismatch([key], str(e)) from None
 
 
 def _unstacked(target: Any) -> Any:
@@ -472,17 +491,13 @@ def _placed(path: str, key: str, saved: Any, abstract: Any) -> Any:
     pure = _relayout(target, saved)
   except (KeyError, ValueError, TypeError) as e:
     raise ConfigError(
-      f"{key} {path!r} is an upstream MaxText checkpoint that does not map onto this model: {_mismatch(e)}; "
+      f"{key} {path!r} is an upstream MaxText checkpoint that does not map onto this model: {e}; "
       "set the model keys (model_name, base_emb_dim, num_experts, ...) it was trained with (docs/checkpoints.md)"
     ) from e
   placed = jax.tree.map(lambda a, t: jax.device_put(np.asarray(a).astype(t.dtype), t.sharding), pure, target)
   out = jax.tree.map(lambda x: x, abstract)
   nnx.replace_by_pure_dict(out, placed)
   return out
-
-
-def _mismatch(error: BaseException) -> str:
-  return f"no parameter {error}" if isinstance(error, KeyError) else str(error)
 
 
 def _restore_upstream_state(path: str, tree: dict, abstract: TrainState, fresh: Callable[[], TrainState]) -> TrainState:

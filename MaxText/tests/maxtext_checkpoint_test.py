@@ -138,7 +138,9 @@ def test_params_only_checkpoint_is_not_a_full_state(tmp_path, name):
 def test_another_architecture_names_the_parameter(tmp_path):
   name = NAMES[0]
   c = load(tmp_path, name, f"load_parameters_path={fixture(name)}", "base_mlp_dim=48")
-  with pytest.raises(ConfigError, match=r"upstream MaxText checkpoint that does not map onto this model: shape"):
+  # the first parameter that does not fit, by its path (ours: layer stack first)
+  wanted = r"does not map onto this model: layers/mlp/wi/0/kernel: shape \(2, 16, 32\) != \(2, 16, 48\)"
+  with pytest.raises(ConfigError, match=wanted):
     check_logits.model_logits(c)
 
 

@@ -7,7 +7,8 @@ against checkpoints its own train.py wrote):
   nnx    params only, P with every array as {value: array} (its generate_param_only_checkpoint)
 where P = {decoder: {layers | layers_<i>, decoder_norm, logits_dense, ...}, token_embedder}. Scanned layers
 stack on axis 1 (its param_scan_axis), ours on axis 0; a gated dense MLP names its inputs wi_0/wi_1
-(ours: wi/0, wi/1); mixtral's experts live in MoeBlock_0 (ours: mlp), with wi_0/wi_1 or one fused wi.
+(ours: wi/0, wi/1); mixtral's experts live in MoeBlock_0 (ours: mlp), with wi_0/wi_1 or one fused wi; its
+attention computes q . k with no 1/sqrt(head_dim) (ours applies it), so its query kernels are ours / sqrt(H).
 
 to_ours gives our names with string keys, unrolled layers as layers/'<i>' and stacked ones with the layer
 axis first: the form checkpointing._relayout fits to a model either way (scan_layers on or off).

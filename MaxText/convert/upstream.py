@@ -1,0 +1,177 @@
+"""Upstream MaxText's orbax checkpoint trees <-> ours (host numpy trees and optax states; no model, no config).
+
+Upstream writes two trees (facts of maxtext 0.2.5, checked by MaxText/tests/maxtext_checkpoint_test.py
+against checkpoints its own train.py wrote):
+  linen  train state {params: {params: P}, opt_state, step} (also its older params-only checkpoints, as
+         {params: {params: P}})
+  nnx    params only, P with every array as {value: array} (its generate_param_only_checkpoint)
+where P = {decoder: {layers | layers_<i>, decoder_norm, logits_dense, ...}, token_embedder}. Scanned layers
+stack on axis 1 (its param_scan_axis), ours on axis 0; a gated dense MLP names its inputs wi_0/wi_1
+(ours: wi/0, wi/1); mixtral's experts live in MoeBlock_0 (ours: mlp), with wi_0/wi_1 or one fused wi; its
+attention computes q . k with no 1/sqrt(head_dim) (ours applies it), so its query kernels are ours / sqrt(H).
+
+to_ours gives our names with string keys, unrolled layers as layers/'<i>' and stacked ones with the layer
+axis first: the form checkpointing._relayout fits to a model either way (scan_layers on or off).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+SCAN_AXIS = 1  # upstream's param_scan_axis default: where its scanned layers stack
+MOE_BLOCK = "MoeBlock_0"  # upstream's routed-experts module in a mixtral layer (ours: mlp)
+_LAYER = re.compile(r"layers_(\d+)")
+
+
+def layout(tree: Any) -> str | None:
+  """'linen', 'nnx' or None (not an upstream tree) for a checkpoint's tree (metadata or arrays)."""
+  if not isinstance(tree, dict):
+    return None
+  inner = tree.get("params")
+  if isinstance(inner, dict) and isinstance(inner.get("params"), dict) and "decoder" in inner["params"]:
+    return "linen"
+  if isinstance(tree.get("decoder"), dict) and "token_embedder" in tree:
+    return "nnx"
+  return None
+
+
+def params_of(tree: dict, kind: str) -> dict:
+  """The parameter tree P inside an upstream checkpoint's tree of the given layout."""
+  return tree["params"]["params"] if kind == "linen" else tree
+
+
+def unwrap(tree: Any) -> Any:
+  """{value: array} leaves (the nnx layout) -> arrays."""
+  if isinstance(tree, dict):
+    if set(tree) == {"value"} and not isinstance(tree["value"], dict):
+      return tree["value"]
+    return {k: unwrap(v) for k, v in tree.items()}
+  return tree
+
+
+def _rename(tree: Any) -> Any:
+  """One layer (or any module) of upstream names -> ours."""
+  if not isinstance(tree, dict):
+    return tree
+  out = {}
+  for key, value in tree.items():
+    if key == MOE_BLOCK:
+      out["mlp"] = _rename(value)
+    elif key == "self_attention" and isinstance(value, dict) and "query" in value:
+      out[key] = _rename({**value, "query": _scale_query(value["query"], 1.0)})
+    elif key in ("wi_0", "wi_1") and isinstance(value, dict):  # a dense gated MLP's kernels
+      out.setdefault("wi", {})[key[-1]] = _rename(value)
+    elif key == "wi" and isinstance(value, dict):  # a dense MLP with one input projection
+      out["wi"] = {"0": _rename(value)}
+    elif key == "wi" and hasattr(value, "shape"):  # fused experts [E, D, 2F] = wi_0 | wi_1 on the last axis
+      out["wi_0"], out["wi_1"] = np.split(np.asarray(value), 2, axis=-1)
+    else:
+      out[key] = _rename(value)
+  return out
+
+
+def _scale_query(query: dict, power: float) -> dict:
+  """Upstream computes q . k without the 1/sqrt(head_dim) factor ours applies (it folds that factor into the
+  query kernel's init instead), so its query kernel is ours / sqrt(H): ours = upstream * sqrt(H) (power 1)
+  and back (power -1). H is the kernel's last axis, in every layout. Imports stay float32 (a bf16 kernel times
+  sqrt(H) is not bf16-exact; the model casts to its weight_dtype); exports keep the kernel's dtype."""
+  kernel = np.asarray(query["kernel"])
+  scaled = kernel.astype(np.float32) * np.float32(np.sqrt(kernel.shape[-1]) ** power)
+  return {**query, "kernel": scaled if power > 0 else scaled.astype(kernel.dtype)}
+
+
+def _move_axis(tree: Any, source: int, target: int) -> Any:
+  if isinstance(tree, dict):
+    return {k: _move_axis(v, source, target) for k, v in tree.items()}
+  return np.moveaxis(np.asarray(tree), source, target)
+
+
+def to_ours(params: dict) -> dict:
+  """Upstream P (either layout's leaves) -> our parameter names (see the module docstring)."""
+  params = unwrap(params)
+  out = {k: _rename(v) for k, v in params.items() if k != "decoder"}
+  for key, value in params.get("decoder", {}).items():
+    match = _LAYER.fullmatch(key)
+    if match:
+      out.setdefault("layers", {})[match.group(1)] = _rename(value)
+    elif key == "layers":
+      out["layers"] = _move_axis(_rename(value), SCAN_AXIS, 0)
+    else:
+      out[key] = _rename(value)
+  return out
+
+
+def _export_names(tree: Any) -> Any:
+  """One of our layers (or modules) -> upstream names: the inverse of _rename."""
+  if not isinstance(tree, dict):
+    return tree
+  out = {}
+  for key, value in tree.items():
+    key = str(key)
+    if key == "self_attention" and isinstance(value, dict) and "query" in value:
+      out[key] = _export_names({**value, "query": _scale_query(value["query"], -1.0)})
+    elif key == "mlp" and isinstance(value, dict) and "gate" in value:
+      out[MOE_BLOCK] = _export_names(value)
+    elif key == "wi" and isinstance(value, dict) and len(value) == 1:
+      out["wi"] = _export_names(next(iter(value.values())))
+    elif key == "wi" and isinstance(value, dict):
+      out.update({f"wi_{k}": _export_names(v) for k, v in value.items()})
+    else:
+      out[key] = _export_names(value)
+  return out
+
+
+def from_ours(params: dict) -> dict:
+  """Our params (a pure dict of arrays: layers stacked on axis 0, or layers/<i>) -> upstream P."""
+  decoder: dict = {}
+  out: dict = {"decoder": decoder}
+  for key, value in params.items():
+    key = str(key)
+    if key == "token_embedder":
+      out[key] = _export_names(value)
+    elif key == "layers" and all(str(k).isdigit() for k in value):
+      decoder.update({f"layers_{k}": _export_names(v) for k, v in value.items()})
+    elif key == "layers":
+      decoder["layers"] = _move_axis(_export_names(value), 0, SCAN_AXIS)
+    else:
+      decoder[key] = _export_names(value)
+  return out
+
+
+def adam_of(opt_state: Any) -> tuple[Any, Any, Any] | None:
+  """(count, mu, nu) of the Adam(W) state in upstream's opt_state (as restored: lists/dicts), or None."""
+  if isinstance(opt_state, dict):
+    if {"count", "mu", "nu"} <= set(opt_state):
+      return opt_state["count"], opt_state["mu"], opt_state["nu"]
+    opt_state = list(opt_state.values())
+  if isinstance(opt_state, (list, tuple)):
+    for part in opt_state:
+      found = adam_of(part)
+      if found is not None:
+        return found
+  return None
+
+
+def with_adam(opt_state: Any, count: Any, mu: Any, nu: Any, fit: Callable[[Any, Any], Any]) -> Any | None:
+  """Our optax state `opt_state` with upstream's AdamW `count` in its Adam and schedule counts, and its moments
+  `mu`, `nu` (upstream trees) put in place by fit(moment, our moment) -> ours; the rest of our state (e.g.
+  skip_spikes' history) is kept. None when `opt_state` has no Adam state to take them."""
+  is_state = lambda x: isinstance(x, (optax.ScaleByAdamState, optax.ScaleByScheduleState))  # noqa: E731
+  if not any(isinstance(x, optax.ScaleByAdamState) for x in jax.tree.leaves(opt_state, is_leaf=is_state)):
+    return None
+
+  def take(part: Any) -> Any:
+    if isinstance(part, optax.ScaleByAdamState):
+      steps = np.asarray(count, part.count.dtype)
+      return part._replace(count=steps, mu=fit(mu, part.mu), nu=fit(nu, part.nu))
+    if isinstance(part, optax.ScaleByScheduleState):
+      return part._replace(count=np.asarray(count, part.count.dtype))
+    return part
+
+  return jax.tree.map(take, opt_state, is_leaf=is_state)

@@ -1,0 +1,210 @@
+"""Upstream MaxText's own checkpoints (fixtures/maxtext, written by its train.py and generate_param_only_checkpoint;
+end_to_end/cpu/make_maxtext_fixtures.py) load here as load_parameters_path / load_full_state_path, scanned or
+not, give upstream's logits, continue training, and export back to upstream's layout. Upstream MaxText itself
+is not needed: its logits for the fixed prompt are saved beside each checkpoint."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+from MaxText import check_logits, checkpointing, optimizers, sharding, train
+from MaxText import config as config_lib
+from MaxText import state as state_lib
+from MaxText.convert import to_upstream, upstream
+from MaxText.errors import ConfigError
+from MaxText.tests.conftest import BASE, losses
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "maxtext")
+with open(os.path.join(FIXTURES, "fixtures.json")) as f:
+  INDEX = json.load(f)
+NAMES = sorted(INDEX["fixtures"])
+FULL = [n for n in NAMES if INDEX["fixtures"][n]["kind"] == "full"]  # upstream train states
+PARAMS = [n for n in NAMES if INDEX["fixtures"][n]["kind"] == "params"]  # upstream params-only checkpoints
+
+
+def fixture(name: str) -> str:
+  return os.path.join(FIXTURES, name)
+
+
+def model_argv(name: str) -> list[str]:
+  """Our keys for the fixture's model: the same values upstream trained it with."""
+  keys = dict(INDEX["models"][INDEX["fixtures"][name]["model"]])
+  return ["override_model_config=true", "dtype=float32", *(f"{k}={v}" for k, v in keys.items())]
+
+
+def load(tmp_path, name: str, *overrides: str) -> config_lib.Config:
+  argv = [BASE, "run_name=t", f"base_output_directory={tmp_path}", *model_argv(name), "log_config=false", *overrides]
+  return config_lib.load(argv, {})
+
+
+def saved_arrays(path: str) -> dict:
+  """Every array of an orbax checkpoint as host numpy, straight from disk."""
+  tree = checkpointing.saved_tree(path)
+  args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+  return ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
+
+
+def saved_tree(name: str):
+  return checkpointing.saved_tree(fixture(name))
+
+
+def full_state(tmp_path, name: str, *overrides: str) -> checkpointing.Restored:
+  """What train.py starts from with load_full_state_path=<fixture> (and `overrides`)."""
+  c = load(tmp_path, name, f"load_full_state_path={fixture(name)}", *overrides)
+  tx = optimizers.build(c).tx
+  spec = state_lib.state_spec(c, tx, sharding.create_mesh(c))
+  return checkpointing.restore_or_init(c, tx, spec, None)
+
+
+def adam(opt_state) -> optax.ScaleByAdamState:
+  is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)  # noqa: E731
+  return next(x for x in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(x))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fixture_layouts_are_detected(name):
+  kind = upstream.layout(saved_tree(name))
+  assert kind == ("linen" if INDEX["fixtures"][name]["kind"] == "full" else "nnx")
+
+
+@pytest.mark.parametrize("scan", [True, False])
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_match_upstream(tmp_path, name, scan):
+  """Either layer layout of ours from either of upstream's: upstream's own logits up to float32 noise."""
+  c = load(tmp_path, name, f"load_parameters_path={fixture(name)}", f"scan_layers={str(scan).lower()}")
+  ours = check_logits.model_logits(c)(np.array(INDEX["prompt"]))
+  golden = np.load(fixture(name) + ".logits.npy")
+  np.testing.assert_allclose(ours, golden, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scan", [True, False])
+@pytest.mark.parametrize("name", FULL)
+def test_full_state_brings_step_and_adam_moments(tmp_path, name, scan):
+  raw = saved_arrays(fixture(name))
+  restored = full_state(tmp_path, name, f"scan_layers={str(scan).lower()}")
+  assert restored.source == "load_full_state_path"
+  assert int(restored.state.step) == int(raw["step"]) == INDEX["fixtures"][name]["step"] + 1
+  moments = adam(restored.state.opt_state)
+  count, mu, nu = upstream.adam_of(raw["opt_state"])
+  assert int(moments.count) == int(count) == int(raw["step"])
+  embedding = moments.mu["token_embedder"]["embedding"].value
+  np.testing.assert_array_equal(embedding, mu["params"]["token_embedder"]["embedding"])
+  # layer 1's moment, where each side keeps it (ours: layers[1] or the stack's row 1; upstream: layers_1 or
+  # its stack's axis 1)
+  layers = moments.nu["layers"]
+  ours = (
+    layers[1]["self_attention"]["out"]["kernel"].value
+    if not scan
+    else layers["self_attention"]["out"]["kernel"].value[1]
+  )
+  decoder = nu["params"]["decoder"]
+  theirs = decoder["layers_1"] if "layers_1" in decoder else jax.tree.map(lambda a: a[:, 1], decoder["layers"])
+  np.testing.assert_array_equal(np.asarray(ours), theirs["self_attention"]["out"]["kernel"])
+
+
+@pytest.mark.parametrize("name", FULL)
+def test_training_continues_from_an_upstream_full_state(tmp_path, name):
+  start = INDEX["fixtures"][name]["step"] + 1  # optimizer steps upstream took
+  c = load(
+    tmp_path,
+    name,
+    f"load_full_state_path={fixture(name)}",
+    f"steps={start + 3}",
+    "dataset_type=synthetic",
+    "per_device_batch_size=1",
+    "log_period=1",
+    "learning_rate=1e-2",
+    "enable_checkpointing=false",
+    "enable_tensorboard=false",
+  )
+  assert train.run(c)["steps_run"] == 3  # continues at upstream's step
+  seen = losses(c)
+  assert len(seen) == 3 and all(np.isfinite(seen))
+  with open(c.metrics_file) as f:
+    assert json.loads(f.readline())["step"] == start + 1  # the first step run here is upstream's next one
+
+
+@pytest.mark.parametrize("name", PARAMS)
+def test_params_only_checkpoint_is_not_a_full_state(tmp_path, name):
+  with pytest.raises(ConfigError, match="params-only checkpoint; pass it as load_parameters_path"):
+    full_state(tmp_path, name)
+
+
+def test_another_architecture_names_the_parameter(tmp_path):
+  name = NAMES[0]
+  c = load(tmp_path, name, f"load_parameters_path={fixture(name)}", "base_mlp_dim=48")
+  # the first parameter that does not fit, by its path (ours: layer stack first)
+  wanted = r"does not map onto this model: layers/mlp/wi/0/kernel: shape \(2, 16, 32\) != \(2, 16, 48\)"
+  with pytest.raises(ConfigError, match=wanted):
+    check_logits.model_logits(c)
+
+
+def test_upstream_step_directory_names_its_items(tmp_path):
+  (tmp_path / "2" / "items").mkdir(parents=True)
+  c = load(tmp_path, NAMES[0], f"load_parameters_path={tmp_path / '2'}")
+  with pytest.raises(ConfigError, match=r"is a checkpoint step directory; set load_parameters_path=.*2/items"):
+    check_logits.model_logits(c)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("scan", [True, False])
+def test_export_round_trips(tmp_path, name, scan):
+  """Ours -> upstream's Linen params tree (in the fixture's dtype): reads back here to the same parameters,
+  and equals upstream's own arrays where upstream wrote the same layer layout (bf16 exactly; float32 up
+  to the query kernels' rescaling)."""
+  theirs = upstream.unwrap(upstream.params_of(saved_arrays(fixture(name)), upstream.layout(saved_tree(name))))
+  dtype = str(theirs["token_embedder"]["embedding"].dtype)
+  c = load(tmp_path, name, f"load_parameters_path={fixture(name)}", f"scan_layers={str(scan).lower()}")
+  out = str(tmp_path / "exported")
+  to_upstream.export(c, out, dtype)
+  assert upstream.layout(checkpointing.saved_tree(out)) == "linen"
+  abstract = state_lib.param_spec(c).abstract
+  again, first = checkpointing.load_params(out, abstract), checkpointing.load_params(fixture(name), abstract)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), again, first)
+  if scan == INDEX["fixtures"][name]["scan_layers"]:
+    ours = saved_arrays(out)["params"]["params"]
+    assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+    same = lambda a, b: np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=1e-6)  # noqa: E731
+    jax.tree.map(same, ours, theirs)
+
+
+def test_export_command_as_documented(tmp_path, capsys):
+  """docs/checkpoints.md's to_upstream command line; a missing load_parameters_path is one line."""
+  name = NAMES[0]
+  argv = ["to_upstream.py", BASE, "run_name=t", f"base_output_directory={tmp_path}", *model_argv(name)]
+  to_upstream.main([*argv, f"load_parameters_path={fixture(name)}", "--output", str(tmp_path / "out")])
+  assert "Wrote" in capsys.readouterr().out and upstream.layout(checkpointing.saved_tree(str(tmp_path / "out")))
+  with pytest.raises(SystemExit, match="needs load_parameters_path"):
+    to_upstream.main([*argv, "--output", str(tmp_path / "none")])
+  with pytest.raises(SystemExit) as e:
+    to_upstream.main(["to_upstream.py", "--help"])
+  assert e.value.code == 0 and capsys.readouterr().out.startswith("usage: python3 -m MaxText.convert.to_upstream")
+
+
+@pytest.mark.parametrize(
+  "tree, kind",
+  [
+    ({"params": {"params": {"decoder": {}, "token_embedder": {}}}, "opt_state": [], "step": 0}, "linen"),
+    ({"params": {"params": {"decoder": {}, "token_embedder": {}}}}, "linen"),
+    ({"decoder": {"layers": {}}, "token_embedder": {"embedding": {"value": 0}}}, "nnx"),
+    ({"params": {"layers": {}, "token_embedder": {}}, "opt_state": [], "step": 0}, None),  # ours
+    ({"params": {"layers": {}, "token_embedder": {}}}, None),  # our params-only
+  ],
+)
+def test_layout_is_read_from_the_tree(tree, kind):
+  assert upstream.layout(tree) == kind
+
+
+def test_upstream_state_of_another_optimizer_says_to_load_params(tmp_path):
+  """An upstream train state whose optimizer kept no AdamW moments (e.g. opt_type=sgd): one line, what to do."""
+  name = FULL[0]
+  raw = saved_arrays(fixture(name))
+  path = str(tmp_path / "sgd")
+  ocp.PyTreeCheckpointer().save(path, {"params": raw["params"], "opt_state": [{"count": raw["step"]}], "step": 3})
+  with pytest.raises(ConfigError, match="no AdamW moments .* load its parameters with load_parameters_path"):
+    full_state(tmp_path, name, f"load_full_state_path={path}")

@@ -321,6 +321,16 @@ def watch_peers(checkpoint_dir: str | None, heartbeat_timeout: float) -> None:
 
 
 PEER_LOST = re.compile(r"gloo|connection|peer|unavailable|socket|heartbeat|coordination", re.IGNORECASE)
+# A failed collective can also surface as a ValueError carrying XLA's status (a jitted call that reports the
+# error of the previous asynchronous one); ours (ConfigError, DataError) never start with a status code.
+XLA_STATUS = re.compile(r"^(UNKNOWN|UNAVAILABLE|INTERNAL|ABORTED|CANCELLED|DEADLINE_EXCEEDED|FAILED_PRECONDITION): ")
+
+
+def _peer_lost(error: BaseException) -> bool:
+  """Whether `error` is a collective or the coordinator failing because another process is gone."""
+  if isinstance(error, ValueError) and not XLA_STATUS.match(str(error)):
+    return False
+  return bool(PEER_LOST.search(str(error)))
 
 
 @contextlib.contextmanager
@@ -330,7 +340,7 @@ def lost_processes(checkpoint_dir: str | None) -> Iterator[None]:
   the dead process and then abort with a C++ stack."""
   try:
     yield
-  except jax.errors.JaxRuntimeError as e:
-    if jax.process_count() == 1 or not PEER_LOST.search(str(e)):
+  except (jax.errors.JaxRuntimeError, ValueError) as e:
+    if _job()[1] <= 1 or not _peer_lost(e):
       raise
     _exit_lost(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__, checkpoint_dir)

@@ -16,6 +16,7 @@ import jax
 import pytest
 
 from MaxText import distributed, preemption, train
+from MaxText.errors import DataError
 from MaxText.tests.conftest import BASE, ROOT, TINY, cfg, free_port
 
 RUN = ["per_device_batch_size=1", "hardware=cpu", "enable_checkpointing=true", "steps=200"]
@@ -208,6 +209,14 @@ def test_killed_process_makes_the_survivor_exit_76_naming_it_and_keeps_the_check
   # That checkpoint restores (one process, the same 4 devices) and training goes on from it.
   resumed = cfg(tmp_path, "lost", *RUN[:3], f"steps={last + 1}", "dcn_data_parallelism=1", "ici_fsdp_parallelism=4")
   assert train.run(resumed, devices=jax.devices()[:4])["steps_run"] == 1
+
+
+def test_collective_failures_count_as_lost_processes_and_user_errors_do_not():
+  gloo = "UNKNOWN: Gloo all-reduce failed: [gloo/transport/tcp/pair.cc:547] Connection closed by peer [127.0.0.1]:1"
+  assert preemption._peer_lost(ValueError(gloo))  # how a jitted call reports the previous call's failure
+  assert preemption._peer_lost(jax.errors.JaxRuntimeError(gloo))
+  assert not preemption._peer_lost(DataError("gs://b/data: connection refused by the storage emulator"))
+  assert not preemption._peer_lost(jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: out of memory"))
 
 
 def test_lone_coordinator_exits_with_its_own_message(tmp_path):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import re
 import signal
@@ -317,6 +318,7 @@ def watch_peers(checkpoint_dir: str | None, heartbeat_timeout: float) -> None:
 
   global _peer_watch
   if jax_distributed.global_state.client is not None and _peer_watch is None:
+    logging.getLogger("absl").addFilter(_PEER_LOST_FILTER)  # orbax logs through absl
     _peer_watch = _PeerWatch(jax_distributed.global_state.client, checkpoint_dir, heartbeat_timeout)
 
 
@@ -331,6 +333,19 @@ def _peer_lost(error: BaseException) -> bool:
   if isinstance(error, ValueError) and not XLA_STATUS.match(str(error)):
     return False
   return bool(PEER_LOST.search(str(error)))
+
+
+class _PeerLostTracebacks(logging.Filter):
+  """orbax logs a full traceback from a background save thread whose collective failed because a process
+  died; the lost-process line says what happened, so those records keep their one-line message only."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.exc_info and record.exc_info[1] is not None and _peer_lost(record.exc_info[1]):
+      record.exc_info, record.exc_text = None, None
+    return True
+
+
+_PEER_LOST_FILTER = _PeerLostTracebacks()
 
 
 @contextlib.contextmanager

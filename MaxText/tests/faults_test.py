@@ -4,6 +4,7 @@ first signal checkpoints at the next step boundary and exits 75 with one line, a
 76 with one line. See docs/failures.md."""
 
 import json
+import logging
 import os
 import queue
 import signal
@@ -217,6 +218,9 @@ def test_collective_failures_count_as_lost_processes_and_user_errors_do_not():
   assert preemption._peer_lost(jax.errors.JaxRuntimeError(gloo))
   assert not preemption._peer_lost(DataError("gs://b/data: connection refused by the storage emulator"))
   assert not preemption._peer_lost(jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: out of memory"))
+  failed = (ValueError, ValueError(gloo), None)
+  record = logging.LogRecord("absl", logging.ERROR, __file__, 1, "save failed", None, failed)
+  assert preemption._PEER_LOST_FILTER.filter(record) and record.exc_info is None  # the message, no traceback
 
 
 def test_lone_coordinator_exits_with_its_own_message(tmp_path):

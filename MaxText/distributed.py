@@ -30,10 +30,12 @@ from typing import Any, NamedTuple
 
 import jax
 
+from MaxText import preemption
 from MaxText.config import Config
 from MaxText.errors import DistributedInitError  # also importable from here
 
 DEFAULT_PORT = 8476  # JAX's usual coordinator port when JAX_COORDINATOR_PORT is not set
+JOB_SIZE_KEY = "maxtext/job_size"  # key-value store directory: each process's number of processes, by rank
 ABORT_MARGIN_S = 5  # JAX's own initialization deadline is this much later than ours, so ours fires first
 
 
@@ -95,6 +97,9 @@ def initialize(config: Config, environ: Mapping[str, str] | None = None) -> None
   # JAX's preemption service catches SIGTERM in C++ and only logs it unless asked every step; the train
   # loop agrees on a stop step itself (preemption.Watch), for SIGINT and SIGHUP too.
   jax.config.update("jax_enable_preemption_service", False)
+  # A dead process: JAX's service would end every other process with a C++ abort (status 134) once the dead
+  # one misses its heartbeats; recoverable, it only marks it dead, and preemption.watch_peers exits 76.
+  jax.config.update("jax_enable_recoverability", True)
   timeout = config.jax_distributed_initialization_timeout
   if p.how == "env" and p.kwargs["process_id"] != 0:
     # JAX aborts the whole process (no exception) when it cannot register; check the address first.
@@ -103,19 +108,54 @@ def initialize(config: Config, environ: Mapping[str, str] | None = None) -> None
     print(f"jax.distributed: {p.describe}; waiting up to {timeout} s for the others", flush=True)
   timeouts = {
     "heartbeat_timeout_seconds": config.jax_distributed_heartbeat_timeout,  # a silent process counts as lost
-    "shutdown_timeout_seconds": config.jax_distributed_heartbeat_timeout,  # the exit barrier waits no longer
+    # JAX's exit barrier waits no longer (recoverable, it does not wait: preemption._PeerWatch.leave does)
+    "shutdown_timeout_seconds": config.jax_distributed_heartbeat_timeout,
     # JAX aborts the process with a C++ stack when its own deadline passes; ours (below) comes first.
     "initialization_timeout": int(timeout) + ABORT_MARGIN_S,
   }
   try:
     with _deadline(timeout, p.describe):
       jax.distributed.initialize(**p.kwargs, **timeouts)
+      check_job_size(p, timeout)
+  except DistributedInitError:
+    raise
   except Exception as e:  # the client raises XlaRuntimeError (DEADLINE_EXCEEDED, UNAVAILABLE, ...)
     raise DistributedInitError(
       f"jax.distributed could not start as {p.describe} within {timeout} s: {e}. Check that process 0 is "
       "running and reachable at that address (firewall, port), that every process has the same NNODES, and "
       "raise jax_distributed_initialization_timeout for slow starts."
     ) from e
+  checkpoint_dir = config.checkpoint_dir if config.enable_checkpointing else None
+  preemption.watch_peers(checkpoint_dir, config.jax_distributed_heartbeat_timeout)
+
+
+def check_job_size(p: Plan, timeout: float) -> None:
+  """Every process publishes the number of processes it was started with; DistributedInitError (on every
+  process) naming them when they differ.
+
+  JAX's coordinator takes the job size from process 0 and admits any process whose rank fits in it, so
+  processes started with NNODES=2 and NNODES=3 would otherwise run as a 2-process job without a word.
+  """
+  from jax._src import distributed as jax_distributed  # the client; jax.distributed does not export it
+
+  state = jax_distributed.global_state
+  if state.client is None:  # initialize stubbed out (tests)
+    return
+  client, deadline_ms = state.client, int(timeout * 1000)
+  client.key_value_set(f"{JOB_SIZE_KEY}/{state.process_id}", str(state.num_processes))
+  client.wait_at_barrier("maxtext_job_size_published", deadline_ms)
+  sizes = {int(k.rsplit("/", 1)[1]): int(v) for k, v in client.key_value_dir_get(f"{JOB_SIZE_KEY}/")}
+  # Nobody leaves (process 0 would take the coordinator with it) before every process has read the sizes.
+  client.wait_at_barrier("maxtext_job_size_read", deadline_ms)
+  if len(set(sizes.values())) > 1:
+    if state.process_id == 0:  # the coordinator leaves last: the others still need it to disconnect
+      preemption.wait_for_the_others_to_leave(client, state.num_processes, min(timeout / 2, 10.0))
+    key = "NNODES" if p.how == "env" else "the process count"
+    seen = ", ".join(f"process {rank}: {size}" for rank, size in sorted(sizes.items()))
+    raise DistributedInitError(
+      f"the processes were started with different job sizes ({key} of {seen}); JAX would run them as a "
+      f"{sizes[0]}-process job. Start every process with the same {key}."
+    )
 
 
 @contextlib.contextmanager

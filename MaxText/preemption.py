@@ -20,13 +20,16 @@ be told about a signal a Python handler caught.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import logging
 import os
 import re
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 from typing import Any
 
@@ -186,6 +189,9 @@ class Watch:
 
 # ---------------------------------------------------------------------------------------------- lost processes
 
+WATCH_PERIOD_S = 1.0  # how often the processes ask the coordinator which of them are alive
+LEAVE_GRACE_S = 0.5  # process 0, exiting: time for a peer that has just disconnected to finish its own exit
+
 
 def latest_checkpoint(checkpoint_dir: str) -> int | None:
   """The newest complete step under checkpoint_dir (orbax renames a step's directory when complete)."""
@@ -195,43 +201,151 @@ def latest_checkpoint(checkpoint_dir: str) -> int | None:
   return steps[-1] if steps else None
 
 
-def lost_processes_message(error: BaseException, checkpoint_dir: str | None) -> str:
-  """One line: which process was lost (when the coordinator can tell) and where a restart resumes."""
-  who = _lost_process_names()
+def _job() -> tuple[int, int]:
+  """(this process, processes in the job) as jax.distributed was told: known before any device is touched."""
+  from jax._src import distributed as jax_distributed
+
+  state = jax_distributed.global_state
+  return state.process_id, state.num_processes
+
+
+def lost_processes_message(cause: str, checkpoint_dir: str | None, lost: Sequence[int] = ()) -> str:
+  """One line: which process was lost (`lost`; else the one other process, or 'a process') and where a
+  restart resumes."""
+  me, count = _job()
+  if not lost and count == 2:
+    lost = [1 - me]
+  if not lost and _peer_watch is not None:
+    lost = _peer_watch.lost
+  who = ("process " if len(lost) == 1 else "processes ") + ", ".join(map(str, lost)) if lost else "a process"
   step = latest_checkpoint(checkpoint_dir) if checkpoint_dir else None
   resume = f"from checkpoint {step} ({checkpoint_dir}/{step})" if step is not None else "from the start (no checkpoint)"
-  cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
   return (
-    f"Lost {who} of this {jax.process_count()}-process job ({cause[:200]}); process {jax.process_index()} stops. "
+    f"Lost {who} of this {count}-process job ({cause[:200]}); process {me} stops. "
     f"Restart the whole job: it resumes {resume} (exit status {EXIT_PROCESS_LOST})."
   )
 
 
-def _lost_process_names() -> str:
-  """'process 1' (or 'processes 1, 3') from the coordination service, within a few seconds; else 'a process'."""
+def _exit_lost(cause: str, checkpoint_dir: str | None, lost: Sequence[int] = ()) -> None:
+  """The one line, then exit 76 without unwinding: JAX's atexit shutdown would wait for the dead process."""
+  sys.stderr.write(lost_processes_message(cause, checkpoint_dir, lost) + "\n")
+  sys.stderr.flush()
+  sys.stdout.flush()
+  if _job()[0] == 0:
+    # The coordinator goes with this process. A peer seen leaving may be one that exits on an error of its
+    # own, still between its disconnect and the end of its error polling; JAX would abort it if the
+    # coordinator vanished in between.
+    time.sleep(LEAVE_GRACE_S)
+  os._exit(EXIT_PROCESS_LOST)
+
+
+class _PeerWatch:
+  """A thread that asks JAX's coordination service every WATCH_PERIOD_S which processes are alive and exits
+  76 with the lost-process line once one is not.
+
+  JAX's service counts a process as dead once it has missed jax_distributed_heartbeat_timeout of heartbeats.
+  By default it then ends every other process with a C++ abort, and a survivor's gloo collective on CPU
+  waits for the dead peer rather than fail, so nothing in Python would see the loss: distributed.initialize
+  turns on jax_enable_recoverability (no abort) and starts this watch instead. `get_live_nodes` is a barrier
+  among the live processes (every process's watch takes part in each round), so a round ends as soon as all
+  live processes have asked, or when the dead one's heartbeats have timed out.
+
+  Recoverable, JAX's exit no longer waits for the other processes, so `leave` does (at exit, before JAX's
+  own shutdown): all processes meet at a barrier, then process 0, whose coordinator the others still use
+  while they disconnect, waits until they have gone.
+  """
+
+  def __init__(self, client: Any, checkpoint_dir: str | None, heartbeat_timeout: float):
+    self.client, self.checkpoint_dir, self.heartbeat_timeout = client, checkpoint_dir, heartbeat_timeout
+    self.me, self.count = _job()
+    self.lost: list[int] = []
+    self.leaving = threading.Event()  # this process is exiting: the others going away is expected
+    self.alone = threading.Event()  # process 0, leaving: every other process has disconnected
+    # atexit runs last-registered first: this runs before JAX's own handler shuts the client down.
+    atexit.register(self.leave)
+    threading.Thread(target=self._watch, name="lost-process-watch", daemon=True).start()
+
+  def _watch(self) -> None:
+    everyone = list(range(self.count))
+    while not self.leaving.wait(WATCH_PERIOD_S) or (self.me == 0 and not self.alone.is_set()):
+      try:
+        live = set(self.client.get_live_nodes(everyone))
+      except Exception as e:  # the coordinator (process 0) is gone, or this client is shutting down
+        if not self.leaving.is_set():
+          cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+          _exit_lost(f"the coordinator does not answer: {cause}", self.checkpoint_dir, [0] if self.me else [])
+        self.alone.set()  # leaving: nobody left to wait for
+        return
+      if self.leaving.is_set():
+        if live == {self.me}:
+          self.alone.set()
+        continue
+      self.lost = [p for p in everyone if p not in live]
+      if self.lost:
+        cause = f"it exited, or sent no heartbeat for jax_distributed_heartbeat_timeout={self.heartbeat_timeout:g} s"
+        _exit_lost(cause, self.checkpoint_dir, self.lost)
+
+  def leave(self) -> None:
+    """At exit: wait (up to the heartbeat timeout each) for every process to get here, then, on process 0,
+    for the others to disconnect; a process that never comes is not waited for twice."""
+    self.leaving.set()
+    try:
+      self.client.wait_at_barrier("maxtext_exit", int(self.heartbeat_timeout * 1000))
+    except Exception:  # a process did not come (it failed, or it is still working): nothing to wait for
+      return
+    if self.me == 0 and self.alone.wait(self.heartbeat_timeout):
+      time.sleep(LEAVE_GRACE_S)
+
+
+def wait_for_the_others_to_leave(client: Any, count: int, timeout: float) -> None:
+  """Process 0, exiting while no watch runs (distributed.check_job_size): return once the other processes
+  have disconnected (or after `timeout` s), so that the coordinator, which goes with this process, outlives
+  their own exit; JAX, recoverable, does not wait for them itself."""
+  deadline = time.monotonic() + timeout
+  with contextlib.suppress(Exception):
+    while len(client.get_live_nodes(list(range(count)))) > 1 and time.monotonic() < deadline:
+      time.sleep(0.1)
+  time.sleep(LEAVE_GRACE_S)
+
+
+_peer_watch: _PeerWatch | None = None
+
+
+def watch_peers(checkpoint_dir: str | None, heartbeat_timeout: float) -> None:
+  """Multi-process runs (called by distributed.initialize): exit 76 with one line naming the lost process
+  within jax_distributed_heartbeat_timeout of its death, whatever this process is doing then."""
   from jax._src import distributed as jax_distributed
 
-  client, found = jax_distributed.global_state.client, []
-  if jax.process_count() == 2:  # the one other process; the coordinator may not know yet (heartbeats)
-    return f"process {1 - jax.process_index()}"
-  if client is None:
-    return "a process"
-
-  def ask() -> None:
-    everyone = list(range(jax.process_count()))
-    with contextlib.suppress(Exception):  # the coordinator itself may be the one that is gone
-      live = set(client.get_live_nodes(everyone))
-      found.extend(p for p in everyone if p not in live)
-
-  asker = threading.Thread(target=ask, daemon=True)
-  asker.start()
-  asker.join(timeout=5.0)
-  if not found:
-    return "a process" if jax.process_index() != 0 else "a process (not the coordinator)"
-  return ("process " if len(found) == 1 else "processes ") + ", ".join(map(str, found))
+  global _peer_watch
+  if jax_distributed.global_state.client is not None and _peer_watch is None:
+    logging.getLogger("absl").addFilter(_PEER_LOST_FILTER)  # orbax logs through absl
+    _peer_watch = _PeerWatch(jax_distributed.global_state.client, checkpoint_dir, heartbeat_timeout)
 
 
 PEER_LOST = re.compile(r"gloo|connection|peer|unavailable|socket|heartbeat|coordination", re.IGNORECASE)
+# A failed collective can also surface as a ValueError carrying XLA's status (a jitted call that reports the
+# error of the previous asynchronous one); ours (ConfigError, DataError) never start with a status code.
+XLA_STATUS = re.compile(r"^(UNKNOWN|UNAVAILABLE|INTERNAL|ABORTED|CANCELLED|DEADLINE_EXCEEDED|FAILED_PRECONDITION): ")
+
+
+def _peer_lost(error: BaseException) -> bool:
+  """Whether `error` is a collective or the coordinator failing because another process is gone."""
+  if isinstance(error, ValueError) and not XLA_STATUS.match(str(error)):
+    return False
+  return bool(PEER_LOST.search(str(error)))
+
+
+class _PeerLostTracebacks(logging.Filter):
+  """orbax logs a full traceback from a background save thread whose collective failed because a process
+  died; the lost-process line says what happened, so those records keep their one-line message only."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.exc_info and record.exc_info[1] is not None and _peer_lost(record.exc_info[1]):
+      record.exc_info, record.exc_text = None, None
+    return True
+
+
+_PEER_LOST_FILTER = _PeerLostTracebacks()
 
 
 @contextlib.contextmanager
@@ -241,10 +355,7 @@ def lost_processes(checkpoint_dir: str | None) -> Iterator[None]:
   the dead process and then abort with a C++ stack."""
   try:
     yield
-  except jax.errors.JaxRuntimeError as e:
-    if jax.process_count() == 1 or not PEER_LOST.search(str(e)):
+  except (jax.errors.JaxRuntimeError, ValueError) as e:
+    if _job()[1] <= 1 or not _peer_lost(e):
       raise
-    sys.stderr.write(lost_processes_message(e, checkpoint_dir) + "\n")
-    sys.stderr.flush()
-    sys.stdout.flush()
-    os._exit(EXIT_PROCESS_LOST)
+    _exit_lost(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__, checkpoint_dir)

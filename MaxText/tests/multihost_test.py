@@ -68,6 +68,23 @@ def test_unreachable_coordinator_fails_fast_with_a_clear_error(tmp_path):
   assert "not reachable within 2 s" in result.stderr and "process 1 of 2" in result.stderr
 
 
+def test_processes_started_with_different_nnodes_both_stop_with_one_line(tmp_path):
+  # Process 0 says 2 processes, process 1 says 3: JAX would admit process 1 into a 2-process job.
+  port, procs = free_port(), []
+  for rank, nodes in ((0, 2), (1, 3)):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", NNODES=str(nodes), NODE_RANK=str(rank))
+    command = [sys.executable, "MaxText/train.py", BASE, *TINY, "hardware=cpu", f"base_output_directory={tmp_path}"]
+    procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True))
+  expected = "the processes were started with different job sizes (NNODES of process 0: 2, process 1: 3)"
+  for proc in procs:
+    stderr = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 1, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if line.startswith("Distributed initialisation failed:")]
+    assert len(lines) == 1 and expected in lines[0], stderr[-3000:]
+    assert "Traceback" not in stderr and "Check failure" not in stderr
+
+
 @pytest.mark.parametrize(
   "environ, expected",
   [

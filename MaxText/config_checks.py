@@ -176,10 +176,31 @@ def _validate_optimizer(c: dict[str, Any]) -> None:
   for k in ("adam_weight_decay", "gradient_clipping_threshold"):
     if c[k] < 0:
       raise ConfigError(f"{k} must be >= 0 (0 turns it off), got {c[k]}")
+  _validate_optimizer_choice(c)
   if not 0.0 <= c["cosine_learning_rate_final_fraction"] <= 1.0:
     raise ConfigError(
       f"cosine_learning_rate_final_fraction must be in [0, 1], got {c['cosine_learning_rate_final_fraction']}"
     )
+
+
+def _validate_optimizer_choice(c: dict[str, Any]) -> None:
+  """The keys of the other optimizers (opt_type) and the weight-decay mask."""
+  if not 0.0 <= c["muon_beta"] < 1.0:
+    raise ConfigError(f"muon_beta must be in [0, 1), got {c['muon_beta']}")
+  if not 0.0 < c["adafactor_decay_rate"] <= 1.0:
+    raise ConfigError(f"adafactor_decay_rate must be in (0, 1], got {c['adafactor_decay_rate']}")
+  for k in ("muon_weight_decay", "muon_consistent_rms", "adafactor_clipping_threshold"):
+    if c[k] < 0:
+      raise ConfigError(f"{k} must be >= 0 (0 turns it off), got {c[k]}")
+  if c["adafactor_min_dim_size_to_factor"] < 1:
+    raise ConfigError(f"adafactor_min_dim_size_to_factor must be >= 1, got {c['adafactor_min_dim_size_to_factor']}")
+  for pattern in c["adamw_mask"]:
+    if not isinstance(pattern, str):
+      raise ConfigError(f"adamw_mask takes regexes over parameter paths, got {pattern!r}; e.g. adamw_mask=[norm,bias]")
+    try:
+      re.compile(pattern)
+    except re.error as e:
+      raise ConfigError(f"adamw_mask: {pattern!r} is not a regular expression ({e}); e.g. adamw_mask=[norm]") from None
 
 
 # Qwix's calibration methods and how many comma-separated numbers each takes (qwix qarray.calibrate).

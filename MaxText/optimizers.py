@@ -249,6 +249,23 @@ def _adafactor(config: Config, schedule: optax.Schedule) -> optax.GradientTransf
   )
 
 
+# Parameters no optimizer moves: the MoE routers' selection bias (routed_bias) gets no gradient (it only picks
+# experts) and is set from the expert loads (train_step.balance_router_bias); weight decay would shrink it.
+FIXED_PARAMS = (r"(^|/)gate_bias$",)
+
+
+def keep_fixed(inner: optax.GradientTransformation, patterns: tuple[str, ...]) -> optax.GradientTransformation:
+  """`inner` with zero updates for the parameters whose param_path a pattern matches; its state is
+  unchanged in structure (a checkpoint of `inner` restores into it)."""
+  fixed = _path_mask(patterns, matched=True)
+
+  def update(updates, state, params=None, **extra):
+    updates, state = inner.update(updates, state, params, **extra)
+    return jax.tree.map(lambda u, f: jnp.zeros_like(u) if f else u, updates, fixed(updates)), state
+
+  return optax.GradientTransformationExtraArgs(inner.init, update)
+
+
 # opt_type -> its builder (config, schedule) -> transformation; config.CHOICES["opt_type"] lists the same names.
 OPTIMIZERS = {"adamw": _adamw, "adam_pax": _adam_pax, "sgd": _sgd, "adafactor": _adafactor, "muon": _muon}
 
@@ -261,6 +278,8 @@ def build(config: Config) -> Optimizer:
   tx = base
   if config.gradient_clipping_threshold > 0:
     tx = optax.chain(optax.clip_by_global_norm(config.gradient_clipping_threshold), base)
+  if config.routed_bias:
+    tx = keep_fixed(tx, FIXED_PARAMS)
   if config.skip_step_on_spikes:  # the train step passes loss= and grad_norm= to update()
     tx = skip_spikes(tx, config.skip_step_interval, config.skip_step_scaling_factor)
   return Optimizer(tx, schedule)

@@ -262,6 +262,7 @@ def eval_step(graphdef: nnx.GraphDef, config: Config, params: nnx.State, batch: 
   """Loss sums on one eval batch (no dropout); the caller averages over all eval batches. The MTP modules,
   if any, do not run: evaluation measures the model that decodes."""
   _, aux = loss_sums(graphdef, for_inference(config), params, batch, None)
+  aux.pop("expert_load", None)  # what the train step balances the routers with: nothing to evaluate
   return aux
 
 

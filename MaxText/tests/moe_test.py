@@ -173,6 +173,15 @@ def test_expert_load_counts_every_assignment_and_is_not_a_loss():
   assert set(nnx.state(layer, nnx.All(nnx.Intermediate, nnx.Not(moe.ExpertLoad)))) == {"load_balance_loss"}
 
 
+def test_balance_router_bias_moves_each_bias_one_step_towards_the_mean_load():
+  params = {"moe_layers": {"mlp": {"gate_bias": jnp.zeros((2, 4)), "wo": jnp.ones((2, 3))}}}
+  loads = {"moe_layers": {"mlp": {"expert_load": jnp.asarray([[8, 0, 4, 4], [4, 4, 4, 4]], jnp.int32)}}}
+  out = train_step.balance_router_bias(params, loads, 0.5)
+  np.testing.assert_array_equal(out["moe_layers"]["mlp"]["gate_bias"], [[-0.5, 0.5, 0, 0], [0, 0, 0, 0]])
+  np.testing.assert_array_equal(out["moe_layers"]["mlp"]["wo"], params["moe_layers"]["mlp"]["wo"])
+  assert float(train_step.max_load_ratio(loads)) == 2.0
+
+
 def _is_bias(path) -> bool:
   return optimizers.param_path(path).endswith("gate_bias")
 

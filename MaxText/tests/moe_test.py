@@ -218,7 +218,7 @@ def _balance_run(tmp_path, steps, *overrides):
   return before, _biases(s.params), ratios
 
 
-@pytest.mark.parametrize("scan", ["true", pytest.param("false", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("scan", ["true", "false"])
 def test_bias_update_evens_out_a_skewed_router_and_nothing_else_moves_the_bias(tmp_path, scan):
   """The busiest expert's load falls from twice the mean (expert 0's group takes every token) to near it. The
   model trains meanwhile, with weight decay, yet every bias moves by whole steps of +-rate only: the optimizer

@@ -50,6 +50,7 @@ CHOICES = {
   "decode_sampling_strategy": ("greedy", "weighted", "nucleus", "topk", "composite"),
   "routed_score_func": ("softmax", "sigmoid"),
   "routed_group_score": ("top2_sum", "max"),
+  "opt_type": ("adamw", "adam_pax", "sgd", "adafactor", "muon"),  # optimizers.OPTIMIZERS
 }
 
 # Keys derived at load time; users may not set them.

@@ -176,9 +176,50 @@ def _validate_optimizer(c: dict[str, Any]) -> None:
   for k in ("adam_weight_decay", "gradient_clipping_threshold"):
     if c[k] < 0:
       raise ConfigError(f"{k} must be >= 0 (0 turns it off), got {c[k]}")
+  _validate_optimizer_choice(c)
   if not 0.0 <= c["cosine_learning_rate_final_fraction"] <= 1.0:
     raise ConfigError(
       f"cosine_learning_rate_final_fraction must be in [0, 1], got {c['cosine_learning_rate_final_fraction']}"
+    )
+
+
+def _validate_optimizer_choice(c: dict[str, Any]) -> None:
+  """The keys of the other optimizers (opt_type) and the weight-decay mask."""
+  if not 0.0 <= c["muon_beta"] < 1.0:
+    raise ConfigError(f"muon_beta must be in [0, 1), got {c['muon_beta']}")
+  if not 0.0 < c["adafactor_decay_rate"] <= 1.0:
+    raise ConfigError(f"adafactor_decay_rate must be in (0, 1], got {c['adafactor_decay_rate']}")
+  for k in ("muon_weight_decay", "muon_consistent_rms", "adafactor_clipping_threshold"):
+    if c[k] < 0:
+      raise ConfigError(f"{k} must be >= 0 (0 turns it off), got {c[k]}")
+  if c["adafactor_min_dim_size_to_factor"] < 1:
+    raise ConfigError(f"adafactor_min_dim_size_to_factor must be >= 1, got {c['adafactor_min_dim_size_to_factor']}")
+  _validate_router_balancing(c)
+  for pattern in c["adamw_mask"]:
+    if not isinstance(pattern, str):
+      raise ConfigError(f"adamw_mask takes regexes over parameter paths, got {pattern!r}; e.g. adamw_mask=[norm,bias]")
+    try:
+      re.compile(pattern)
+    except re.error as e:
+      raise ConfigError(f"adamw_mask: {pattern!r} is not a regular expression ({e}); e.g. adamw_mask=[norm]") from None
+
+
+def _validate_router_balancing(c: dict[str, Any]) -> None:
+  """routed_bias_update_rate: what the load-driven bias update needs."""
+  rate = c["routed_bias_update_rate"]
+  if rate < 0:
+    raise ConfigError(f"routed_bias_update_rate must be >= 0 (0 turns it off), got {rate}; DeepSeek V3: 0.001")
+  if rate == 0:
+    return
+  if not c["routed_bias"] or c["num_experts"] <= 1:
+    raise ConfigError(
+      f"routed_bias_update_rate={rate} balances the experts through the router's selection bias: it needs "
+      "num_experts > 1 and routed_bias=true (deepseek3 presets), or set routed_bias_update_rate=0"
+    )
+  if pipeline_stages(c) > 1 or c["lora_rank"] > 0:
+    raise ConfigError(
+      f"routed_bias_update_rate={rate} is not supported with pipeline parallelism or LoRA (the expert loads are "
+      "not collected through the pipeline; LoRA freezes the bias): set routed_bias_update_rate=0"
     )
 
 

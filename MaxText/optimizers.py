@@ -1,19 +1,23 @@
-"""AdamW with gradient clipping and a warm-up + cosine learning-rate schedule, from the config."""
+"""The optimizer (opt_type: AdamW by default; Praxis' Adam, SGD, Adafactor, Muon) with gradient clipping, an
+optional weight-decay mask and a warm-up + cosine learning-rate schedule, from the config."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
+from optax.contrib import MuonDimensionNumbers
 
 from MaxText.config import Config
 
 
 class Optimizer(NamedTuple):
-  tx: optax.GradientTransformation  # clip -> AdamW, driven by `schedule` (in skip_spikes when enabled)
+  tx: optax.GradientTransformation  # clip -> opt_type's optimizer, driven by `schedule` (in skip_spikes when enabled)
   schedule: optax.Schedule  # optimizer step -> learning rate (logged by the train step)
 
 
@@ -101,20 +105,181 @@ def skip_spikes(inner: optax.GradientTransformation, interval: int, factor: floa
   return optax.GradientTransformationExtraArgs(init, update)
 
 
-def build(config: Config) -> Optimizer:
-  """The optimizer (clip -> AdamW) and its schedule, built once. Gradient accumulation lives in the train step."""
-  schedule = learning_rate_schedule(config)
-  adamw = optax.adamw(
+def param_path(path: tuple[Any, ...]) -> str:
+  """A parameter's jax key path as "layers/mlp/wi/0/kernel" (nnx.Variable's own "value" key dropped): what
+  adamw_mask's patterns and FIXED_PARAMS are matched against."""
+  keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+  return "/".join(keys[:-1] if keys and keys[-1] == "value" else keys)
+
+
+def _path_mask(patterns: list[str] | tuple[str, ...], matched: bool) -> Callable[[Any], Any]:
+  """params -> a tree of bools like params: `matched` where a pattern re.search-es the param_path, else not."""
+  compiled = [re.compile(p) for p in patterns]
+
+  def mask(params):
+    return jax.tree_util.tree_map_with_path(
+      lambda path, _: any(p.search(param_path(path)) for p in compiled) == matched, params
+    )
+
+  return mask
+
+
+def decay_mask(config: Config) -> Callable[[Any], Any] | None:
+  """Which parameters weight decay applies to: all (None) unless adamw_mask lists patterns to leave out."""
+  return _path_mask(config.adamw_mask, matched=False) if config.adamw_mask else None
+
+
+# Logical axes that index independent matrices (stacked layers, experts): Muon orthogonalises each slice.
+MUON_BATCH_AXES = ("layers", "exp", "stage")
+
+
+def muon_dimensions(path: tuple[Any, ...], param: Any) -> MuonDimensionNumbers | None:
+  """How Muon sees one parameter: its reduction (input) and output axes from the logical axis names of its
+  metadata, or None for AdamW. A matrix has two or more axes besides MUON_BATCH_AXES; embeddings and the
+  output head (a `vocab` axis), norms and biases go to AdamW, as in Muon's usual setup. The input side is
+  the first remaining axis, unless `embed` ends the kernel (attention out [N, H, D], MLP wo [F, D]): then
+  every axis before it. Kernels are stored [in..., out...] (DenseGeneral), experts [E, in, out]."""
+  if not isinstance(param, nnx.Variable) or not hasattr(param.get_value(), "ndim"):
+    return None  # inside optax's partition: another optimizer's parameter
+  ndim = param.get_value().ndim
+  names = tuple(param.get_metadata().get("out_sharding") or ())
+  names = names if len(names) == ndim else (None,) * ndim
+  axes = [i for i, n in enumerate(names) if n not in MUON_BATCH_AXES]
+  if len(axes) < 2 or "vocab" in names or "norm" in names or param_path(path).endswith("bias"):
+    return None
+  if names[axes[-1]] == "embed" and names[axes[0]] != "embed":
+    return MuonDimensionNumbers(tuple(axes[:-1]), (axes[-1],))
+  return MuonDimensionNumbers((axes[0],), tuple(axes[1:]))
+
+
+def _is_param(x: Any) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def _muon(config: Config, schedule: optax.Schedule) -> optax.GradientTransformation:
+  """optax's Muon (Nesterov momentum, Newton-Schulz orthogonalised) on the matrices muon_dimensions picks,
+  AdamW (adam_* keys) on the rest; adamw_mask applies to both parts' weight decay."""
+  dims = lambda params: jax.tree_util.tree_map_with_path(muon_dimensions, params, is_leaf=_is_param)  # noqa: E731
+  mask = decay_mask(config)
+  muon = optax.contrib.muon(
+    schedule,
+    beta=config.muon_beta,
+    eps=config.adam_eps,
+    weight_decay=config.muon_weight_decay,
+    weight_decay_mask=mask,
+    muon_weight_dimension_numbers=dims,
+    consistent_rms=config.muon_consistent_rms or None,
+  )
+
+  def labels(params):
+    return jax.tree_util.tree_map_with_path(
+      lambda path, p: "adam" if muon_dimensions(path, p) is None else "muon", params, is_leaf=_is_param
+    )
+
+  # optax's muon has its own AdamW part but no mask for that part's decay: ours takes the non-matrices.
+  return optax.partition({"muon": muon, "adam": _adamw(config, schedule)}, labels)
+
+
+def _adamw(config: Config, schedule: optax.Schedule) -> optax.GradientTransformation:
+  return optax.adamw(
     schedule,
     b1=config.adam_b1,
     b2=config.adam_b2,
     eps=config.adam_eps,
     eps_root=config.adam_eps_root,
     weight_decay=config.adam_weight_decay,
+    mask=decay_mask(config),
   )
-  tx = adamw
+
+
+class PaxAdamState(NamedTuple):
+  count: jax.Array  # int32 scalar: updates taken
+  mu: optax.Updates  # first moment, like the params
+  nu: optax.Updates  # second moment
+
+
+def _pax_decay(count: jax.Array, beta: float) -> jax.Array:
+  """Praxis' bias-corrected decay at 0-based step `count`: beta (1 - beta^t) / (1 - beta^(t+1)), so plain
+  moving averages with it need no separate bias correction (0 at the first step: the moment is g)."""
+  t = count.astype(jnp.float32)
+  return beta * (1.0 - beta**t) / (1.0 - beta ** (t + 1.0))
+
+
+def scale_by_pax_adam(b1: float, b2: float, eps: float, eps_root: float) -> optax.GradientTransformation:
+  """Adam as Praxis (sharded_adam) and MaxText's adam_pax write it: bias correction folded into the decay
+  rates, update mu / (sqrt(nu + eps_root) + eps)."""
+
+  def init(params):
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    return PaxAdamState(jnp.zeros((), jnp.int32), zeros, zeros)
+
+  def update(updates, state, params=None):
+    d1, d2 = _pax_decay(state.count, b1), _pax_decay(state.count, b2)
+    mu = jax.tree.map(lambda g, m: (1.0 - d1).astype(g.dtype) * g + d1.astype(g.dtype) * m, updates, state.mu)
+    nu = jax.tree.map(lambda g, v: (1.0 - d2).astype(g.dtype) * g * g + d2.astype(g.dtype) * v, updates, state.nu)
+    out = jax.tree.map(lambda m, v: m / (jnp.sqrt(v + eps_root) + eps), mu, nu)
+    return out, PaxAdamState(state.count + 1, mu, nu)
+
+  return optax.GradientTransformation(init, update)
+
+
+def _adam_pax(config: Config, schedule: optax.Schedule) -> optax.GradientTransformation:
+  return optax.chain(
+    scale_by_pax_adam(config.adam_b1, config.adam_b2, config.adam_eps, config.adam_eps_root),
+    optax.add_decayed_weights(config.adam_weight_decay, decay_mask(config)),
+    optax.scale_by_learning_rate(schedule),
+  )
+
+
+def _sgd(config: Config, schedule: optax.Schedule) -> optax.GradientTransformation:
+  return optax.sgd(schedule)  # plain, as MaxText's: no momentum, no weight decay
+
+
+def _adafactor(config: Config, schedule: optax.Schedule) -> optax.GradientTransformation:
+  """optax's Adafactor with learning_rate as the step size (no multiplying by the parameters' scale) and
+  decoupled weight decay adam_weight_decay x learning rate, as AdamW's."""
+  return optax.adafactor(
+    schedule,
+    min_dim_size_to_factor=config.adafactor_min_dim_size_to_factor,
+    decay_rate=config.adafactor_decay_rate,
+    multiply_by_parameter_scale=False,
+    clipping_threshold=config.adafactor_clipping_threshold or None,
+    weight_decay_rate=(lambda count: config.adam_weight_decay * schedule(count)) if config.adam_weight_decay else None,
+    weight_decay_mask=decay_mask(config),
+  )
+
+
+# Parameters no optimizer moves: the MoE routers' selection bias (routed_bias) gets no gradient (it only picks
+# experts) and is set from the expert loads (train_step.balance_router_bias); weight decay would shrink it.
+FIXED_PARAMS = (r"(^|/)gate_bias$",)
+
+
+def keep_fixed(inner: optax.GradientTransformation, patterns: tuple[str, ...]) -> optax.GradientTransformation:
+  """`inner` with zero updates for the parameters whose param_path a pattern matches; its state is
+  unchanged in structure (a checkpoint of `inner` restores into it)."""
+  fixed = _path_mask(patterns, matched=True)
+
+  def update(updates, state, params=None, **extra):
+    updates, state = inner.update(updates, state, params, **extra)
+    return jax.tree.map(lambda u, f: jnp.zeros_like(u) if f else u, updates, fixed(updates)), state
+
+  return optax.GradientTransformationExtraArgs(inner.init, update)
+
+
+# opt_type -> its builder (config, schedule) -> transformation; config.CHOICES["opt_type"] lists the same names.
+OPTIMIZERS = {"adamw": _adamw, "adam_pax": _adam_pax, "sgd": _sgd, "adafactor": _adafactor, "muon": _muon}
+
+
+def build(config: Config) -> Optimizer:
+  """The optimizer (clip -> opt_type's) and its schedule, built once. Gradient accumulation lives in the train
+  step."""
+  schedule = learning_rate_schedule(config)
+  base = OPTIMIZERS[config.opt_type](config, schedule)
+  tx = base
   if config.gradient_clipping_threshold > 0:
-    tx = optax.chain(optax.clip_by_global_norm(config.gradient_clipping_threshold), adamw)
+    tx = optax.chain(optax.clip_by_global_norm(config.gradient_clipping_threshold), base)
+  if config.routed_bias:
+    tx = keep_fixed(tx, FIXED_PARAMS)
   if config.skip_step_on_spikes:  # the train step passes loss= and grad_norm= to update()
     tx = skip_spikes(tx, config.skip_step_interval, config.skip_step_scaling_factor)
   return Optimizer(tx, schedule)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from MaxText import models, sharding
 from MaxText.config import Config
@@ -114,7 +114,18 @@ def _shardings(tree, config: Config, mesh: Mesh):
   with nn.logical_axis_rules(()):
     specs = nnx.get_partition_spec(tree)
   named = sharding.logical_to_mesh(specs, mesh, sharding.axis_rules(config))
-  return jax.tree.map(lambda s, a: sharding.fit(s, a.shape), named, tree)
+  return jax.tree.map(_fit, named, tree)
+
+
+def _fit(named: NamedSharding, leaf: Any) -> Any:
+  """The sharding of one state leaf. Optimizer statistics inherit their parameter's axis names: one with fewer
+  dims (Adafactor's factored rows and columns) is small and replicated; an empty subtree (optax's MaskedNode, a
+  parameter that another part of a partitioned optimizer keeps state for) stays itself."""
+  if not hasattr(leaf, "shape"):
+    return leaf
+  if len(named.spec) > len(leaf.shape):
+    return NamedSharding(named.mesh, PartitionSpec())
+  return sharding.fit(named, leaf.shape)
 
 
 def for_inference(config: Config) -> Config:

@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText import hlo_dump, sharding
+from MaxText import hlo_dump, optimizers, sharding
 from MaxText.config import Config
 from MaxText.layers import mtp
 from MaxText.parallel.plan import Plan
@@ -68,8 +68,10 @@ def loss_sums(graphdef: nnx.GraphDef, config: Config, params: nnx.State, batch: 
   Returns (objective, aux): objective = sum(nll + z_loss) over tokens whose targets_segmentation is
   not 0, plus load_balance_loss_weight * the MoE load-balancing loss per token, plus with mtp_num_layers
   mtp_loss_scaling_factor * the mean over depths of the MTP nll sums; aux = {nll, z_loss,
-  load_balance_loss, tokens} sums, and {mtp_nll, mtp_tokens} (over all depths) with MTP. Averaging happens
-  once over the whole global batch, so gradient accumulation and sharding give the same loss as one big batch.
+  load_balance_loss, tokens} sums, {mtp_nll, mtp_tokens} (over all depths) with MTP, and with
+  routed_bias_update_rate > 0 the routers' expert_load counts (DecoderOutput.expert_load, also additive). Averaging
+  happens once over the whole global batch, so gradient accumulation and sharding give the same loss as one big
+  batch.
   """
   model = nnx.merge(graphdef, params)
   with_mtp = config.mtp_num_layers > 0
@@ -86,6 +88,8 @@ def loss_sums(graphdef: nnx.GraphDef, config: Config, params: nnx.State, batch: 
   if with_mtp:
     aux |= _mtp_sums(model, out.mtp, batch, tiles)
     objective = objective + config.mtp_loss_scaling_factor / config.mtp_num_layers * aux["mtp_nll"]
+  if config.routed_bias_update_rate > 0:
+    aux["expert_load"] = out.expert_load
   return objective, aux
 
 
@@ -133,9 +137,42 @@ def _grads(graphdef, config, partition, params, frozen, batch, rng, data_axes):
     grads, aux = grad_fn(params, micro_batch, micro_rng)
     return jax.tree.map(jnp.add, acc, (grads, aux)), None
 
-  zeros = jax.tree.map(jnp.zeros_like, params), aux_zeros(config)
-  acc, _ = jax.lax.scan(body, zeros, (jax.tree.map(split, batch), jnp.arange(micro)))
+  micro_batches = jax.tree.map(split, batch)
+  aux = aux_zeros(config)
+  if config.routed_bias_update_rate > 0:  # the expert loads' shapes, from the model traced on one micro-batch
+    first = jax.tree.map(lambda x: x[0], micro_batches)
+    loads = jax.eval_shape(grad_fn, params, first, rng)[1]["expert_load"]
+    aux["expert_load"] = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), loads)
+  acc, _ = jax.lax.scan(body, (jax.tree.map(jnp.zeros_like, params), aux), (micro_batches, jnp.arange(micro)))
   return acc
+
+
+def balance_router_bias(params: nnx.State, loads: dict[str, Any], rate: float) -> nnx.State:
+  """DeepSeek V3's auxiliary-loss-free balancing: every router gate_bias [..., E] moves by rate * sign(mean load -
+  load) per expert, up for the underloaded, down for the overloaded; `loads` (DecoderOutput.expert_load, summed
+  over the step's micro-batches) holds each one's counts at its path with `expert_load` for `gate_bias`. The
+  bias only chooses experts (no gradient reaches it) and the optimizer leaves it alone (optimizers.build)."""
+  counts = {optimizers.param_path(path): load for path, load in jax.tree_util.tree_leaves_with_path(loads)}
+
+  def update(path: Any, value: jax.Array) -> jax.Array:
+    name = optimizers.param_path(path)
+    if not name.endswith("gate_bias"):
+      return value
+    load = counts[name.removesuffix("gate_bias") + "expert_load"].astype(jnp.float32)  # [..., E]
+    mean = jnp.mean(load, axis=-1, keepdims=True)
+    return value + (rate * jnp.sign(mean - load)).astype(value.dtype)
+
+  return jax.tree_util.tree_map_with_path(update, params)
+
+
+def max_load_ratio(loads: dict[str, Any]) -> jax.Array:
+  """float32 scalar: over the routers in `loads` (int32 [..., E] counts), the largest busiest-expert load over
+  the mean load; 1 when every router spreads its tokens evenly."""
+  ratios = []
+  for load in jax.tree.leaves(loads):
+    load = load.astype(jnp.float32)
+    ratios.append(jnp.max(jnp.max(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-9)))
+  return jnp.max(jnp.stack(ratios))
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -191,6 +228,8 @@ def train_step(
   extra = {"loss": loss, "grad_norm": grad_norm} if config.skip_step_on_spikes else {}
   updates, opt_state = tx.update(grads, state.opt_state, trainable, **extra)
   params = optax.apply_updates(trainable, updates)
+  if config.routed_bias_update_rate > 0:  # after the optimizer, outside it; kept or dropped with its update
+    params = balance_router_bias(params, aux["expert_load"], config.routed_bias_update_rate)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite((params, opt_state))
   # Select, not branch: no host round trip, and both states are live at this point anyway.
   params, opt_state = jax.tree.map(
@@ -212,6 +251,8 @@ def train_step(
     metrics["z_loss"] = aux["z_loss"] / tokens
   if config.num_experts > 1:
     metrics["moe_load_balance_loss"] = aux["load_balance_loss"] / tokens
+  if config.routed_bias_update_rate > 0:
+    metrics["moe_max_load_ratio"] = max_load_ratio(aux["expert_load"])
   if config.mtp_num_layers:  # unscaled: the mean nll per predicted token over all depths, comparable to loss
     metrics["mtp_loss"] = aux["mtp_nll"] / jnp.maximum(aux["mtp_tokens"], 1.0)
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
@@ -221,6 +262,7 @@ def eval_step(graphdef: nnx.GraphDef, config: Config, params: nnx.State, batch: 
   """Loss sums on one eval batch (no dropout); the caller averages over all eval batches. The MTP modules,
   if any, do not run: evaluation measures the model that decodes."""
   _, aux = loss_sums(graphdef, for_inference(config), params, batch, None)
+  aux.pop("expert_load", None)  # what the train step balances the routers with: nothing to evaluate
   return aux
 
 

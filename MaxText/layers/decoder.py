@@ -27,6 +27,7 @@ from MaxText.layers.decoder_layer import DecoderLayer, dropout
 from MaxText.layers.embeddings import Embed
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.model_config import ModelConfig
+from MaxText.layers.moe import ExpertLoad
 from MaxText.layers.normalizations import RMSNorm
 from MaxText.parallel.remat import remat
 
@@ -131,9 +132,16 @@ def _unrolled_layers(stack: Stack, config: ModelConfig, rngs: nnx.Rngs, plan: Pl
 
 
 def _intermediates_sum(module: nnx.Module) -> jax.Array:
-  """Sum of the values a layer recorded as nnx.Intermediate during its call (MoE auxiliary losses)."""
-  values = jax.tree.leaves(nnx.state(module, nnx.Intermediate))
+  """Sum of the values a layer recorded as nnx.Intermediate during its call (MoE auxiliary losses; not the
+  expert loads, which are counts)."""
+  values = jax.tree.leaves(nnx.state(module, nnx.All(nnx.Intermediate, nnx.Not(ExpertLoad))))
   return sum((jnp.sum(v).astype(jnp.float32) for v in values), jnp.zeros((), jnp.float32))
+
+
+def _expert_loads(module: nnx.Module) -> dict[str, Any]:
+  """The moe.ExpertLoad counts a layer recorded during its call, as a plain dict keyed like its parameters
+  ({"mlp": {"expert_load": int32 [E]}}; {} for a dense layer)."""
+  return nnx.state(module, ExpertLoad).to_pure_dict()
 
 
 class DecoderOutput(NamedTuple):
@@ -141,6 +149,9 @@ class DecoderOutput(NamedTuple):
   aux_loss: jax.Array  # float32 scalar: the layers' auxiliary losses (MoE load balance), averaged over layers
   cache: Any = None  # decoding: the updated caches, {stack name: per-layer caches}
   mtp: tuple[jax.Array, ...] = ()  # forward(..., mtp=True): per MTP depth, its normed hidden states [B, T, D]
+  # Per MoE layer with a selection bias, its expert loads (int32 [E], [n, E] for a stack of n scanned units),
+  # at the path of its parameters but with `expert_load` in place of `gate_bias`; {} without such layers.
+  expert_load: Any = None
 
 
 class Decoder(nnx.Module):
@@ -215,36 +226,47 @@ class Decoder(nnx.Module):
     x = nn.with_logical_constraint(x, ACTIVATION_AXES)
     if not (c.enable_dropout and c.dropout_rate > 0):
       dropout_rng = None
-    aux, first, new_cache = jnp.zeros((), jnp.float32), 0, {}
+    aux, first, new_cache, loads = jnp.zeros((), jnp.float32), 0, {}, {}
     for stack in self.stack_specs:
       stack_cache = None if cache is None else cache[stack.name]
-      x, stack_aux, new_cache[stack.name] = self._apply_stack(
+      x, stack_aux, new_cache[stack.name], stack_loads = self._apply_stack(
         stack, x, positions, segment_ids, dropout_rng, first, stack_cache
       )
       aux, first = aux + stack_aux, first + stack.repeats
-    mtp_hidden, mtp_aux = self._apply_mtp(x, ahead, positions, segment_ids, dropout_rng, first)
+      if stack_loads:
+        loads[stack.name] = stack_loads
+    mtp_hidden, mtp_aux, mtp_loads = self._apply_mtp(x, ahead, positions, segment_ids, dropout_rng, first)
+    if mtp_loads:
+      loads["mtp_modules"] = mtp_loads
     x = self.decoder_norm(x)
     out = x if hidden_only else self.logits(x)
     if shards > 1:
       out = context_parallel.unbalance(out, shards)
       mtp_hidden = tuple(context_parallel.unbalance(m, shards) for m in mtp_hidden)
     aux = (aux + mtp_aux) / (c.num_decoder_layers + len(mtp_hidden))
-    return DecoderOutput(out, aux, None if cache is None else new_cache, mtp_hidden)
+    return DecoderOutput(out, aux, None if cache is None else new_cache, mtp_hidden, loads)
 
   def _apply_mtp(self, h, ahead, positions, segment_ids, dropout_rng, first_index):
     """The MTP depths in turn: h^0 (the last layer's output, before the final norm) [B, T, D] and per depth
     k the tokens t_{i+k} [B, T] -> (per depth its normed hidden states [B, T, D], their layers' summed aux
-    loss). Each layer runs like the decoder's own (remat policy; dropout key from its index after the last)."""
-    normed, aux = [], jnp.zeros((), jnp.float32)
+    loss, their expert loads {k: {"layer": ...}}). Each layer runs like the decoder's own (remat policy;
+    dropout key from its index after the last)."""
+    normed, aux, loads = [], jnp.zeros((), jnp.float32), {}
     for k, (module, tokens_ahead) in enumerate(zip(self.mtp_modules or [], ahead)):
       x = nn.with_logical_constraint(module.mix(h, self.token_embedder(tokens_ahead)), ACTIVATION_AXES)
       graphdef, params = nnx.split(module.layer)
       # _run_units takes stacked units under scan_layers (a stack of one here), else a list.
       params = jax.tree.map(lambda p: p[None], params) if self.config.scan_layers else [params]
-      h, layer_aux, _ = self._run_units(graphdef, params, x, positions, segment_ids, dropout_rng, first_index + k)
+      h, layer_aux, _, layer_loads = self._run_units(
+        graphdef, params, x, positions, segment_ids, dropout_rng, first_index + k
+      )
       normed.append(module.shared_head_norm(h))
       aux = aux + layer_aux
-    return tuple(normed), aux
+      # The one unit's loads: unstacked (scan) or taken from the list.
+      layer_loads = jax.tree.map(lambda a: a[0], layer_loads) if self.config.scan_layers else layer_loads.get(0)
+      if layer_loads:
+        loads[k] = {"layer": layer_loads}
+    return tuple(normed), aux, loads
 
   def logits(self, x: jax.Array) -> jax.Array:
     """Final hidden states [B, T, D] -> logits [B, T, V] (tied or not, soft-capped)."""
@@ -284,21 +306,23 @@ class Decoder(nnx.Module):
 
     def stage(stage_params, h, stage_positions, stage_segments, index, micro):
       # Each microbatch draws its own dropout masks (a slice of the whole batch's would need them all).
+      # Expert loads are not returned through the pipeline (routed_bias_update_rate is refused with it).
       rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, micro)
-      h, aux, _ = self._run_units(graphdef, stage_params, h, stage_positions, stage_segments, rng, index)
+      h, aux, _, _ = self._run_units(graphdef, stage_params, h, stage_positions, stage_segments, rng, index)
       return h, aux
 
     head = jax.tree.map(lambda p: p[:piped], params)
     x, aux = pipeline.run(stage, head, x, positions, segment_ids, pipe.schedule, first_index, self.plan.axes.stage)
     if piped < stack.repeats:  # pipeline_parallel_layers left these units out: they run after, unpipelined
       tail = jax.tree.map(lambda p: p[piped:], params)
-      x, tail_aux, _ = self._run_units(graphdef, tail, x, positions, segment_ids, dropout_rng, first_index + piped)
+      x, tail_aux, _, _ = self._run_units(graphdef, tail, x, positions, segment_ids, dropout_rng, first_index + piped)
       aux = aux + tail_aux
-    return x, aux, None
+    return x, aux, None, {}
 
   def _run_units(self, graphdef, params, x, positions, segment_ids, dropout_rng, first_index, cache=None):
     """Units (stacked params [n, ...] under scan_layers, else a list) applied in order to x [B, T, D];
-    returns (x, the units' summed auxiliary loss, the updated caches or None). `first_index`: the
+    returns (x, the units' summed auxiliary loss, the updated caches or None, their expert loads: stacked
+    [n, E] leaves under scan, else {unit index: loads}; {} without MoE selection biases). `first_index`: the
     first unit's index in the model, which seeds its dropout key."""
     c = self.config
 
@@ -308,16 +332,18 @@ class Decoder(nnx.Module):
       unit = nnx.merge(graphdef, unit_params)
       h, unit_cache = unit(h, positions, segment_ids, rng, unit_cache)
       h = nn.with_logical_constraint(h, ACTIVATION_AXES)
-      return (h, aux + _intermediates_sum(unit), index + 1), unit_cache
+      return (h, aux + _intermediates_sum(unit), index + 1), (unit_cache, _expert_loads(unit))
 
     # Under scan, CSE across iterations cannot happen, so prevent_cse (which costs fusion) is off.
     body = remat(one_unit, self.plan.remat_policy, prevent_cse=not c.scan_layers)
     carry = (x, jnp.zeros((), jnp.float32), jnp.asarray(first_index, jnp.int32))
     if c.scan_layers:
-      carry, cache = jax.lax.scan(body, carry, (params, cache))
+      carry, (cache, loads) = jax.lax.scan(body, carry, (params, cache))
     else:
-      caches = [None] * len(params) if cache is None else list(cache)
+      caches, loads = [None] * len(params) if cache is None else list(cache), {}
       for i, unit_params in enumerate(params):
-        carry, caches[i] = body(carry, (unit_params, caches[i]))
+        carry, (caches[i], unit_loads) = body(carry, (unit_params, caches[i]))
+        if unit_loads:
+          loads[i] = unit_loads
       cache = None if cache is None else caches
-    return carry[0], carry[1], cache
+    return carry[0], carry[1], cache, loads

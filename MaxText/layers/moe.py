@@ -11,7 +11,9 @@ back; assignments beyond capacity are dropped (contribute 0, cost nothing). That
 sequence and shard count the capacity per sequence or per batch shard and dispatch per shard with
 all-to-all over `expert` (moe_dispatch.capacity). The Switch-style
 load-balancing loss E * sum_e(f_e * p_e) (f_e: assignments to e per token, p_e: mean router
-probability of e) is recorded as an nnx.Intermediate, which the decoder collects into the objective.
+probability of e) is recorded as an nnx.Intermediate, which the decoder collects into the objective. With a
+selection bias (routed_bias) each expert's assignment count is recorded too (ExpertLoad, not a loss): the
+train step moves the bias towards balance from it (DeepSeek V3's auxiliary-loss-free balancing).
 Einsum letters: E experts, X tokens (B*T flattened), R routed slots per token (k), A assignments (X*k),
 C capacity slots per expert, D model dim, F expert width.
 """
@@ -78,6 +80,17 @@ def route(logits: jax.Array, config: ModelConfig, bias: jax.Array | None = None)
   return Routing(experts.astype(jnp.int32), weights * config.routed_scaling_factor, probs)
 
 
+class ExpertLoad(nnx.Intermediate):
+  """int32 [E]: the assignments each expert got in the layer's last call (before any capacity drop). Not a
+  loss: the decoder returns these apart (DecoderOutput.expert_load) and the train step nudges the router's
+  gate_bias with them (train_step.balance_router_bias)."""
+
+
+def expert_load(experts: jax.Array, num_experts: int) -> jax.Array:
+  """experts [X, k] -> int32 [E]: how many of the X * k assignments went to each expert."""
+  return jnp.zeros((num_experts,), jnp.int32).at[experts.reshape(-1)].add(1)
+
+
 def load_balance_loss(routing: Routing, num_experts: int) -> jax.Array:
   """E * sum_e(f_e * p_e): 1 per routed slot when perfectly balanced."""
   counts = jnp.zeros((num_experts,), jnp.float32).at[routing.experts.reshape(-1)].add(1.0)
@@ -129,6 +142,8 @@ class MoeBlock(nnx.Module):
     tokens = x.reshape(b * t, d)  # [X, D]
     routing = self._route(tokens)
     self.load_balance_loss = nnx.Intermediate(load_balance_loss(routing, self.num_experts))
+    if self.gate_bias is not None:
+      self.expert_load = ExpertLoad(expert_load(routing.experts, self.num_experts))
     weights = routing.weights
     if self.config.routed_weight_on_input:  # llama4: the expert sees w * x (k = 1, checked at load), output unweighted
       tokens = (tokens.astype(jnp.float32) * weights).astype(tokens.dtype)

@@ -52,6 +52,16 @@ TINY = [
 ]
 
 
+# A tiny DeepSeek V3 (MLA, 4 routed experts top-2 with a selection bias, one dense layer then two MoE layers);
+# with SIZES and override_model_config=true.
+DEEPSEEK3_TINY = [
+  "model_name=deepseek3-671b", "override_model_config=true", "num_experts=4", "num_experts_per_tok=2",
+  "base_moe_mlp_dim=32", "q_lora_rank=16", "kv_lora_rank=16", "qk_nope_head_dim=8", "qk_rope_head_dim=8",
+  "v_head_dim=8", "first_num_dense_layers=1", "base_num_decoder_layers=3", "n_routing_groups=2",
+  "topk_routing_group=1", "original_max_position_embeddings=16",
+]  # fmt: skip
+
+
 def sized_config(tmp_path, *overrides):
   """base.yml with the tiny model's SIZES only (every other key at its default), outputs under tmp_path."""
   return config.load([BASE, "run_name=t", f"base_output_directory={tmp_path}", *SIZES, *overrides], {})

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import config, sharding
+from MaxText import config, optimizers, sharding, state, train_step
 from MaxText.layers import moe
 from MaxText.parallel import plan as plan_lib
+from MaxText.tests.conftest import DEEPSEEK3_TINY, cfg
 
 BASE = os.path.join(config.CONFIG_DIR, "base.yml")
 TINY = ["base_emb_dim=16", "base_mlp_dim=24", "num_experts=4", "num_experts_per_tok=2", "dtype=float32"]
@@ -156,3 +157,99 @@ def test_expert_widths_scale_once_with_global_parameter_scale(base_moe_mlp_dim, 
   layer = block("global_parameter_scale=2", f"base_moe_mlp_dim={base_moe_mlp_dim}", "shared_experts=2")
   assert layer.wi_0.shape == (4, 16, expert_width)
   assert layer.shared_experts.wo.kernel.shape == (2 * expert_width, 16)
+
+
+# ---------------------------------------------------------------- auxiliary-loss-free balancing (routed_bias)
+
+
+def test_expert_load_counts_every_assignment_and_is_not_a_loss():
+  layer = block("routed_bias=true", "routed_score_func=sigmoid")
+  x = jax.random.normal(jax.random.key(0), (2, 8, 16))
+  layer(x)
+  routing = moe.route(layer.gate(x.reshape(-1, 16)), layer.config, layer.gate_bias[...])
+  load = np.asarray(layer.expert_load[...])
+  np.testing.assert_array_equal(load, np.bincount(np.asarray(routing.experts).ravel(), minlength=4))
+  assert load.dtype == np.int32 and load.sum() == 2 * 8 * 2  # X * k
+  assert set(nnx.state(layer, nnx.All(nnx.Intermediate, nnx.Not(moe.ExpertLoad)))) == {"load_balance_loss"}
+
+
+def test_balance_router_bias_moves_each_bias_one_step_towards_the_mean_load():
+  params = {"moe_layers": {"mlp": {"gate_bias": jnp.zeros((2, 4)), "wo": jnp.ones((2, 3))}}}
+  loads = {"moe_layers": {"mlp": {"expert_load": jnp.asarray([[8, 0, 4, 4], [4, 4, 4, 4]], jnp.int32)}}}
+  out = train_step.balance_router_bias(params, loads, 0.5)
+  np.testing.assert_array_equal(out["moe_layers"]["mlp"]["gate_bias"], [[-0.5, 0.5, 0, 0], [0, 0, 0, 0]])
+  np.testing.assert_array_equal(out["moe_layers"]["mlp"]["wo"], params["moe_layers"]["mlp"]["wo"])
+  assert float(train_step.max_load_ratio(loads)) == 2.0
+
+
+def _is_bias(path) -> bool:
+  return optimizers.param_path(path).endswith("gate_bias")
+
+
+def _biases(params) -> dict:
+  """{path: gate_bias} of every router."""
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+  return {optimizers.param_path(p): np.asarray(x) for p, x in leaves if _is_bias(p)}
+
+
+def _balance_run(tmp_path, steps, *overrides):
+  """A tiny deepseek3 whose routers all start with gate_bias [2, 0, 0, 0] (expert 0's group wins every token:
+  its top-2 sum beats any other group's, at most 2), trained `steps` steps on one fixed batch: (gate biases
+  before, after, per-step moe_max_load_ratio)."""
+  c = cfg(tmp_path, "b", *DEEPSEEK3_TINY, "per_device_batch_size=8", *overrides)
+  mesh = sharding.create_mesh(c, devices=jax.devices()[:1])
+  opt = optimizers.build(c)
+  skew = jnp.asarray([2.0, 0.0, 0.0, 0.0])
+  tokens = np.random.default_rng(0).integers(1, c.vocab_size, (8, c.max_target_length), dtype=np.int32)
+  ones = np.ones_like(tokens)
+  batch = {"inputs": tokens, "targets": tokens, "inputs_segmentation": ones, "targets_segmentation": ones}
+  batch["inputs_position"] = np.broadcast_to(np.arange(c.max_target_length, dtype=np.int32), tokens.shape)
+  with sharding.activate(c, mesh):
+    spec = state.state_spec(c, opt.tx, mesh)
+    s = state.init_state(c, opt.tx, spec)
+    s = s.replace(params=jax.tree_util.tree_map_with_path(lambda p, x: x + skew if _is_bias(p) else x, s.params))
+    before = _biases(s.params)
+    step = train_step.jit_train_step(c, mesh, opt.tx, spec, opt.schedule)
+    batch = jax.device_put(batch, train_step.batch_shardings(c, mesh))
+    ratios = []
+    for i in range(steps):
+      s, metrics = step(s, batch, jax.random.key(i))
+      ratios.append(float(metrics.get("moe_max_load_ratio", np.nan)))
+  return before, _biases(s.params), ratios
+
+
+@pytest.mark.parametrize("scan", ["true", "false"])
+def test_bias_update_evens_out_a_skewed_router_and_nothing_else_moves_the_bias(tmp_path, scan):
+  """The busiest expert's load falls from twice the mean (expert 0's group takes every token) to near it. The
+  model trains meanwhile, with weight decay, yet every bias moves by whole steps of +-rate only: the optimizer
+  (no gradient reaches the bias; weight decay would shrink it) has no part in it."""
+  rate = 0.04
+  overrides = [f"scan_layers={scan}", f"routed_bias_update_rate={rate}", "mtp_num_layers=1", "adam_weight_decay=0.5"]
+  before, after, ratios = _balance_run(tmp_path, 24, *overrides)
+  assert len(before) == (2 if scan == "true" else 3)  # the MoE stack (or its 2 layers) and the MTP layer
+  assert ratios[0] == 2.0 and np.mean(ratios[-6:]) < 1.4, ratios
+  for path, b in before.items():
+    steps_moved = np.abs(after[path] - b) / rate
+    np.testing.assert_allclose(steps_moved, np.round(steps_moved), atol=1e-3)  # whole steps of +-rate
+    assert after[path][..., 0].max() < b[..., 0].min() - 10 * rate, (path, after[path])  # the favourite went down
+
+
+def test_without_the_load_rule_the_bias_stays_put(tmp_path):
+  """routed_bias_update_rate=0: a large learning rate and weight decay train everything but the bias."""
+  before, after, _ = _balance_run(tmp_path, 2, "learning_rate=0.1", "adam_weight_decay=0.5")
+  for path, b in before.items():
+    np.testing.assert_array_equal(after[path], b)
+
+
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
+    (["routed_bias_update_rate=0.001"], "needs num_experts > 1 and routed_bias=true"),
+    (["routed_bias_update_rate=-1"], "routed_bias_update_rate must be >= 0"),
+    ([*DEEPSEEK3_TINY, "routed_bias_update_rate=0.001", "lora_rank=4"], "not supported with pipeline .* or LoRA"),
+    ([*DEEPSEEK3_TINY, "routed_bias_update_rate=0.001", "ici_pipeline_parallelism=2"], "not supported with pipeline"),
+  ],
+)
+def test_bias_update_rate_needs_a_selection_bias_and_no_pipeline_or_lora(tmp_path, overrides, message):
+  with pytest.raises(config.ConfigError, match=message):
+    cfg(tmp_path, "bad", *overrides)

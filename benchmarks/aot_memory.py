@@ -56,6 +56,11 @@ CASES = (
     "model_name=deepseek3-671b", "compile_topology=v5p-1024", "per_device_batch_size=1", "max_target_length=4096",
   ),
   case("deepseek2-16b v5p-64", "model_name=deepseek2-16b", "compile_topology=v5p-64", "per_device_batch_size=4"),
+  # Kimi K2 (1.03T): v5p-1024 is the smallest v5p slice whose chip count divides its widths and holds its state.
+  case(
+    "kimi-k2-1t v5p-1024",
+    "model_name=kimi-k2-1t", "compile_topology=v5p-1024", "per_device_batch_size=1", "max_target_length=4096",
+  ),
   # Expert parallelism (docs/expert_parallelism.md): tokens move to the experts by all-to-all.
   case(
     "mixtral-8x7b v5p-128 expert=8 dropless",

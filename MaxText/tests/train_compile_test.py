@@ -53,9 +53,10 @@ def test_16b_on_two_v5e_256_slices_fits_under_its_recorded_ceiling():
 
 @pytest.mark.slow
 def test_kimi_k2_fits_on_v5p_1024_under_its_recorded_ceiling():
-  """The 1.03T preset whole, on its smallest v5p slice: 384 chips (v5p-768) divide neither D = 7168 nor
-  V = 163840, and 256 (v5p-512) would hold 44.9 GiB of state per chip. About 260 CPU-seconds of compile
-  (benchmarks/README.md); a 2-layer cut takes as long (the MoE layer's graph is the cost), so none is made."""
+  """The 1.03T preset whole, on its smallest v5p slice with fsdp alone: 384 chips (v5p-768) divide neither
+  D = 7168 nor V = 163840, and on 256 (v5p-512) the temporaries need 118 GiB. About 260 CPU-seconds of
+  compile (benchmarks/README.md); a 2-layer cut takes as long (the MoE layer's graph is the cost), so none
+  is made."""
   result = compile_command(
     "model_name=kimi-k2-1t", "compile_topology=v5p-1024", "per_device_batch_size=1", "max_target_length=4096"
   )

@@ -104,6 +104,9 @@ def hf_model(family, tmp_path):
         p.copy_(torch.randn_like(p) * 0.5 + (1.0 if name.endswith("weight") and "gemma" not in family else 0.0))
   path = os.path.join(tmp_path, "hf")
   model.save_pretrained(path)
+  if family == "kimi-k2":  # as Kimi's checkpoints name it: its own model_type for the DeepSeek V3 architecture
+    cfg_path = os.path.join(path, "config.json")
+    json.dump({**json.load(open(cfg_path)), "model_type": "kimi_k2"}, open(cfg_path, "w"))
   return model, path
 
 

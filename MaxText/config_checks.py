@@ -46,10 +46,10 @@ def _validate_family_options(c: dict[str, Any]) -> None:
   if c["rope_type"] == "llama3" and not 0 < c["rope_low_freq_factor"] < c["rope_high_freq_factor"]:
     raise ConfigError("rope_type=llama3 needs 0 < rope_low_freq_factor < rope_high_freq_factor")
   if c["rope_type"] == "yarn" and not (
-    c["original_max_position_embeddings"] > 0 and c["rope_beta_fast"] > c["rope_beta_slow"] > 0
-  ):
+    c["original_max_position_embeddings"] > 0 and c["rope_beta_fast"] >= c["rope_beta_slow"] > 0
+  ):  # equal betas (Kimi K2: 1 and 1) leave a one-dim ramp, as transformers computes it
     raise ConfigError(
-      "rope_type=yarn needs original_max_position_embeddings > 0 and rope_beta_fast > rope_beta_slow > 0, got "
+      "rope_type=yarn needs original_max_position_embeddings > 0 and rope_beta_fast >= rope_beta_slow > 0, got "
       f"{c['original_max_position_embeddings']}, {c['rope_beta_fast']}, {c['rope_beta_slow']}"
     )
   if min(c["rope_mscale"], c["rope_mscale_all_dim"], c["rope_attention_factor"]) < 0:

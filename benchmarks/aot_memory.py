@@ -56,6 +56,16 @@ CASES = (
     "model_name=deepseek3-671b", "compile_topology=v5p-1024", "per_device_batch_size=1", "max_target_length=4096",
   ),
   case("deepseek2-16b v5p-64", "model_name=deepseek2-16b", "compile_topology=v5p-64", "per_device_batch_size=4"),
+  # Kimi K2 (1.03T): v5p-1024 is the smallest v5p slice for fsdp alone, v5p-512 with expert parallelism.
+  case(
+    "kimi-k2-1t v5p-1024",
+    "model_name=kimi-k2-1t", "compile_topology=v5p-1024", "per_device_batch_size=1", "max_target_length=4096",
+  ),
+  case(
+    "kimi-k2-1t v5p-512 expert=32 capacity",
+    "model_name=kimi-k2-1t", "compile_topology=v5p-512", "per_device_batch_size=1", "max_target_length=4096",
+    "ici_expert_parallelism=32", "capacity_factor=1.0", "capacity_group=sequence",
+  ),
   # Expert parallelism (docs/expert_parallelism.md): tokens move to the experts by all-to-all.
   case(
     "mixtral-8x7b v5p-128 expert=8 dropless",

@@ -28,6 +28,7 @@ DECODER_BLOCK = {
   "gemma3_text": "gemma3",
   "deepseek_v2": "deepseek",
   "deepseek_v3": "deepseek",
+  "kimi_k2": "deepseek",  # Kimi K2: DeepseekV3ForCausalLM under its own (remote-code) config class
   "llama4_text": "llama4",
 }
 HF_ARCH = {
@@ -165,7 +166,7 @@ def _deepseek_routing(hf: dict[str, Any]) -> dict[str, Any]:
   """DeepSeek's router as transformers runs it: V3 sigmoid scores with a selection bias, groups ranked
   by the sum of their two best experts; V2 softmax scores, no bias, no renormalisation, topk_method
   greedy (no groups) or group_limited_greedy (groups ranked by their best expert)."""
-  if hf["model_type"] == "deepseek_v3":
+  if hf["model_type"] in ("deepseek_v3", "kimi_k2"):
     return {"routed_score_func": "sigmoid", "routed_bias": True, "routed_group_score": "top2_sum"}
   method = hf.get("topk_method") or "greedy"
   if method not in ("greedy", "group_limited_greedy"):

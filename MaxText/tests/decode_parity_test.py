@@ -17,10 +17,11 @@ families_test = pytest.importorskip("MaxText.tests.families_test")
 PROMPTS = [[5, 9, 17], [3, 1, 4, 1, 5, 9, 2, 6, 53], [40, 41, 42, 43, 44, 45]]
 NEW = 16
 # One per attention/layer variant: GQA, projection biases, sliding window, MoE, q/k norms, gemma norms,
-# soft-caps with local/global layers, 5:1 local/global, multi-head latent attention (V3; V2 with YaRN),
-# learned positions, chunked local / NoPE global layers with input-weighted top-1 MoE (llama4).
+# soft-caps with local/global layers, 5:1 local/global, multi-head latent attention (V3; V2 with YaRN; Kimi K2's
+# YaRN with beta_fast = beta_slow), learned positions, chunked local / NoPE global layers with input-weighted
+# top-1 MoE (llama4).
 FAMILIES = ["llama2", "llama-bias", "mistral", "mixtral", "qwen3", "gemma", "gemma2", "gemma3", "deepseek3"]
-FAMILIES += ["deepseek2", "gpt3", "llama4"]
+FAMILIES += ["deepseek2", "kimi-k2", "gpt3", "llama4"]
 
 
 def hf_greedy(model, prompts):

@@ -42,6 +42,10 @@ DEEPSEEK2["rope_parameters"] |= {"mscale_all_dim": 0.7}
 DEEPSEEK2_LITE = dict(DEEPSEEK2, q_lora_rank=None, topk_method="greedy", n_group=1, topk_group=1)
 DEEPSEEK2_LITE["rope_parameters"] = {**YARN, "mscale": 0.707, "mscale_all_dim": 0.707, "truncate": False}
 DEEPSEEK3_YARN = dict(DEEPSEEK_YARN, rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 16})
+# Kimi K2's YaRN: beta_fast = beta_slow = 1, mscale = mscale_all_dim = 1. Over these 8 rope dims the equal betas
+# keep frequencies 0-1 and divide 2-3 by factor (the default betas ramp frequency 1 to 0.625); one expert group.
+KIMI_ROPE = {**YARN, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+KIMI_K2 = dict(DEEPSEEK_YARN, n_group=1, topk_group=1, routed_scaling_factor=2.827, rope_parameters=KIMI_ROPE)
 # Llama 4: 6 layers = one scanned block of 4 (layer 3 NoPE; layers 1, 3 MoE) and a remainder of 2; chunks of 4
 # and temperature steps every 4 positions, so both act within T tokens; llama3 RoPE scaling as Scout's.
 LLAMA4 = dict(num_hidden_layers=6, intermediate_size=16, intermediate_size_mlp=48, num_local_experts=4)
@@ -66,6 +70,7 @@ FAMILIES = {
   "deepseek3": ("DeepseekV3Config", DEEPSEEK),
   "deepseek-no-q-lora": ("DeepseekV3Config", {**DEEPSEEK, "q_lora_rank": None, "n_group": 1, "topk_group": 1}),
   "deepseek3-yarn": ("DeepseekV3Config", DEEPSEEK3_YARN),
+  "kimi-k2": ("DeepseekV3Config", KIMI_K2),
   "deepseek2": ("DeepseekV2Config", DEEPSEEK2),
   "deepseek2-lite": ("DeepseekV2Config", DEEPSEEK2_LITE),
   "llama-yarn": ("LlamaConfig", {"rope_parameters": YARN, "max_position_embeddings": 256}),
@@ -73,10 +78,13 @@ FAMILIES = {
   "qwen3-moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}),
   "llama4": ("Llama4TextConfig", LLAMA4),
 }
-# Architecture fields of the published config.json files (DeepSeek-V2-Lite; DeepSeek-V3 without its FP8
-# quantization_config), legacy rope_scaling with "type" included.
+# Architecture fields of the published config.json files (DeepSeek-V2-Lite; DeepSeek-V3 and Kimi-K2-Instruct
+# without their FP8 quantization_config), legacy rope_scaling with "type" included.
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
-PUBLISHED = {name: os.path.join(GOLDEN, f"{name}.config.json") for name in ("deepseek2-16b", "deepseek3-671b")}
+PUBLISHED = {
+  name: os.path.join(GOLDEN, f"{name}.config.json") for name in ("deepseek2-16b", "deepseek3-671b", "kimi-k2-1t")
+}
+LOADS_AS = {"kimi_k2": "deepseek_v3"}  # Kimi K2's model_type names a remote-code copy of transformers' DeepSeek V3
 GPT2 = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16, n_inner=48)
 T = 12
 
@@ -96,6 +104,9 @@ def hf_model(family, tmp_path):
         p.copy_(torch.randn_like(p) * 0.5 + (1.0 if name.endswith("weight") and "gemma" not in family else 0.0))
   path = os.path.join(tmp_path, "hf")
   model.save_pretrained(path)
+  if family == "kimi-k2":  # as Kimi's checkpoints name it: its own model_type for the DeepSeek V3 architecture
+    cfg_path = os.path.join(path, "config.json")
+    json.dump({**json.load(open(cfg_path)), "model_type": "kimi_k2"}, open(cfg_path, "w"))
   return model, path
 
 
@@ -252,7 +263,7 @@ def test_published_deepseek_configs_map_to_the_presets(preset):
   keys = hf_mapping.maxtext_keys(hf)
   c = config.load([os.path.join(config.CONFIG_DIR, "base.yml"), "run_name=t", f"model_name={preset}"], {})
   assert {k: v for k, v in keys.items() if k != "head_dim" and c[k] != v} == {}  # head_dim: unused by MLA
-  hf_cfg = transformers.AutoConfig.for_model(**hf)
+  hf_cfg = transformers.AutoConfig.for_model(**{**hf, "model_type": LOADS_AS.get(hf["model_type"], hf["model_type"])})
   model = getattr(transformers, hf_mapping.hf_config(c, "bfloat16")["architectures"][0])
   assert model.config_class is type(hf_cfg)
   inv_freq, attention_factor = transformers.modeling_rope_utils._compute_yarn_parameters(hf_cfg)

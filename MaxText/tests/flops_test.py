@@ -241,6 +241,20 @@ def test_flops_deepseek3_671b(tmp_path):
   assert flops.attention == 61 * 3 * 2 * 2048 * 128 * (192 + 128)
 
 
+def test_flops_kimi_k2_1t(tmp_path):
+  flops = flops_lib.training_flops_per_token(preset(tmp_path, "kimi-k2-1t", 4096))
+  # deepseek3-671b's layers with N=64, V=163840, 1 dense layer, 384 experts top-8 in one group
+  mla = 7168 * 1536 + 1536 * 64 * 192 + 7168 * (512 + 64) + 512 * 64 * (128 + 128) + 64 * 128 * 7168
+  assert mla == 101_122_048
+  moe = 8 * 3 * 7168 * 2048 + 3 * 7168 * 2048 + 7168 * 384  # routed + shared + router: 399,114,240
+  active = 61 * mla + 3 * 7168 * 18432 + 60 * moe
+  assert active == 30_511_661_056
+  assert 32e9 < active + 2 * 7168 * 163840 < 33e9  # Moonshot's published "32B activated"
+  assert flops.matmul == 6 * active
+  assert flops.embedding == 6 * 7168 * 163840
+  assert flops.attention == 61 * 3 * 2 * 2048 * 64 * (192 + 128)
+
+
 def test_flops_deepseek2_16b_plain_query(tmp_path):
   flops = flops_lib.training_flops_per_token(preset(tmp_path, "deepseek2-16b", 2048))
   # D=2048 N=16 L=27 (1 dense, F=10944) V=102400; q_lora 0; 64 experts top-6, width 1408, 2 shared

@@ -39,6 +39,9 @@ PUBLISHED = {  # billions of parameters, as published by the model authors (text
   "qwen3-30b-a3b": 30.5,
   "deepseek2-16b": 15.7,
   "deepseek3-671b": 671.0,
+  # Kimi K2: its config.json as transformers counts it (1,026,408,209,408 on the meta device, plus our 23,040
+  # router biases, a buffer there); the tech report's "1.04T" is 1.3% above that.
+  "kimi-k2-1t": 1026.4,
   "gpt3-175b": 175.0,
   "llama4-17b-16e": 107.8,  # Scout: 109B published with the vision encoder; the text decoder from its config.json
   "llama4-17b-128e": 400.7,  # Maverick: 400B published

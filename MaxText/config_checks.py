@@ -425,11 +425,9 @@ def _validate_hlo_dump(c: dict[str, Any]) -> None:
   """The dump_hlo_* keys (hlo_dump.py): XLA writes the dump to a local directory; the module name is a regex."""
   flags = hlo_dump.parse_flags(c["dump_hlo_xla_flags"])
   for key, where in (("dump_hlo_local_dir", c["dump_hlo_local_dir"]), ("dump_hlo_xla_flags", flags.get("xla_dump_to"))):
-    if where and paths.is_remote(str(where)):
-      raise ConfigError(
-        f"{key}: XLA writes its dump to a local directory, not {where!r}; set dump_hlo_gcs_dir={where!r} "
-        "to have it copied there"
-      )
+    if where:
+      advice = f"XLA writes its dump to a local directory; set dump_hlo_gcs_dir={where!r} to have it copied there"
+      paths.check_local(str(where), key, advice)
   try:
     re.compile(c["dump_hlo_module_name"])
   except re.error as e:

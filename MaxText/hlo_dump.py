@@ -59,9 +59,8 @@ def local_dir(config: Any) -> str:
     return str(given)
   if config.dump_hlo_local_dir:
     return config.dump_hlo_local_dir
-  if not paths.is_remote(config.run_dir):
-    return paths.join(config.run_dir, DIR_NAME)
-  return os.path.join(tempfile.gettempdir(), "maxtext_hlo", config.run_name)
+  stand_in = os.path.join(tempfile.gettempdir(), "maxtext_hlo", config.run_name)
+  return paths.local_or(paths.join(config.run_dir, DIR_NAME), stand_in)
 
 
 def target_dir(config: Any) -> str:

@@ -241,6 +241,19 @@ def is_local_dir(path: str) -> bool:
   return bool(path) and not is_remote(path) and os.path.isdir(path)
 
 
+def local_or(path: str, stand_in: str) -> str:
+  """`path` where it is local, else `stand_in` (a local directory for a writer that takes only local paths)."""
+  return stand_in if is_remote(path) else path
+
+
+def check_local(path: str, key: str, advice: str) -> None:
+  """ConfigError naming `key` unless `path` is local (for writers, such as XLA's dump, that take no gs://)."""
+  if is_remote(path):
+    from MaxText.errors import ConfigError
+
+    raise ConfigError(f"{key}: {path!r} is not a local directory; {advice}")
+
+
 def checked_remote_output(path: str, key: str, is_writer: Callable[[], bool]) -> bool:
   """For a gs:// output directory: check_writable on the writer process (is_writer()) and True; False for a
   local path, whose checks are the caller's."""

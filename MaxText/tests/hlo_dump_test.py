@@ -69,7 +69,7 @@ def test_remote_run_directory_dumps_locally_and_keeps_it_in_the_run_directory(tm
   [
     ("dump_hlo_xla_flags=xla_dump_to=/tmp", "dump_hlo_xla_flags: 'xla_dump_to=/tmp' is not an XLA flag"),
     ("dump_hlo_xla_flags=--dump_to=/tmp", "is not an XLA flag"),
-    ("dump_hlo_local_dir=gs://b/hlo", "dump_hlo_local_dir: XLA writes its dump to a local directory"),
+    ("dump_hlo_local_dir=gs://b/hlo", "dump_hlo_local_dir: 'gs://b/hlo' is not a local directory; XLA writes its dump"),
     ("dump_hlo_xla_flags=--xla_dump_to=gs://b/hlo", "set dump_hlo_gcs_dir='gs://b/hlo'"),
     ("dump_hlo_module_name=jit_(train", "dump_hlo_module_name='jit_\\(train' is not a regular expression"),
   ],

@@ -86,7 +86,9 @@ class Pieces:
 # mlp_pieces=-1: a dense MLP whose hidden activations [B, T, F] pass AUTO_MLP_WHOLE_BYTES per device runs in
 # parts of at most AUTO_MLP_PIECE_BYTES (small ones stay whole: a loop is not worth it there).
 AUTO_MLP_WHOLE_BYTES, AUTO_MLP_PIECE_BYTES = 256 * 2**20, 64 * 2**20
-AUTO_FLASH_PIECE_BYTES = 128 * 2**20  # flash_pieces=-1: the kernel's lane-padded log-sum-exp per call, at most
+# flash_pieces=-1: where the kernel's lane-padded log-sum-exp passes AUTO_FLASH_WHOLE_BYTES per device, calls
+# of at most AUTO_FLASH_PIECE_BYTES of it (at 256 MiB, mixtral-8x7b on v5p-128, two calls cost 0.11 GiB more).
+AUTO_FLASH_WHOLE_BYTES, AUTO_FLASH_PIECE_BYTES = 256 * 2**20, 128 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,7 +355,8 @@ def _pieces(config: Config, mesh, axes: Axes, attention: AttentionPlan, pipeline
   if flash == -1:
     heads = max(config.num_query_heads // max(size(axes.heads), 1), 1)
     residual = local_batch * heads * length * LANES * 4  # the float32 log-sum-exp, 128 lanes wide
-    flash = _fewest_pieces(local_batch, residual, AUTO_FLASH_PIECE_BYTES) if attention.kernel == "flash" else 1
+    large = attention.kernel == "flash" and residual > AUTO_FLASH_WHOLE_BYTES
+    flash = _fewest_pieces(local_batch, residual, AUTO_FLASH_PIECE_BYTES) if large else 1
   if mlp == -1:
     hidden = local_batch * length * config.mlp_dim // max(size(axes.mlp), 1) * jax.numpy.dtype(config.dtype).itemsize
     whole = axes.length or pipeline is not None or config.remat_policy != "full"

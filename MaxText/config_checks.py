@@ -412,6 +412,9 @@ def validate(c: dict[str, Any]) -> None:
     raise ConfigError(
       f"num_vocab_tiling={tiles} must be -1 (auto) or a positive divisor of max_target_length={c['max_target_length']}"
     )
+  for key in ("flash_pieces", "mlp_pieces"):
+    if c[key] == 0 or c[key] < -1:
+      raise ConfigError(f"{key}={c[key]} must be -1 (auto) or a positive number of parts")
   _validate_hlo_dump(c)
   chunk, length = c["attention_query_chunk"], c["max_target_length"]
   if chunk < 0 or (chunk and length > chunk and length % chunk):

@@ -13,6 +13,7 @@ from jax.ad_checkpoint import checkpoint_name
 from MaxText.layers.axes import MLP_AXES
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.model_config import ModelConfig
+from MaxText.parallel.remat import remat
 
 ACTIVATIONS = {
   "silu": jax.nn.silu,
@@ -31,8 +32,7 @@ class MlpBlock(nnx.Module):
   def __init__(
     self, config: ModelConfig, *, rngs: nnx.Rngs, use_bias: bool = False, mlp_dim: int | None = None, plan: Any = None
   ):
-    # `plan` is unused: XLA partitions a dense MLP by itself. Taken so every feed-forward builder (this,
-    # MoeBlock) has the signature DecoderLayer calls.
+    # XLA partitions a dense MLP by itself; the plan says only in how many sequence parts it runs (mlp_pieces).
     unknown = [a for a in config.mlp_activations if a not in ACTIVATIONS]
     if unknown:
       raise ValueError(f"Unknown mlp_activations {unknown}; choose from {sorted(ACTIVATIONS)}")
@@ -42,9 +42,23 @@ class MlpBlock(nnx.Module):
     self.wi = nnx.List([DenseGeneral(d, f, ("embed", "mlp"), **dense) for _ in config.mlp_activations])
     self.wo = DenseGeneral(f, d, ("mlp", "embed"), **dense)
     self.activations = tuple(config.mlp_activations)
+    self.pieces = 1 if plan is None else plan.mlp_pieces
+    self.remat_policy = "full" if plan is None else plan.remat_policy
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    """x [B, T, D] -> [B, T, D]; hidden [B, T, F]."""
+    """x [B, T, D] -> [B, T, D]; hidden [B, T, F]. With the plan's mlp_pieces > 1 the sequence goes through
+    in that many parts under lax.map, each part rematerialised on its own (parallel/plan.py, Pieces): the
+    backward pass then holds one part's hidden activations at a time, and every token's result is the same."""
+    b, t, d = x.shape
+    n = self.pieces
+    if n == 1 or t % n:  # other lengths (eval or scoring at another length) run whole
+      return self._apply(x)
+    graphdef, state = nnx.split(self)
+    part = remat(lambda state, x: nnx.merge(graphdef, state)._apply(x), self.remat_policy, prevent_cse=False)
+    out = jax.lax.map(lambda x: part(state, x), x.reshape(b, n, t // n, d).swapaxes(0, 1))  # [n, B, T/n, D]
+    return out.swapaxes(0, 1).reshape(b, t, d)
+
+  def _apply(self, x: jax.Array) -> jax.Array:
     hidden = None
     for name, wi in zip(self.activations, self.wi):
       h = ACTIVATIONS[name](checkpoint_name(wi(x), "mlpwi"))

@@ -65,7 +65,9 @@ def _repeat_kv(split: HeadSplit, q, k, v):
 
 
 def flash(plan: Plan, kernel: Callable, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
-  """kernel(q, k, v, segment_ids) on local arrays (the whole sequence), per batch/head shard."""
+  """kernel(q, k, v, segment_ids) on local arrays (the whole sequence), per batch/head shard; on the plan's
+  attention.batch_pieces parts of each shard's batch in turn (flash_pieces: parallel/plan.py, Pieces)."""
+  kernel = _in_batch_pieces(kernel, plan.attention.batch_pieces)
   if plan.mesh is None:
     return kernel(q, k, v, segment_ids)
   split = head_split(plan, q.shape, k.shape)
@@ -77,6 +79,23 @@ def flash(plan: Plan, kernel: Callable, q: jax.Array, k: jax.Array, v: jax.Array
     out_specs=split.q,
     check_vma=False,  # pallas_call carries no varying-manual-axes annotations
   )(q, k, v, segment_ids)
+
+
+def _in_batch_pieces(kernel: Callable, pieces: int) -> Callable:
+  """kernel on `pieces` parts of its arguments' batch (axis 0) in turn, under lax.map: each call's
+  workspace and residuals (the splash kernel writes its log-sum-exp 128 lanes wide) are a part's. Whole where
+  the local batch does not divide."""
+  if pieces == 1:
+    return kernel
+
+  def in_pieces(*args: jax.Array) -> jax.Array:
+    if args[0].shape[0] % pieces:
+      return kernel(*args)
+    parts = [a.reshape(pieces, a.shape[0] // pieces, *a.shape[1:]) for a in args]
+    out = jax.lax.map(lambda part: kernel(*part), parts)
+    return out.reshape(-1, *out.shape[2:])
+
+  return in_pieces
 
 
 def context_attention(

@@ -9,7 +9,9 @@ Decided here, in this order (later decisions read earlier ones):
    per shard when the sequence is split;
 4. the attention kernel, with the reason for it;
 5. the pipeline schedule and which units of each layer stack it runs;
-6. the MoE dispatch, the loss's vocab tiling, the remat policy and the TPU layout constraints.
+6. the MoE dispatch, the loss's vocab tiling, the remat policy and the TPU layout constraints;
+7. the activation pieces (`Pieces`): how many parts of the batch or sequence the flash call and the dense
+   MLP each take in turn, so that one layer's backward holds less at a time.
 Each step raises ConfigError for a configuration it cannot run, so a bad layout fails before compiling.
 """
 
@@ -60,11 +62,33 @@ class AttentionPlan:
   interpret: bool  # flash off TPU: Pallas' interpreter (tests)
   context_shards: int  # 1: the sequence is whole per device
   load_balanced: bool  # context parallelism in the balanced chunk order (context_parallel.balance)
+  batch_pieces: int = 1  # flash: the kernel called on this many parts of each shard's batch in turn (Pieces)
 
   def kernel_for(self, length: int) -> str:
     """The kernel for a sequence of `length` tokens (a caller scoring a length other than the training one:
     autoselected falls back to dot_product where a fused kernel cannot take it)."""
     return _kernel(self.requested, self.platform, self.context_shards, length, self.soft_cap)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pieces:
+  """Activation pieces (flash_pieces, mlp_pieces): how many parts a layer's two largest backward workspaces
+  are made in, one part at a time. Exact (each token's result is computed as whole), and no extra FLOPs
+  under remat_policy=full: the layer's recompute skips the MLP (its backward needs only its input), and each
+  MLP piece's backward remakes that piece's hidden activations. -1 (auto) makes pieces only where a whole
+  workspace would be large per device (the AUTO_* sizes below): none for llama2-7b at 4 x 2048 per device on
+  v5e-256; at 16 x 2048, 4 flash parts and 16 MLP parts of 128 tokens (12.99 -> 11.50 GiB per chip)."""
+
+  flash: int  # the flash call on this many parts of each shard's batch (its log-sum-exp is written 128 lanes wide)
+  mlp: int  # dense MLPs on this many parts of the sequence, each rematerialised on its own
+
+
+# mlp_pieces=-1: a dense MLP whose hidden activations [B, T, F] pass AUTO_MLP_WHOLE_BYTES per device runs in
+# parts of at most AUTO_MLP_PIECE_BYTES (small ones stay whole: a loop is not worth it there).
+AUTO_MLP_WHOLE_BYTES, AUTO_MLP_PIECE_BYTES = 256 * 2**20, 64 * 2**20
+# flash_pieces=-1: where the kernel's lane-padded log-sum-exp passes AUTO_FLASH_WHOLE_BYTES per device, calls
+# of at most AUTO_FLASH_PIECE_BYTES of it (at 256 MiB, mixtral-8x7b on v5p-128, two calls cost 0.11 GiB more).
+AUTO_FLASH_WHOLE_BYTES, AUTO_FLASH_PIECE_BYTES = 256 * 2**20, 128 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +122,7 @@ class Plan:
   remat_policy: str
   keep_lanes: bool  # TPU: weights and gradients keep their larger dim minor (sharding.lane_layout)
   decoding: bool = False  # built for decode.py: no training kernel, schedule or loss
+  mlp_pieces: int = 1  # dense MLPs in this many sequence pieces (Pieces)
 
   @property
   def platform(self) -> str:
@@ -282,20 +307,61 @@ def build(
   moe = None
   if config.num_experts > 1:
     moe = MoePlan(platform != "cpu", bool(config.quantization), config.capacity_factor, config.capacity_group)
+  attention = _decoding_attention(config, platform) if decoding else _attention(config, platform, axes, abstract)
+  pipeline = None if decoding else _pipeline(config, stacks)
+  pieces = Pieces(1, 1) if decoding else _pieces(config, abstract, axes, attention, pipeline)
   plan = Plan(
     mesh=abstract,
     rules=rules,
     axes=axes,
     data_axes=sharding.data_axes(config),
-    attention=_decoding_attention(config, platform) if decoding else _attention(config, platform, axes, abstract),
-    pipeline=None if decoding else _pipeline(config, stacks),
+    attention=dataclasses.replace(attention, batch_pieces=pieces.flash),
+    pipeline=pipeline,
     moe=moe,
     remat_policy=config.remat_policy,
     keep_lanes=platform == "tpu" and abstract is not None,
     decoding=decoding,
+    mlp_pieces=pieces.mlp,
   )
   _check_lora_targets(config, stacks, plan)
   return plan
+
+
+def _fewest_pieces(size: int, total_bytes: float, limit: int) -> int:
+  """The fewest parts, dividing `size`, of at most `limit` bytes each."""
+  return next((n for n in range(1, size + 1) if size % n == 0 and total_bytes / n <= limit), size)
+
+
+def _pieces(config: Config, mesh, axes: Axes, attention: AttentionPlan, pipeline: PipelinePlan | None) -> Pieces:
+  """flash_pieces and mlp_pieces, -1 resolved from the per-device workspace sizes (Pieces)."""
+  size = lambda names: math.prod(mesh.shape[a] for a in names) if mesh is not None else 1  # noqa: E731
+  devices = math.prod(mesh.shape.values()) if mesh is not None else 1
+  length = config.max_target_length
+  local_batch = max(int(config.per_device_batch_size * devices) // max(size(axes.batch), 1), 1)
+  flash, mlp = config.flash_pieces, config.mlp_pieces
+  if flash > 1 and attention.kernel != "flash":
+    raise ConfigError(f"flash_pieces={flash} splits the flash kernel's call, but attention runs {attention.kernel}")
+  if flash > 1 and local_batch % flash:
+    raise ConfigError(
+      f"flash_pieces={flash} must divide the batch each device's flash call sees ({local_batch} rows); "
+      "set a divisor, or -1 (auto)"
+    )
+  if mlp > 1 and length % mlp:
+    raise ConfigError(f"mlp_pieces={mlp} must divide max_target_length={length}; set a divisor, or -1 (auto)")
+  if mlp > 1 and (axes.length or pipeline is not None):
+    raise ConfigError(
+      f"mlp_pieces={mlp} cuts the sequence, which context parallelism or the pipeline already splits; use 1 or -1"
+    )
+  if flash == -1:
+    heads = max(config.num_query_heads // max(size(axes.heads), 1), 1)
+    residual = local_batch * heads * length * LANES * 4  # the float32 log-sum-exp, 128 lanes wide
+    large = attention.kernel == "flash" and residual > AUTO_FLASH_WHOLE_BYTES
+    flash = _fewest_pieces(local_batch, residual, AUTO_FLASH_PIECE_BYTES) if large else 1
+  if mlp == -1:
+    hidden = local_batch * length * config.mlp_dim // max(size(axes.mlp), 1) * jax.numpy.dtype(config.dtype).itemsize
+    whole = axes.length or pipeline is not None or config.remat_policy != "full"
+    mlp = 1 if whole or hidden <= AUTO_MLP_WHOLE_BYTES else _fewest_pieces(length, hidden, AUTO_MLP_PIECE_BYTES)
+  return Pieces(flash=flash, mlp=mlp)
 
 
 def describe(plan: Plan, config: Config) -> list[str]:
@@ -324,6 +390,8 @@ def describe(plan: Plan, config: Config) -> list[str]:
   else:
     tiles = "auto (by logits bytes per device)" if config.num_vocab_tiling == -1 else str(config.num_vocab_tiling)
     lines.append(f"loss: vocab tiling {tiles}; remat: {plan.remat_policy}; data axes {plan.data_axes}")
+    if plan.mlp_pieces > 1 or a.batch_pieces > 1:
+      lines.append(f"pieces: flash call in {a.batch_pieces} batch parts, dense MLP in {plan.mlp_pieces} sequence parts")
   if plan.keep_lanes:
     lines.append("layout: TPU lane-friendly layouts for narrow weight shards (sharding.lane_layout)")
   return lines

@@ -9,7 +9,7 @@ import jax
 import pytest
 from flax import nnx
 
-from MaxText import config, models, sharding, train
+from MaxText import config, models, sharding, train, train_step
 from MaxText.config import ConfigError
 from MaxText.layers.model_config import ModelConfig
 from MaxText.parallel import plan as plan_lib
@@ -89,6 +89,10 @@ def test_pipeline_schedule_is_planned_per_stack():
     (["decoder_block=gemma", "mtp_num_layers=1"], "not available for decoder_block=gemma"),
     (["decoder_block=gpt3", "trainable_position_size=0"], "needs trainable_position_size > 0"),
     (["ici_tensor_parallelism=-1", "ici_fsdp_parallelism=1"], "tensor"),  # -1 is 8 only once the mesh exists
+    (["flash_pieces=2"], "attention runs dot_product"),
+    (["attention=flash", "max_target_length=128", "per_device_batch_size=2", "flash_pieces=4"], "must divide the"),
+    (["mlp_pieces=5"], "must divide max_target_length=32"),
+    (["mlp_pieces=2", "ici_context_parallelism=4", "ici_fsdp_parallelism=2"], "context parallelism or the pipeline"),
   ],
 )
 def test_layout_errors_are_raised_when_the_plan_is_built(overrides, message):
@@ -162,3 +166,56 @@ def test_base_yml_documents_every_kernel_and_remat_policy():
     assert config.CHOICES[key] == names
     missing = [n for n in names if n not in lines[key].split("#", 1)[1]]
     assert not missing, (key, missing)
+
+
+@pytest.mark.parametrize("batch, pieces", [(4, (1, 1)), (16, (4, 16))])
+def test_activation_pieces_are_made_only_for_large_per_device_workspaces(batch, pieces):
+  """llama2-7b on v5e-256 (fsdp 256): at 4 x 2048 per chip both workspaces are small and stay whole; at 16
+  the lane-padded log-sum-exp (512 MiB) goes in 4 flash calls and the MLP hidden (688 MiB) in 16 parts of
+  128 tokens (12.99 -> 11.50 GiB per chip; benchmarks/README.md)."""
+  from MaxText import train_compile
+
+  c = config.load([BASE, "model_name=llama2-7b", "compile_topology=v5e-256", f"per_device_batch_size={batch}"], {})
+  plan = plan_lib.build(c, sharding.create_mesh(c, train_compile.topology_devices(c)))
+  assert (plan.attention.batch_pieces, plan.mlp_pieces) == pieces
+  shown = [line for line in plan_lib.describe(plan, c) if line.startswith("pieces:")]
+  assert shown == ([] if pieces == (1, 1) else ["pieces: flash call in 4 batch parts, dense MLP in 16 sequence parts"])
+
+
+@pytest.mark.parametrize("key", ["flash_pieces=0", "mlp_pieces=-2"])
+def test_pieces_take_auto_or_a_positive_count(key):
+  with pytest.raises(ConfigError, match="must be -1 \\(auto\\) or a positive number of parts"):
+    load(key)
+
+
+def loss_and_grads(c):
+  """The summed loss and its gradients for a fixed batch of the tiny model, built with the one-device plan."""
+  model = models.build(c, nnx.Rngs(params=0), plan_lib.build(c))
+  graphdef, params = nnx.split(model)
+  b, t = int(c.per_device_batch_size), c.max_target_length
+  tokens = jax.random.randint(jax.random.key(1), (b, t + 1), 0, c.vocab_size)
+  ones = jax.numpy.ones((b, t), jax.numpy.int32)
+  positions = jax.numpy.broadcast_to(jax.numpy.arange(t), (b, t))
+  batch = dict(inputs=tokens[:, :-1], targets=tokens[:, 1:], inputs_position=positions)
+  batch |= dict(inputs_segmentation=ones, targets_segmentation=ones)
+  grad = jax.grad(lambda p: train_step.loss_sums(graphdef, c, p, batch, None)[0], has_aux=False)
+  value = train_step.loss_sums(graphdef, c, params, batch, None)[0]
+  return value, grad(params)
+
+
+@pytest.mark.parametrize(
+  "pieces, whole",
+  [
+    (["mlp_pieces=4"], ["mlp_pieces=1"]),
+    (["attention=flash", "max_target_length=128", "flash_pieces=2"], ["attention=flash", "max_target_length=128"]),
+  ],
+)
+def test_activation_pieces_give_the_whole_computation_s_loss_and_gradients(pieces, whole):
+  """Each token's MLP and each row's attention are computed as whole: pieces change when, not what."""
+  common = ["per_device_batch_size=4", "remat_policy=full"]
+  cut, full = (load(*common, *words) for words in (pieces, whole))
+  assert (plan_lib.build(cut).mlp_pieces, plan_lib.build(cut).attention.batch_pieces) != (1, 1)
+  (loss_cut, grads_cut), (loss_full, grads_full) = loss_and_grads(cut), loss_and_grads(full)
+  assert abs(float(loss_cut) - float(loss_full)) <= 1e-5 * abs(float(loss_full))
+  for a, b in zip(jax.tree.leaves(grads_cut), jax.tree.leaves(grads_full)):
+    assert jax.numpy.allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -11,6 +11,7 @@ imported by code that never parses a command line; this one is about the command
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import logging
@@ -18,7 +19,7 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from MaxText import config as config_lib
 from MaxText import distributed, paths, preemption
@@ -141,6 +142,41 @@ def check_output_dir(key: str, path: str) -> None:
     os.rmdir(tempfile.mkdtemp(prefix=".maxtext-check-", dir=existing))
   except OSError as e:
     raise ConfigError(f"{key}: cannot write under {existing!r} ({e.strerror}); choose a writable {key}") from None
+
+
+def export_main(
+  argv: Sequence[str],
+  module: str,
+  doc: str | None,
+  docs: str,
+  output: str,
+  dtypes: Sequence[str],
+  export: Callable[[Config, str, str], None],
+) -> str:
+  """The command line the exporters of a checkpoint share (convert.maxtext_to_hf, convert.to_upstream):
+  CONFIG.yml load_parameters_path=... [key=value ...] --output DIR [--dtype D] -> export(config, DIR, D), the
+  config loaded in float32, on CPU; a bad config or path exits 1 with one line. Returns DIR. `output`: the help
+  of --output."""
+  parser = argparse.ArgumentParser(
+    prog=f"python3 -m {module}",
+    epilog=f"More: {docs} in the repository.",
+    description=doc,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  parser.add_argument("config", nargs="+", help="CONFIG.yml load_parameters_path=... [key=value ...]")
+  parser.add_argument("--output", required=True, help=output)
+  parser.add_argument("--dtype", default="float32", choices=dtypes, help="dtype of the written arrays")
+  args = parser.parse_args(argv[1:])
+  import jax  # lazy, as in jax_process_index
+
+  jax.config.update("jax_platforms", "cpu")
+  try:
+    export(config_lib.load([*args.config, "dtype=float32"]), args.output, args.dtype)
+  except ConfigError as e:
+    sys.exit(one_line("Conversion error", e))
+  except paths.StorageError as e:
+    sys.exit(one_line("Storage error", e))
+  return args.output
 
 
 def jax_process_index() -> int:

@@ -27,7 +27,10 @@ from typing import Any
 
 from etils import epath
 
-from MaxText.errors import StorageError  # also importable from here, its home before errors.py
+from MaxText.errors import (
+  ConfigError,
+  StorageError,
+)  # StorageError: also importable from here, its home before errors.py
 
 REMOTE_PREFIXES = ("gs://",)  # paths that name objects in a bucket, never a local file
 # Without network or credentials the storage clients retry for minutes; a probe that has no answer in this
@@ -249,8 +252,6 @@ def local_or(path: str, stand_in: str) -> str:
 def check_local(path: str, key: str, advice: str) -> None:
   """ConfigError naming `key` unless `path` is local (for writers, such as XLA's dump, that take no gs://)."""
   if is_remote(path):
-    from MaxText.errors import ConfigError
-
     raise ConfigError(f"{key}: {path!r} is not a local directory; {advice}")
 
 

@@ -226,6 +226,12 @@ def lost_processes_message(cause: str, checkpoint_dir: str | None, lost: Sequenc
   )
 
 
+def _first_line(error: BaseException) -> str:
+  """The error's message's first line (its type's name when it has none): the cause in the lost-process line."""
+  text = str(error).strip()
+  return text.splitlines()[0] if text else type(error).__name__
+
+
 def _exit_lost(cause: str, checkpoint_dir: str | None, lost: Sequence[int] = ()) -> None:
   """The one line, then exit 76 without unwinding: JAX's atexit shutdown would wait for the dead process."""
   sys.stderr.write(lost_processes_message(cause, checkpoint_dir, lost) + "\n")
@@ -272,8 +278,8 @@ class _PeerWatch:
         live = set(self.client.get_live_nodes(everyone))
       except Exception as e:  # the coordinator (process 0) is gone, or this client is shutting down
         if not self.leaving.is_set():
-          cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-          _exit_lost(f"the coordinator does not answer: {cause}", self.checkpoint_dir, [0] if self.me else [])
+          cause = f"the coordinator does not answer: {_first_line(e)}"
+          _exit_lost(cause, self.checkpoint_dir, [0] if self.me else [])
         self.alone.set()  # leaving: nobody left to wait for
         return
       if self.leaving.is_set():
@@ -358,4 +364,4 @@ def lost_processes(checkpoint_dir: str | None) -> Iterator[None]:
   except (jax.errors.JaxRuntimeError, ValueError) as e:
     if _job()[1] <= 1 or not _peer_lost(e):
       raise
-    _exit_lost(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__, checkpoint_dir)
+    _exit_lost(_first_line(e), checkpoint_dir)

@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from MaxText import hlo_dump, optimizers, sharding
 from MaxText.config import Config
 from MaxText.layers import mtp
+from MaxText.parallel import plan as plan_lib
 from MaxText.parallel.plan import Plan
 from MaxText.state import TRAIN_ALL, Partition, StateSpec, TrainState, for_inference
 
@@ -40,10 +41,7 @@ def vocab_tiles(config: Config, batch: int, length: int, shards: int = 1) -> int
   if config.num_vocab_tiling > 0:
     return config.num_vocab_tiling
   per_device = max(batch // shards, 1) * length * config.vocab_size * 4
-  for tiles in range(1, length + 1):
-    if length % tiles == 0 and per_device / tiles <= AUTO_TILE_BYTES:
-      return tiles
-  return length
+  return plan_lib.fewest_parts(length, per_device, AUTO_TILE_BYTES)
 
 
 def token_logits(model: Any, hidden: jax.Array, targets: jax.Array, tiles: int) -> tuple[jax.Array, jax.Array]:

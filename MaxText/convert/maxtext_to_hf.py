@@ -17,7 +17,6 @@ the MaxText parameters (and so HF -> MaxText -> HF is bit-exact for float32 chec
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -29,7 +28,6 @@ import numpy as np
 from flax import nnx
 
 from MaxText import checkpointing, launch, models, paths
-from MaxText import config as config_lib
 from MaxText import state as state_lib
 from MaxText.config import Config, serving_config
 from MaxText.convert import hf_mapping, streaming
@@ -142,25 +140,10 @@ def _write(c: Config, output: str, dtype: str) -> None:
 
 def main(argv: Sequence[str]) -> None:
   """argv: sys.argv (the program name first)."""
-  parser = argparse.ArgumentParser(
-    prog="python3 -m MaxText.convert.maxtext_to_hf",
-    epilog="More: docs/models.md in the repository.",
-    description=__doc__,
-    formatter_class=argparse.RawDescriptionHelpFormatter,
+  output = launch.export_main(
+    argv, "MaxText.convert.maxtext_to_hf", __doc__, "docs/models.md", "Hugging Face directory to write", DTYPES, convert
   )
-  parser.add_argument("config", nargs="+", help="CONFIG.yml load_parameters_path=... [key=value ...]")
-  parser.add_argument("--output", required=True, help="Hugging Face directory to write")
-  parser.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype of the written tensors")
-  args = parser.parse_args(argv[1:])
-  jax.config.update("jax_platforms", "cpu")
-  try:
-    c = config_lib.load([*args.config, "dtype=float32"])
-    convert(c, args.output, args.dtype)
-  except ConfigError as e:
-    sys.exit(launch.one_line("Conversion error", e))
-  except paths.StorageError as e:
-    sys.exit(launch.one_line("Storage error", e))
-  print(f"Wrote {args.output}")
+  print(f"Wrote {output}")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ attention has no such factor). Give upstream the same scan_layers. Layout facts:
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 
@@ -24,7 +23,6 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from MaxText import checkpointing, launch, paths
-from MaxText import config as config_lib
 from MaxText import state as state_lib
 from MaxText.config import Config
 from MaxText.convert import upstream
@@ -49,24 +47,11 @@ def export(c: Config, output: str, dtype: str = "float32") -> None:
 
 def main(argv: Sequence[str]) -> None:
   """argv: sys.argv (the program name first)."""
-  parser = argparse.ArgumentParser(
-    prog="python3 -m MaxText.convert.to_upstream",
-    epilog="More: docs/checkpoints.md in the repository.",
-    description=__doc__,
-    formatter_class=argparse.RawDescriptionHelpFormatter,
+  where = "directory to write (an orbax checkpoint)"
+  output = launch.export_main(
+    argv, "MaxText.convert.to_upstream", __doc__, "docs/checkpoints.md", where, DTYPES, export
   )
-  parser.add_argument("config", nargs="+", help="CONFIG.yml load_parameters_path=... [key=value ...]")
-  parser.add_argument("--output", required=True, help="directory to write (an orbax checkpoint)")
-  parser.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype of the written arrays")
-  args = parser.parse_args(argv[1:])
-  jax.config.update("jax_platforms", "cpu")
-  try:
-    export(config_lib.load([*args.config, "dtype=float32"]), args.output, args.dtype)
-  except ConfigError as e:
-    sys.exit(launch.one_line("Conversion error", e))
-  except paths.StorageError as e:
-    sys.exit(launch.one_line("Storage error", e))
-  print(f"Wrote {args.output} (upstream MaxText params; its load_parameters_path)")
+  print(f"Wrote {output} (upstream MaxText params; its load_parameters_path)")
 
 
 if __name__ == "__main__":

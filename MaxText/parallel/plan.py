@@ -327,8 +327,9 @@ def build(
   return plan
 
 
-def _fewest_pieces(size: int, total_bytes: float, limit: int) -> int:
-  """The fewest parts, dividing `size`, of at most `limit` bytes each."""
+def fewest_parts(size: int, total_bytes: float, limit: int) -> int:
+  """The fewest parts, dividing `size`, of at most `limit` bytes each (`size` when none is that small): the
+  activation pieces here, the loss's vocab tiling (train_step.vocab_tiles)."""
   return next((n for n in range(1, size + 1) if size % n == 0 and total_bytes / n <= limit), size)
 
 
@@ -356,11 +357,11 @@ def _pieces(config: Config, mesh, axes: Axes, attention: AttentionPlan, pipeline
     heads = max(config.num_query_heads // max(size(axes.heads), 1), 1)
     residual = local_batch * heads * length * LANES * 4  # the float32 log-sum-exp, 128 lanes wide
     large = attention.kernel == "flash" and residual > AUTO_FLASH_WHOLE_BYTES
-    flash = _fewest_pieces(local_batch, residual, AUTO_FLASH_PIECE_BYTES) if large else 1
+    flash = fewest_parts(local_batch, residual, AUTO_FLASH_PIECE_BYTES) if large else 1
   if mlp == -1:
     hidden = local_batch * length * config.mlp_dim // max(size(axes.mlp), 1) * jax.numpy.dtype(config.dtype).itemsize
     whole = axes.length or pipeline is not None or config.remat_policy != "full"
-    mlp = 1 if whole or hidden <= AUTO_MLP_WHOLE_BYTES else _fewest_pieces(length, hidden, AUTO_MLP_PIECE_BYTES)
+    mlp = 1 if whole or hidden <= AUTO_MLP_WHOLE_BYTES else fewest_parts(length, hidden, AUTO_MLP_PIECE_BYTES)
   return Pieces(flash=flash, mlp=mlp)
 
 

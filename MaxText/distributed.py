@@ -8,7 +8,11 @@ device. Where the processes come from decides how they find each other:
 - Explicit (GPU clusters such as Vertex AI A3 Mega, end_to_end/gpu/, multihost_runner.py, CPU tests):
   JAX_COORDINATOR_ADDRESS (host or host:port), JAX_COORDINATOR_PORT, NNODES (processes), NODE_RANK
   (this process), GPUS_PER_NODE (local GPUs; all when unset).
-- Slurm (`srun`, SLURM_JOB_ID with more than one task): JAX reads the Slurm variables itself.
+- Slurm (a task of an `srun` step of more than one task): SLURM_STEP_NUM_TASKS (or SLURM_NTASKS)
+  processes, this one SLURM_PROCID, the coordinator on the first node of SLURM_STEP_NODELIST at
+  JAX_COORDINATOR_PORT, or a port derived from SLURM_JOB_ID as JAX's own Slurm detection picks it. With
+  several tasks per node on GPUs, each task takes the GPU numbered SLURM_LOCALID (one process per GPU)
+  unless Slurm already left it only one (CUDA_VISIBLE_DEVICES).
 - Anything else: one process, nothing to initialise.
 
 CPU processes exchange collectives through gloo, so `hardware=cpu` multi-process runs work on one
@@ -21,6 +25,7 @@ import contextlib
 import glob
 import importlib.util
 import os
+import re
 import socket
 import sys
 import threading
@@ -73,15 +78,56 @@ def _env_plan(config: Config, environ: Mapping[str, str]) -> Plan:
   return Plan("env", kwargs, f"process {rank} of {nodes} with coordinator {address}")
 
 
+def first_host(nodelist: str) -> str:
+  """The first host name of a Slurm node list: 'gpu-[003-010,012],login1' -> 'gpu-003'.
+
+  Slurm's compressed form is comma-separated names, each a prefix and optionally a bracketed list of
+  numbers or ranges (zero padding kept) and a suffix; the first host is the prefix, the first number of the
+  first bracket and the rest of that name (`scontrol show hostnames` would say the same).
+  """
+  match = re.match(r"([^,\[]*)(?:\[([^\]]*)\]([^,]*))?", nodelist.strip())
+  prefix, numbers, suffix = match.group(1), match.group(2), match.group(3) or ""
+  if numbers is None:
+    first = prefix
+  else:
+    first = prefix + re.split(r"[,-]", numbers, maxsplit=1)[0] + (first_host(suffix) if suffix else "")
+  if not first:
+    raise DistributedInitError(f"cannot read the first host of the Slurm node list {nodelist!r}")
+  return first
+
+
+def slurm_port(environ: Mapping[str, str]) -> str:
+  """JAX_COORDINATOR_PORT, else one from the job id in [61440, 65535] (JAX's SlurmCluster rule), so two jobs
+  sharing a node use different ports and every task of one job computes the same one."""
+  if "JAX_COORDINATOR_PORT" in environ:
+    return environ["JAX_COORDINATOR_PORT"]
+  return str(_int(environ, "SLURM_JOB_ID") % 2**12 + 65536 - 2**12)
+
+
+def _slurm_plan(config: Config, environ: Mapping[str, str], tasks: int) -> Plan:
+  if "SLURM_PROCID" not in environ:
+    raise DistributedInitError(f"a Slurm job step of {tasks} tasks but SLURM_PROCID is not set")
+  rank = _int(environ, "SLURM_PROCID")
+  address = f"{first_host(environ['SLURM_STEP_NODELIST'])}:{slurm_port(environ)}"
+  kwargs: dict[str, Any] = {"coordinator_address": address, "num_processes": tasks, "process_id": rank}
+  nodes = environ.get("SLURM_STEP_NUM_NODES") or environ.get("SLURM_NNODES")
+  several_per_node = nodes is not None and nodes.isdigit() and tasks > int(nodes)
+  visible = environ.get("CUDA_VISIBLE_DEVICES")
+  one_gpu_left = visible is not None and "," not in visible
+  if config.hardware != "cpu" and several_per_node and not one_gpu_left and "SLURM_LOCALID" in environ:
+    kwargs["local_device_ids"] = [_int(environ, "SLURM_LOCALID")]
+  return Plan("slurm", kwargs, f"Slurm task {rank} of {tasks} with coordinator {address}")
+
+
 def plan(config: Config, environ: Mapping[str, str] | None = None) -> Plan | None:
   """How this process joins the job, or None for a single-process run."""
   environ = os.environ if environ is None else environ
   if environ.get("JAX_COORDINATOR_ADDRESS"):
     return _env_plan(config, environ)
-  tasks = environ.get("SLURM_NTASKS") or environ.get("SLURM_NPROCS") or "1"
-  if environ.get("SLURM_JOB_ID") and tasks.isdigit() and int(tasks) > 1:
-    rank = environ.get("SLURM_PROCID", "?")
-    return Plan("slurm", {"cluster_detection_method": "slurm"}, f"Slurm task {rank} of {tasks}")
+  # A task of an srun step (only srun sets SLURM_STEP_NODELIST): the batch script itself is no task.
+  tasks = environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS") or "1"
+  if environ.get("SLURM_JOB_ID") and environ.get("SLURM_STEP_NODELIST") and tasks.isdigit() and int(tasks) > 1:
+    return _slurm_plan(config, environ, int(tasks))
   if config.hardware == "tpu" or (config.hardware == "auto" and on_tpu_vm()):
     return Plan("tpu", {}, "a TPU VM worker (coordinator from the TPU metadata)")
   return None
@@ -101,10 +147,10 @@ def initialize(config: Config, environ: Mapping[str, str] | None = None) -> None
   # one misses its heartbeats; recoverable, it only marks it dead, and preemption.watch_peers exits 76.
   jax.config.update("jax_enable_recoverability", True)
   timeout = config.jax_distributed_initialization_timeout
-  if p.how == "env" and p.kwargs["process_id"] != 0:
+  if p.how != "tpu" and p.kwargs["process_id"] != 0:
     # JAX aborts the whole process (no exception) when it cannot register; check the address first.
     wait_for_coordinator(p.kwargs["coordinator_address"], timeout, p.describe)
-  elif p.how == "env":
+  elif p.how != "tpu":
     print(f"jax.distributed: {p.describe}; waiting up to {timeout} s for the others", flush=True)
   timeouts = {
     "heartbeat_timeout_seconds": config.jax_distributed_heartbeat_timeout,  # a silent process counts as lost

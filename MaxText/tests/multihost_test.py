@@ -97,7 +97,10 @@ def test_processes_started_with_different_nnodes_both_stop_with_one_line(tmp_pat
       {"JAX_COORDINATOR_ADDRESS": "h0:1234", "NNODES": "2", "NODE_RANK": "0", "GPUS_PER_NODE": "8"},
       {"coordinator_address": "h0:1234", "num_processes": 2, "process_id": 0, "local_device_ids": list(range(8))},
     ),
-    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "16", "SLURM_PROCID": "3"}, {"cluster_detection_method": "slurm"}),
+    (  # more in slurm_test.py
+      {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "h0", "SLURM_NTASKS": "16", "SLURM_PROCID": "3"},
+      {"coordinator_address": "h0:61447", "num_processes": 16, "process_id": 3},
+    ),
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}, None),
   ],
 )

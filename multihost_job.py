@@ -6,6 +6,10 @@ TPU (queued resource; --NUM_SLICES slices of --TPU_TYPE, created and started by 
 GPU (Vertex AI custom job; --NUM_NODES nodes of --MACHINE_TYPE, one process per node):
   python3 multihost_job.py --PLATFORM=vertex --RUN_NAME=big --BUCKET_NAME=my-bucket --NUM_NODES=2 \
     --REGION=us-central1 --IMAGE=us-docker.pkg.dev/.../jax:latest --COMMAND="python3 MaxText/train.py ..."
+Slurm (an sbatch script: --NUM_NODES nodes x --TASKS_PER_NODE tasks, one per GPU by default, run in place from
+--SCRIPT_DIR on the shared filesystem; no bucket; MaxText/launchers/slurm.py):
+  python3 multihost_job.py --PLATFORM=slurm --RUN_NAME=big --NUM_NODES=4 --GPUS_PER_NODE=8 --TIME=24:00:00 \
+    --COMMAND="python3 MaxText/train.py ..." --TAIL
 
 Steps: (1) a .tar.gz of --SCRIPT_DIR is uploaded to gs://<BUCKET_NAME>/<RUN_NAME>/code/ with
 google-cloud-storage; (2) a startup script that downloads it, runs --COMMAND with every host's log
@@ -29,6 +33,8 @@ import tempfile
 
 import yaml
 
+from MaxText.launchers import slurm
+
 ROOT = os.path.dirname(os.path.abspath(__file__))
 XLA_RECIPE = os.path.join(ROOT, "end_to_end", "gpu", "a3mega_xla_flags.sh")
 
@@ -41,9 +47,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
   p.add_argument("--RUN_NAME", required=True, help="job name; code and logs go under gs://<BUCKET_NAME>/<RUN_NAME>/")
-  p.add_argument("--BUCKET_NAME", required=True, help="GCS bucket (with or without gs://)")
+  p.add_argument("--BUCKET_NAME", default="", help="GCS bucket (with or without gs://); not for slurm")
   p.add_argument("--COMMAND", required=True, help="shell command every host runs from the unpacked code")
-  p.add_argument("--PLATFORM", default="tpu", choices=("tpu", "vertex"), help="tpu: queued resource; vertex: GPUs")
+  platforms = ("tpu", "vertex", "slurm")
+  p.add_argument("--PLATFORM", default="tpu", choices=platforms, help="tpu: queued resource; vertex: GPUs; slurm")
   p.add_argument("--PROJECT", default="", help="gcloud project (default: gcloud's)")
   p.add_argument("--SCRIPT_DIR", default=os.getcwd(), help="local folder to upload and run from")
   p.add_argument("--DRY_RUN", action="store_true", help="print every command and file; run and upload nothing")
@@ -65,7 +72,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   gpu.add_argument("--GPUS_PER_NODE", type=int, default=8, help="GPUs per node")
   gpu.add_argument("--IMAGE", default="", help="container image with Python, JAX (CUDA) and gcloud")
   gpu.add_argument("--COORDINATOR_PORT", type=int, default=6002, help="JAX_COORDINATOR_PORT")
+  slurm.add_arguments(p)
   args = p.parse_args(argv)
+  if args.PLATFORM != "slurm" and not args.BUCKET_NAME:
+    p.error(f"--PLATFORM={args.PLATFORM} needs --BUCKET_NAME (the code and logs go there)")
+  if args.PLATFORM == "slurm" and (problem := slurm.check_arguments(args)):
+    p.error(problem)
   args.BUCKET_NAME = args.BUCKET_NAME.removeprefix("gs://").rstrip("/")
   if args.PLATFORM == "vertex" and not args.IMAGE:
     p.error("--PLATFORM=vertex needs --IMAGE (a container with Python, JAX for CUDA and gcloud)")
@@ -201,6 +213,8 @@ def vertex_commands(args: argparse.Namespace, spec_path: str) -> list[list[str]]
 
 def plan(args: argparse.Namespace, workdir: str) -> tuple[dict[str, str], list[list[str]]]:
   """The files to write (path -> text) and the gcloud commands to run, in order."""
+  if args.PLATFORM == "slurm":
+    return slurm.plan(args, workdir)
   if args.PLATFORM == "tpu":
     path = os.path.join(workdir, "startup_script.sh")
     return {path: tpu_startup_script(args)}, tpu_commands(args, path)
@@ -210,7 +224,8 @@ def plan(args: argparse.Namespace, workdir: str) -> tuple[dict[str, str], list[l
 
 
 def print_dry_run(args: argparse.Namespace, files: dict[str, str], commands: list[list[str]]) -> None:
-  print(f"# upload: {args.SCRIPT_DIR} as .tar.gz -> gs://{args.BUCKET_NAME}/{code_object(args)}")
+  if args.PLATFORM != "slurm":  # Slurm runs the code in place from the shared filesystem
+    print(f"# upload: {args.SCRIPT_DIR} as .tar.gz -> gs://{args.BUCKET_NAME}/{code_object(args)}")
   for path, text in files.items():
     print(f"# file: {path}\n{text.rstrip()}\n# end of file: {path}")
   for command in commands:
@@ -225,6 +240,8 @@ def main(argv: list[str]) -> None:
   if args.DRY_RUN:
     print_dry_run(args, files, commands)
     return
+  if args.PLATFORM == "slurm":
+    sys.exit(slurm.submit(args, files, commands))
   os.makedirs(workdir, exist_ok=True)
   archive = os.path.join(workdir, "code.tar.gz")
   make_archive(args.SCRIPT_DIR, archive)

@@ -23,10 +23,11 @@ import subprocess
 import sys
 import time
 
-# JobState values after which the job runs no more (REQUEUED, PENDING and the rest come back to RUNNING).
-FINAL_STATES = {
-  "BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT",
-}  # fmt: skip
+# JobState values after which the job runs no more. PREEMPTED and NODE_FAIL are left out: a job with
+# --requeue comes back from them (REQUEUED, PENDING, RUNNING); one that does not is followed until Slurm
+# forgets it (MinJobAge, 300 s by default).
+FINAL_STATES = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "OUT_OF_MEMORY", "TIMEOUT"}
+MISSES = 5  # scontrol answers without the job this many times in a row: the job is gone
 POLL_S = 1.0  # how often --TAIL reads the log and asks scontrol about the job
 
 
@@ -118,25 +119,28 @@ def plan(args: argparse.Namespace, workdir: str) -> tuple[dict[str, str], list[l
 
 
 def job_state(job_id: str) -> tuple[str, int | None]:
-  """(JobState, exit status) from `scontrol show job`; ("", None) once Slurm has forgotten the job."""
+  """(JobState, exit status) from `scontrol show job`; ("", None) once Slurm has forgotten the job. The status
+  of a batch script ended by a signal is 128 + the signal, as a shell reports it."""
   result = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True)
   fields = dict(re.findall(r"(\w+)=(\S*)", result.stdout))
-  exit_code = fields.get("ExitCode", "")
-  return fields.get("JobState", ""), int(exit_code.split(":")[0]) if exit_code[:1].isdigit() else None
+  code = re.fullmatch(r"(\d+):(\d+)", fields.get("ExitCode", ""))
+  status = None if code is None else (128 + int(code[2]) if int(code[2]) else int(code[1]))
+  return fields.get("JobState", ""), status
 
 
-def tail(job_id: str, path: str, out=sys.stdout) -> int:
+def tail(job_id: str, path: str) -> int:
   """Print the log as it grows until the job has ended (through any requeues); the job's exit status."""
-  offset, state, status = 0, "", None
+  offset, misses = 0, 0
   while True:
     state, status = job_state(job_id)
-    done = not state or state in FINAL_STATES
+    misses = 0 if state else misses + 1
+    done = state in FINAL_STATES or misses >= MISSES
     if os.path.exists(path):
       with open(path, errors="replace") as f:
         f.seek(offset)
-        out.write(f.read())
+        sys.stdout.write(f.read())
         offset = f.tell()
-      out.flush()
+      sys.stdout.flush()
     if done:
       break
     time.sleep(POLL_S)
@@ -164,5 +168,6 @@ def submit(args: argparse.Namespace, files: dict[str, str], commands: list[list[
   job_id = result.stdout.strip().split(";")[0]  # --parsable: "id" or "id;cluster"
   path = log_path(args, job_id)
   print(f"multihost_job: submitted {args.RUN_NAME} as Slurm job {job_id}; log: {path}", flush=True)
-  print(f"multihost_job: follow it with: tail -F {path}; stop it with a checkpoint: scancel --signal=TERM {job_id}")
+  print(f"multihost_job: follow it with: tail -F {path}")
+  print(f"multihost_job: stop it with a checkpoint (it requeues and resumes): scancel --signal=TERM {job_id}")
   return tail(job_id, path) if args.TAIL else 0

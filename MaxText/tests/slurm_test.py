@@ -6,6 +6,7 @@ and resumes from that checkpoint to the end. UPDATE_GOLDENS=1 rewrites the golde
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -153,7 +154,7 @@ def stopped_job(cluster, tmp_path_factory):
   # One CPU device per task; the requeued run reads its compiled steps from JAX's persistent cache.
   args += ["--ENV", "XLA_FLAGS=--xla_force_host_platform_device_count=1", "--ENV", "JAX_PLATFORMS=cpu"]
   args += ["--ENV", f"JAX_COMPILATION_CACHE_DIR={out}/jax_cache"]
-  args += [f"--SCRIPT_DIR={ROOT}", f"--COMMAND={' '.join(train)}", "--TAIL"]
+  args += [f"--SCRIPT_DIR={ROOT}", f"--COMMAND={shlex.join(train)}", "--TAIL"]
   command = [sys.executable, "multihost_job.py", "--PLATFORM=slurm", *args]
   pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
   proc = subprocess.Popen(command, cwd=ROOT, env=cluster.env, **pipe)
@@ -215,3 +216,24 @@ def test_c_the_requeued_job_resumes_from_that_checkpoint(stopped_job):
 def test_first_host_agrees_with_scontrol(cluster):
   for nodelist, first in NODELISTS.items():
     assert cluster.run("scontrol", "show", "hostnames", nodelist).stdout.split()[0] == first
+
+
+@pytest.mark.parametrize("exit_code, status", [("75:0", 75), ("0:15", 143)])
+def test_tail_prints_the_log_until_the_job_ends(tmp_path, monkeypatch, capsys, exit_code, status):
+  from MaxText.launchers import slurm
+
+  # A stand-in scontrol: the job runs twice (a requeue between), then ends with exit_code.
+  states = ["RUNNING", "REQUEUED", "PENDING", "RUNNING", "COMPLETED" if exit_code == "75:0" else "FAILED"]
+  (tmp_path / "states").write_text("\n".join(states) + "\n")
+  scontrol = tmp_path / "scontrol"
+  scontrol.write_text(
+    f"#!/bin/bash\nstate=$(head -n1 {tmp_path}/states); sed -i 1d {tmp_path}/states\n"
+    f"echo 'JobId=7 JobName=x JobState='$state' Reason=None ExitCode={exit_code}'\n"
+  )
+  scontrol.chmod(0o755)
+  monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+  monkeypatch.setattr(slurm, "POLL_S", 0.0)
+  (tmp_path / "x-7.out").write_text("0: step 1/2\n")
+  assert slurm.tail("7", str(tmp_path / "x-7.out")) == status
+  out = capsys.readouterr().out
+  assert out.startswith("0: step 1/2\n") and f"job 7 ended: {states[-1]}, exit status {status}" in out

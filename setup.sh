@@ -85,6 +85,10 @@ if [ "${TEST:-0}" = "1" ]; then
     SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
     $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq openssh-server openssh-client
   fi
+  if [ "$(id -u)" = 0 ] && ! command -v slurmctld >/dev/null && [ ! -x /usr/sbin/slurmctld ] && command -v apt-get >/dev/null; then
+    say "slurm-wlm and munge: the Slurm launcher's tests start a one-node Slurm on 127.0.0.1 (as root)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null
+  fi
 fi
 say "this repository, editable (pip install -e .)"
 "$PY" -m pip install --quiet --no-deps -e .

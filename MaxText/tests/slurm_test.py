@@ -178,11 +178,15 @@ def stop_step(log):
   return int(stops.pop()[1])
 
 
+# One test, not three: under pytest-xdist each worker would start its own cluster and job for its share.
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_a_two_task_job_trains_to_a_checkpoint(stopped_job):
+def test_a_job_trains_stops_on_scancel_with_a_checkpoint_and_its_requeue_resumes(stopped_job):
   log, status, run_dir = stopped_job
   assert status == 0, log[-4000:]
+  step = stop_step(log)
+
+  # a) Two tasks form one jax.distributed job and train the tiny model to a checkpoint.
   assert "0: jax.distributed: Slurm task 0 of 2 with coordinator localhost:" in log
   assert "mesh     data 2 (2 cpu devices)" in log  # two processes of one device each, one job
   assert f"0: step {STEPS}/{STEPS} | checkpoint saved: {run_dir}/checkpoints/{STEPS}/state" in log
@@ -190,32 +194,25 @@ def test_a_two_task_job_trains_to_a_checkpoint(stopped_job):
     steps = [json.loads(line)["step"] for line in f]
   assert steps == list(range(1, STEPS + 1))  # stopped, resumed, nothing lost or repeated
 
-
-@pytest.mark.slurm
-@pytest.mark.slow
-def test_b_scancel_signal_term_leaves_a_checkpoint_and_exits_75(stopped_job):
-  log, _, run_dir = stopped_job
-  step = stop_step(log)
+  # b) scancel --signal=TERM: a checkpoint at the step both tasks name, and both exit 75.
   assert 2 <= step < STEPS and os.path.isdir(os.path.join(run_dir, "checkpoints", str(step)))
-  for task in (0, 1):
-    assert f"srun: error: localhost: task {task}: Exited with exit code 75" in log
+  assert re.search(r"srun: error: localhost: tasks? 0(-1)?: Exited with exit code 75", log), log[-4000:]
   assert "multihost_job: the tasks exited with status 75\nmultihost_job: requeueing job" in log
 
-
-@pytest.mark.slurm
-@pytest.mark.slow
-def test_c_the_requeued_job_resumes_from_that_checkpoint(stopped_job):
-  log, _, _ = stopped_job
-  step = stop_step(log)
+  # c) The requeued job (same id, same log) resumes from that checkpoint and runs to the end.
   resumed = log.split("(restart 1) on localhost")[1]
   assert f"0: run job: steps {step} -> {STEPS} | start: resume from step {step}" in resumed
   assert re.search(r"multihost_job: job \d+ ended: COMPLETED, exit status 0", resumed)
 
 
-@pytest.mark.slurm
-def test_first_host_agrees_with_scontrol(cluster):
+def test_first_host_agrees_with_scontrol(tmp_path):
+  if not shutil.which("scontrol"):
+    pytest.skip("scontrol not installed (apt-get install slurm-client)")
+  (tmp_path / "slurm.conf").write_text(slurm_cluster.slurm_conf(str(tmp_path)))  # scontrol needs one; no daemons
+  env = {**os.environ, "SLURM_CONF": str(tmp_path / "slurm.conf")}
   for nodelist, first in NODELISTS.items():
-    assert cluster.run("scontrol", "show", "hostnames", nodelist).stdout.split()[0] == first
+    hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], env=env, capture_output=True, text=True)
+    assert hosts.stdout.split()[0] == first, hosts.stderr
 
 
 @pytest.mark.parametrize("exit_code, status", [("75:0", 75), ("0:15", 143)])

@@ -41,9 +41,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
   p.add_argument("--RUN_NAME", required=True, help="job name; code and logs go under gs://<BUCKET_NAME>/<RUN_NAME>/")
-  p.add_argument("--BUCKET_NAME", required=True, help="GCS bucket (with or without gs://)")
+  p.add_argument("--BUCKET_NAME", default="", help="GCS bucket (with or without gs://); tpu and vertex only")
   p.add_argument("--COMMAND", required=True, help="shell command every host runs from the unpacked code")
-  p.add_argument("--PLATFORM", default="tpu", choices=("tpu", "vertex"), help="tpu: queued resource; vertex: GPUs")
+  p.add_argument(
+    "--PLATFORM", default="tpu", choices=("tpu", "vertex", "jobset"),
+    help="tpu: queued resource; vertex: GPUs; jobset: a Kubernetes JobSet (TPU or GPU, code in --IMAGE)",
+  )  # fmt: skip
   p.add_argument("--PROJECT", default="", help="gcloud project (default: gcloud's)")
   p.add_argument("--SCRIPT_DIR", default=os.getcwd(), help="local folder to upload and run from")
   p.add_argument("--DRY_RUN", action="store_true", help="print every command and file; run and upload nothing")
@@ -63,9 +66,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   gpu.add_argument("--MACHINE_TYPE", default="a3-megagpu-8g", help="Compute Engine machine type of a node")
   gpu.add_argument("--ACCELERATOR_TYPE", default="NVIDIA_H100_MEGA_80GB", help="Vertex accelerator type")
   gpu.add_argument("--GPUS_PER_NODE", type=int, default=8, help="GPUs per node")
-  gpu.add_argument("--IMAGE", default="", help="container image with Python, JAX (CUDA) and gcloud")
+  gpu.add_argument("--IMAGE", default="", help="vertex: image with Python and JAX (CUDA); jobset: see below")
   gpu.add_argument("--COORDINATOR_PORT", type=int, default=6002, help="JAX_COORDINATOR_PORT")
+  k8s = p.add_argument_group("Kubernetes (--PLATFORM=jobset; --IMAGE: built from the Dockerfile, holding the code)")
+  k8s.add_argument(
+    "--DEVICE",
+    default="tpu",
+    choices=("tpu", "gpu"),
+    help="tpu: --TPU_TYPE x --NUM_SLICES; gpu: "
+    "--NUM_NODES x --MACHINE_TYPE (a3-highgpu-8g, a3-megagpu-8g), --GPUS_PER_NODE",
+  )
+  k8s.add_argument("--NAMESPACE", default="", help="Kubernetes namespace (default: kubectl's)")
+  k8s.add_argument("--MAX_RESTARTS", type=int, default=0, help="JobSet restarts after a failure (runs resume)")
   args = p.parse_args(argv)
+  args.WORKDIR = os.path.join(tempfile.gettempdir(), f"multihost_job_{args.RUN_NAME}")
+  if args.PLATFORM == "jobset" and not args.IMAGE:
+    p.error("--PLATFORM=jobset needs --IMAGE (built from the Dockerfile: docs/multihost.md, Container images)")
+  if args.PLATFORM == "jobset" and args.BUCKET_NAME:
+    p.error("--PLATFORM=jobset takes no --BUCKET_NAME: the code comes in --IMAGE (outputs: base_output_directory)")
+  if args.PLATFORM != "jobset" and not args.BUCKET_NAME:
+    p.error(f"--PLATFORM={args.PLATFORM} needs --BUCKET_NAME (the code and the logs go there)")
   args.BUCKET_NAME = args.BUCKET_NAME.removeprefix("gs://").rstrip("/")
   if args.PLATFORM == "vertex" and not args.IMAGE:
     p.error("--PLATFORM=vertex needs --IMAGE (a container with Python, JAX for CUDA and gcloud)")
@@ -220,7 +240,11 @@ def print_dry_run(args: argparse.Namespace, files: dict[str, str], commands: lis
 def main(argv: list[str]) -> None:
   """argv: sys.argv (the program name first). Exits 1 when a submission command fails."""
   args = parse_args(argv[1:])
-  workdir = os.path.join(tempfile.gettempdir(), f"multihost_job_{args.RUN_NAME}")
+  if args.PLATFORM == "jobset":
+    from MaxText.launchers import kubernetes  # the manifest and kubectl live there
+
+    sys.exit(kubernetes.submit(args))
+  workdir = args.WORKDIR
   files, commands = plan(args, workdir)
   if args.DRY_RUN:
     print_dry_run(args, files, commands)

@@ -1,0 +1,1 @@
+"""Launchers behind multihost_job.py: one module per cluster manager."""

@@ -169,7 +169,10 @@ def manifest(args: argparse.Namespace) -> dict:
     metadata["namespace"] = args.NAMESPACE
   if args.DEVICE == "tpu":  # each slice's pods on one node pool (one TPU slice), never two slices on one
     metadata["annotations"] = {"alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}
-  spec = {"failurePolicy": {"maxRestarts": args.MAX_RESTARTS}, "replicatedJobs": [job]}
+  # The coordinator address is a pod's DNS name: the headless service must exist and list pods before they
+  # are ready (both JobSet's defaults, written out because the address depends on them).
+  network = {"enableDNSHostnames": True, "publishNotReadyAddresses": True}
+  spec = {"failurePolicy": {"maxRestarts": args.MAX_RESTARTS}, "network": network, "replicatedJobs": [job]}
   return {"apiVersion": API_VERSION, "kind": "JobSet", "metadata": metadata, "spec": spec}
 
 

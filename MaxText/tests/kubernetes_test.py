@@ -3,12 +3,14 @@ TPU job and a 4-node H100 (A3 Mega) job, checked against JobSet's CRD schema (it
 PodTemplateSpec; vendored and trimmed in fixtures/k8s/), read by kubectl where it is installed, and the
 environment each pod would get fed to MaxText/distributed.py. UPDATE_GOLDENS=1 rewrites the golden files."""
 
+import http.server
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
 import types
 
 import pytest
@@ -186,24 +188,103 @@ def test_bad_input_is_one_line(capsys):
     assert message in capsys.readouterr().err
 
 
+class _FakeApiServer(http.server.BaseHTTPRequestHandler):
+  """The discovery answers kubectl needs to map kind JobSet to its resource (no OpenAPI, no objects: every
+  other GET is 404 Not Found); the paths asked for are kept in `server.asked`."""
+
+  GROUP_VERSION = "jobset.x-k8s.io/v1alpha2"
+  JOBSETS = {"name": "jobsets", "singularName": "jobset", "namespaced": True, "kind": "JobSet", "verbs": ["get"]}
+  ANSWERS = {
+    "/api": {"kind": "APIVersions", "versions": ["v1"]},
+    "/api/v1": {"kind": "APIResourceList", "groupVersion": "v1", "resources": []},
+    "/apis": {
+      "kind": "APIGroupList",
+      "groups": [
+        {
+          "name": "jobset.x-k8s.io",
+          "versions": [{"groupVersion": GROUP_VERSION, "version": "v1alpha2"}],
+          "preferredVersion": {"groupVersion": GROUP_VERSION, "version": "v1alpha2"},
+        }
+      ],
+    },
+    f"/apis/{GROUP_VERSION}": {"kind": "APIResourceList", "groupVersion": GROUP_VERSION, "resources": [JOBSETS]},
+  }
+
+  def do_GET(self):
+    path = self.path.split("?")[0]
+    self.server.asked.append(path)
+    body = self.ANSWERS.get(path, {"kind": "Status", "status": "Failure", "reason": "NotFound", "code": 404})
+    data = json.dumps(body).encode()
+    self.send_response(200 if path in self.ANSWERS else 404)
+    self.send_header("Content-Type", "application/json")
+    self.send_header("Content-Length", str(len(data)))
+    self.end_headers()
+    self.wfile.write(data)
+
+  def log_message(self, *args):
+    pass
+
+
+@pytest.fixture
+def kubeconfig(tmp_path):
+  """A kubeconfig whose cluster is a _FakeApiServer on 127.0.0.1; yields (path, server)."""
+  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeApiServer)
+  server.asked = []
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  config = {
+    "apiVersion": "v1",
+    "kind": "Config",
+    "clusters": [{"name": "fake", "cluster": {"server": f"http://127.0.0.1:{server.server_port}"}}],
+    "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
+    "users": [{"name": "fake", "user": {}}],
+    "current-context": "fake",
+  }
+  (tmp_path / "kubeconfig").write_text(yaml.safe_dump(config))
+  yield str(tmp_path / "kubeconfig"), server
+  server.shutdown()
+
+
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
 @pytest.mark.parametrize("name", sorted(JOBS))
-def test_kubectl_reads_the_goldens(name):
-  """`kubectl apply --dry-run=client` needs an API server even so (discovery maps the kind to a resource); where
-  none answers, `kubectl label --local` is what runs offline: kubectl decodes the file as one object with its
-  apiVersion and kind and writes it back unchanged (no schema check: the jsonschema tests above do that)."""
-  path = os.path.join(GOLDEN, name)
-  applied = subprocess.run(
-    ["kubectl", "apply", "--dry-run=client", "--request-timeout=5s", "-f", path], capture_output=True, text=True
+def test_kubectl_apply_dry_run_reads_the_goldens(name, kubeconfig, tmp_path):
+  """`kubectl apply --dry-run=client` asks an API server even so: which resource a kind is (discovery), whether
+  the object exists, and (unless --validate=false) the OpenAPI schemas to validate against. With no server it
+  fails (connection refused); against a stand-in that answers discovery only, kubectl takes each golden as a
+  namespaced JobSet, looks it up where it would create it and prints it back unchanged. The schema itself is
+  checked by the jsonschema tests above, not here."""
+  path, server = kubeconfig
+  command = ["kubectl", "apply", "--dry-run=client", "--validate=false", "-o", "json", "-f", os.path.join(GOLDEN, name)]
+  env = {**os.environ, "KUBECONFIG": path, "HOME": str(tmp_path)}  # HOME: kubectl's discovery cache
+  out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
+  assert out.returncode == 0, out.stderr
+  applied, expected = json.loads(out.stdout), golden(name)
+  last_applied = json.loads(applied["metadata"]["annotations"].pop("kubectl.kubernetes.io/last-applied-configuration"))
+  for doc in (applied, expected, last_applied):  # kubectl fills in `annotations: {}` and the namespace
+    doc["metadata"]["annotations"] = doc["metadata"].get("annotations") or {}
+    doc["metadata"].setdefault("namespace", "default")
+  assert applied == expected and last_applied == expected
+  namespace = expected["metadata"]["namespace"]
+  assert f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{namespace}/jobsets/{expected['metadata']['name']}" in server.asked
+
+
+@pytest.mark.parametrize("kubectl_status", [0, 1])
+def test_submission_writes_the_manifest_and_applies_it(kubectl_status, tmp_path, monkeypatch, capsys):
+  """Without --DRY_RUN: the manifest is written and `kubectl apply -f` runs on it (a stand-in kubectl on PATH
+  records its arguments and the file); kubectl's failure is the exit status."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  (bin_dir / "kubectl").write_text(
+    f'#!/bin/bash\necho "$@" > {tmp_path}/argv\ncp "$3" {tmp_path}/applied.yaml\nexit {kubectl_status}\n'
   )
-  if applied.returncode == 0:
-    assert "(dry run)" in applied.stdout
-  else:
-    offline = r"connection refused|unable to recognize|no matches for kind|failed to download openapi"
-    assert re.search(offline, applied.stderr), applied.stderr
-  local = subprocess.run(
-    ["kubectl", "label", "--local", "-o", "json", "-f", path, "checked=yes"], capture_output=True, text=True, check=True
-  )
-  read = json.loads(local.stdout)
-  assert read["metadata"].pop("labels") == {"checked": "yes"}
-  assert read == golden(name)
+  (bin_dir / "kubectl").chmod(0o755)
+  monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+  monkeypatch.setattr(multihost_job.tempfile, "tempdir", str(tmp_path))  # where the manifest is written
+  with pytest.raises(SystemExit) as exit_info:
+    multihost_job.main(["multihost_job.py", *JOBS["jobset_gpu_h100x4.yaml"]])
+  assert exit_info.value.code == kubectl_status
+  manifest = f"{tmp_path}/multihost_job_gpu-job/jobset.yaml"
+  assert (tmp_path / "argv").read_text().split() == ["apply", "-f", manifest, "--namespace=training"]
+  with open(os.path.join(GOLDEN, "jobset_gpu_h100x4.yaml")) as f:
+    assert (tmp_path / "applied.yaml").read_text() == f.read()
+  out = capsys.readouterr().out
+  assert ("kubectl logs -f -l batch.kubernetes.io/job-name=gpu-job-node-0," in out) == (kubectl_status == 0)

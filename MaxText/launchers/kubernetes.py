@@ -121,7 +121,16 @@ def container_script(args: argparse.Namespace) -> str:
     first = "export NODE_RANK=$((SLICE_INDEX * HOSTS_PER_SLICE + JOB_COMPLETION_INDEX))  # global process rank\n"
   else:
     first = f"source {XLA_RECIPE}  # the A3 Mega XLA flags (appended to XLA_FLAGS)\n"
-  return f"set -uo pipefail\n{first}{args.COMMAND}\n"
+  # Kubernetes sends SIGTERM to the container's PID 1 only: this shell, which would neither die of it (PID 1)
+  # nor pass it on. The trap passes it to the command's whole process group, whose train.py then saves a
+  # checkpoint and exits (docs/failures.md) within terminationGracePeriodSeconds.
+  return (
+    f"set -uo pipefail\n{first}setsid bash -c {shlex.quote(args.COMMAND)} & child=$!\n"
+    "trap 'kill -TERM -- -$child' TERM INT\n"
+    "wait $child; status=$?\n"
+    "while kill -0 $child 2>/dev/null; do wait $child; status=$?; done  # a trap ended the first wait early\n"
+    "exit $status\n"
+  )
 
 
 def pod_spec(args: argparse.Namespace, env: list[dict], limits: dict, node_selector: dict) -> dict:

@@ -126,7 +126,7 @@ def pod_environment(doc, job_index, completion_index):
       env[entry["name"]] = str(annotations[key])
     else:
       env[entry["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], entry["value"])
-  prelude = container["command"][2].splitlines()[1]  # after `set -uo pipefail`
+  prelude = container["command"][2].splitlines()[1]  # after `set -uo pipefail`: the rank (TPU) or XLA flags
   script = f'{prelude}\necho "$NODE_RANK"' if "NODE_RANK" in prelude else 'echo "$NODE_RANK"'
   rank = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, check=True).stdout
   return {**env, "NODE_RANK": rank.strip()}
@@ -288,3 +288,22 @@ def test_submission_writes_the_manifest_and_applies_it(kubectl_status, tmp_path,
     assert (tmp_path / "applied.yaml").read_text() == f.read()
   out = capsys.readouterr().out
   assert ("kubectl logs -f -l batch.kubernetes.io/job-name=gpu-job-node-0," in out) == (kubectl_status == 0)
+
+
+def test_sigterm_to_the_container_shell_reaches_the_command(tmp_path):
+  """Kubernetes stops a pod with SIGTERM to its PID 1, the container's shell: the command (here a stand-in for
+  train.py that saves and exits 75 on SIGTERM) must get it, and its status is the container's."""
+  saved = tmp_path / "saved"
+  command = (
+    "python3 -c 'import signal, sys, time\n"
+    f'signal.signal(signal.SIGTERM, lambda *a: (open("{saved}", "w").write("checkpoint"), sys.exit(75)))\n'
+    'print("ready", flush=True)\ntime.sleep(60)\''
+  )
+  args = types.SimpleNamespace(DEVICE="gpu", COMMAND=command)
+  shell = subprocess.Popen(
+    ["bash", "-c", kubernetes.container_script(args)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+  )
+  assert shell.stdout.readline() == "ready\n"
+  shell.terminate()
+  assert shell.wait(timeout=30) == 75
+  assert saved.read_text() == "checkpoint"

@@ -6,6 +6,10 @@ TPU (queued resource; --NUM_SLICES slices of --TPU_TYPE, created and started by 
 GPU (Vertex AI custom job; --NUM_NODES nodes of --MACHINE_TYPE, one process per node):
   python3 multihost_job.py --PLATFORM=vertex --RUN_NAME=big --BUCKET_NAME=my-bucket --NUM_NODES=2 \
     --REGION=us-central1 --IMAGE=us-docker.pkg.dev/.../jax:latest --COMMAND="python3 MaxText/train.py ..."
+Kubernetes (a JobSet on GKE: TPU slices, or --DEVICE=gpu A3 nodes; the code comes in --IMAGE, no bucket):
+  python3 multihost_job.py --PLATFORM=jobset --RUN_NAME=big --TPU_TYPE=v5litepod-256 --NUM_SLICES=2 \
+    --IMAGE=us-docker.pkg.dev/.../maxtext:tpu --COMMAND="python3 MaxText/train.py ..."
+  (MaxText/launchers/kubernetes.py writes the manifest; --DRY_RUN prints it, else `kubectl apply` submits it.)
 
 Steps: (1) a .tar.gz of --SCRIPT_DIR is uploaded to gs://<BUCKET_NAME>/<RUN_NAME>/code/ with
 google-cloud-storage; (2) a startup script that downloads it, runs --COMMAND with every host's log

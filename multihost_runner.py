@@ -60,7 +60,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   p.add_argument("--SSH_ARGS", default="", help="extra ssh options for --HOSTS, e.g. '-i key -o ...'")
   p.add_argument("--COORDINATOR_PORT", type=int, default=8476, help="JAX_COORDINATOR_PORT on every host")
   p.add_argument("--IMAGE", default="", help="run the command in this container image (docker run) on every host")
-  p.add_argument("--DOCKER_ARGS", default="", help="extra `docker run` flags with --IMAGE, e.g. '--gpus all'")
+  p.add_argument(
+    "--DOCKER_ARGS", default="--privileged",
+    help="more `docker run` flags with --IMAGE: --privileged (the default) lets TPU VMs' chips in; GPUs: '--gpus all'",
+  )  # fmt: skip
   args = p.parse_args(argv)
   if bool(args.HOSTS) == bool(args.TPU_PREFIX):
     p.error("give exactly one of --HOSTS and --TPU_PREFIX")
@@ -138,8 +141,8 @@ def remote_command(host: Host, args: argparse.Namespace) -> str:
 
 
 def in_image(host: Host, args: argparse.Namespace) -> str:
-  """--COMMAND, or with --IMAGE a `docker run` of it in that image: the host's network, devices (TPU chips;
-  GPUs need --DOCKER_ARGS='--gpus all') and shared memory, this host's variables, the copied folder mounted
+  """--COMMAND, or with --IMAGE a `docker run` of it in that image: the host's network and shared memory,
+  --DOCKER_ARGS (devices: --privileged for TPU chips, '--gpus all'), this host's variables, the copied folder mounted
   over the image's /maxtext (the code you copied runs on the image's pinned packages). The container is
   named after the run and rank, and removed when it ends; docker passes SIGTERM on to it."""
   if not args.IMAGE:
@@ -147,7 +150,7 @@ def in_image(host: Host, args: argparse.Namespace) -> str:
   env = " ".join(f"-e {k}" for k in host.env)
   name = f"{args.RUN_NAME}-{host.rank}"
   return (
-    f'docker run --rm --name {shlex.quote(name)} --net=host --privileged --ipc=host {env} -v "$PWD":/maxtext '
+    f'docker run --rm --name {shlex.quote(name)} --net=host --ipc=host {env} -v "$PWD":/maxtext '
     f"-w /maxtext {args.DOCKER_ARGS} --entrypoint bash {shlex.quote(args.IMAGE)} -c {shlex.quote(args.COMMAND)}"
   )
 

@@ -113,6 +113,7 @@ def test_image_runs_the_command_through_docker_with_the_host_variables(tmp_path,
     ["--HOSTS=a,b", "--COMMAND=echo rank=$NODE_RANK of $NNODES", "--IMAGE=maxtext:cpu", "--RUN_NAME=img",
      "--DOCKER_ARGS=--gpus all", f"--LOG_DIR={tmp_path}/logs", f"--REMOTE_DIR={tmp_path}/host{{rank}}"]
   )  # fmt: skip
+  assert multihost_runner.parse_args(["--HOSTS=a", "--COMMAND=x"]).DOCKER_ARGS == "--privileged"  # TPU chips
   hosts = [h._replace(ssh=["bash", "-c"]) for h in multihost_runner.ssh_hosts(args)]
   for host in hosts:
     (tmp_path / f"host{host.rank}").mkdir()

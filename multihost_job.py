@@ -31,7 +31,7 @@ import sys
 import tarfile
 import tempfile
 
-import yaml
+from MaxText.launchers import to_yaml
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 XLA_RECIPE = os.path.join(ROOT, "end_to_end", "gpu", "a3mega_xla_flags.sh")
@@ -205,18 +205,6 @@ def vertex_job_spec(args: argparse.Namespace) -> dict:
   return {"workerPoolSpecs": pools}
 
 
-class _BlockDumper(yaml.SafeDumper):
-  """Multi-line strings (the entrypoint script) as readable YAML `|` blocks; no &anchors."""
-
-  def ignore_aliases(self, data):
-    return True
-
-
-_BlockDumper.add_representer(
-  str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None)
-)
-
-
 def vertex_commands(args: argparse.Namespace, spec_path: str) -> list[list[str]]:
   create = ["gcloud", "ai", "custom-jobs", "create", f"--region={args.REGION}", f"--display-name={args.RUN_NAME}"]
   create += [f"--config={spec_path}"] + [f"--project={args.PROJECT}"] * bool(args.PROJECT)
@@ -229,7 +217,7 @@ def plan(args: argparse.Namespace, workdir: str) -> tuple[dict[str, str], list[l
     path = os.path.join(workdir, "startup_script.sh")
     return {path: tpu_startup_script(args)}, tpu_commands(args, path)
   path = os.path.join(workdir, "vertex_job.yaml")
-  text = yaml.dump(vertex_job_spec(args), Dumper=_BlockDumper, sort_keys=False, width=1000)
+  text = to_yaml(vertex_job_spec(args))
   return {path: text}, vertex_commands(args, path)
 
 

@@ -28,7 +28,7 @@ import subprocess
 import sys
 from typing import NamedTuple
 
-import yaml
+from MaxText.launchers import to_yaml
 
 API_VERSION = "jobset.x-k8s.io/v1alpha2"
 MEGASCALE_PORT = 8080  # multi-slice (DCN) coordination, as multihost_runner.py
@@ -183,22 +183,6 @@ def manifest(args: argparse.Namespace) -> dict:
   network = {"enableDNSHostnames": True, "publishNotReadyAddresses": True}
   spec = {"failurePolicy": {"maxRestarts": args.MAX_RESTARTS}, "network": network, "replicatedJobs": [job]}
   return {"apiVersion": API_VERSION, "kind": "JobSet", "metadata": metadata, "spec": spec}
-
-
-class _BlockDumper(yaml.SafeDumper):
-  """Multi-line strings (the container script) as `|` blocks; no &anchors."""
-
-  def ignore_aliases(self, data):
-    return True
-
-
-_BlockDumper.add_representer(
-  str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None)
-)
-
-
-def to_yaml(doc: dict) -> str:
-  return yaml.dump(doc, Dumper=_BlockDumper, sort_keys=False, width=1000)
 
 
 def kubectl(args: argparse.Namespace, *words: str) -> list[str]:

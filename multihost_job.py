@@ -92,7 +92,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.error(f"--PLATFORM={args.PLATFORM} needs --BUCKET_NAME (the code and the logs go there)")
   args.BUCKET_NAME = args.BUCKET_NAME.removeprefix("gs://").rstrip("/")
   if args.PLATFORM == "vertex" and not args.IMAGE:
-    p.error("--PLATFORM=vertex needs --IMAGE (a container with Python, JAX for CUDA and gcloud)")
+    p.error("--PLATFORM=vertex needs --IMAGE (Python and JAX for CUDA: the Dockerfile's gpu target builds one)")
   if min(args.NUM_SLICES, args.NUM_NODES) < 1:
     p.error("--NUM_SLICES and --NUM_NODES must be >= 1")
   return args
@@ -186,6 +186,7 @@ print(rank, spec["cluster"]["workerpool0"][0].split(":")[0])')
 export NODE_RANK JAX_COORDINATOR_ADDRESS JAX_COORDINATOR_PORT={args.COORDINATOR_PORT}
 export NNODES={args.NUM_NODES} GPUS_PER_NODE={args.GPUS_PER_NODE}
 {recipe}mkdir -p /tmp/{run} && cd /tmp/{run} && tar -xzf /gcs/{bucket}/{code_object(args)}
+export PYTHONPATH="$PWD${{PYTHONPATH:+:$PYTHONPATH}}"  # this code's MaxText first (the images have their own)
 mkdir -p /gcs/{bucket}/{run}/logs
 ({args.COMMAND}) 2>&1 | tee /gcs/{bucket}/{run}/logs/node_$NODE_RANK.txt
 exit ${{PIPESTATUS[0]}}

@@ -230,7 +230,7 @@ def kubeconfig(tmp_path):
   """A kubeconfig whose cluster is a _FakeApiServer on 127.0.0.1; yields (path, server)."""
   server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeApiServer)
   server.asked = []
-  threading.Thread(target=server.serve_forever, daemon=True).start()
+  threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
   config = {
     "apiVersion": "v1",
     "kind": "Config",

@@ -6,6 +6,10 @@ TPU (queued resource; --NUM_SLICES slices of --TPU_TYPE, created and started by 
 GPU (Vertex AI custom job; --NUM_NODES nodes of --MACHINE_TYPE, one process per node):
   python3 multihost_job.py --PLATFORM=vertex --RUN_NAME=big --BUCKET_NAME=my-bucket --NUM_NODES=2 \
     --REGION=us-central1 --IMAGE=us-docker.pkg.dev/.../jax:latest --COMMAND="python3 MaxText/train.py ..."
+Kubernetes (a JobSet on GKE: TPU slices, or --DEVICE=gpu A3 nodes; the code comes in --IMAGE, no bucket):
+  python3 multihost_job.py --PLATFORM=jobset --RUN_NAME=big --TPU_TYPE=v5litepod-256 --NUM_SLICES=2 \
+    --IMAGE=us-docker.pkg.dev/.../maxtext:tpu --COMMAND="python3 MaxText/train.py ..."
+  (MaxText/launchers/kubernetes.py writes the manifest; --DRY_RUN prints it, else `kubectl apply` submits it.)
 Slurm (an sbatch script: --NUM_NODES nodes x --TASKS_PER_NODE tasks, one per GPU by default, run in place from
 --SCRIPT_DIR on the shared filesystem; no bucket; MaxText/launchers/slurm.py):
   python3 multihost_job.py --PLATFORM=slurm --RUN_NAME=big --NUM_NODES=4 --GPUS_PER_NODE=8 --TIME=24:00:00 \
@@ -31,9 +35,7 @@ import sys
 import tarfile
 import tempfile
 
-import yaml
-
-from MaxText.launchers import slurm
+from MaxText.launchers import slurm, to_yaml
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 XLA_RECIPE = os.path.join(ROOT, "end_to_end", "gpu", "a3mega_xla_flags.sh")
@@ -47,10 +49,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
   p.add_argument("--RUN_NAME", required=True, help="job name; code and logs go under gs://<BUCKET_NAME>/<RUN_NAME>/")
-  p.add_argument("--BUCKET_NAME", default="", help="GCS bucket (with or without gs://); not for slurm")
+  p.add_argument("--BUCKET_NAME", default="", help="GCS bucket (with or without gs://); tpu and vertex only")
   p.add_argument("--COMMAND", required=True, help="shell command every host runs from the unpacked code")
-  platforms = ("tpu", "vertex", "slurm")
-  p.add_argument("--PLATFORM", default="tpu", choices=platforms, help="tpu: queued resource; vertex: GPUs; slurm")
+  p.add_argument(
+    "--PLATFORM", default="tpu", choices=("tpu", "vertex", "jobset", "slurm"),
+    help="tpu: queued resource; vertex: GPUs; jobset: a Kubernetes JobSet (TPU or GPU, code in --IMAGE); slurm",
+  )  # fmt: skip
   p.add_argument("--PROJECT", default="", help="gcloud project (default: gcloud's)")
   p.add_argument("--SCRIPT_DIR", default=os.getcwd(), help="local folder to upload and run from")
   p.add_argument("--DRY_RUN", action="store_true", help="print every command and file; run and upload nothing")
@@ -70,17 +74,32 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   gpu.add_argument("--MACHINE_TYPE", default="a3-megagpu-8g", help="Compute Engine machine type of a node")
   gpu.add_argument("--ACCELERATOR_TYPE", default="NVIDIA_H100_MEGA_80GB", help="Vertex accelerator type")
   gpu.add_argument("--GPUS_PER_NODE", type=int, default=8, help="GPUs per node")
-  gpu.add_argument("--IMAGE", default="", help="container image with Python, JAX (CUDA) and gcloud")
+  gpu.add_argument("--IMAGE", default="", help="vertex: image with Python and JAX (CUDA); jobset: see below")
   gpu.add_argument("--COORDINATOR_PORT", type=int, default=6002, help="JAX_COORDINATOR_PORT")
+  k8s = p.add_argument_group("Kubernetes (--PLATFORM=jobset; --IMAGE: built from the Dockerfile, holding the code)")
+  k8s.add_argument(
+    "--DEVICE",
+    default="tpu",
+    choices=("tpu", "gpu"),
+    help="tpu: --TPU_TYPE x --NUM_SLICES; gpu: "
+    "--NUM_NODES x --MACHINE_TYPE (a3-highgpu-8g, a3-megagpu-8g), --GPUS_PER_NODE",
+  )
+  k8s.add_argument("--NAMESPACE", default="", help="Kubernetes namespace (default: kubectl's)")
+  k8s.add_argument("--MAX_RESTARTS", type=int, default=0, help="JobSet restarts after a failure (runs resume)")
   slurm.add_arguments(p)
   args = p.parse_args(argv)
-  if args.PLATFORM != "slurm" and not args.BUCKET_NAME:
-    p.error(f"--PLATFORM={args.PLATFORM} needs --BUCKET_NAME (the code and logs go there)")
+  args.WORKDIR = os.path.join(tempfile.gettempdir(), f"multihost_job_{args.RUN_NAME}")
+  if args.PLATFORM == "jobset" and not args.IMAGE:
+    p.error("--PLATFORM=jobset needs --IMAGE (built from the Dockerfile: docs/multihost.md, Container images)")
+  if args.PLATFORM == "jobset" and args.BUCKET_NAME:
+    p.error("--PLATFORM=jobset takes no --BUCKET_NAME: the code comes in --IMAGE (outputs: base_output_directory)")
+  if args.PLATFORM in ("tpu", "vertex") and not args.BUCKET_NAME:
+    p.error(f"--PLATFORM={args.PLATFORM} needs --BUCKET_NAME (the code and the logs go there)")
   if args.PLATFORM == "slurm" and (problem := slurm.check_arguments(args)):
     p.error(problem)
   args.BUCKET_NAME = args.BUCKET_NAME.removeprefix("gs://").rstrip("/")
   if args.PLATFORM == "vertex" and not args.IMAGE:
-    p.error("--PLATFORM=vertex needs --IMAGE (a container with Python, JAX for CUDA and gcloud)")
+    p.error("--PLATFORM=vertex needs --IMAGE (Python and JAX for CUDA: the Dockerfile's gpu target builds one)")
   if min(args.NUM_SLICES, args.NUM_NODES) < 1:
     p.error("--NUM_SLICES and --NUM_NODES must be >= 1")
   return args
@@ -174,6 +193,7 @@ print(rank, spec["cluster"]["workerpool0"][0].split(":")[0])')
 export NODE_RANK JAX_COORDINATOR_ADDRESS JAX_COORDINATOR_PORT={args.COORDINATOR_PORT}
 export NNODES={args.NUM_NODES} GPUS_PER_NODE={args.GPUS_PER_NODE}
 {recipe}mkdir -p /tmp/{run} && cd /tmp/{run} && tar -xzf /gcs/{bucket}/{code_object(args)}
+export PYTHONPATH="$PWD${{PYTHONPATH:+:$PYTHONPATH}}"  # this code's MaxText first (the images have their own)
 mkdir -p /gcs/{bucket}/{run}/logs
 ({args.COMMAND}) 2>&1 | tee /gcs/{bucket}/{run}/logs/node_$NODE_RANK.txt
 exit ${{PIPESTATUS[0]}}
@@ -193,18 +213,6 @@ def vertex_job_spec(args: argparse.Namespace) -> dict:
   return {"workerPoolSpecs": pools}
 
 
-class _BlockDumper(yaml.SafeDumper):
-  """Multi-line strings (the entrypoint script) as readable YAML `|` blocks; no &anchors."""
-
-  def ignore_aliases(self, data):
-    return True
-
-
-_BlockDumper.add_representer(
-  str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None)
-)
-
-
 def vertex_commands(args: argparse.Namespace, spec_path: str) -> list[list[str]]:
   create = ["gcloud", "ai", "custom-jobs", "create", f"--region={args.REGION}", f"--display-name={args.RUN_NAME}"]
   create += [f"--config={spec_path}"] + [f"--project={args.PROJECT}"] * bool(args.PROJECT)
@@ -213,19 +221,16 @@ def vertex_commands(args: argparse.Namespace, spec_path: str) -> list[list[str]]
 
 def plan(args: argparse.Namespace, workdir: str) -> tuple[dict[str, str], list[list[str]]]:
   """The files to write (path -> text) and the gcloud commands to run, in order."""
-  if args.PLATFORM == "slurm":
-    return slurm.plan(args, workdir)
   if args.PLATFORM == "tpu":
     path = os.path.join(workdir, "startup_script.sh")
     return {path: tpu_startup_script(args)}, tpu_commands(args, path)
   path = os.path.join(workdir, "vertex_job.yaml")
-  text = yaml.dump(vertex_job_spec(args), Dumper=_BlockDumper, sort_keys=False, width=1000)
+  text = to_yaml(vertex_job_spec(args))
   return {path: text}, vertex_commands(args, path)
 
 
 def print_dry_run(args: argparse.Namespace, files: dict[str, str], commands: list[list[str]]) -> None:
-  if args.PLATFORM != "slurm":  # Slurm runs the code in place from the shared filesystem
-    print(f"# upload: {args.SCRIPT_DIR} as .tar.gz -> gs://{args.BUCKET_NAME}/{code_object(args)}")
+  print(f"# upload: {args.SCRIPT_DIR} as .tar.gz -> gs://{args.BUCKET_NAME}/{code_object(args)}")
   for path, text in files.items():
     print(f"# file: {path}\n{text.rstrip()}\n# end of file: {path}")
   for command in commands:
@@ -235,13 +240,17 @@ def print_dry_run(args: argparse.Namespace, files: dict[str, str], commands: lis
 def main(argv: list[str]) -> None:
   """argv: sys.argv (the program name first). Exits 1 when a submission command fails."""
   args = parse_args(argv[1:])
-  workdir = os.path.join(tempfile.gettempdir(), f"multihost_job_{args.RUN_NAME}")
+  if args.PLATFORM == "jobset":
+    from MaxText.launchers import kubernetes  # the manifest and kubectl live there
+
+    sys.exit(kubernetes.submit(args))
+  if args.PLATFORM == "slurm":
+    sys.exit(slurm.submit(args))
+  workdir = args.WORKDIR
   files, commands = plan(args, workdir)
   if args.DRY_RUN:
     print_dry_run(args, files, commands)
     return
-  if args.PLATFORM == "slurm":
-    sys.exit(slurm.submit(args, files, commands))
   os.makedirs(workdir, exist_ok=True)
   archive = os.path.join(workdir, "code.tar.gz")
   make_archive(args.SCRIPT_DIR, archive)

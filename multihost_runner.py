@@ -10,7 +10,8 @@ It copies --SCRIPT_DIR (default: here) to every host (unless --USE_EXISTING_FOLD
 there from the copy with JAX_COORDINATOR_ADDRESS, JAX_COORDINATOR_PORT, NNODES and NODE_RANK (TPU:
 MEGASCALE_* for multi-slice) in its environment, streams every host's output prefixed with its rank
 and saves it to <LOG_DIR>/host<rank>.log. When one host fails, the others are stopped; the exit
-status is the first failure's (0 when all succeed).
+status is the first failure's (0 when all succeed). With --IMAGE the command runs in that container
+image on every host (`docker run`, the Dockerfile's images; docs/multihost.md, "Container images").
 """
 
 from __future__ import annotations
@@ -58,6 +59,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   p.add_argument("--USE_EXISTING_FOLDER", type=_bool, default=False, help="skip the copy; the folder is there")
   p.add_argument("--SSH_ARGS", default="", help="extra ssh options for --HOSTS, e.g. '-i key -o ...'")
   p.add_argument("--COORDINATOR_PORT", type=int, default=8476, help="JAX_COORDINATOR_PORT on every host")
+  p.add_argument("--IMAGE", default="", help="run the command in this container image (docker run) on every host")
+  p.add_argument(
+    "--DOCKER_ARGS", default="--privileged",
+    help="more `docker run` flags with --IMAGE: --privileged (the default) lets TPU VMs' chips in; GPUs: '--gpus all'",
+  )  # fmt: skip
   args = p.parse_args(argv)
   if bool(args.HOSTS) == bool(args.TPU_PREFIX):
     p.error("give exactly one of --HOSTS and --TPU_PREFIX")
@@ -128,9 +134,24 @@ def remote_command(host: Host, args: argparse.Namespace) -> str:
   folder = args.REMOTE_DIR.format(rank=host.rank)
   return (
     f"cd {folder} || exit 97; export {exports}; exec 3<&0; "
-    f"setsid bash -c {shlex.quote(args.COMMAND)} </dev/null 3<&- & c=$!; "
+    f"setsid bash -c {shlex.quote(in_image(host, args))} </dev/null 3<&- & c=$!; "
     '(while read -r _ <&3; do :; done; kill -TERM -- -"$c") >/dev/null 2>&1 & w=$!; exec 3<&-; '
     'wait "$c"; rc=$?; kill "$w" 2>/dev/null; exit "$rc"'
+  )
+
+
+def in_image(host: Host, args: argparse.Namespace) -> str:
+  """--COMMAND, or with --IMAGE a `docker run` of it in that image: the host's network and shared memory,
+  --DOCKER_ARGS (devices: --privileged for TPU chips, '--gpus all'), this host's variables, the copied folder mounted
+  over the image's /maxtext (the code you copied runs on the image's pinned packages). The container is
+  named after the run and rank, and removed when it ends; docker passes SIGTERM on to it."""
+  if not args.IMAGE:
+    return args.COMMAND
+  env = " ".join(f"-e {k}" for k in host.env)
+  name = f"{args.RUN_NAME}-{host.rank}"
+  return (
+    f'docker run --rm --name {shlex.quote(name)} --net=host --ipc=host {env} -v "$PWD":/maxtext '
+    f"-w /maxtext {args.DOCKER_ARGS} --entrypoint bash {shlex.quote(args.IMAGE)} -c {shlex.quote(args.COMMAND)}"
   )
 
 

@@ -70,8 +70,8 @@ say "runtime dependencies (requirements.txt: jax, flax, optax, orbax, data and t
 "$PY" -m pip install --quiet -r requirements.txt
 case "$DEVICE" in
   cpu) ;;
-  gpu) say "jax[cuda12] (CUDA 12 wheels: cuDNN, NCCL)"
-       "$PY" -m pip install --quiet "jax[cuda12]==$(grep '^jax==' requirements.txt | cut -d= -f3)" ;;
+  gpu) say "jax[cuda12] (requirements-gpu.txt: CUDA 12 wheels, cuDNN, NCCL)"
+       "$PY" -m pip install --quiet -r requirements-gpu.txt ;;
   tpu) say "libtpu (requirements-tpu.txt)"
        "$PY" -m pip install --quiet -r requirements-tpu.txt ;;
 esac

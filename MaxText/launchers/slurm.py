@@ -113,7 +113,7 @@ def sbatch_command(script_path: str) -> list[str]:
 
 
 def plan(args: argparse.Namespace, workdir: str) -> tuple[dict[str, str], list[list[str]]]:
-  """The files to write (path -> text) and the commands to run, as multihost_job.plan returns them."""
+  """The files to write (path -> text) and the commands to run: the script and its sbatch."""
   path = os.path.join(workdir, "slurm_job.sh")
   return {path: batch_script(args)}, [sbatch_command(path)]
 
@@ -148,8 +148,15 @@ def tail(job_id: str, path: str) -> int:
   return 1 if status is None else status
 
 
-def submit(args: argparse.Namespace, files: dict[str, str], commands: list[list[str]]) -> int:
-  """Write the script, sbatch it, print the job id and log path; with --TAIL follow the log. The exit status."""
+def submit(args: argparse.Namespace) -> int:
+  """--DRY_RUN: print the script and the sbatch command. Else write the script, sbatch it, print the job id and
+  the log path, and with --TAIL follow the log. The exit status."""
+  files, commands = plan(args, args.WORKDIR)
+  if args.DRY_RUN:  # the format of multihost_job.print_dry_run (nothing to upload)
+    for path, text in files.items():
+      print(f"# file: {path}\n{text.rstrip()}\n# end of file: {path}")
+    print("# run: " + shlex.join(commands[0]))
+    return 0
   for path, text in files.items():
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:

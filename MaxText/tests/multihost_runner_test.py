@@ -1,6 +1,7 @@
 """multihost_runner.py --HOSTS against two ssh "hosts": an sshd on 127.0.0.1 started here."""
 
 import getpass
+import json
 import os
 import shutil
 import socket
@@ -88,3 +89,42 @@ def test_one_failing_host_fails_the_run_and_stops_the_other(tmp_path, sshd, code
   assert "survived" not in (tmp_path / "logs" / "host0.log").read_text()
   ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
   assert "sleep 60; echo survived" not in ps  # the remote command was killed, not just the ssh client
+
+
+def test_image_runs_the_command_through_docker_with_the_host_variables(tmp_path, monkeypatch):
+  """--IMAGE: each host's command becomes one `docker run` of the image with that host's variables passed
+  in (-e) and the copied folder mounted; a stand-in `docker` on PATH records its arguments and runs the
+  command. The hosts are local bash shells in place of ssh."""
+  import multihost_runner
+
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  (bin_dir / "docker").write_text(
+    f"#!{sys.executable}\n"
+    "import json, os, subprocess, sys\n"
+    "argv = sys.argv[1:]\n"
+    "passed = {argv[i + 1]: os.environ[argv[i + 1]] for i, a in enumerate(argv) if a == '-e'}\n"
+    "print('docker ' + json.dumps({'argv': argv, 'env': passed}), flush=True)\n"
+    "sys.exit(subprocess.run(['bash', '-c', argv[-1]], env={**os.environ, **passed}).returncode)\n"
+  )
+  (bin_dir / "docker").chmod(0o755)
+  monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+  args = multihost_runner.parse_args(
+    ["--HOSTS=a,b", "--COMMAND=echo rank=$NODE_RANK of $NNODES", "--IMAGE=maxtext:cpu", "--RUN_NAME=img",
+     "--DOCKER_ARGS=--gpus all", f"--LOG_DIR={tmp_path}/logs", f"--REMOTE_DIR={tmp_path}/host{{rank}}"]
+  )  # fmt: skip
+  assert multihost_runner.parse_args(["--HOSTS=a", "--COMMAND=x"]).DOCKER_ARGS == "--privileged"  # TPU chips
+  hosts = [h._replace(ssh=["bash", "-c"]) for h in multihost_runner.ssh_hosts(args)]
+  for host in hosts:
+    (tmp_path / f"host{host.rank}").mkdir()
+  assert multihost_runner.run_all(hosts, args) == 0
+  for rank in (0, 1):
+    lines = (tmp_path / "logs" / f"host{rank}.log").read_text().splitlines()
+    call = json.loads(lines[0].removeprefix("docker "))
+    assert call["env"] == {"JAX_COORDINATOR_ADDRESS": "a", "JAX_COORDINATOR_PORT": "8476", "NNODES": "2",
+                           "NODE_RANK": str(rank)}  # fmt: skip
+    argv = call["argv"]
+    assert argv[:4] == ["run", "--rm", "--name", f"img-{rank}"] and "--net=host" in argv and "--gpus" in argv
+    assert argv[argv.index("-v") + 1] == f"{tmp_path}/host{rank}:/maxtext"
+    assert argv[-4:] == ["bash", "maxtext:cpu", "-c", "echo rank=$NODE_RANK of $NNODES"]
+    assert lines[1] == f"rank={rank} of 2"

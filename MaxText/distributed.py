@@ -109,7 +109,10 @@ def _slurm_plan(config: Config, environ: Mapping[str, str], tasks: int) -> Plan:
     raise DistributedInitError(f"a Slurm job step of {tasks} tasks but SLURM_PROCID is not set")
   rank = _int(environ, "SLURM_PROCID")
   address = f"{first_host(environ['SLURM_STEP_NODELIST'])}:{slurm_port(environ)}"
+  # "deactivate": JAX's own Slurm detection would otherwise fill in local_device_ids=[SLURM_LOCALID] whenever
+  # they are left unset here, leaving a one-task-per-node job one GPU per node.
   kwargs: dict[str, Any] = {"coordinator_address": address, "num_processes": tasks, "process_id": rank}
+  kwargs["cluster_detection_method"] = "deactivate"
   nodes = environ.get("SLURM_STEP_NUM_NODES") or environ.get("SLURM_NNODES")
   several_per_node = nodes is not None and nodes.isdigit() and tasks > int(nodes)
   visible = environ.get("CUDA_VISIBLE_DEVICES")

@@ -99,7 +99,8 @@ def test_processes_started_with_different_nnodes_both_stop_with_one_line(tmp_pat
     ),
     (  # more in slurm_test.py
       {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "h0", "SLURM_NTASKS": "16", "SLURM_PROCID": "3"},
-      {"coordinator_address": "h0:61447", "num_processes": 16, "process_id": 3},
+      {"coordinator_address": "h0:61447", "num_processes": 16, "process_id": 3}
+      | {"cluster_detection_method": "deactivate"},
     ),
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}, None),
   ],

@@ -101,6 +101,7 @@ PORT = str(1234 % 4096 + 61440)  # as JAX's own Slurm detection picks it
 def test_plan_from_slurm_environment(tmp_path, hardware, changes, expected):
   plan = distributed.plan(cfg(tmp_path, "p", f"hardware={hardware}"), {**TASK, **changes})
   assert plan.how == "slurm" and "Slurm task" in plan.describe
+  assert plan.kwargs["cluster_detection_method"] == "deactivate"  # JAX must not set local_device_ids itself
   want = {"coordinator_address": f"gpu-003:{PORT}", "num_processes": 16, "process_id": 11, "local": None, **expected}
   got = {k: plan.kwargs.get(k) for k in ("coordinator_address", "num_processes", "process_id")}
   assert {**got, "local": plan.kwargs.get("local_device_ids")} == want

@@ -368,6 +368,76 @@ class MetricsWriter:
              f"clip {r['clip_fraction']:.3f} | grad {r['grad_norm']:.3f} | {r['step_time_s']:.2f} s")  # fmt: skip
 
 
+def compile_steps(config: Config) -> dict[str, Any]:
+  """AOT (compile_topology): compile the GRPO update and the engine's prefill + sample and decode + sample
+  programs for the topology's devices with shaped inputs only; {name: train_compile.CompileReport}. The update's
+  arguments hold the train state and the reference parameters (a second copy of the params)."""
+  from MaxText import train_compile  # lazy: AOT only
+
+  devices = train_compile.topology_devices(config)
+  mesh = sharding.create_mesh(config, devices)
+  check(config, sharding.global_batch_size(config, mesh))
+  optimizer, plan = optimizers.build(config), plan_lib.build(config, mesh)
+  lines = tuple(plan_lib.describe(plan, config))
+  reports = {}
+  with sharding.activate(config, mesh):
+    spec = state_lib.state_spec(config, optimizer.tx, mesh, plan)
+    batch, _ = train_compile.shaped_inputs(config, mesh)
+    shardings = batch_shardings(config, mesh)
+    b, t = batch["inputs"].shape
+    batch["old_logprobs"] = jax.ShapeDtypeStruct((b, t), jnp.float32, sharding=shardings["old_logprobs"])
+    batch["advantages"] = jax.ShapeDtypeStruct((b,), jnp.float32, sharding=shardings["advantages"])
+    start = time.perf_counter()
+    compiled = jit_grpo_step(config, mesh, optimizer, spec).lower(spec.abstract, spec.abstract.params, batch).compile()
+    reports["grpo_step"] = train_compile._report(compiled, devices, mesh, time.perf_counter() - start, lines)
+    reports.update(_compile_sampling(config, mesh, devices, spec, b))
+  return reports
+
+
+def reference_bytes(config: Config) -> int:
+  """Bytes per device of the frozen reference's parameters (as sharded on the compile topology's mesh)."""
+  from MaxText import train_compile  # lazy: AOT only
+
+  mesh = sharding.create_mesh(config, train_compile.topology_devices(config))
+  with sharding.activate(config, mesh):
+    abstract = state_lib.param_spec(config, mesh).abstract
+  leaves = jax.tree.leaves(abstract)
+  return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in leaves)
+
+
+def _compile_sampling(config: Config, mesh: Mesh, devices: Sequence[Any], spec: Any, b: int) -> dict[str, Any]:
+  """The engine's two programs at this config's prompt bucket and cache length, on the train state's params."""
+  from MaxText import train_compile  # lazy: AOT only
+
+  engine = make_engine(config, mesh)
+  prompt = engine_lib.bucket(config.max_prefill_predict_length, config.max_prefill_predict_length)
+  cache_len = max(engine_lib.bucket(prompt + config.decode_max_new_tokens, config.max_target_length), prompt)
+  vocab = config.vocab_size
+  strategy = config.decode_sampling_strategy
+  rows = lambda rank: sharding.input_sharding(config, mesh, rank=rank)  # noqa: E731
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+  scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=NamedSharding(mesh, PartitionSpec()))  # noqa: E731
+  params = engine_lib.sampling.SamplingParams(scalar(jnp.float32), scalar(jnp.int32), scalar(jnp.float32))
+  tokens = jax.ShapeDtypeStruct((b, prompt), jnp.int32, sharding=rows(2))
+  lengths = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rows(1))
+  start = time.perf_counter()
+  prefill = engine._jitted("prefill", cache_len, strategy, vocab)
+  compiled = prefill.lower(spec.abstract.params, tokens, lengths, key, params).compile()
+  reports = {"sample_prefill": train_compile._report(compiled, devices, mesh, time.perf_counter() - start, ())}
+  out = compiled.output_shardings.cache if hasattr(compiled.output_shardings, "cache") else None
+  cache = jax.eval_shape(prefill, spec.abstract.params, tokens, lengths, key, params).cache
+  if out is not None:
+    cache = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), cache, out)
+  start = time.perf_counter()
+  index = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
+  step = engine._jitted("step", strategy, vocab).lower(
+    spec.abstract.params, cache, lengths, lengths, index, key, params
+  )
+  reports["sample_step"] = train_compile._report(step.compile(), devices, mesh, time.perf_counter() - start, ())
+  return reports
+
+
 USAGE = launch.Usage(
   command="python3 -m MaxText.rl CONFIG.yml load_parameters_path=PARAMS rl_reward=NAME dataset_path=prompts.jsonl",
   summary="GRPO: sample num_generations completions per prompt, reward them, update with the clipped ratio + KL.",
@@ -377,10 +447,22 @@ USAGE = launch.Usage(
 )  # fmt: skip
 
 
+def config_compiles(argv: Sequence[str]) -> bool:
+  """Whether the command line asks for AOT compilation (no job to join, no devices of the target needed)."""
+  return any(a.startswith("compile_topology=") and a != "compile_topology=" for a in argv)
+
+
 def main(argv: Sequence[str]) -> None:
   """argv: sys.argv (the program name first)."""
-  config = launch.start(argv[1:], USAGE)
+  config = launch.start(argv[1:], USAGE, join_job=not config_compiles(argv))
   with launch.user_errors():
+    if config.compile_topology:
+      from MaxText import train_compile  # lazy: AOT only
+
+      for name, report in compile_steps(config).items():
+        print(f"{name}: {train_compile.format_report(report)}", flush=True)
+      print(f"of grpo_step's arguments, the reference params: {reference_bytes(config) / 2**30:.2f} GiB per device")
+      return
     launch.check_outputs(config)
     try:
       run(config)

@@ -38,7 +38,6 @@ from MaxText.parallel import plan as plan_lib
 from MaxText.state import TrainState
 
 ADVANTAGE_EPS = 1e-4  # (r - mean) / (std + eps): a group whose rewards are all equal gets advantage 0
-RL_FIELDS = ("old_logprobs", "advantages")  # what a GRPO batch adds to the train batch's fields
 
 
 def check(config: Config, global_batch: int) -> None:
@@ -108,15 +107,17 @@ def _checked(path: str, prompts: Prompts) -> Prompts:
 def step_rows(num_prompts: int, per_step: int, step: int, seed: int) -> list[int]:
   """The dataset rows of step `step`: a fresh permutation per epoch, so any step's prompts follow from the
   step alone (a resumed run needs no data state)."""
-  rows = []
+  rows, orders = [], {}
   for i in range(step * per_step, (step + 1) * per_step):
     epoch, index = divmod(i, num_prompts)
-    rows.append(int(np.random.default_rng([seed, epoch]).permutation(num_prompts)[index]))
+    if epoch not in orders:
+      orders[epoch] = np.random.default_rng([seed, epoch]).permutation(num_prompts)
+    rows.append(int(orders[epoch][index]))
   return rows
 
 
 class Rollout(NamedTuple):
-  batch: dict[str, np.ndarray]  # the train fields [B, T] and RL_FIELDS: old_logprobs [B, T], advantages [B]
+  batch: dict[str, np.ndarray]  # the train batch's fields [B, T], old_logprobs [B, T] and advantages [B]
   rewards: np.ndarray  # [B] float32
   lengths: np.ndarray  # [B] completion tokens (with the EOS, when one was sampled)
 

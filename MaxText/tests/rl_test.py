@@ -109,6 +109,32 @@ def test_the_batch_puts_the_loss_and_old_logprobs_on_completion_tokens_only():
   np.testing.assert_allclose(batch["old_logprobs"][0, 4:6], [-0.5, -0.25])
 
 
+def test_step_rows_are_a_fresh_permutation_per_epoch_and_a_function_of_the_step():
+  rows = [r for step in range(5) for r in rl.step_rows(10, 4, step, seed=0)]  # 2 epochs of 10
+  assert sorted(rows[:10]) == list(range(10)) and sorted(rows[10:20]) == list(range(10))
+  assert rows[:10] != rows[10:20]
+  assert rl.step_rows(10, 4, 3, seed=0) == rows[12:16]
+
+
+def test_the_loss_at_the_reference_is_minus_the_mean_advantage_and_clips_as_ppo(tmp_path):
+  """policy = old = reference: ratio 1, KL 0, loss -mean(A). Old log-probs 1 nat higher make the ratio e^-1 < 1 -
+  epsilon: clipped where A < 0 (that token cannot push further down), not where A > 0."""
+  c = rl_config(tmp_path, "loss")
+  mesh = sharding.create_mesh(c, jax.devices()[:1])
+  with sharding.activate(c, mesh):
+    spec = state_lib.param_spec(c, mesh)
+    params = state_lib.init_params(c, spec)
+    done = rl.engine_lib.Completion("7", [58, 2], [0.0, 0.0], "eos")
+    batch = rl.build_batch([[1, 54, 46, 55, 64]] * 2, [done, done], np.array([1.0, -0.5]), LENGTH)
+    logp = jax.jit(lambda p, b: rl.token_logprobs(spec.graphdef, c, p, b))(params, batch)
+    mask = batch["targets_segmentation"] != 0
+    loss_fn = jax.jit(lambda p, r, b: rl.grpo_loss(spec.graphdef, c, p, r, b))
+    loss, aux = loss_fn(params, logp, {**batch, "old_logprobs": np.where(mask, logp, 0.0)})
+    np.testing.assert_allclose([float(loss), float(aux["kl"]), float(aux["clip_fraction"])], [-0.25, 0, 0], atol=1e-6)
+    _, aux = loss_fn(params, logp, {**batch, "old_logprobs": np.where(mask, logp + 1.0, 0.0)})
+    assert float(aux["clip_fraction"]) == 0.5  # the A < 0 row's two tokens of four
+
+
 def test_rewards_by_name_and_module_function(tmp_path, monkeypatch):
   assert rl_rewards.load("arithmetic")("12+30=", " 42") == 1.0
   assert rl_rewards.load("arithmetic")("1+1=", "3") == 0.0

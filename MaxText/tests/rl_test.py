@@ -3,6 +3,7 @@ sampling and training on an 8-device mesh, resume, and the bad inputs (one line 
 
 import json
 import shutil
+import sys
 
 import jax
 import numpy as np
@@ -87,7 +88,7 @@ def test_grpo_raises_the_exact_answer_reward_of_a_briefly_trained_model(tmp_path
   rl.run(c, devices=jax.devices()[:1])
   rewards = [r["reward_mean"] for r in records(c)]
   first, last = np.mean(rewards[:10]), np.mean(rewards[-10:])
-  # Measured (seeds fixed): 0.27 over the first 10 steps, 0.45-0.55 over the last 10.
+  # Measured (seeds fixed): 0.27 over the first 10 steps, 0.44 over the last 10.
   assert last > first + 0.1, (first, last)
   assert all(r["kl"] >= 0 and 0 <= r["clip_fraction"] <= 1 for r in records(c))
 
@@ -201,15 +202,16 @@ def nan(prompt, completion):
 """
 
 
-@pytest.mark.parametrize("name, match", [("flaky", "raised ZeroDivisionError: boom"), ("nan", "returned nan")])
-def test_a_failing_reward_names_the_row_and_keeps_saved_checkpoints(tmp_path, monkeypatch, capsys, name, match):
+def test_a_failing_reward_names_the_row_and_keeps_saved_checkpoints(tmp_path, monkeypatch):
+  """(A NaN reward: test_main_prints_one_line_for_a_failing_reward.)"""
   (tmp_path / "bad_rewards.py").write_text(REWARDS)
   monkeypatch.syspath_prepend(str(tmp_path))
-  c = rl_config(tmp_path, "r", "steps=2", f"rl_reward=bad_rewards:{name}", "enable_checkpointing=true",
+  monkeypatch.delitem(sys.modules, "bad_rewards", raising=False)  # a fresh call counter
+  c = rl_config(tmp_path, "r", "steps=2", "rl_reward=bad_rewards:flaky", "enable_checkpointing=true",
                 "checkpoint_period=1")  # fmt: skip
-  with pytest.raises(rl_rewards.RewardError, match=rf"rl_reward on .*prompts.jsonl:\d+ \(prompt '\d\+\d=', .*{match}"):
+  with pytest.raises(rl_rewards.RewardError, match=r"rl_reward on .*prompts.jsonl:\d+ \(prompt '\d\+\d=', .*boom"):
     rl.run(c, devices=jax.devices()[:1])
-  assert checkpointing.committed_steps(c.checkpoint_dir) == ([1] if name == "flaky" else [])
+  assert checkpointing.committed_steps(c.checkpoint_dir) == [1]  # step 1's, saved before step 2 failed
 
 
 def test_bad_settings_fail_before_compiling(tmp_path):
@@ -222,6 +224,7 @@ def test_bad_settings_fail_before_compiling(tmp_path):
 def test_main_prints_one_line_for_a_failing_reward(tmp_path, monkeypatch, capsys):
   (tmp_path / "bad_rewards.py").write_text(REWARDS)
   monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.delitem(sys.modules, "bad_rewards", raising=False)  # a fresh call counter
   argv = ["rl.py", *rl_args(tmp_path, "m", "rl_reward=bad_rewards:nan", "ici_fsdp_parallelism=8")]
   with pytest.raises(SystemExit) as exit_info:
     rl.main(argv)

@@ -149,6 +149,7 @@ def test_rewards_by_name_and_module_function(tmp_path, monkeypatch):
     rl_rewards.load("my_reward:nope")
 
 
+@pytest.mark.slow  # 30-50 s on 2 busy cores: two runs (or checkpoints), each compiling the engine and the step
 def test_sampling_and_training_on_an_8_device_mesh_match_one_device(tmp_path):
   """fsdp over 8 devices: the engine samples with the sharded train params; step 1 (same samples, same
   rewards) gives the one-device loss."""
@@ -161,6 +162,7 @@ def test_sampling_and_training_on_an_8_device_mesh_match_one_device(tmp_path):
   np.testing.assert_allclose(a[0]["loss"], b[0]["loss"], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # 30-50 s on 2 busy cores: two runs (or checkpoints), each compiling the engine and the step
 def test_resume_mid_run_continues_as_the_uninterrupted_run(tmp_path):
   keys = ("loss", "reward_mean", "kl", "grad_norm", "completion_length")
   c = rl_config(tmp_path, "resume", "steps=3", "enable_checkpointing=true", "checkpoint_period=2")
@@ -202,6 +204,7 @@ def nan(prompt, completion):
 """
 
 
+@pytest.mark.slow  # 30-50 s on 2 busy cores: two runs (or checkpoints), each compiling the engine and the step
 def test_a_failing_reward_names_the_row_and_keeps_saved_checkpoints(tmp_path, monkeypatch):
   """(A NaN reward: test_main_prints_one_line_for_a_failing_reward.)"""
   (tmp_path / "bad_rewards.py").write_text(REWARDS)

@@ -25,3 +25,12 @@ def test_sft_script(tmp_path):
   )
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   assert "OK sft:" in result.stdout and "Output: 'Tokyo.'" in result.stdout
+
+
+@pytest.mark.slow  # ~3 minutes on 2 busy cores: convert, SFT, GRPO, decode, export, each compiling
+def test_post_train_script(tmp_path):
+  result = subprocess.run(
+    ["bash", "end_to_end/cpu/post_train.sh", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900
+  )
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  assert "OK post_train:" in result.stdout and "GRPO: 100 prompts" in result.stdout

@@ -24,6 +24,7 @@ USAGE = launch.Usage("python3 tool.py CONFIG.yml", "A tool.", keys=("run_name", 
     ["MaxText/train_compile.py"],
     ["-m", "MaxText.check_logits"],
     ["-m", "MaxText.data.inspect"],
+    ["-m", "MaxText.rl"],
   ],
 )
 def test_every_entry_point_prints_its_usage(command):
@@ -97,6 +98,7 @@ def test_tool_clis_print_usage_with_pointers(capsys, module, prog):
     ["bash", "end_to_end/cpu/quickstart.sh", "--help"],
     ["bash", "end_to_end/cpu/smoke.sh", "--help"],
     ["bash", "end_to_end/cpu/compare_maxtext.sh", "--help"],
+    ["bash", "end_to_end/cpu/post_train.sh", "--help"],
     ["bash", "end_to_end/gpu/launch.sh", "--help"],
     ["bash", "end_to_end/gpu/pipeline.sh", "--help"],
     ["bash", "scripts/multigpu_jaxpp.sh", "--help"],

@@ -25,9 +25,9 @@ The figures accumulate over the attempts of a run in <run dir>/goodput.json, rew
 log record and at exit (so a kill -9 loses at most the time since the last record). It also holds the
 highest step any attempt reached, which is how a resumed attempt knows which steps are redone.
 
-Why not ml-goodput-measurement (upstream MaxText's recorder): its 0.2.3 GoodputRecorder writes every event
-to Cloud Logging through google.cloud.logging.Client(), and GoodputCalculator reads them back from there;
-with no Cloud project it records nothing (logging disabled) or fails to build a client. There is no local
+Why not ml-goodput-measurement (upstream MaxText's recorder): in its 0.2.3 source, GoodputRecorder writes every
+event to Cloud Logging through google.cloud.logging.Client() and GoodputCalculator reads them back from there;
+with logging_enabled=False it records nothing, and the client needs Google Cloud credentials. There is no local
 or file mode (the only other path is a private `cloud_logger` test hook), and it pulls in
 google-cloud-logging, google-cloud-monitoring and scipy. This module keeps upstream's categories' meaning
 (program startup, compile, data loading, checkpoint save/restore, wasted progress from disruption) offline.
@@ -127,7 +127,7 @@ def read_record(path: str) -> dict[str, Any]:
     saved = json.loads(paths.Path(path).read_text()) if paths.isfile(path) else {}
   except (OSError, ValueError):
     saved = {}
-  if saved.get("version") != VERSION:
+  if not isinstance(saved, dict) or saved.get("version") != VERSION:
     return record
   record.update({k: saved[k] for k in ("attempts", "total_s", "max_step") if k in saved})
   record["seconds"].update({k: float(v) for k, v in saved.get("seconds", {}).items() if k in KINDS})
@@ -216,10 +216,11 @@ class Recorder:
     return record
 
   def figures(self) -> dict[str, Any]:
-    """Flat fields for a metrics record and the summary (fractions of the total wall time); writes the record.
-    Empty when disabled."""
+    """Flat fields for a metrics record and the summary (fractions of the total wall time); charges the open
+    segment (the logger calls this while reading a step: step time) and writes the record. Empty when disabled."""
     if not self.enabled:
       return {}
+    self.charge()
     return fractions(self.write())
 
   def close(self) -> dict[str, Any]:

@@ -99,19 +99,29 @@ def _gcloud(args: argparse.Namespace, *words: str) -> list[str]:
   return ["gcloud", "compute", "tpus", "tpu-vm", *words, *flags]
 
 
+def _gcloud_output(args: argparse.Namespace, *words: str) -> str:
+  """gcloud's stdout; when gcloud fails (no credentials, no such project or zone, API disabled) or is not
+  installed, exit with one line carrying gcloud's own message instead of a traceback."""
+  command = _gcloud(args, *words)
+  try:
+    result = subprocess.run(command, capture_output=True, text=True)
+  except FileNotFoundError:
+    sys.exit("gcloud is not installed (or not on PATH): install the Google Cloud CLI, or pass --HOSTS")
+  if result.returncode != 0:
+    message = " ".join((result.stderr or result.stdout).split()) or "no message"
+    sys.exit(f"{' '.join(command[:5])} failed (exit {result.returncode}): {message}")
+  return result.stdout
+
+
 def tpu_hosts(args: argparse.Namespace) -> list[Host]:
   """Every worker of every slice named <TPU_PREFIX>* ; slices talk over DCN through MEGASCALE_*."""
-  listing = subprocess.run(
-    _gcloud(args, "list", f"--filter=name~^{args.TPU_PREFIX}", "--format=value(name,networkEndpoints.len())"),
-    check=True, capture_output=True, text=True,
-  ).stdout.split()  # fmt: skip
+  listing = _gcloud_output(
+    args, "list", f"--filter=name~^{args.TPU_PREFIX}", "--format=value(name,networkEndpoints.len())"
+  ).split()
   slices = [(listing[i], int(listing[i + 1])) for i in range(0, len(listing), 2)]
   if not slices:
     sys.exit(f"no TPU VM named {args.TPU_PREFIX}* in this project/zone")
-  first_ip = subprocess.run(
-    _gcloud(args, "describe", slices[0][0], "--format=value(networkEndpoints[0].ipAddress)"),
-    check=True, capture_output=True, text=True,
-  ).stdout.strip()  # fmt: skip
+  first_ip = _gcloud_output(args, "describe", slices[0][0], "--format=value(networkEndpoints[0].ipAddress)").strip()
   hosts, internal = [], ["--internal-ip"] if args.INTERNAL_IP else []
   for slice_id, (name, workers) in enumerate(slices):
     for worker in range(workers):

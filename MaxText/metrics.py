@@ -20,12 +20,12 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 
-from MaxText import console, paths
+from MaxText import console, goodput, paths
 from MaxText.config import Config
 from MaxText.console import format_duration
 from MaxText.flops import mfu
@@ -104,11 +104,13 @@ class MetricLogger:
     peak_is_measured: bool = False,
     started: float | None = None,
     progress: bool = False,
+    goodput_figures: Callable[[], dict[str, Any]] | None = None,
   ):
     """tokens_per_step and flops_per_step are global (all devices); peak_flops_per_device in FLOP/s.
     peak_is_measured: the peak is a measured matmul (CPU), a lower bound that a window beating it
     raises, so MFU never exceeds 100%. started: perf_counter() when the run began (default: now), the
-    origin of elapsed_s and total_time_s. progress: show console.Progress between records."""
+    origin of elapsed_s and total_time_s. progress: show console.Progress between records. goodput_figures:
+    the run's goodput fields so far (goodput.Recorder.figures), added to every train record and the summary."""
     self.config = config
     self.num_devices = num_devices
     self.tokens_per_step = tokens_per_step
@@ -133,6 +135,7 @@ class MetricLogger:
     self._file = None
     self._tb = None
     self._tb_mirror: paths.DirMirror | None = None  # a gs:// tensorboard_dir: events written locally, copied up
+    self._goodput_figures = goodput_figures
     self._progress = console.Progress(config.steps, start_step, enabled=is_writer and progress)
     if is_writer:
       self._file = paths.AppendFile(config.metrics_file)  # a resumed run appends to its own file (local or gs://)
@@ -228,6 +231,8 @@ class MetricLogger:
     record["eta_s"] = None if mean_step is None else max(0, self.config.steps - step) * mean_step
     record["elapsed_s"] = time.perf_counter() - self._start_time
     record["compiling"] = compiling
+    if self._goodput_figures is not None:
+      record.update(self._goodput_figures())
     self._last_record = record
     return record
 
@@ -292,6 +297,7 @@ class MetricLogger:
       "last_checkpoint": self._last_checkpoint,
       "skipped_steps": self._skipped,
       **self._last_eval,
+      **(self._goodput_figures() if self._goodput_figures is not None else {}),
     }
 
   def close(self) -> dict[str, Any]:
@@ -316,6 +322,8 @@ def _tb_tag(key: str) -> str:
   """TensorBoard groups: perf/*, eval/*, train/*."""
   if key.startswith("eval_"):
     return f"eval/{key[len('eval_') :]}"
+  if key.startswith(("goodput", "badput_")):
+    return f"goodput/{key}"
   if key in ("step_time_s", "tokens_per_s_per_device", "tflops_per_s_per_device", "mfu", "eta_s", "elapsed_s"):
     return f"perf/{key}"
   return f"train/{key}"
@@ -351,6 +359,7 @@ def format_record(record: Mapping[str, Any], total_steps: int) -> str:
     eta = r.pop("eta_s")
     parts.append(f"ETA {'n/a' if eta is None else format_duration(eta)}")
   r.pop("elapsed_s", None)
+  r = {k: v for k, v in r.items() if not k.startswith(("goodput", "badput_"))}  # the summary shows them
   compiling = r.pop("compiling", False)
   parts += [f"{k} {_num(v, '.4g')}" for k, v in r.items() if isinstance(v, (int, float))]
   return " | ".join(parts) + (" (compiling)" if compiling else "")
@@ -375,6 +384,8 @@ def format_summary(summary: Mapping[str, Any], config: Config | None = None) -> 
   ]
   if "eval_loss" in summary:
     lines.append(f"  final eval loss      {_num(summary['eval_loss'], '.4f')}")
+  if "goodput" in summary:
+    lines += goodput.summary_lines(summary)
   if config is not None:
     lines += console.outputs_lines(config, summary.get("last_checkpoint"))
   if summary.get("skipped_steps"):

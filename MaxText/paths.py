@@ -95,6 +95,18 @@ def makedirs(path: str) -> None:
   Path(path).mkdir(parents=True, exist_ok=True)
 
 
+def write_atomic(path: str, text: str) -> None:
+  """Replace the file at `path` with `text` so that a reader (or a kill -9 mid-write) sees the old file or the
+  new one, never part of one: locally a temporary file renamed over it; an object store's upload is atomic."""
+  if is_remote(path):
+    Path(path).write_text(text)
+    return
+  tmp = f"{path}.{os.getpid()}.tmp"
+  with open(tmp, "w") as f:
+    f.write(text)
+  os.replace(tmp, path)
+
+
 def listdir(path: str) -> list[str]:
   """The names directly under `path`; [] when it does not exist."""
   root = Path(path)

@@ -24,6 +24,7 @@ from MaxText import (
   compiled_step,
   console,
   flops,
+  goodput,
   hlo_dump,
   launch,
   metrics,
@@ -145,13 +146,22 @@ class LoopParts:
   peak: accelerators.Peak  # per-device peak FLOP/s (for MFU) and where it comes from
   started: float  # perf_counter() when the run began: the origin of elapsed_s and the total time
   watch: preemption.Watch | None = None  # signals: stop (with a checkpoint) at an agreed step boundary
+  goodput: goodput.Recorder = dataclasses.field(default_factory=goodput.Recorder.off)  # where the time went
 
 
-def run(config: Config, devices: Sequence[Any] | None = None, started: float | None = None) -> dict[str, Any]:
+def run(
+  config: Config,
+  devices: Sequence[Any] | None = None,
+  started: float | None = None,
+  process_started: float | None = None,
+) -> dict[str, Any]:
   """Train to config.steps on `devices` (default: all); returns the metrics summary. `started`:
   perf_counter() when the process began its work (main passes it, so the summary's total time includes
-  config loading); default now. A run already at config.steps trains nothing and returns {"steps_run": 0}."""
+  config loading); default now. `process_started`: the origin of the goodput clock (main passes
+  goodput.process_start()); default `started`. A run already at config.steps trains nothing and returns
+  {"steps_run": 0}."""
   started = time.perf_counter() if started is None else started
+  clock = goodput.Recorder(config, started if process_started is None else process_started, jax.process_index() == 0)
   check_hardware(config)
   config = keep_schedule_on_resume(config)
   mesh = sharding.create_mesh(config, devices)
@@ -165,22 +175,27 @@ def run(config: Config, devices: Sequence[Any] | None = None, started: float | N
     spec = state_lib.state_spec(config, optimizer.tx, mesh, plan)
     data = data_lib.make_iterators(config, mesh)
     manager = checkpointing.create_manager(config)
+    clock.charge()
     restored = checkpointing.restore_or_init(config, optimizer.tx, spec, manager)
+    clock.restored(restored.source)
     if restored.data_state is not None:
       data.train.set_state(restored.data_state)
     if already_done(config, int(restored.state.step)):
+      clock.stop()
       return {"steps_run": 0}
     write_config(config)
     try:
       step_fn = train_step_fn(config, mesh, optimizer, spec, compiled)
-      parts = LoopParts(mesh, spec, restored, data, manager, step_fn, global_batch, peak, started, watch)
+      parts = LoopParts(mesh, spec, restored, data, manager, step_fn, global_batch, peak, started, watch, clock)
       return train_loop(config, parts)
     except NonFiniteLossError as e:  # name the checkpoint a restart resumes from (in-flight saves complete first)
       raise NonFiniteLossError(f"{e} {checkpointing.resume_point(config, manager, e.loss_step)}") from None
     finally:  # on success or error, let in-flight (async) checkpoints of good steps complete
       if manager is not None:
-        checkpointing.finish(manager)
+        with clock.phase("checkpoint_save"):
+          checkpointing.finish(manager)
       hlo_dump.publish(config, jax.process_index() == 0)  # dump_hlo: the step's HLO into the run directory
+      clock.close()  # goodput.json: this attempt's time added to the run's
 
 
 def already_done(config: Config, start: int) -> bool:
@@ -297,6 +312,7 @@ def make_logger(config: Config, parts: LoopParts, start: int, is_writer: bool) -
     peak_is_measured=parts.peak.measured,
     started=parts.started,
     progress=config.progress_bar,
+    goodput_figures=parts.goodput.figures if parts.goodput.enabled else None,
   )
 
 
@@ -341,15 +357,18 @@ def train_loop(config: Config, parts: LoopParts) -> dict[str, Any]:
     eval_fn = steps.jit_eval_step(config, parts.mesh, parts.spec)
   dropout_key = jax.random.key(config.dropout_seed)
   profiler = Profiler(config, start)
+  clock = parts.goodput  # charges the time between the phases below (goodput.py)
   with make_logger(config, parts, start, is_writer) as logger:
     reader = StepReader(config, logger, profiler)
-    batch = next(data.train) if start < config.steps else None
+    with clock.phase("data_wait"):
+      batch = next(data.train) if start < config.steps else None
     for step in range(start, config.steps):
       profiler.dispatching(step)
       t0 = time.perf_counter()
       state, step_metrics = parts.step_fn(state, batch, jax.random.fold_in(dropout_key, step))
       reader.push(Pending(step, step_metrics, (t0, time.perf_counter())))
       done = step + 1
+      clock.step(done)
       stop = parts.watch.stop_signal() if parts.watch else 0  # the same on every process
       evaluating = eval_fn is not None and (done % config.eval_interval == 0 or done == config.steps) and not stop
       saving = manager is not None and (done % config.checkpoint_period == 0 or done == config.steps or stop)
@@ -357,12 +376,14 @@ def train_loop(config: Config, parts: LoopParts) -> dict[str, Any]:
         reader.flush()  # this step's loss is checked before anything of it is saved
         reached = False  # target_eval_loss reached: checkpoint and stop early
         if evaluating:
-          result = evaluate(config, eval_fn, state.params, data.eval_factory)
+          with clock.phase("eval"):
+            result = evaluate(config, eval_fn, state.params, data.eval_factory)
           logger.log_eval(done, result)
           reached = 0 < config.target_eval_loss and result["eval_loss"] <= config.target_eval_loss
         if manager is not None and (saving or reached):
           saved = parts.spec.partition.checkpointed(state)  # LoRA: the adapters
-          checkpointing.save(manager, done, saved, data.train.get_state())
+          with clock.phase("checkpoint_save"):
+            checkpointing.save(manager, done, saved, data.train.get_state())
           logger.log_checkpoint(done, checkpoint_path(config, done))
         if reached:
           if is_writer:
@@ -373,9 +394,11 @@ def train_loop(config: Config, parts: LoopParts) -> dict[str, Any]:
           raise preemption.Stopped(done, parts.watch.signum or stop, path, here=bool(parts.watch.signum))
         reader.restart_clock()
       if manager is not None and done % config.checkpoint_period == config.async_checkpoint_max_lag_steps:
-        checkpointing.wait_for_saves(manager)  # bounds what a kill loses: docs/failures.md
+        with clock.phase("checkpoint_save"):
+          checkpointing.wait_for_saves(manager)  # bounds what a kill loses: docs/failures.md
       if done < config.steps:  # fetched while this step runs on the device
-        batch = next(data.train)
+        with clock.phase("data_wait"):
+          batch = next(data.train)
     reader.flush()
   return logger.summary()
 
@@ -395,6 +418,7 @@ USAGE = launch.Usage(
 def main(argv: Sequence[str]) -> None:
   """argv: sys.argv (the program name first)."""
   started = time.perf_counter()  # the summary's total time counts everything from here (tokenizer training too)
+  process_started = goodput.process_start()  # goodput's total counts the imports too
   config = launch.start(argv[1:], USAGE)
   if config.log_config and jax.process_index() == 0:
     print(config, flush=True)
@@ -402,7 +426,7 @@ def main(argv: Sequence[str]) -> None:
     launch.check_outputs(config)  # before any device work: the mistakes that are knowable now
     saved_config.check(config)
     try:
-      run(config, started=started)  # raises Stopped only after its checkpoint is written
+      run(config, started=started, process_started=process_started)  # raises Stopped after its checkpoint
     except preemption.Stopped as stopped:
       print(stopped.line(), file=sys.stderr, flush=True)
       sys.exit(preemption.EXIT_STOPPED)

@@ -128,3 +128,36 @@ def test_image_runs_the_command_through_docker_with_the_host_variables(tmp_path,
     assert argv[argv.index("-v") + 1] == f"{tmp_path}/host{rank}:/maxtext"
     assert argv[-4:] == ["bash", "maxtext:cpu", "-c", "echo rank=$NODE_RANK of $NNODES"]
     assert lines[1] == f"rank={rank} of 2"
+
+
+def tpu_runner(tmp_path, gcloud_script):
+  """multihost_runner.py --TPU_PREFIX with a fake gcloud (a shell script) first on PATH."""
+  bin_dir = tmp_path / "bin"
+  os.makedirs(bin_dir, exist_ok=True)
+  if gcloud_script is not None:
+    (bin_dir / "gcloud").write_text(f"#!/bin/sh\n{gcloud_script}\n")
+    os.chmod(bin_dir / "gcloud", 0o755)
+  env = {**os.environ, "PATH": str(bin_dir)}  # only the fake gcloud (the script names /bin/sh itself)
+  args = [sys.executable, "multihost_runner.py", "--TPU_PREFIX=mytpu", "--COMMAND=true", "--ZONE=us-east5-b"]
+  return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_failing_gcloud_listing_exits_with_gclouds_message_in_one_line(tmp_path):
+  message = (
+    "ERROR: (gcloud.compute.tpus.tpu-vm.list) You do not currently have an active account selected.\\n"
+    "  Please run:\\n    $ gcloud auth login"
+  )
+  result = tpu_runner(tmp_path, f'printf "{message}\\n" >&2; exit 1')
+  assert result.returncode == 1, result.stderr
+  assert "Traceback" not in result.stderr
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1, result.stderr
+  head = "gcloud compute tpus tpu-vm list failed (exit 1): ERROR: (gcloud.compute.tpus.tpu-vm.list) You do not"
+  assert lines[0].startswith(head)
+  assert lines[0].endswith("active account selected. Please run: $ gcloud auth login")
+
+
+def test_missing_gcloud_exits_with_one_line(tmp_path):
+  result = tpu_runner(tmp_path, None)
+  assert result.returncode == 1 and "Traceback" not in result.stderr
+  assert result.stderr.strip().startswith("gcloud is not installed (or not on PATH)")

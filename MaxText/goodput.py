@@ -1,0 +1,269 @@
+"""Goodput: the share of a run's wall time that was productive training, and where the rest went (badput).
+
+Every second from process start to exit is charged to exactly one kind, by one clock: `charge(kind)` gives the
+time since the previous charge to `kind`, except the part that JAX spent tracing, lowering and compiling on
+this thread meanwhile (jax.monitoring's compile events), which goes to `compile`. The train loop charges at
+its existing phase boundaries (time.perf_counter() only: no device syncs of its own):
+
+  startup             process start to the first step, less restore, compilation and the first batch
+  compile             tracing + lowering + XLA compilation on the main thread (train step, eval step, init)
+  productive          step time of steps never run before: dispatch + waiting for the device (below)
+  data_wait           time the host is blocked in next() on the input pipeline
+  checkpoint_save     time the loop blocks on saves (async saves only block for the copy to host memory,
+                      and when they lag behind; the final wait at exit)
+  checkpoint_restore  restoring this run's checkpoint, or load_parameters_path / load_full_state_path
+  eval                the eval loop (its compile excluded)
+  redone              step time of steps that an earlier attempt of this run had already run (it stopped
+                      past the checkpoint this attempt resumed from: that work was lost)
+
+The loop dispatches step N+1 before it waits for step N, so "step time" is the host's view: the time the host
+spends dispatching steps and waiting for their results. data_wait overlaps the device running the step
+already dispatched, so it is an upper bound on how long the device starved for data (near 0 with a fast
+input pipeline). Time not inside any of these (the last few host operations before exit) is `other`.
+
+The figures accumulate over the attempts of a run in <run dir>/goodput.json, rewritten atomically at every
+log record and at exit (so a kill -9 loses at most the time since the last record). It also holds the
+highest step any attempt reached, which is how a resumed attempt knows which steps are redone.
+
+Why not ml-goodput-measurement (upstream MaxText's recorder): in its 0.2.3 source, GoodputRecorder writes every
+event to Cloud Logging through google.cloud.logging.Client() and GoodputCalculator reads them back from there;
+with logging_enabled=False it records nothing, and the client needs Google Cloud credentials. There is no local
+or file mode (the only other path is a private `cloud_logger` test hook), and it pulls in
+google-cloud-logging, google-cloud-monitoring and scipy. This module keeps upstream's categories' meaning
+(program startup, compile, data loading, checkpoint save/restore, wasted progress from disruption) offline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+
+from MaxText import paths
+from MaxText.config import Config
+from MaxText.console import format_duration
+
+RECORD_FILE = "goodput.json"  # in the run directory
+VERSION = 1
+KINDS = (
+  "startup",
+  "compile",
+  "productive",
+  "data_wait",
+  "checkpoint_save",
+  "checkpoint_restore",
+  "eval",
+  "redone",
+)
+BADPUT = tuple(k for k in KINDS if k != "productive") + ("other",)
+# jax.monitoring events (jax._src.dispatch) whose durations are compilation: sequential, never nested.
+COMPILE_EVENTS = (
+  "/jax/core/compile/jaxpr_trace_duration",
+  "/jax/core/compile/jaxpr_to_mlir_module_duration",
+  "/jax/core/compile/backend_compile_duration",
+)
+LABELS = {"data_wait": "data wait", "checkpoint_save": "checkpoint save", "checkpoint_restore": "restore"}
+
+
+class _CompileTime:
+  """Seconds of compilation on the main thread so far: one jax.monitoring listener for the process, added by
+  the first Recorder (recorders take differences, so none needs to remove it)."""
+
+  def __init__(self) -> None:
+    self.total_s = 0.0
+    self.listening = False
+
+  def listen(self) -> None:
+    if not self.listening:
+      jax.monitoring.register_event_duration_secs_listener(self._on_event)
+      self.listening = True
+
+  def _on_event(self, event: str, duration_s: float, **_: Any) -> None:
+    # Compiles on other threads (a background save) do not hold up the loop.
+    if event in COMPILE_EVENTS and threading.current_thread() is threading.main_thread():
+      self.total_s += duration_s
+
+
+COMPILE_TIME = _CompileTime()
+
+
+def process_start() -> float:
+  """time.perf_counter() at which this process started (Linux: from /proc), so start-up includes the imports;
+  now where /proc is not there."""
+  now = time.perf_counter()
+  try:
+    with open("/proc/self/stat") as f:
+      started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time after boot, in ticks
+    with open("/proc/uptime") as f:
+      uptime = float(f.read().split()[0])
+  except (OSError, ValueError, IndexError):
+    return now
+  age = uptime - started_ticks / os.sysconf("SC_CLK_TCK")
+  return now - max(0.0, age)
+
+
+def empty_record() -> dict[str, Any]:
+  return {
+    "version": VERSION,
+    "attempts": 0,
+    "total_s": 0.0,
+    "seconds": dict.fromkeys(KINDS, 0.0),
+    "steps": {"productive": 0, "redone": 0},
+    "max_step": 0,
+  }
+
+
+def read_record(path: str) -> dict[str, Any]:
+  """The record an earlier attempt left at `path`; an empty one if there is none (or it cannot be read: the
+  figures then start again rather than stopping the run)."""
+  record = empty_record()
+  try:
+    saved = json.loads(paths.Path(path).read_text()) if paths.isfile(path) else {}
+  except (OSError, ValueError):
+    saved = {}
+  if not isinstance(saved, dict) or saved.get("version") != VERSION:
+    return record
+  record.update({k: saved[k] for k in ("attempts", "total_s", "max_step") if k in saved})
+  record["seconds"].update({k: float(v) for k, v in saved.get("seconds", {}).items() if k in KINDS})
+  record["steps"].update({k: int(v) for k, v in saved.get("steps", {}).items() if k in record["steps"]})
+  return record
+
+
+class Recorder:
+  """One attempt's clock, added to the earlier attempts' record. `origin`: perf_counter() when this process
+  started (process_start()); `is_writer`: this process writes the record. Disabled (enable_goodput_recording
+  false, or Recorder.off()): every method is a no-op and figures() is empty."""
+
+  def __init__(self, config: Config | None, origin: float, is_writer: bool, enabled: bool = True):
+    self.enabled = enabled and config is not None and config.enable_goodput_recording
+    self.is_writer = is_writer
+    self.path = paths.join(config.run_dir, RECORD_FILE) if config is not None else ""
+    self.prior = read_record(self.path) if self.enabled else empty_record()
+    self.prior_max = int(self.prior["max_step"])
+    self.seconds = dict.fromkeys(KINDS, 0.0)
+    self.steps = {"productive": 0, "redone": 0}
+    self.max_step, self.counted = self.prior_max, -1
+    self.current = "startup"  # what the open segment is charged to when a phase begins
+    self.origin = self.mark = origin
+    if self.enabled:
+      COMPILE_TIME.listen()
+    self._compiled_s = COMPILE_TIME.total_s  # what the earlier charges took (compiles before now: none of ours)
+
+  @classmethod
+  def off(cls) -> Recorder:
+    return cls(None, time.perf_counter(), is_writer=False, enabled=False)
+
+  def charge(self, kind: str | None = None) -> None:
+    """The time since the last charge goes to `kind` (default: the current one), its compilation to compile."""
+    if not self.enabled:
+      return
+    now = time.perf_counter()
+    elapsed, self.mark = now - self.mark, now
+    compiling = min(COMPILE_TIME.total_s - self._compiled_s, elapsed)
+    self._compiled_s = COMPILE_TIME.total_s
+    self.seconds["compile"] += compiling
+    self.seconds[kind or self.current] += elapsed - compiling
+
+  def restored(self, source: str) -> None:
+    """restore_or_init just returned a state from `source` (checkpointing.Restored.source)."""
+    self.charge("startup" if source == "init" else "checkpoint_restore")
+
+  def step(self, done: int) -> None:
+    """The loop has dispatched step `done` (steps completed once it finishes) and read the one before: the
+    time since the last charge is step time, productive unless an earlier attempt reached `done` already."""
+    if not self.enabled:
+      return
+    self.current = "redone" if done <= self.prior_max else "productive"
+    self.charge()
+    if done > self.counted:
+      self.counted = done
+      self.steps[self.current] += 1
+      self.max_step = max(self.max_step, done)
+
+  @contextlib.contextmanager
+  def phase(self, kind: str) -> Iterator[None]:
+    """Charge the open segment to the current kind, then the block's time to `kind`."""
+    self.charge()
+    try:
+      yield
+    finally:
+      self.charge(kind)
+
+  def record(self) -> dict[str, Any]:
+    """The run's record so far: earlier attempts plus this one."""
+    total = self.prior["total_s"] + time.perf_counter() - self.origin
+    return {
+      "version": VERSION,
+      "attempts": self.prior["attempts"] + 1,
+      "total_s": total,
+      "seconds": {k: self.prior["seconds"][k] + self.seconds[k] for k in KINDS},
+      "steps": {k: self.prior["steps"][k] + self.steps[k] for k in self.steps},
+      "max_step": self.max_step,
+    }
+
+  def write(self) -> dict[str, Any]:
+    """Persist the record (writer process; atomically) and return it."""
+    record = self.record()
+    if self.enabled and self.is_writer:
+      paths.makedirs(paths.dirname(self.path))
+      paths.write_atomic(self.path, json.dumps(record, indent=1, sort_keys=True) + "\n")
+    return record
+
+  def figures(self) -> dict[str, Any]:
+    """Flat fields for a metrics record and the summary (fractions of the total wall time); charges the open
+    segment (the logger calls this while reading a step: step time) and writes the record. Empty when disabled."""
+    if not self.enabled:
+      return {}
+    self.charge()
+    return fractions(self.write())
+
+  def close(self) -> dict[str, Any]:
+    """At exit: write the record and stop recording. The time since the last charge (the last host work
+    before exit) stays uncharged: badput_other."""
+    if not self.enabled:
+      return {}
+    record = self.write()
+    self.stop()
+    return record
+
+  def stop(self) -> None:
+    """Stop recording without writing (an attempt that trains nothing adds nothing to the run's record)."""
+    self.enabled = False
+
+
+def fractions(record: dict[str, Any]) -> dict[str, Any]:
+  """goodput and badput_<kind> as fractions of total_s (badput_other: the time charged to no kind), with the
+  total, the redone steps and the attempts."""
+  total = max(record["total_s"], 1e-9)
+  seconds = record["seconds"]
+  out: dict[str, Any] = {"goodput": seconds["productive"] / total}
+  out.update({f"badput_{k}": seconds[k] / total for k in KINDS if k != "productive"})
+  out["badput_other"] = max(0.0, 1.0 - sum(seconds.values()) / total)
+  out.update(
+    goodput_total_s=record["total_s"],
+    goodput_redone_steps=record["steps"]["redone"],
+    goodput_attempts=record["attempts"],
+  )
+  return out
+
+
+def summary_lines(fields: dict[str, Any]) -> list[str]:
+  """Two lines of the closing summary: the goodput, then the badput kinds that took at least 0.1%."""
+  attempts = fields["goodput_attempts"]
+  over = f" over {attempts} attempts" if attempts > 1 else ""
+  head = f"  goodput              {100 * fields['goodput']:.1f}% of {format_duration(fields['goodput_total_s'])}{over}"
+  parts = []
+  for kind in sorted(BADPUT, key=lambda k: -fields[f"badput_{k}"]):
+    share = fields[f"badput_{kind}"]
+    if share >= 0.001:
+      label = LABELS.get(kind, kind)
+      if kind == "redone":
+        label = f"redone steps ({fields['goodput_redone_steps']})"
+      parts.append(f"{label} {100 * share:.1f}%")
+  return [head, f"  badput               {', '.join(parts) or 'none'} (goodput.json in the run directory)"]

@@ -1,0 +1,67 @@
+"""Elastic resume (MaxText/elastic.py): a checkpoint of N devices resumes on M != N with the same global batch,
+the same data and a loss curve that continues the uninterrupted run's."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from MaxText import elastic, train
+from MaxText.errors import ConfigError
+from MaxText.tests.conftest import cfg, losses
+
+# Global batch 16 (2 per device on 8), a 12-step schedule whatever `steps` a leg stops at, a checkpoint every 4.
+RUN = ["per_device_batch_size=2", "enable_checkpointing=true", "checkpoint_period=4", "async_checkpointing=false"]
+RUN += ["learning_rate_schedule_steps=12"]
+
+
+def leg(tmp_path, name, steps, devices, *overrides):
+  return train.run(cfg(tmp_path, name, *RUN, f"steps={steps}", *overrides), devices=jax.devices()[:devices])
+
+
+def test_8_to_4_to_8_devices_keeps_the_global_batch_and_the_loss_curve(tmp_path, capsys):
+  leg(tmp_path, "whole", 12, 8)
+  whole = losses(cfg(tmp_path, "whole"))
+  leg(tmp_path, "elastic", 4, 8)
+  assert leg(tmp_path, "elastic", 8, 4)["steps_run"] == 4
+  out = capsys.readouterr().out
+  line = "resuming on 4 devices (was 8): per_device_batch_size 2 -> 4, gradient_accumulation_steps 1 -> 2 to keep"
+  assert f"{line} the global batch 16" in out
+  assert leg(tmp_path, "elastic", 12, 8)["steps_run"] == 4
+  assert "resuming on 8 devices (was 4) with the same global batch 16" in capsys.readouterr().out
+  # The 4-device leg sums two micro-batches: another reduction order, float32 noise only.
+  np.testing.assert_allclose(losses(cfg(tmp_path, "elastic")), whole, rtol=1e-5)
+  meta = json.loads((tmp_path / "elastic" / "checkpoints" / "8" / elastic.STEP_METADATA_FILE).read_text())
+  assert meta["custom_metadata"][elastic.METADATA_KEY] == {
+    "global_batch": 16, "devices": 4, "processes": 1, "per_device_batch_size": 4.0, "gradient_accumulation_steps": 2
+  }  # fmt: skip
+
+
+def test_a_global_batch_that_cannot_be_kept_stops_with_one_line(tmp_path):
+  leg(tmp_path, "twelve", 1, 4, "per_device_batch_size=3")  # global batch 12: not 8 whole rows
+  with pytest.raises(ConfigError, match="cannot keep the global batch 12 .* on 8 devices: .*elastic_resume=false"):
+    leg(tmp_path, "twelve", 2, 8, "per_device_batch_size=3")
+  # elastic_resume=false trains on with the batch the command line gives (here 2 x 8 = 16).
+  assert leg(tmp_path, "twelve", 2, 8, "per_device_batch_size=2", "elastic_resume=false")["steps_run"] == 1
+
+
+@pytest.mark.parametrize(
+  "saved, devices, expected",
+  [
+    (elastic.Layout(32, 8, 1, 4.0, 1), 4, (8.0, 2)),  # the rows per device and micro-batch stay 4
+    (elastic.Layout(32, 4, 1, 8.0, 2), 8, (4.0, 1)),  # more devices: fewer micro-batches
+    (elastic.Layout(12, 4, 1, 3.0, 1), 6, (2.0, 1)),
+    (elastic.Layout(24, 8, 1, 3.0, 1), 6, (4.0, 2)),  # 4 rows split in 2 micro-batches of 2 (<= 3)
+  ],
+)
+def test_per_device_batch_and_accumulation(tmp_path, saved, devices, expected):
+  config = cfg(tmp_path, "unit", "per_device_batch_size=1")
+  mesh = train.sharding.create_mesh(config, jax.devices()[:devices])
+  kept, note = elastic.keep_global_batch(config, mesh, saved)
+  assert (kept.per_device_batch_size, kept.gradient_accumulation_steps) == expected
+  assert note.startswith(f"resuming on {devices} devices (was {saved.devices})")
+  off = config.replace(elastic_resume=False)
+  assert elastic.keep_global_batch(off, mesh, saved) == (off, None)
+

@@ -41,8 +41,8 @@ class Layout(NamedTuple):
 def layout(config: Config, mesh: Mesh) -> dict[str, Any]:
   """This run's layout, as checkpointing.save records it."""
   batch = sharding.global_batch_size(config, mesh)
-  saved = Layout(batch, mesh.size, jax.process_count(), config.per_device_batch_size, config.gradient_accumulation_steps)
-  return {METADATA_KEY: saved._asdict()}
+  micro = config.gradient_accumulation_steps
+  return {METADATA_KEY: Layout(batch, mesh.size, jax.process_count(), config.per_device_batch_size, micro)._asdict()}
 
 
 def saved_layout(checkpoint_dir: str) -> Layout | None:

@@ -2,7 +2,7 @@
 the same data and a loss curve that continues the uninterrupted run's."""
 
 import json
-import os
+import sys
 
 import jax
 import numpy as np
@@ -10,7 +10,7 @@ import pytest
 
 from MaxText import elastic, train
 from MaxText.errors import ConfigError
-from MaxText.tests.conftest import cfg, losses
+from MaxText.tests.conftest import BASE, ROOT, TINY, cfg, losses, run_processes
 
 # Global batch 16 (2 per device on 8), a 12-step schedule whatever `steps` a leg stops at, a checkpoint every 4.
 RUN = ["per_device_batch_size=2", "enable_checkpointing=true", "checkpoint_period=4", "async_checkpointing=false"]
@@ -21,9 +21,24 @@ def leg(tmp_path, name, steps, devices, *overrides):
   return train.run(cfg(tmp_path, name, *RUN, f"steps={steps}", *overrides), devices=jax.devices()[:devices])
 
 
-def test_8_to_4_to_8_devices_keeps_the_global_batch_and_the_loss_curve(tmp_path, capsys):
+def processes_leg(tmp_path, name, steps):
+  """train.py as two processes of 4 CPU devices each (jax.distributed on 127.0.0.1); returns process 0's log."""
+  command = [sys.executable, "MaxText/train.py", BASE, f"run_name={name}", f"base_output_directory={tmp_path}"]
+  results = run_processes([*command, *TINY, *RUN, f"steps={steps}"], ROOT, tmp_path, f"{name}{steps}", 2, 4)
+  for rc, log in results:
+    assert rc == 0, log[-3000:]
+  return results[0][1]
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+  """The per-step losses of the uninterrupted 12-step run on 8 devices."""
+  tmp_path = tmp_path_factory.mktemp("whole")
   leg(tmp_path, "whole", 12, 8)
-  whole = losses(cfg(tmp_path, "whole"))
+  return losses(cfg(tmp_path, "whole"))
+
+
+def test_8_to_4_to_8_devices_keeps_the_global_batch_and_the_loss_curve(tmp_path, capsys, whole):
   leg(tmp_path, "elastic", 4, 8)
   assert leg(tmp_path, "elastic", 8, 4)["steps_run"] == 4
   out = capsys.readouterr().out
@@ -37,6 +52,16 @@ def test_8_to_4_to_8_devices_keeps_the_global_batch_and_the_loss_curve(tmp_path,
   assert meta["custom_metadata"][elastic.METADATA_KEY] == {
     "global_batch": 16, "devices": 4, "processes": 1, "per_device_batch_size": 4.0, "gradient_accumulation_steps": 2
   }  # fmt: skip
+
+
+@pytest.mark.slow
+def test_2_processes_to_1_to_2_keeps_the_global_batch_and_the_loss_curve(tmp_path, capsys, whole):
+  processes_leg(tmp_path, "elastic", 4)
+  assert leg(tmp_path, "elastic", 8, 4)["steps_run"] == 4  # one process, 4 devices
+  assert "resuming on 4 devices (was 8): per_device_batch_size 2 -> 4" in capsys.readouterr().out
+  log = processes_leg(tmp_path, "elastic", 12)
+  assert "resuming on 8 devices (was 4) with the same global batch 16" in log
+  np.testing.assert_allclose(losses(cfg(tmp_path, "elastic")), whole, rtol=1e-5)
 
 
 def test_a_global_batch_that_cannot_be_kept_stops_with_one_line(tmp_path):
@@ -64,4 +89,3 @@ def test_per_device_batch_and_accumulation(tmp_path, saved, devices, expected):
   assert note.startswith(f"resuming on {devices} devices (was {saved.devices})")
   off = config.replace(elastic_resume=False)
   assert elastic.keep_global_batch(off, mesh, saved) == (off, None)
-

@@ -84,11 +84,16 @@ def keep_global_batch(config: Config, mesh: Mesh, saved: Layout | None) -> tuple
     if batch % micro == 0 and _fits(candidate, mesh):
       return candidate, _note(config, candidate, mesh, saved)
   shards = math.prod(mesh.shape[a] for a in sharding.data_axes(config))
+  counts = [n for n in range(1, batch + 1) if batch % n == 0]
+  near = [
+    max((n for n in counts if n < mesh.size), default=None),
+    min((n for n in counts if n > mesh.size), default=None),
+  ]
   raise ConfigError(
     f"cannot keep the global batch {batch} of the checkpoint (saved on {saved.devices} devices) on {mesh.size} "
     f"devices: {batch} rows do not split over the {shards} batch shards of this mesh; resume on a device count "
-    f"that divides {batch} into whole per-device batches, or set elastic_resume=false and per_device_batch_size "
-    "(with gradient_accumulation_steps) to train on with another global batch"
+    f"that divides {batch} (e.g. {' or '.join(str(n) for n in near if n)}), or set elastic_resume=false and "
+    "per_device_batch_size (with gradient_accumulation_steps) to train on with another global batch"
   )
 
 

@@ -38,13 +38,18 @@ def whole(tmp_path_factory):
   return losses(cfg(tmp_path, "whole"))
 
 
-def test_8_to_4_to_8_devices_keeps_the_global_batch_and_the_loss_curve(tmp_path, capsys, whole):
-  leg(tmp_path, "elastic", 4, 8)
-  assert leg(tmp_path, "elastic", 8, 4)["steps_run"] == 4
+def test_8_to_4_to_8_devices_keeps_the_global_batch_and_the_loss_curve(tmp_path, capsys, corpus):
+  glob, model = corpus  # the default pipeline (dataset_type=text) on the test corpus: packed documents
+  text = ["dataset_type=text", f"dataset_path={glob}", f"tokenizer_path={model}", "vocab_size=512"]
+  text += ["eval_fraction=0"]
+  leg(tmp_path, "whole", 12, 8, *text)
+  whole = losses(cfg(tmp_path, "whole"))
+  leg(tmp_path, "elastic", 4, 8, *text)
+  assert leg(tmp_path, "elastic", 8, 4, *text)["steps_run"] == 4
   out = capsys.readouterr().out
   line = "resuming on 4 devices (was 8): per_device_batch_size 2 -> 4, gradient_accumulation_steps 1 -> 2 to keep"
   assert f"{line} the global batch 16" in out
-  assert leg(tmp_path, "elastic", 12, 8)["steps_run"] == 4
+  assert leg(tmp_path, "elastic", 12, 8, *text)["steps_run"] == 4
   assert "resuming on 8 devices (was 4) with the same global batch 16" in capsys.readouterr().out
   # The 4-device leg sums two micro-batches: another reduction order, float32 noise only.
   np.testing.assert_allclose(losses(cfg(tmp_path, "elastic")), whole, rtol=1e-5)
@@ -65,11 +70,20 @@ def test_2_processes_to_1_to_2_keeps_the_global_batch_and_the_loss_curve(tmp_pat
 
 
 def test_a_global_batch_that_cannot_be_kept_stops_with_one_line(tmp_path):
-  leg(tmp_path, "twelve", 1, 4, "per_device_batch_size=3")  # global batch 12: not 8 whole rows
-  with pytest.raises(ConfigError, match="cannot keep the global batch 12 .* on 8 devices: .*elastic_resume=false"):
-    leg(tmp_path, "twelve", 2, 8, "per_device_batch_size=3")
-  # elastic_resume=false trains on with the batch the command line gives (here 2 x 8 = 16).
-  assert leg(tmp_path, "twelve", 2, 8, "per_device_batch_size=2", "elastic_resume=false")["steps_run"] == 1
+  # A checkpoint of global batch 12 on 4 devices (its step metadata only: the error comes before any restore).
+  step = tmp_path / "twelve" / "checkpoints" / "3"
+  step.mkdir(parents=True)
+  layout = elastic.Layout(12, 4, 1, 3.0, 1)._asdict()
+  (step / elastic.STEP_METADATA_FILE).write_text(json.dumps({"custom_metadata": {elastic.METADATA_KEY: layout}}))
+  with pytest.raises(ConfigError) as error:
+    leg(tmp_path, "twelve", 4, 8, "per_device_batch_size=3")
+  assert str(error.value) == (
+    "cannot keep the global batch 12 of the checkpoint (saved on 4 devices) on 8 devices: 12 rows do not split "
+    "over the 8 batch shards of this mesh; resume on a device count that divides 12 (e.g. 6 or 12), or set "
+    "elastic_resume=false and per_device_batch_size (with gradient_accumulation_steps) to train on with another "
+    "global batch"
+  )
+  assert elastic.saved_layout(str(tmp_path / "twelve" / "checkpoints")) == elastic.Layout(**layout)
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,9 @@
 """Elastic resume: a run checkpointed on N devices resumes on M != N with the same global batch.
 
 Every checkpoint records the layout it was trained with (global batch, devices, processes, the per-device
-batch and gradient accumulation) in its orbax step metadata. On a resume onto another device count,
-`keep_global_batch` sets per_device_batch_size = global batch / M and picks gradient_accumulation_steps so
+batch and gradient accumulation) in its orbax step metadata. On a resume whose command line gives another
+global batch (another device count, or the same reduced count again), `keep_global_batch` sets
+per_device_batch_size = global batch / M and picks gradient_accumulation_steps so
 that the rows one device holds per micro-batch (what sets its activation memory) do not grow; it says so
 in one line, or stops with one line naming the keys to set when the global batch cannot be kept. The
 data position needs nothing more: every pipeline stores it in global terms (batches.py: a global row
@@ -66,15 +67,18 @@ def saved_layout(checkpoint_dir: str) -> Layout | None:
 def keep_global_batch(config: Config, mesh: Mesh, saved: Layout | None) -> tuple[Config, str | None]:
   """The config a resume on `mesh` trains with, and the line that says what changed (None: nothing).
 
-  With elastic_resume and a checkpoint saved on another number of devices, per_device_batch_size becomes
-  saved.global_batch / mesh.size and gradient_accumulation_steps the smallest count (at least the one
-  that keeps each device's rows per micro-batch) that splits the batch over the mesh. ConfigError when
-  none does."""
-  if saved is None or not config.elastic_resume or saved.devices == mesh.size:
+  With elastic_resume, whenever the command line's global batch is not the checkpoint's (another number of
+  devices; also the same number again after an elastic resume, when the command line still gives the first
+  run's per-device batch), per_device_batch_size becomes saved.global_batch / mesh.size and
+  gradient_accumulation_steps the smallest count (at least the one that keeps each device's rows per
+  micro-batch) that splits the batch over the mesh. ConfigError when none does."""
+  if saved is None or not config.elastic_resume:
     return config, None
   batch = saved.global_batch
   per_device = batch / mesh.size
   if math.isclose(config.per_device_batch_size * mesh.size, batch) and _fits(config, mesh):  # set so already
+    if saved.devices == mesh.size:
+      return config, None
     return config, f"resuming on {mesh.size} devices (was {saved.devices}) with the same global batch {batch}"
   rows = saved.per_device_batch_size / saved.gradient_accumulation_steps  # per device per micro-batch
   least = max(1, math.ceil(per_device / rows - 1e-9))
@@ -106,15 +110,12 @@ def _fits(config: Config, mesh: Mesh) -> bool:
 
 
 def _note(old: Config, new: Config, mesh: Mesh, saved: Layout) -> str:
-  changes = [f"per_device_batch_size {old.per_device_batch_size:g} -> {new.per_device_batch_size:g}"]
-  if new.gradient_accumulation_steps != old.gradient_accumulation_steps:
-    changes.append(
-      f"gradient_accumulation_steps {old.gradient_accumulation_steps} -> {new.gradient_accumulation_steps}"
-    )
-  return (
-    f"resuming on {mesh.size} devices (was {saved.devices}): {', '.join(changes)} to keep the global batch "
-    f"{saved.global_batch}"
-  )
+  changes = []
+  for key in ("per_device_batch_size", "gradient_accumulation_steps"):
+    if new[key] != old[key]:
+      changes.append(f"{key} {old[key]:g} -> {new[key]:g}")
+  was = f" (was {saved.devices})" if saved.devices != mesh.size else ""
+  return f"resuming on {mesh.size} devices{was}: {', '.join(changes)} to keep the global batch {saved.global_batch}"
 
 
 def resume_config(config: Config, mesh: Mesh) -> Config:

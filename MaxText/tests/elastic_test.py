@@ -93,6 +93,8 @@ def test_a_global_batch_that_cannot_be_kept_stops_with_one_line(tmp_path):
     (elastic.Layout(32, 4, 1, 8.0, 2), 8, (4.0, 1)),  # more devices: fewer micro-batches
     (elastic.Layout(12, 4, 1, 3.0, 1), 6, (2.0, 1)),
     (elastic.Layout(24, 8, 1, 3.0, 1), 6, (4.0, 2)),  # 4 rows split in 2 micro-batches of 2 (<= 3)
+    # A restart on the 4 devices an elastic resume left, with the first run's command line: still 16.
+    (elastic.Layout(16, 4, 1, 4.0, 2), 4, (4.0, 2)),
   ],
 )
 def test_per_device_batch_and_accumulation(tmp_path, saved, devices, expected):
@@ -100,6 +102,7 @@ def test_per_device_batch_and_accumulation(tmp_path, saved, devices, expected):
   mesh = train.sharding.create_mesh(config, jax.devices()[:devices])
   kept, note = elastic.keep_global_batch(config, mesh, saved)
   assert (kept.per_device_batch_size, kept.gradient_accumulation_steps) == expected
-  assert note.startswith(f"resuming on {devices} devices (was {saved.devices})")
+  was = f" (was {saved.devices})" if saved.devices != devices else ""
+  assert note.startswith(f"resuming on {devices} devices{was}: per_device_batch_size 1 -> {expected[0]:g}")
   off = config.replace(elastic_resume=False)
   assert elastic.keep_global_batch(off, mesh, saved) == (off, None)

@@ -156,7 +156,7 @@ def run(config: Config, devices: Sequence[Any] | None = None, started: float | N
   check_hardware(config)
   config = keep_schedule_on_resume(config)
   mesh = sharding.create_mesh(config, devices)
-  config = elastic.resume_config(config, mesh)  # on another device count: the checkpoint's global batch
+  config = elastic.resume_config(config, mesh)  # a resume (e.g. on other chips) keeps the global batch
   # A step compiled for other hardware or settings is refused before any state is built for it.
   compiled = compiled_step.read_checked(config, mesh) if config.compiled_trainstep_file else None
   global_batch = sharding.global_batch_size(config, mesh)  # fails early on a batch that cannot split

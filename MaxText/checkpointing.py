@@ -94,12 +94,15 @@ def create_manager(config: Config) -> ocp.CheckpointManager | None:
   return ocp.CheckpointManager(paths.absolute(config.checkpoint_dir), options=options, item_names=("state", "data"))
 
 
-def save(manager: ocp.CheckpointManager, step: int, state: TrainState, data_state: dict) -> None:
-  """Save `state` after `step` completed steps with the iterator state that follows it. With async saves
-  this returns once the arrays are copied to host memory; an earlier save's write error surfaces here."""
+def save(
+  manager: ocp.CheckpointManager, step: int, state: TrainState, data_state: dict, metadata: dict | None = None
+) -> None:
+  """Save `state` after `step` completed steps with the iterator state that follows it, and `metadata` (JSON:
+  elastic.layout's) in the step's orbax metadata. With async saves this returns once the arrays are copied to
+  host memory; an earlier save's write error surfaces here."""
   args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state))
   with _save_errors(manager):
-    manager.save(step, args=args, force=True)
+    manager.save(step, args=args, force=True, custom_metadata=metadata)
 
 
 def wait_for_saves(manager: ocp.CheckpointManager) -> None:

@@ -23,6 +23,7 @@ from MaxText import (
   checkpointing,
   compiled_step,
   console,
+  elastic,
   flops,
   goodput,
   hlo_dump,
@@ -165,6 +166,7 @@ def run(
   check_hardware(config)
   config = keep_schedule_on_resume(config)
   mesh = sharding.create_mesh(config, devices)
+  config = elastic.resume_config(config, mesh)  # a resume (e.g. on other chips) keeps the global batch
   # A step compiled for other hardware or settings is refused before any state is built for it.
   compiled = compiled_step.read_checked(config, mesh) if config.compiled_trainstep_file else None
   global_batch = sharding.global_batch_size(config, mesh)  # fails early on a batch that cannot split
@@ -383,7 +385,7 @@ def train_loop(config: Config, parts: LoopParts) -> dict[str, Any]:
         if manager is not None and (saving or reached):
           saved = parts.spec.partition.checkpointed(state)  # LoRA: the adapters
           with clock.phase("checkpoint_save"):
-            checkpointing.save(manager, done, saved, data.train.get_state())
+            checkpointing.save(manager, done, saved, data.train.get_state(), elastic.layout(config, parts.mesh))
           logger.log_checkpoint(done, checkpoint_path(config, done))
         if reached:
           if is_writer:

@@ -3,10 +3,11 @@
 Pipeline (also used by the tfds and hf backends, which only supply other random-access sources):
   sources (one per mixture component) --shuffle(data_shuffle_seed, reshuffled per epoch)--> repeat
   --mix(weights)--> [shard::num_shards] --tokenize--> pack (or pad/truncate) --batch(local rows)--> workers
-Each process reads only its shard: the global record order is sliced by the process's block of batch rows,
-so no two data shards share a record in an epoch, and shards holding the same rows (data replicated across
-processes) produce the same data. The iterator state is grain's, gathered from every shard, so that the
-checkpoint (written by process 0) restores every process exactly.
+Each process reads only its shards: the global record order is sliced into shards (at a fresh start one per
+block of batch rows a process holds), so no two data shards share a record in an epoch, and shards holding
+the same rows (data replicated across processes) produce the same data. The iterator state is grain's,
+gathered from every shard, so that the checkpoint (written by process 0) restores every process exactly,
+also on another number of processes (the shard count is kept: GrainBatches).
 
 ArrayRecord records are UTF-8 text, or a JSON object whose `text_column` field holds the text (see
 MaxText/data/convert_to_arrayrecord.py). Parquet rows give their `text_column`.
@@ -15,7 +16,7 @@ MaxText/data/convert_to_arrayrecord.py). Parquet rows give their `text_column`.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -132,9 +133,9 @@ def pad_or_truncate(length: int):
 
 
 class DataShard(NamedTuple):
-  index: int  # which shard of the records this process reads
+  index: int  # which shard of the records
   count: int  # how many shards the records are split into
-  rows: int  # batch rows this process holds
+  rows: int  # batch rows the shard gives per batch
 
 
 def data_shard(spec: Sharding, global_batch: int, length: int) -> DataShard:
@@ -147,7 +148,7 @@ def data_shard(spec: Sharding, global_batch: int, length: int) -> DataShard:
 
 
 def build_dataset(config: Config, components: Sequence[Component], shard: DataShard, train: bool) -> Any:
-  """The grain IterDataset of this process's local batches: dicts of int32 [shard.rows, max_target_length].
+  """The grain IterDataset of one shard's local batches: dicts of int32 [shard.rows, max_target_length].
 
   train: shuffled (reshuffled every epoch) and endless. Eval: in order; endless when eval_steps > 0, else one
   epoch whose last batch may be short.
@@ -192,25 +193,49 @@ def _allgather_strings(text: str) -> list[str]:
 
 
 class GrainBatches:
-  """A batches.BatchSource: global batches (int32 jax.Arrays [global_batch, length] on `spec`) from a grain
-  dataset of local batches. `finite`: stop once every process has run out, padding the processes that ran out
-  first, so that all run the same number of steps; padding rows have segment 0 and carry no loss."""
+  """A batches.BatchSource: global batches (int32 jax.Arrays [global_batch, length] on `spec`) from grain
+  datasets of local batches. `finite`: stop once every process has run out, padding the processes that ran out
+  first, so that all run the same number of steps; padding rows have segment 0 and carry no loss.
 
-  def __init__(self, dataset: Any, spec: Sharding, global_batch: int, length: int, shard: DataShard, finite: bool):
-    self._dataset, self._spec, self._shape = dataset, spec, (global_batch, length)
-    self._shard, self._finite = shard, finite
-    self._it = iter(dataset)
+  The records are split into a number of shards (at a fresh start one per block of batch rows a process holds,
+  data_shard); shard i gives rows [i * rows, (i + 1) * rows) of every global batch, rows = global_batch /
+  shards. A process runs the shards that hold its rows and keeps its own, so the global batches do not depend
+  on how many processes build them: a resume on another process count keeps the checkpoint's shard count (in
+  its state) and continues exactly (docs/checkpoints.md, "Resuming on a different number of chips")."""
+
+  def __init__(self, build: Callable[[DataShard], Any], spec: Sharding, global_batch: int, length: int, finite: bool):
+    self._build, self._spec, self._shape, self._finite = build, spec, (global_batch, length), finite
+    natural = data_shard(spec, global_batch, length)  # checks that this process holds one aligned block
+    self._block = (natural.index * natural.rows, natural.rows)  # (first row, rows) this process holds
+    self._use(natural.count)
+
+  def _use(self, count: int) -> None:
+    """Read `count` shards: build the iterators of those that hold this process's rows."""
+    rows = self._shape[0] // count
+    start, local = self._block
+    first, last = start // rows, (start + local - 1) // rows
+    self._count, self._offset = count, start - first * rows
+    self._shards = [DataShard(i, count, rows) for i in range(first, last + 1)]
+    self._its = [iter(self._build(shard)) for shard in self._shards]
 
   def __iter__(self) -> GrainBatches:
     return self
 
-  def _local(self) -> dict[str, np.ndarray] | None:
+  def _next_of(self, it: Any) -> dict[str, np.ndarray] | None:
     try:
-      return next(self._it)
+      return next(it)
     except StopIteration:
       if not self._finite:
         raise RuntimeError("The grain training dataset ended; it should repeat forever") from None
       return None
+
+  def _local(self) -> dict[str, np.ndarray] | None:
+    """This process's rows of the next batch (None when its data has run out)."""
+    parts = [part for part in map(self._next_of, self._its) if part is not None]
+    if not parts:
+      return None
+    rows = slice(self._offset, self._offset + self._block[1])
+    return {k: np.concatenate([part[k] for part in parts])[rows] for k in parts[0]}
 
   def __next__(self) -> dict[str, jax.Array]:
     local = self._local()
@@ -220,20 +245,27 @@ class GrainBatches:
     if local is not None:  # a short last batch is completed with padding rows by assemble_batch
       positions = local.get("inputs_positions", np.zeros_like(local["inputs"]))
       rows = Rows(local["inputs"], local["inputs_segment_ids"], positions)
-    return assemble_batch(rows, self._shard.rows, self._spec, self._shape)
+    return assemble_batch(rows, self._block[1], self._spec, self._shape)
 
   def get_state(self) -> dict[str, Any]:
     """Every shard's grain state (a collective in multi-process runs: all processes call it together)."""
-    states = _allgather_strings(json.dumps(self._it.get_state()))
-    return {"num_shards": self._shard.count, "shards": [json.loads(s) for s in states]}
+    mine = {str(shard.index): it.get_state() for shard, it in zip(self._shards, self._its)}
+    states: dict[str, Any] = {}
+    for text in _allgather_strings(json.dumps(mine)):
+      states.update(json.loads(text))
+    return {"num_shards": self._count, "shards": [states[str(i)] for i in range(self._count)]}
 
   def set_state(self, state: dict[str, Any]) -> None:
-    if state.get("num_shards") != self._shard.count or len(state.get("shards", [])) != jax.process_count():
+    count, shards = state.get("num_shards"), state.get("shards", [])
+    if not isinstance(count, int) or count < 1 or len(shards) != count or self._shape[0] % count:
       raise DataError(
-        f"Data state for {state.get('num_shards')} shards / {len(state.get('shards', []))} processes cannot resume "
-        f"{self._shard.count} shards / {jax.process_count()} processes exactly: keep the data layout of the run"
+        f"Data state for {count} shards ({len(shards)} shard states) cannot resume a global batch of "
+        f"{self._shape[0]} rows exactly: keep the global batch of the run (elastic_resume=true keeps it)"
       )
-    self._it.set_state(state["shards"][jax.process_index()])
+    if count != self._count:
+      self._use(count)
+    for shard, it in zip(self._shards, self._its):
+      it.set_state(shards[shard.index])
 
 
 def make_pipeline(
@@ -242,17 +274,15 @@ def make_pipeline(
   """Iterators over random-access sources through the grain pipeline (shared by grain, tfds and hf)."""
   spec, length = sharding.input_sharding(config, mesh), config.max_target_length
   train_batch = sharding.global_batch_size(config, mesh)
-  shard = data_shard(spec, train_batch, length)
-  train_it = GrainBatches(build_dataset(config, train, shard, True), spec, train_batch, length, shard, False)
+  train_it = GrainBatches(lambda shard: build_dataset(config, train, shard, True), spec, train_batch, length, False)
   if eval_source is None:
     return Iterators(train_it, None, tok)
   eval_batch = sharding.global_batch_size(config, mesh, config.eval_per_device_batch_size or None)
-  eval_shard = data_shard(spec, eval_batch, length)
   eval_config = config.replace(grain_worker_count=0)  # short, restarted every evaluation: no worker start-up
 
   def eval_factory() -> GrainBatches:
-    dataset = build_dataset(eval_config, [Component(eval_source, 1.0)], eval_shard, False)
-    return GrainBatches(dataset, spec, eval_batch, length, eval_shard, config.eval_steps == -1)
+    build = lambda shard: build_dataset(eval_config, [Component(eval_source, 1.0)], shard, False)  # noqa: E731
+    return GrainBatches(build, spec, eval_batch, length, config.eval_steps == -1)
 
   return Iterators(train_it, eval_factory, tok)
 

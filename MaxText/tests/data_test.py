@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -227,15 +228,28 @@ def _process_main(process_id: int, port: int, out: str, *argv: str) -> None:
   jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
   assert jax.process_count() == 2 and jax.local_device_count() == 4
   shards = {}
+
+  def record(name, train, steps):
+    for step in steps:
+      for shard in next(train).get("inputs").addressable_shards:
+        shards[f"{name}/{step}/{shard.index[0].start}"] = np.asarray(shard.data)
+
   for dataset_type in ("text", "synthetic", "grain"):
     cfg = config.load([*argv, *_two_process_overrides(dataset_type, out)], environ={})
     train = make_iterators(cfg, sharding.create_mesh(cfg)).train
-    for step in range(3):
-      for shard in next(train).get("inputs").addressable_shards:
-        shards[f"{dataset_type}/{step}/{shard.index[0].start}"] = np.asarray(shard.data)
+    fresh = train.get_state()
+    record(dataset_type, train, range(3))
     state = train.get_state()  # a collective for grain: every shard's state reaches every process
     if dataset_type == "grain":
       assert len(state["shards"]) == 2 and state["num_shards"] == 2
+      if process_id == 0:  # resumed by one process in the test
+        (Path(out) / "grain_state.json").write_text(json.dumps(state))
+      record("grain", train, range(3, 5))
+      # A one-shard state (as one process saves it) resumed by two processes: each reads the one shard.
+      assert fresh["shards"][0] == fresh["shards"][1]  # a fresh shard's state does not name the shard
+      one = make_iterators(cfg, sharding.create_mesh(cfg)).train
+      one.set_state({"num_shards": 1, "shards": fresh["shards"][:1]})
+      record("grain1", one, range(3))
   np.savez(os.path.join(out, f"{process_id}.npz"), **shards)
   jax.distributed.shutdown()
 
@@ -277,17 +291,25 @@ def test_two_processes_build_the_single_process_batches(tmp_path, corpus):
       p.kill()  # only if one hung: the other would wait for it forever
   shards = {**np.load(tmp_path / "0.npz"), **np.load(tmp_path / "1.npz")}
   model = os.path.join(tmp_path, "t", "tokenizer", "tokenizer.model")
+  got = lambda name, step: np.concatenate([shards[f"{name}/{step}/{row}"] for row in range(8)])  # noqa: E731
   for dataset_type in ("text", "synthetic", "grain"):
     cfg = config.load([*argv, *_two_process_overrides(dataset_type, str(tmp_path)), f"tokenizer_path={model}"], {})
     expected = take_batches(make_iterators(cfg, mesh_of(cfg, 8)).train, 3)
+    if dataset_type == "grain":  # elastic resume: the same global batches on another number of processes
+      one = make_iterators(cfg, mesh_of(cfg, 8)).train
+      one.set_state(json.loads((tmp_path / "grain_state.json").read_text()))  # two shards, both read here
+      for step, batch in enumerate(take_batches(one, 2), 3):
+        np.testing.assert_array_equal(batch["inputs"], got("grain", step))
+      for step in range(3):  # two processes read the one shard of a one-process state
+        np.testing.assert_array_equal(got("grain1", step), expected[step]["inputs"])
     for step in range(3):
-      got = np.concatenate([shards[f"{dataset_type}/{step}/{row}"] for row in range(8)])
       if dataset_type != "grain":
-        np.testing.assert_array_equal(got, expected[step]["inputs"])
+        np.testing.assert_array_equal(got(dataset_type, step), expected[step]["inputs"])
         continue
       # grain: process p reads records p, p + 2, ... of the global order: disjoint halves of the same batch.
-      assert not {tuple(r) for r in got[:4]} & {tuple(r) for r in got[4:]}
-      assert sorted(map(tuple, got)) == sorted(map(tuple, expected[step]["inputs"]))
+      two = got("grain", step)
+      assert not {tuple(r) for r in two[:4]} & {tuple(r) for r in two[4:]}
+      assert sorted(map(tuple, two)) == sorted(map(tuple, expected[step]["inputs"]))
 
 
 def test_inspect_prints_decoded_segments(tmp_path, corpus, capsys):

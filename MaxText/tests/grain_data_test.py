@@ -61,11 +61,13 @@ def test_grain_epochs_cover_each_document_once_and_reshuffle(tmp_path, corpus, r
   assert sorted(epochs[0]) == sorted(DOCS) == sorted(epochs[1]) and epochs[0] != epochs[1]
 
 
-@pytest.mark.parametrize("packing", [True, False])
-def test_grain_resume_is_exact(tmp_path, corpus, records, packing):
+@pytest.mark.parametrize("packing, shards", [(True, 1), (False, 1), (True, 2)])
+def test_grain_resume_is_exact(tmp_path, corpus, records, packing, shards):
   cfg = _grain_config(tmp_path, corpus, records, f"packing={packing}")
   mesh = mesh_of(cfg, 4)
   train = make_iterators(cfg, mesh).train
+  if shards > 1:  # as two processes start (a fresh shard's state does not name the shard): one process reads both
+    train.set_state({"num_shards": shards, "shards": train.get_state()["shards"] * shards})
   take_batches(train, 5)  # past the end of the first epoch
   state = json.loads(json.dumps(train.get_state()))  # as a checkpoint stores it
   expected = take_batches(train, 4)
@@ -73,7 +75,7 @@ def test_grain_resume_is_exact(tmp_path, corpus, records, packing):
   resumed.set_state(state)
   assert_same_batches(take_batches(resumed, 4), expected)
   with pytest.raises(ValueError, match="cannot resume"):
-    resumed.set_state({**state, "num_shards": 2})
+    resumed.set_state({**state, "num_shards": shards + 1})  # not one state per shard
 
 
 def test_grain_mixture_and_parquet(tmp_path, corpus, records):

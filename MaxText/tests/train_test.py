@@ -257,9 +257,9 @@ def test_checkpoint_holds_the_data_state_after_exactly_its_steps(tmp_path, monke
     its = real_make(config, mesh)
     return its._replace(train=Counting(its.train))
 
-  def save(manager, step, state, data_state):
+  def save(manager, step, state, data_state, metadata=None):
     saved[step] = data_state
-    real_save(manager, step, state, data_state)
+    real_save(manager, step, state, data_state, metadata)
 
   monkeypatch.setattr(data_lib, "make_iterators", make_iterators)
   monkeypatch.setattr(checkpointing, "save", save)

@@ -467,7 +467,7 @@ def recipe_path(config: Config) -> str:
 
 def recipe_text(config: Config, argv: Sequence[str], c: Candidate, result: Result) -> str:
   """The winner as a config file: the user's config (base_config) and command-line keys, then the searched keys."""
-  skip = ("auto_fit", "compile_topology", "compiled_trainstep_file", "base_output_directory", "run_name")
+  skip = ("auto_fit", "compile_topology", "compiled_trainstep_file", "base_output_directory", "run_name", "log_config")
   user = [a.split("=", 1)[0].strip() for a in argv[1:] if "=" in a]
   values = {k: config[k] for k in user if not k.startswith(skip) and k not in KEYS}
   values.update({k: v for k, v in c.split.overrides().items()})

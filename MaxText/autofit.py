@@ -434,7 +434,7 @@ def _calibrated(config: Config, c: Candidate, all_facts: dict[Split, Facts], s: 
 
 def table(result: Result, config: Config, s: Settings) -> str:
   gib = lambda b: "-" if b is None else f"{b / GiB:.3f}"  # noqa: E731
-  head = f"{'split':<24} {'remat':<20} {'accum':>5} {'batch':>5} {'est GiB':>8} {'XLA GiB':>8} {'fits':>5} "
+  head = f"{'split':<28} {'remat':<20} {'accum':>5} {'batch':>5} {'est GiB':>8} {'XLA GiB':>8} {'fits':>5} "
   head += f"{'step s':>8} {'tok/s/chip':>10}"
   lines = [
     f"auto-fit for {s.device}: budget {s.budget / GiB:.2f} GiB per chip "
@@ -450,7 +450,7 @@ def table(result: Result, config: Config, s: Settings) -> str:
     fits = "-" if c.fits is None else ("yes" if c.fits else "no")
     tps = c.batch * config.max_target_length / c.step_s if c.step_s else 0
     lines.append(
-      f"{str(c.split):<24} {c.remat:<20} {c.accumulation:>5} {c.batch:>5} {gib(c.estimate):>8} "
+      f"{str(c.split):<28} {c.remat:<20} {c.accumulation:>5} {c.batch:>5} {gib(c.estimate):>8} "
       f"{gib(c.compiled):>8} {fits:>5} {c.step_s:>8.3g} {tps:>10,.0f}"
     )
   if len(estimated) > SHOWN:
@@ -498,6 +498,14 @@ def run(config: Config, argv: Sequence[str], devices: Sequence[Any], compile_fn:
   s = settings(config, devices)
   result = search(config, devices, compile_fn)
   print(table(result, config, s), flush=True)
+  if config.auto_fit_compiles == 0 and result.rows:  # estimate only: nothing verified, so no recipe
+    best = result.rows[0]
+    print(
+      f"estimate only (auto_fit_compiles=0): best {best.split}, remat {best.remat}, accumulation "
+      f"{best.accumulation}, per_device_batch_size {best.batch}; no recipe written",
+      flush=True,
+    )
+    return best
   if result.winner is None:
     raise ConfigError(
       f"auto_fit: no candidate fits {config.auto_fit_margin:g} x {s.hbm / GiB:.2f} GiB per chip of {s.device} "

@@ -94,6 +94,13 @@ def test_the_search_bisects_to_the_largest_fitting_batch_and_writes_a_recipe(tmp
   assert recipe.base_emb_dim == 64 and not recipe.auto_fit
 
 
+def test_the_shipped_auto_recipe_runs_by_name(tmp_path):
+  """configs/auto/llama2-7b-v5e-256.yml, written by the search in benchmarks/README.md ("Auto-fit")."""
+  c = config.load(["auto/llama2-7b-v5e-256", f"base_output_directory={tmp_path}"], {})
+  searched = (c.model_name, c.per_device_batch_size, c.remat_policy, c.ici_fsdp_parallelism)
+  assert searched == ("llama2-7b", 20, "full", 256)
+
+
 TINY_TPU = (
   "log_config=false", "dataset_type=synthetic", "base_emb_dim=256", "base_mlp_dim=512", "base_num_query_heads=4",
   "base_num_kv_heads=4", "head_dim=64", "base_num_decoder_layers=2", "vocab_size=1024", "max_target_length=256",

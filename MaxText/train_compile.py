@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText import accelerators, compiled_step, hlo_dump, launch, optimizers, sharding
+from MaxText import accelerators, autofit, compiled_step, hlo_dump, launch, optimizers, sharding
 from MaxText import flops as flops_lib
 from MaxText import state as state_lib
 from MaxText import train_step as steps
@@ -251,6 +251,14 @@ def check_fits(config: Config, report: CompileReport, platform: str) -> str | No
   )
 
 
+def _total_or_none(config: Config, devices: Sequence[Any]) -> float | None:
+  """auto_fit's probe: XLA's total bytes per device for `config`, None where XLA refuses it for memory."""
+  try:
+    return compile_train_step(config, devices)[1].total_bytes
+  except OutOfMemoryError:
+    return None
+
+
 USAGE = launch.Usage(
   command="python3 MaxText/train_compile.py MaxText/configs/base.yml compile_topology=v5e-256 "
   "[compile_topology_num_slices=2] [compiled_trainstep_file=step.pickle] [key=value ...]",
@@ -258,6 +266,7 @@ USAGE = launch.Usage(
   keys=(
     "compile_topology", "compile_topology_num_slices", "compiled_trainstep_file", "model_name",
     "per_device_batch_size", "max_target_length", "remat_policy", "ici_fsdp_parallelism", "dcn_data_parallelism",
+    "auto_fit", "auto_fit_margin", "auto_fit_output",
   ),
 )  # fmt: skip
 
@@ -270,6 +279,9 @@ def main(argv: Sequence[str]) -> None:
   with launch.user_errors():
     launch.check_output_file("compiled_trainstep_file", config.compiled_trainstep_file, "train_step.pkl")  # pre-compile
     devices = topology_devices(config)
+    if config.auto_fit:  # search layouts instead of compiling this one (autofit.py)
+      autofit.run(config, argv[1:], devices, lambda c: _total_or_none(c, devices))
+      return
     try:  # from XLA's compile or from check_fits: every line of the message is useful, so not one_line
       compiled, report, mesh = compile_train_step(config, devices)
       print(format_report(report), flush=True)

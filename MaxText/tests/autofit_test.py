@@ -1,0 +1,153 @@
+"""Auto-fit (train_compile.py auto_fit=true): the estimator's shape (monotone in batch, the state divided by
+the chips that shard it, remat saving memory and costing time), the search's bisection against a fake
+compiler, and (slow tier) the real command on a v5e-8 topology with a small HBM budget: the winner fits when
+compiled, and the next larger batch, compiled, does not."""
+
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from MaxText import autofit, config
+from MaxText.tests.conftest import BASE, ROOT, SIZES
+
+GiB = 2**30
+
+
+def load(tmp_path, *overrides):
+  return config.load([BASE, "run_name=t", f"base_output_directory={tmp_path}", *SIZES, *overrides], {})
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+  c = load(tmp_path_factory.mktemp("af"), "dtype=bfloat16")
+  split = autofit.Split(8, 1, 1)
+  return c, autofit.facts(c, split, jax.devices()[:8])
+
+
+def test_the_estimate_grows_with_the_batch_and_the_kept_activations(tiny):
+  c, f = tiny
+  d = autofit.dims(c)
+  totals = [autofit.estimate(d, f, "full", b).total for b in (1, 2, 4, 8)]
+  assert totals == sorted(totals) and len(set(totals)) == 4
+  per_policy = [autofit.estimate(d, f, r, 8).activations for r in ("full", "save_qkv_proj", "minimal", "none")]
+  assert per_policy == sorted(per_policy) and len(set(per_policy)) == 4
+  # Accumulation: the same step's activations in micro-batches, plus an accumulator of the gradients.
+  whole, split = autofit.estimate(d, f, "full", 8, 1), autofit.estimate(d, f, "full", 8, 4)
+  assert split.activations < whole.activations and split.fixed == whole.fixed + f.param_bytes
+
+
+def test_sharding_over_more_chips_divides_the_state(tmp_path):
+  c = load(tmp_path, "base_emb_dim=256", "base_mlp_dim=512", "vocab_size=1024")
+  on8 = autofit.facts(c, autofit.Split(8, 1, 1), jax.devices()[:8])
+  on4 = autofit.facts(c, autofit.Split(4, 1, 1), jax.devices()[:4])
+  assert on4.state_bytes / on8.state_bytes == pytest.approx(2, rel=0.05)
+  tensor = autofit.facts(c, autofit.Split(4, 2, 1), jax.devices()[:8])
+  assert tensor.state_bytes == pytest.approx(on8.state_bytes, rel=0.05)  # 8 chips either way
+  assert tensor.batch_shards == 4 and on8.batch_shards == 8  # the tensor pair holds the same rows
+
+
+def test_remat_recompute_costs_time_and_tensor_parallelism_costs_activations(tiny):
+  c, f = tiny
+  d = autofit.dims(c)
+  cand = lambda remat: autofit.Candidate(f.split, remat, 1, 4)  # noqa: E731
+  full, minimal = (autofit.step_time(d, f, cand(r), 197e12, 0.5, 200e9) for r in ("full", "minimal"))
+  assert full > minimal
+  assert autofit.recomputed_share("full", f.matmul_share) == 1.0
+  assert autofit.recomputed_share("minimal", f.matmul_share) == 0.0
+  wide = f._replace(split=autofit.Split(4, 2, 1), batch_shards=4)
+  assert autofit.estimate(d, wide, "full", 4).activations > autofit.estimate(d, f, "full", 4).activations
+
+
+def test_splits_follow_the_heads_and_experts(tmp_path):
+  dense = load(tmp_path)  # 4 query heads, 2 kv heads
+  assert autofit.splits(dense, 8) == [autofit.Split(8, 1, 1), autofit.Split(4, 2, 1)]
+  moe = load(tmp_path, "num_experts=4", "num_experts_per_tok=2")
+  assert autofit.Split(2, 1, 4) in autofit.splits(moe, 8) and autofit.Split(1, 2, 4) in autofit.splits(moe, 8)
+
+
+def test_the_search_bisects_to_the_largest_fitting_batch_and_writes_a_recipe(tmp_path, capsys):
+  """A fake compiler whose memory is linear in the batch: the search ends on the batch under the budget with
+  the next one compiled and refused, within its compile budget, and the recipe loads with the winner's keys."""
+  out = tmp_path / "auto.yml"
+  c = load(tmp_path, "dtype=bfloat16", "auto_fit_hbm_gib=0.01", "auto_fit_compiles=6", f"auto_fit_output={out}")
+  budget = 0.9 * 0.01 * GiB
+  calls = []
+
+  def fake_compile(cfg):
+    calls.append((cfg.per_device_batch_size, cfg.remat_policy, cfg.ici_tensor_parallelism))
+    total = 2e6 + 0.4e6 * cfg.per_device_batch_size * cfg.ici_tensor_parallelism
+    return None if total > 1.2 * budget else total  # far over: XLA's own out-of-memory error
+
+  argv = [BASE, *SIZES, "dtype=bfloat16", "auto_fit=true", f"auto_fit_output={out}"]
+  winner = autofit.run(c, argv, jax.devices()[:8], fake_compile)
+  assert winner.batch == 19 and winner.split == autofit.Split(8, 1, 1)
+  assert (20.0, winner.remat, 1) in calls and len(calls) <= 6
+  printed = capsys.readouterr().out
+  assert "the next batch was compiled and does not fit" in printed and f"wrote {out}" in printed
+  assert re.search(rf"fsdp 8 +{winner.remat} +1 +19 .* yes", printed), printed
+  recipe = config.load([str(out), f"base_output_directory={tmp_path}"], {})
+  assert recipe.per_device_batch_size == 19 and recipe.remat_policy == winner.remat and recipe.ici_fsdp_parallelism == 8
+  assert recipe.base_emb_dim == 64 and not recipe.auto_fit
+
+
+def test_the_shipped_auto_recipe_runs_by_name(tmp_path):
+  """configs/auto/llama2-7b-v5e-256.yml, written by the search in benchmarks/README.md ("Auto-fit")."""
+  c = config.load(["auto/llama2-7b-v5e-256", f"base_output_directory={tmp_path}"], {})
+  searched = (c.model_name, c.per_device_batch_size, c.remat_policy, c.ici_fsdp_parallelism)
+  assert searched == ("llama2-7b", 20, "full", 256)
+
+
+TINY_TPU = (
+  "log_config=false", "dataset_type=synthetic", "base_emb_dim=256", "base_mlp_dim=512", "base_num_query_heads=4",
+  "base_num_kv_heads=4", "head_dim=64", "base_num_decoder_layers=2", "vocab_size=1024", "max_target_length=256",
+)  # fmt: skip
+
+
+def train_compile(*overrides):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  command = [sys.executable, "MaxText/train_compile.py", BASE, *TINY_TPU, *overrides]
+  return subprocess.run(command, cwd=ROOT, env={**env, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True)
+
+
+PROBE = """
+import sys
+from MaxText import config, train_compile
+c = config.load(sys.argv[1:])
+print("TOTAL", train_compile.compile_train_step(c, train_compile.topology_devices(c))[1].total_bytes)
+"""
+
+
+def compiled_total(*argv):
+  """XLA's exact total bytes per chip for a config compiled as train_compile does (None: out of memory)."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  result = subprocess.run(
+    [sys.executable, "-c", PROBE, *argv], cwd=ROOT, env={**env, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True
+  )
+  if result.returncode and "does not fit" in result.stderr:
+    return None
+  assert result.returncode == 0, result.stderr[-3000:]
+  return int(re.search(r"TOTAL (\d+)", result.stdout).group(1))
+
+
+@pytest.mark.slow
+def test_auto_fit_on_v5e_8_fits_and_the_next_batch_does_not(tmp_path):
+  out = tmp_path / "tiny-v5e-8.yml"
+  command = [
+    sys.executable, "MaxText/train_compile.py", BASE, *TINY_TPU, "compile_topology=v5e-8", "auto_fit=true",
+    "auto_fit_hbm_gib=0.025", "auto_fit_max_batch=32", "auto_fit_compiles=6", f"auto_fit_output={out}",
+  ]  # fmt: skip
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  result = subprocess.run(command, cwd=ROOT, env={**env, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  assert "the next batch was compiled and does not fit" in result.stdout, result.stdout
+  recipe = [str(out), f"base_output_directory={tmp_path}", "compile_topology=v5e-8"]
+  batch = config.load(recipe, {}).per_device_batch_size
+  # The written recipe, compiled on its own: it fits the budget; one more sequence per chip does not.
+  budget = 0.9 * 0.025 * GiB
+  assert compiled_total(*recipe) <= budget
+  over = compiled_total(*recipe, f"per_device_batch_size={batch + 1}")
+  assert over is None or over > budget

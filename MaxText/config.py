@@ -51,6 +51,7 @@ CHOICES = {
   "routed_score_func": ("softmax", "sigmoid"),
   "routed_group_score": ("top2_sum", "max"),
   "opt_type": ("adamw", "adam_pax", "sgd", "adafactor", "muon"),  # optimizers.OPTIMIZERS
+  "dpo_loss": ("sigmoid", "ipo"),  # dpo.py
 }
 
 # Keys derived at load time; users may not set them.

@@ -33,13 +33,14 @@ def write_jsonl(path, records):
   return str(path)
 
 
-def sums(wrong_offsets=(1,), numbers=range(5)):
-  """'a+b=' prompts, chosen the correct sum, rejected the sum plus each of `wrong_offsets`."""
+def sums(wrong=(1,), numbers=range(5)):
+  """'a+b=' prompts, chosen the correct sum, rejected (sum + w) mod 10 for each w of `wrong` (one digit, like
+  every chosen one: the pair differs in its first completion token)."""
   return [
-    {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + d)}
+    {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str((a + b + w) % 10)}
     for a in numbers
     for b in numbers
-    for d in wrong_offsets
+    for w in wrong
   ]
 
 
@@ -146,18 +147,22 @@ def test_lora_dpo_holds_no_reference_copy(tmp_path, tok):
 
 @pytest.mark.slow
 def test_a_tiny_model_learns_to_prefer_correct_sums_on_held_out_pairs(tmp_path, tok, monkeypatch):
-  monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-  train_file = write_jsonl(tmp_path / "train.jsonl", sums((1, -1, 2)))
-  held_file = write_jsonl(tmp_path / "held.jsonl", sums((3, -2)))  # the same prompts, wrong answers never seen
+  monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # local files only
+  # a, b in 0..2 (sums 0..4) against every wrong digit: 81 pairs. Held out: the 22 whose wrong digit is 5..9 and
+  # a + b + wrong is even; each such prompt and each such digit still appears in training, never together.
+  pairs = sums(range(1, 10), range(3))
+  held = [p for p in pairs if int(p["rejected"]) >= 5 and (int(p["chosen"]) + int(p["rejected"])) % 2 == 0]
+  train_file = write_jsonl(tmp_path / "train.jsonl", [p for p in pairs if p not in held])
+  held_file = write_jsonl(tmp_path / "held.jsonl", held)
   c = dpo_config(
     tmp_path, tok, train_file, "dataset_type=hf", "hf_path=json", f"hf_train_files={train_file}",
-    f"hf_eval_files={held_file}", "eval_interval=40", "eval_steps=-1", "steps=40", "per_device_batch_size=8",
-    "learning_rate=3e-3",
+    f"hf_eval_files={held_file}", "eval_interval=60", "eval_steps=-1", "steps=60", "per_device_batch_size=8",
+    "dpo_beta=0.5", "log_period=10",
   )  # fmt: skip
   train.run(c, jax.devices()[:1])
-  held = [r for r in records(c) if "eval_dpo_accuracy" in r][-1]
-  assert held["eval_dpo_accuracy"] > 0.9, held
-  assert held["eval_dpo_reward_margin"] > 0
+  result = [r for r in records(c) if "eval_dpo_accuracy" in r][-1]
+  assert result["eval_dpo_pairs"] == len(held) and result["eval_dpo_accuracy"] > 0.9, result
+  assert result["eval_dpo_reward_margin"] > 1.0
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import pytest
 
 from MaxText import config, dpo, train
 from MaxText import state as state_lib
-from MaxText.data import chat, preferences
+from MaxText.data import chat, preferences, sft
 from MaxText.data import make_iterators as make_data
 from MaxText.errors import ConfigError, DataError
 from MaxText.tests.conftest import BASE, TINY, as_numpy, mesh_of
@@ -74,6 +74,28 @@ def test_rows_hold_whole_pairs_with_the_loss_on_completions(tmp_path, tok):
   conversations += [reply(a) for a in "45"]
   expected = {tuple(tok.encode_with_offsets(template.render(m))[0]) for m in conversations}
   assert {tuple(b["inputs"][0][seg == s].tolist()) for s in (1, 2, 3, 4)} == expected
+
+
+def test_parquet_and_jsonl_pairs_give_the_same_examples(tmp_path, tok):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  pairs = sums((1, 2)) + [
+    {"chosen": CONVERSATION, "rejected": CONVERSATION[:1] + [{"role": "assistant", "content": "4"}]}
+  ]
+  pq.write_table(pa.Table.from_pylist(pairs[:-1]), str(tmp_path / "p.parquet"))
+  template = chat.load_template(tok)
+  from_parquet = sft.load_examples(
+    dpo_config(tmp_path, tok, tmp_path / "p.parquet"), tok, template, preferences.encode_pairs
+  )
+  c = dpo_config(tmp_path, tok, write_jsonl(tmp_path / "p.jsonl", pairs))
+  from_jsonl = sft.load_examples(c, tok, template, preferences.encode_pairs)[0]
+  n = len(pairs) - 1
+  for a, b in zip(
+    from_parquet[0], (from_jsonl.tokens[: from_jsonl.offsets[n]], from_jsonl.loss_mask[: from_jsonl.offsets[n]])
+  ):
+    np.testing.assert_array_equal(a, b)
+  assert len(from_jsonl.offsets) == len(pairs) + 1
 
 
 def test_pair_logps_sum_each_segment_and_the_loss_is_ln2_at_equal_models():

@@ -154,6 +154,7 @@ def test_resume_3_plus_3_steps_equals_6_steps(six_steps, tmp_path, tok):
   np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in reference], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_lora_dpo_holds_no_reference_copy(tmp_path, tok):
   data = write_jsonl(tmp_path / "p.jsonl", sums())
   c = dpo_config(tmp_path, tok, data, "lora_rank=4", "lora_random_base=true", "steps=3", "per_device_batch_size=2")

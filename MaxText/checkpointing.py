@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
@@ -216,18 +217,46 @@ def restore_or_init(
   saved = spec.partition.checkpointed(spec.abstract)  # what a checkpoint of this run holds
   if manager is not None and manager.all_steps():
     restored = _restore_latest_good(config, manager, saved)
-    return restored._replace(state=_with_base(config, tx, spec, restored.state))
+    state = _with_base(config, tx, spec, restored.state)
+    return restored._replace(state=with_reference(spec, state, lambda: _starting_params(config, tx, spec, saved)))
+  return _start(config, tx, spec, saved)
+
+
+def _start(config: Config, tx: optax.GradientTransformation, spec: StateSpec, saved: TrainState) -> Restored:
+  """A run's first state: load_full_state_path > load_parameters_path > init (LoRA: _init_lora)."""
   if config.load_full_state_path:
     fresh = lambda: state_lib.init_state(config, tx, spec)  # noqa: E731 (what an upstream state does not hold)
     state = _with_base(config, tx, spec, _restore_tree(config.load_full_state_path, saved, fresh))
-    return Restored(state, None, "load_full_state_path")
+    return Restored(with_reference(spec, state, lambda: state.params), None, "load_full_state_path")
   if spec.partition.freezes:
     return _init_lora(config, tx, spec)
-  fresh = state_lib.init_state(config, tx, spec)
+  fresh = state_lib.init_state(config, tx, spec)  # with use_dpo its reference is a copy of the init params
   if config.load_parameters_path:
     params = load_params(config.load_parameters_path, spec.abstract.params)
-    return Restored(fresh.replace(params=params), None, "load_parameters_path")
+    state = with_reference(spec, fresh.replace(params=params), lambda: params)
+    return Restored(state, None, "load_parameters_path")
   return Restored(fresh, None, "init")
+
+
+def _starting_params(config: Config, tx: optax.GradientTransformation, spec: StateSpec, saved: TrainState):
+  """The params this run started from (those _start gives), read again: the DPO reference of a resumed run."""
+  if config.load_full_state_path:
+    return _start(config, tx, spec, saved).state.params
+  if config.load_parameters_path:
+    return load_params(config.load_parameters_path, spec.abstract.params)
+  params = state_lib.ParamSpec(spec.graphdef, spec.abstract.params, spec.shardings.params, spec.plan, spec.partition)
+  return state_lib.init_params(config, params)
+
+
+def with_reference(spec: StateSpec, state: TrainState, starting_params: Callable[[], nnx.State]) -> TrainState:
+  """use_dpo without LoRA (state.keeps_reference): `state` with its reference, a copy of starting_params() in
+  the params' shardings (a copy: the train step donates the state, and one buffer cannot be donated twice).
+  Checkpoints do not hold it (Partition.checkpointed), so a resume re-reads the run's starting params: the
+  same load_parameters_path, load_full_state_path or init_weights_seed give the same reference."""
+  if spec.abstract.reference is None:
+    return state
+  copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=spec.shardings.params)
+  return state.replace(reference=copy(starting_params()))
 
 
 def _check_lora_base(config: Config) -> None:

@@ -52,6 +52,7 @@ CHOICES = {
   "routed_group_score": ("top2_sum", "max"),
   "opt_type": ("adamw", "adam_pax", "sgd", "adafactor", "muon"),  # optimizers.OPTIMIZERS
   "auto_fit_objective": ("tokens_per_step", "tokens_per_second"),  # autofit.rank
+  "dpo_loss": ("sigmoid", "ipo"),  # dpo.py
 }
 
 # Keys derived at load time; users may not set them.

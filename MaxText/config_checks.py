@@ -144,21 +144,37 @@ def _validate_tokenizer_path(c: dict[str, Any]) -> None:
 
 
 def _validate_sft(c: dict[str, Any]) -> None:
-  """use_sft reads chat examples from text files or a Hugging Face dataset, through a Hugging Face tokenizer."""
-  if not c["use_sft"]:
+  """use_sft (and use_dpo) read chat examples from text files or a Hugging Face dataset, through a Hugging Face
+  tokenizer."""
+  if not (c["use_sft"] or c["use_dpo"]):
     return
+  key = "use_dpo" if c["use_dpo"] else "use_sft"
   if c["dataset_type"] not in ("text", "hf") or (c["dataset_type"] == "text" and not c["dataset_path"]):
     raise ConfigError(
-      "use_sft=true reads dataset_type=text with dataset_path (a glob of .jsonl/.parquet files) or dataset_type=hf; "
+      f"{key}=true reads dataset_type=text with dataset_path (a glob of .jsonl/.parquet files) or dataset_type=hf; "
       f"got dataset_type={c['dataset_type']} dataset_path={c['dataset_path']!r}"
     )
   if c["tokenizer_type"] != "huggingface" or not c["tokenizer_path"]:
     raise ConfigError(
-      "use_sft=true needs tokenizer_type=huggingface and tokenizer_path (a tokenizer.json; its chat template "
+      f"{key}=true needs tokenizer_type=huggingface and tokenizer_path (a tokenizer.json; its chat template "
       "comes from tokenizer_config.json beside it); a converted checkpoint's config.yml sets both"
     )
   if c["sft_chat_template"] and not os.path.isfile(os.path.expanduser(c["sft_chat_template"])):
     raise ConfigError(f"sft_chat_template={c['sft_chat_template']!r} does not exist; give a Jinja2 template file")
+
+
+def _validate_dpo(c: dict[str, Any]) -> None:
+  """The DPO keys make sense (checked whether or not use_dpo is on, like every key)."""
+  if c["dpo_beta"] <= 0:
+    raise ConfigError(f"dpo_beta={c['dpo_beta']} must be > 0 (e.g. dpo_beta=0.1)")
+  if not 0.0 <= c["dpo_label_smoothing"] < 0.5:
+    raise ConfigError(f"dpo_label_smoothing={c['dpo_label_smoothing']} must be in [0, 0.5)")
+  if not c["use_dpo"]:
+    return
+  if c["use_sft"]:
+    raise ConfigError("use_dpo=true and use_sft=true: a run trains one objective; set one of them to false")
+  if c["mtp_num_layers"] > 0:
+    raise ConfigError("use_dpo=true does not train multi-token prediction: set mtp_num_layers=0")
 
 
 def _validate_optimizer(c: dict[str, Any]) -> None:
@@ -387,6 +403,7 @@ def validate(c: dict[str, Any]) -> None:
       raise ConfigError(f"{key}={c[key]!r} does not exist")
   _validate_tokenizer_path(c)
   _validate_sft(c)
+  _validate_dpo(c)
   if c["eval_interval"] > 0 and c["eval_steps"] <= 0 and c["eval_steps"] != -1:
     raise ConfigError(f"eval_steps must be > 0 (or -1: one epoch) when eval_interval is set, got {c['eval_steps']}")
   if c["eval_steps"] == -1 and c["dataset_type"] == "synthetic":

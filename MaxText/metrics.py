@@ -204,7 +204,7 @@ class MetricLogger:
     record: dict[str, Any] = {"step": int(step)}
     for key, value in scalars.items():
       record[key if key.startswith("eval_") else f"eval_{key}"] = float(value)
-    if "eval_loss" in record:
+    if "eval_loss" in record and not self.config.use_dpo:  # a DPO loss is no language-model nll
       record["eval_perplexity"] = perplexity(record["eval_loss"])
     record["elapsed_s"] = time.perf_counter() - self._start_time
     self._last_eval = {k: v for k, v in record.items() if k.startswith("eval_")}
@@ -220,7 +220,7 @@ class MetricLogger:
     self, step: int, step_time_s: float, values: Mapping[str, float], compiling: bool
   ) -> dict[str, Any]:
     record: dict[str, Any] = {"step": int(step), **values}
-    if "loss" in record:
+    if "loss" in record and not self.config.use_dpo:
       record["perplexity"] = perplexity(record["loss"])
     if not compiling:
       self._raise_measured_peak(step_time_s)

@@ -29,6 +29,9 @@ class TrainState:
   step: jax.Array  # int32 scalar: optimizer steps taken
   params: nnx.State  # model parameters (nnx.Param variables, logical axis names in their metadata)
   opt_state: optax.OptState  # of the trainable params: all of them, or under LoRA the adapters (Partition)
+  # use_dpo (without LoRA): the reference model, the run's starting params, sharded like params and never
+  # updated; not saved in checkpoints (a resume re-reads them: checkpointing.with_reference). Else None.
+  reference: nnx.State | None = None
 
 
 class Split(NamedTuple):
@@ -64,7 +67,9 @@ class Partition:
     return self.split(params).trainable
 
   def checkpointed(self, state: TrainState) -> TrainState:
-    """A TrainState as checkpoints hold it: with frozen parameters, its params are the trainable ones only."""
+    """A TrainState as checkpoints hold it: with frozen parameters, its params are the trainable ones only;
+    never the DPO reference (re-derived on resume)."""
+    state = state.replace(reference=None)
     return state.replace(params=self.trainable(state.params)) if self.freezes else state
 
 
@@ -128,6 +133,12 @@ def _fit(named: NamedSharding, leaf: Any) -> Any:
   return sharding.fit(named, leaf.shape)
 
 
+def keeps_reference(config: Config) -> bool:
+  """Whether the train state holds a DPO reference copy of the params: use_dpo, except under LoRA, whose
+  reference is the frozen base with the adapters off (train_step.reference_params)."""
+  return config.use_dpo and not lora.enabled(config)
+
+
 def for_inference(config: Config) -> Config:
   """The config of the model that decodes or scores: without multi-token-prediction modules, which only
   train (a checkpoint's MTP parameters are then simply not read)."""
@@ -179,11 +190,13 @@ def state_spec(
   opt_state = jax.eval_shape(tx.init, trainable)
   opt_shardings = _shardings(opt_state, config, mesh)
   step_sharding = _shardings(jax.ShapeDtypeStruct((), jnp.int32), config, mesh)
-  shardings = TrainState(step=step_sharding, params=params.shardings, opt_state=opt_shardings)
+  reference = keeps_reference(config)
+  shardings = TrainState(step_sharding, params.shardings, opt_shardings, params.shardings if reference else None)
   abstract = TrainState(
     step=jax.ShapeDtypeStruct((), jnp.int32, sharding=step_sharding),
     params=params.abstract,
     opt_state=_with_shardings(opt_state, opt_shardings),
+    reference=params.abstract if reference else None,
   )
   num_params = sum(x.size for x in jax.tree.leaves(params.abstract))
   num_trainable = sum(x.size for x in jax.tree.leaves(trainable))
@@ -196,6 +209,7 @@ def init_state(config: Config, tx: optax.GradientTransformation, spec: StateSpec
   def init() -> TrainState:
     params = _model_params(config, config.init_weights_seed, spec.plan)
     opt_state = tx.init(spec.partition.trainable(params))
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+    reference = jax.tree.map(jnp.copy, params) if keeps_reference(config) else None
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, reference=reference)
 
   return _jit_init(init, spec.shardings)()

@@ -23,6 +23,7 @@ from MaxText import (
   checkpointing,
   compiled_step,
   console,
+  dpo,
   elastic,
   flops,
   goodput,
@@ -79,15 +80,19 @@ def write_config(config: Config) -> None:
   paths.Path(paths.join(config.run_dir, "config.yml")).write_text(yaml.safe_dump(values, sort_keys=True))
 
 
-def evaluate(config: Config, eval_fn: Any, params: Any, eval_factory: Any) -> dict[str, float]:
-  """eval_steps batches of the eval split (-1: one epoch, padding rows not counted): token-weighted mean loss."""
-  totals = {"nll": 0.0, "tokens": 0.0}
+def evaluate(config: Config, eval_fn: Any, params: Any, eval_factory: Any, reference: Any = None) -> dict[str, float]:
+  """eval_steps batches of the eval split (-1: one epoch, padding rows not counted): token-weighted mean loss;
+  use_dpo: the mean loss per pair and the dpo_* metrics of the held-out pairs, against `reference`."""
+  totals: dict[str, float] = {}
   for done, batch in enumerate(eval_factory(), 1):  # with eval_steps=-1 the iterator ends after one epoch
-    sums = jax.device_get(eval_fn(params, batch))
-    totals = {k: totals[k] + float(sums[k]) for k in totals}
+    sums = jax.device_get(eval_fn(params, batch, reference) if config.use_dpo else eval_fn(params, batch))
+    totals = {k: totals.get(k, 0.0) + float(v) for k, v in sums.items() if k in ("nll", "tokens", *dpo.AUX_KEYS)}
     if done == config.eval_steps:
       break
-  return {"eval_loss": totals["nll"] / max(totals["tokens"], 1.0), "eval_tokens": totals["tokens"]}
+  if config.use_dpo:
+    return {"eval_loss": totals.get("nll", 0.0) / max(totals.get("pairs", 0.0), 1.0), **dpo.metrics(totals)}
+  nll, tokens = totals.get("nll", 0.0), totals.get("tokens", 0.0)
+  return {"eval_loss": nll / max(tokens, 1.0), "eval_tokens": tokens}
 
 
 class Profiler:
@@ -379,7 +384,7 @@ def train_loop(config: Config, parts: LoopParts) -> dict[str, Any]:
         reached = False  # target_eval_loss reached: checkpoint and stop early
         if evaluating:
           with clock.phase("eval"):
-            result = evaluate(config, eval_fn, state.params, data.eval_factory)
+            result = evaluate(config, eval_fn, state.params, data.eval_factory, state.reference)
           logger.log_eval(done, result)
           reached = 0 < config.target_eval_loss and result["eval_loss"] <= config.target_eval_loss
         if manager is not None and (saving or reached):

@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText import hlo_dump, optimizers, sharding
+from MaxText import dpo, hlo_dump, optimizers, sharding
 from MaxText.config import Config
 from MaxText.layers import mtp
 from MaxText.parallel import plan as plan_lib
@@ -106,17 +106,48 @@ def _mtp_sums(model: Any, hidden: tuple[jax.Array, ...], batch: Batch, tiles: in
   return {"mtp_nll": nll_sum, "mtp_tokens": tokens}
 
 
+def _pair_logps(graphdef: nnx.GraphDef, config: Config, params: nnx.State, batch: Batch, rng: jax.Array | None):
+  model = nnx.merge(graphdef, params)
+  out = model.forward(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"], rng, hidden_only=True)
+  tiles = vocab_tiles(config, *batch["targets"].shape, model.plan.data_shards)
+  lse, target_logit = token_logits(model, out.logits, batch["targets"], tiles)
+  return dpo.pair_logps(target_logit - lse, batch["targets_segmentation"])
+
+
+def preference_sums(
+  graphdef: nnx.GraphDef, config: Config, params: nnx.State, reference: nnx.State, batch: Batch, rng: jax.Array | None
+):
+  """use_dpo: (objective, aux) as loss_sums returns them, for a batch of preference pairs (dpo.py): the policy
+  `params` against the `reference` params (reference_params), which get no gradient and no dropout."""
+  policy = _pair_logps(graphdef, config, params, batch, rng)
+  ref = jax.tree.map(jax.lax.stop_gradient, _pair_logps(graphdef, config, reference, batch, None))
+  return dpo.loss_sums(config, policy, ref)
+
+
+def reference_params(partition: Partition, params: nnx.State, reference: nnx.State | None) -> nnx.State:
+  """The DPO reference model's params: TrainState.reference (the frozen starting params), or under LoRA, which
+  keeps none, `params` with every adapter zeroed: the frozen base alone, with no second copy of it."""
+  if reference is not None:
+    return reference
+  trainable, frozen = partition.split(params)
+  return partition.combine(jax.tree.map(jnp.zeros_like, trainable), frozen)
+
+
 def aux_zeros(config: Config) -> dict[str, jax.Array]:
   """Zero sums with the keys loss_sums' aux has for `config`: the start of gradient accumulation."""
   keys = ("nll", "z_loss", "load_balance_loss", "tokens") + (("mtp_nll", "mtp_tokens") if config.mtp_num_layers else ())
+  keys = dpo.AUX_KEYS if config.use_dpo else keys
   return {k: jnp.zeros((), jnp.float32) for k in keys}
 
 
-def _grads(graphdef, config, partition, params, frozen, batch, rng, data_axes):
+def _grads(graphdef, config, partition, params, frozen, batch, rng, data_axes, reference=None):
   """Summed gradients with respect to `params` (the trainable part of `partition`; `frozen`, the rest or
-  None, gets none) and loss sums, over gradient_accumulation_steps micro-batches."""
+  None, gets none) and loss sums, over gradient_accumulation_steps micro-batches. use_dpo: preference_sums
+  against the `reference` params."""
 
   def objective(trainable, batch, rng):
+    if config.use_dpo:
+      return preference_sums(graphdef, config, partition.combine(trainable, frozen), reference, batch, rng)
     return loss_sums(graphdef, config, partition.combine(trainable, frozen), batch, rng)
 
   grad_fn = jax.grad(objective, has_aux=True)
@@ -217,10 +248,11 @@ def train_step(
   data_axes = sharding.data_axes(config)
   # Under LoRA only the adapters are differentiated and updated; the frozen base passes through untouched.
   trainable, frozen = partition.split(state.params)
-  grads, aux = _grads(graphdef, config, partition, trainable, frozen, batch, rng, data_axes)
+  reference = reference_params(partition, state.params, state.reference) if config.use_dpo else None
+  grads, aux = _grads(graphdef, config, partition, trainable, frozen, batch, rng, data_axes, reference)
   if abstract_params is not None and plan is not None:
     grads = lane_friendly(grads, partition.trainable(abstract_params), plan)
-  tokens = jnp.maximum(aux["tokens"], 1.0)
+  tokens = jnp.maximum(aux["pairs"] if config.use_dpo else aux["tokens"], 1.0)  # DPO: the mean over pairs
   grads = jax.tree.map(lambda g: g / tokens, grads)
   loss, grad_norm = aux["nll"] / tokens, optax.global_norm(grads)
   extra = {"loss": loss, "grad_norm": grad_norm} if config.skip_step_on_spikes else {}
@@ -253,12 +285,24 @@ def train_step(
     metrics["moe_max_load_ratio"] = max_load_ratio(aux["expert_load"])
   if config.mtp_num_layers:  # unscaled: the mean nll per predicted token over all depths, comparable to loss
     metrics["mtp_loss"] = aux["mtp_nll"] / jnp.maximum(aux["mtp_tokens"], 1.0)
+  if config.use_dpo:
+    metrics |= dpo.metrics(aux)
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
-def eval_step(graphdef: nnx.GraphDef, config: Config, params: nnx.State, batch: Batch) -> dict[str, jax.Array]:
+def eval_step(
+  graphdef: nnx.GraphDef,
+  config: Config,
+  params: nnx.State,
+  batch: Batch,
+  reference: nnx.State | None = None,
+  partition: Partition = TRAIN_ALL,
+) -> dict[str, jax.Array]:
   """Loss sums on one eval batch (no dropout); the caller averages over all eval batches. The MTP modules,
-  if any, do not run: evaluation measures the model that decodes."""
+  if any, do not run: evaluation measures the model that decodes. use_dpo: the preference sums against
+  `reference` (TrainState.reference; None under LoRA, see reference_params)."""
+  if config.use_dpo:
+    return preference_sums(graphdef, config, params, reference_params(partition, params, reference), batch, None)[1]
   _, aux = loss_sums(graphdef, for_inference(config), params, batch, None)
   aux.pop("expert_load", None)  # what the train step balances the routers with: nothing to evaluate
   return aux
@@ -312,10 +356,12 @@ def jit_train_step(
 
 
 def jit_eval_step(config: Config, mesh: Mesh, spec: StateSpec) -> Any:
+  """eval_step jitted: (params, batch[, reference]) -> sums; the reference (TrainState.reference) with use_dpo."""
   replicated = NamedSharding(mesh, PartitionSpec())
+  shardings = (spec.shardings.params, batch_shardings(config, mesh))
   return jax.jit(
-    functools.partial(eval_step, spec.graphdef, config),
-    in_shardings=(spec.shardings.params, batch_shardings(config, mesh)),
+    functools.partial(eval_step, spec.graphdef, config, partition=spec.partition),
+    in_shardings=shardings + ((spec.shardings.reference,) if config.use_dpo else ()),
     out_shardings=replicated,
     compiler_options=step_compiler_options(config, mesh),
   )

@@ -12,7 +12,7 @@ import importlib
 from jax.sharding import Mesh
 
 from MaxText.config import DATASET_BACKENDS, Config
-from MaxText.data import sft
+from MaxText.data import preferences, sft
 from MaxText.data.batches import FIELDS, BatchIterator, BatchSource, Iterators
 from MaxText.data.tokenizer import Tokenizer
 from MaxText.errors import DataError
@@ -27,6 +27,8 @@ def make_iterators(config: Config, mesh: Mesh) -> Iterators:
   """Train iterator (endless), eval factory (fresh iterator per call; None without eval data), tokenizer."""
   if config.dataset_type not in BACKENDS:
     raise DataError(f"dataset_type={config.dataset_type!r} is not one of {', '.join(sorted(BACKENDS))}")
+  if config.use_dpo:  # preference pairs, rendered as use_sft renders chats (data/preferences.py)
+    return preferences.make_iterators(config, mesh)
   if config.use_sft:  # chat/instruction examples, loss on the completion (data/sft.py reads text or hf sources)
     return sft.make_iterators(config, mesh)
   return importlib.import_module(BACKENDS[config.dataset_type]).make_iterators(config, mesh)

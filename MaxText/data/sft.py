@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -158,8 +158,11 @@ def _split_by_hash(records: list[Record], eval_fraction: float) -> tuple[list[Re
   return [r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held]
 
 
-def load_examples(config: Config, tok: Any, template: chat.ChatTemplate) -> tuple[Examples, Examples | None]:
-  """(train, eval or None) examples of the configured source."""
+def load_examples(
+  config: Config, tok: Any, template: chat.ChatTemplate, encode: Callable[..., Examples] = encode
+) -> tuple[Examples, Examples | None]:
+  """(train, eval or None) examples of the configured source, each record made an Example by `encode` (use_dpo:
+  preferences.encode_pairs)."""
   if config.dataset_type == "hf":
     train = encode(config, tok, template, hf_records(config, config.train_split, config.hf_train_files), "train")
     if not (config.hf_eval_split or config.hf_eval_files):
@@ -178,18 +181,21 @@ def load_examples(config: Config, tok: Any, template: chat.ChatTemplate) -> tupl
   return train_ex, encode(config, tok, template, iter(held), "the held-out examples") if held else None
 
 
-def make_iterators(config: Config, mesh: Mesh) -> Iterators:
-  """Train (endless, row order reshuffled per epoch) and eval (in order) iterators; see MaxText.data."""
+def make_iterators(
+  config: Config, mesh: Mesh, encode: Callable[..., Examples] = encode, rows_of: Callable[..., Any] = ExampleRows
+) -> Iterators:
+  """Train (endless, row order reshuffled per epoch) and eval (in order) iterators; see MaxText.data. use_dpo
+  passes its own `encode` and `rows_of` (a RowSource like ExampleRows): data/preferences.py."""
   tok = tokenizers.load_tokenizer(config.tokenizer_path, config.tokenizer_type)
   tokenizers.check_tokenizer(tok, config.vocab_size, add_bos=False, add_eos=False)  # the template places BOS/EOS
   template = chat.load_template(tok, config.sft_chat_template)
-  train, held = load_examples(config, tok, template)
+  train, held = load_examples(config, tok, template, encode)
   if config.eval_interval > 0 and held is None:
-    raise DataError(f"eval_interval={config.eval_interval} but no SFT example is held out; add examples or eval data")
+    raise DataError(f"eval_interval={config.eval_interval} but no example is held out; add examples or eval data")
   spec, length = sharding.input_sharding(config, mesh), config.max_target_length
 
   def iterator(examples: Examples, seed: int | None, batch: int, one_epoch: bool = False) -> BatchIterator:
-    rows = ExampleRows(examples, length, config.packing, seed)
+    rows = rows_of(examples, length, config.packing, seed)
     return BatchIterator(rows, spec, batch, length, num_rows=rows.rows_per_epoch if one_epoch else None)
 
   train_it = iterator(train, config.data_shuffle_seed, sharding.global_batch_size(config, mesh))

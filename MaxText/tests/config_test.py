@@ -99,7 +99,10 @@ def test_missing_paths_fail_early(tmp_path):
 
 # Recipes whose header says which paths to give on the command line: they load once those are given (files
 # named here are created empty in tmp_path; loading checks that they exist, not what they hold).
-RECIPE_FILES = {"cpu/sft.yml": {"dataset_path": "chat.jsonl", "tokenizer_path": "tokenizer.json"}}
+RECIPE_FILES = {
+  "cpu/sft.yml": {"dataset_path": "chat.jsonl", "tokenizer_path": "tokenizer.json"},
+  "cpu/dpo.yml": {"dataset_path": "prefs.jsonl", "tokenizer_path": "tokenizer.json"},
+}
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(config.CONFIG_DIR, "**", "*.yml"), recursive=True)))

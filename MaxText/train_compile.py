@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText import accelerators, compiled_step, hlo_dump, launch, optimizers, sharding
+from MaxText import accelerators, compiled_step, gpu_aot, hlo_dump, launch, optimizers, sharding
 from MaxText import flops as flops_lib
 from MaxText import state as state_lib
 from MaxText import train_step as steps
@@ -72,8 +72,8 @@ def topology_devices(config: Config) -> list[Any]:
   # compiles (or a compile next to a training run) may share the machine.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-  if target.platform == "cuda":
-    return _gpu_devices(config, target, topologies)
+  if target.platform == "cuda":  # JAX's CUDA plugin, given the GPU's description: no GPU needed
+    return gpu_aot.devices(config, target, topologies)
   try:
     desc = topologies.get_topology_desc(
       topology_name=target.topology_name,
@@ -86,22 +86,6 @@ def topology_devices(config: Config) -> list[Any]:
     raise ConfigError(  # the advice first: launch.one_line keeps only the first line of libtpu's message
       f"cannot describe TPU topology {name!r} ({target.topology_name}); compiling for TPUs needs libtpu: "
       f"DEVICE=tpu bash setup.sh (or pip install -r requirements-tpu.txt). libtpu said: {e}"
-    ) from None
-  return list(desc.devices)
-
-
-def _gpu_devices(config: Config, target: accelerators.Topology, topologies: Any) -> list[Any]:
-  """GPU targets need JAX's CUDA plugin, which only loads where a GPU and its driver are present."""
-  hosts = config.compile_topology_num_slices
-  try:
-    desc = topologies.get_topology_desc(
-      platform="cuda", topology_name=config.compile_topology, topology=f"1x{hosts}x{target.devices_per_host}"
-    )
-  except Exception as e:
-    raise ConfigError(
-      f"compile_topology={config.compile_topology!r} needs JAX's CUDA plugin (DEVICE=gpu bash setup.sh) on a "
-      f"machine with an NVIDIA driver; this machine has {jax.default_backend()} devices only. Compile GPU "
-      f"targets on a GPU host, or pick a TPU compile_topology here. JAX said: {e}"
     ) from None
   return list(desc.devices)
 

@@ -12,6 +12,7 @@ compares on the same compiler and target. Prints MaxText's own report (`Memory a
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
@@ -52,6 +53,7 @@ def main(argv: list[str]) -> None:
     sys.exit(__doc__)
   machine, hosts, rest = argv[1], int(argv[2]), argv[3:]
   devices = gpu_devices(machine, hosts)
+  from jax.experimental import mesh_utils
   from jax.sharding import AxisType, Mesh
   from maxtext.trainers.pre_train import train_compile as mt
   from maxtext.utils import maxtext_utils
@@ -59,13 +61,18 @@ def main(argv: list[str]) -> None:
   def topology_mesh(config):  # MaxText's get_topology_mesh, with the plugin's devices for jax.devices()
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_shard_autotuning=false"
     jax.config.update("jax_remove_size_one_mesh_axis_from_type", config.remove_size_one_mesh_axis_from_type)
+    # Its dcn axes span slices by slice_index, which GPU devices do not set: hosts (processes) are the
+    # granules of a GPU job, as jax's mesh_utils has them with process_is_granule.
+    hybrid = mesh_utils.create_hybrid_device_mesh
+    maxtext_utils.mesh_utils.create_hybrid_device_mesh = functools.partial(hybrid, process_is_granule=True)
     grid = maxtext_utils.create_device_mesh(config, devices)
     explicit = str(config.shard_mode).lower().endswith("explicit")
     types = (AxisType.Explicit if explicit else AxisType.Auto,) * len(config.mesh_axes)
     return Mesh(np.asarray(grid), config.mesh_axes, axis_types=types)
 
   mt.get_topology_mesh = topology_mesh
-  mt.main(["train_compile", *rest, f"compile_topology={machine}", f"compile_topology_num_slices={hosts}"])
+  # MaxText knows one GPU name, a3 (8 GPUs per host); the GPU itself is MACHINE's, through `devices`.
+  mt.main(["train_compile", *rest, "compile_topology=a3", f"compile_topology_num_slices={hosts}"])
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ python3 MaxText/train_compile.py MaxText/configs/base.yml compile_topology=v5e-2
 
 The chain is train.py's (config -> mesh -> state spec -> jit_train_step) on the devices of a topology
 description instead of real devices: TPU topologies come from libtpu (`DEVICE=tpu bash setup.sh`),
-which compiles on a CPU-only machine; `compile_topology=cpu` (or empty) uses the local devices. The
+which compiles on a CPU-only machine, GPU machines (a3, a3mega, a3ultra, a4) from JAX's CUDA plugin given
+the GPU's description (gpu_aot.py; no GPU needed); `compile_topology=cpu` (or empty) uses the local devices. The
 result says per device how much memory the step needs against the device's HBM, its FLOPs and the
 compile time; a step that does not fit exits non-zero with what to change. With
 `compiled_trainstep_file`, the executable is saved and `train.py ... compiled_trainstep_file=FILE`

@@ -42,6 +42,7 @@ def devices(config: Config, target: accelerators.Topology, topologies: Any) -> l
   # a compile runs nothing on a GPU, so it loads unchecked. Set before JAX looks for plugins: nothing in
   # train_compile touches a backend before this.
   os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+  check_saveable(config)
   hosts, gpus = config.compile_topology_num_slices, target.devices_per_host
   try:
     desc = topologies.get_topology_desc(
@@ -72,3 +73,17 @@ def _check_compiler(config: Config, device: Any) -> None:
       f"compile_topology={config.compile_topology!r}: XLA cannot compile for {device.device_kind} here; it "
       f"needs NVIDIA's ptxas and libdevice (requirements-gpu-aot.txt): {install_hint()} (XLA said: {said[:300]})"
     ) from None
+
+
+def check_saveable(config: Config) -> None:
+  """Before compiling: jax (0.12) cannot save a step with cuDNN attention, the GPU default, because its
+  custom partitioning rule does not pickle; with dot_product attention the GPU step saves."""
+  cudnn = config.attention == "cudnn_flash_te" or (
+    config.attention == "autoselected" and not config.attn_logits_soft_cap
+  )
+  if config.compiled_trainstep_file and cudnn:
+    raise ConfigError(
+      f"compiled_trainstep_file with compile_topology={config.compile_topology!r} needs attention=dot_product: "
+      f"jax cannot save a GPU step with cuDNN attention (attention={config.attention}; its custom partitioning "
+      "does not pickle). Compile without compiled_trainstep_file to size the run"
+    )

@@ -46,6 +46,19 @@ def test_without_the_plugin_the_error_says_how_to_install_it(tmp_path):
   assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize(
+  "attention, saveable", [("autoselected", False), ("cudnn_flash_te", False), ("dot_product", True)]
+)
+def test_a_gpu_step_with_cudnn_attention_is_refused_a_file_before_compiling(tmp_path, attention, saveable):
+  path = os.path.join(tmp_path, "step.pkl")
+  config = cfg(tmp_path, "t", "compile_topology=a3mega", f"attention={attention}", f"compiled_trainstep_file={path}")
+  if saveable:
+    gpu_aot.check_saveable(config)
+  else:
+    with pytest.raises(ConfigError, match="compiled_trainstep_file .* needs attention=dot_product"):
+      gpu_aot.check_saveable(config)
+
+
 def gpu_compile(*overrides):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([gpu_aot.GPU_AOT_DIR, ROOT]))

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent install into .venv, made with Python >= 3.12. DEVICE=cpu (default) | gpu | tpu.
-# TEST=1 also installs the test/lint tools.
+# TEST=1 also installs the test/lint tools. GPU_AOT=1 (also part of TEST=1) installs requirements-gpu-aot.txt
+# into .venv/gpu-aot, apart: `PYTHONPATH=.venv/gpu-aot python3 MaxText/train_compile.py ... compile_topology=a3mega`
+# then compiles for NVIDIA GPUs on this machine, without a GPU (docs/aot.md, "GPU targets").
 #   bash setup.sh && source .venv/bin/activate   # CPU
 #   DEVICE=tpu bash setup.sh                      # or MaxText's form: bash setup.sh DEVICE=tpu [TEST=1]
 # The Python: PYTHON=/path/to/python3.12 if given, else the first of python3.12, python3.13, python3
@@ -13,9 +15,9 @@ set -euo pipefail
 cd "$(dirname "$0")"
 for arg in "$@"; do  # KEY=VALUE arguments, as MaxText's setup.sh takes them
   case "$arg" in
-    DEVICE=*|TEST=*|PYTHON=*|VENV=*) export "${arg?}" ;;
-    -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) echo "setup.sh: unknown argument '$arg' (takes DEVICE=cpu|gpu|tpu, TEST=1, PYTHON=..., VENV=...)" >&2; exit 2 ;;
+    DEVICE=*|TEST=*|GPU_AOT=*|PYTHON=*|VENV=*) export "${arg?}" ;;
+    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "setup.sh: unknown argument '$arg' (takes DEVICE=cpu|gpu|tpu, TEST=1, GPU_AOT=1, PYTHON=..., VENV=...)" >&2; exit 2 ;;
   esac
 done
 DEVICE="${DEVICE:-cpu}"
@@ -88,6 +90,18 @@ if [ "${TEST:-0}" = "1" ]; then
   if [ "$(id -u)" = 0 ] && ! command -v slurmctld >/dev/null && [ ! -x /usr/sbin/slurmctld ] && command -v apt-get >/dev/null; then
     say "slurm-wlm and munge: the Slurm launcher's tests start a one-node Slurm on 127.0.0.1 (as root)"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null
+  fi
+fi
+if [ "${GPU_AOT:-0}" = "1" ] || [ "${TEST:-0}" = "1" ]; then
+  # Apart from the venv's own packages: on the path, JAX's CUDA plugin loads in every jax program and, with
+  # no GPU, prints CUDA errors at start. Skipped when $VENV/gpu-aot already holds this requirements file.
+  if cmp -s requirements-gpu-aot.txt "$VENV/gpu-aot/requirements-gpu-aot.txt"; then
+    say "GPU AOT compiler: $VENV/gpu-aot is up to date"
+  else
+    say "GPU AOT compiler (requirements-gpu-aot.txt: JAX's CUDA plugin, ptxas, libdevice, cuDNN; ~630 MB) into $VENV/gpu-aot"
+    rm -rf "$VENV/gpu-aot"
+    "$PY" -m pip install --quiet --no-deps --target "$VENV/gpu-aot" -r requirements-gpu-aot.txt
+    cp requirements-gpu-aot.txt "$VENV/gpu-aot/"
   fi
 fi
 say "this repository, editable (pip install -e .)"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import time
 from typing import Any, NamedTuple
 
@@ -161,6 +162,7 @@ class Topology(NamedTuple):
   chip_config_name: str  # "megacore" (v4/v5p: one device per chip) | "default"
   chips_per_host_bounds: tuple[int, int, int]  # the chips one host (process) drives
   devices_per_host: int
+  gpu_target: str = ""  # GPU targets: the GPU_TARGETS_DIR file naming the GPU XLA compiles for
 
 
 def _cube_shape(chips: int) -> tuple[int, int, int]:
@@ -213,13 +215,34 @@ def tpu_topology(name: str) -> Topology:
   raise ValueError(f"unknown TPU family in {name!r}; use v4-N, v5e-N, v5p-N or v6e-N")
 
 
-# GPU machine types: GPUs per host; compile_topology_num_slices counts hosts.
-GPU_MACHINES = {"a3": 8, "a3mega": 8, "a3ultra": 8, "a4": 8}
+# GPU machine types: GPUs per host and the GPU, whose description XLA compiles for (a GpuTargetConfigProto
+# text file in GPU_TARGETS_DIR); compile_topology_num_slices counts hosts.
+GPU_TARGETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "gpu_targets")
+
+
+class GpuMachine(NamedTuple):
+  gpus_per_host: int
+  target: str  # GPU_TARGETS_DIR/<target>.txtpb
+
+
+GPU_MACHINES = {
+  "a3": GpuMachine(8, "h100_sxm"),  # A3 High: 8 x H100 SXM 80GB
+  "a3mega": GpuMachine(8, "h100_sxm"),  # A3 Mega: 8 x H100 SXM 80GB (more network than a3)
+  "a3ultra": GpuMachine(8, "h200_sxm"),  # A3 Ultra: 8 x H200 141GB
+  "a4": GpuMachine(8, "b200"),  # A4: 8 x B200 180GB
+}
+
+
+def gpu_target_config(name: str) -> str:
+  """The text of GPU_TARGETS_DIR/<name>.txtpb: the GPU described as XLA's GpuTargetConfigProto."""
+  with open(os.path.join(GPU_TARGETS_DIR, f"{name}.txtpb")) as f:
+    return f.read()
 
 
 def compile_topology(name: str) -> Topology:
   """The Topology for a compile_topology name (TPU names as above; GPU machine types a3, a3mega, ...)."""
   if name.lower() in GPU_MACHINES:
-    gpus = GPU_MACHINES[name.lower()]
-    return Topology("cuda", str(gpus), "default", (gpus, 1, 1), gpus)
+    machine = GPU_MACHINES[name.lower()]
+    gpus = machine.gpus_per_host
+    return Topology("cuda", str(gpus), "default", (gpus, 1, 1), gpus, machine.target)
   return tpu_topology(name)

@@ -5,7 +5,8 @@ python3 MaxText/train_compile.py MaxText/configs/base.yml compile_topology=v5e-2
 
 The chain is train.py's (config -> mesh -> state spec -> jit_train_step) on the devices of a topology
 description instead of real devices: TPU topologies come from libtpu (`DEVICE=tpu bash setup.sh`),
-which compiles on a CPU-only machine; `compile_topology=cpu` (or empty) uses the local devices. The
+which compiles on a CPU-only machine, GPU machines (a3, a3mega, a3ultra, a4) from JAX's CUDA plugin given
+the GPU's description (gpu_aot.py; no GPU needed); `compile_topology=cpu` (or empty) uses the local devices. The
 result says per device how much memory the step needs against the device's HBM, its FLOPs and the
 compile time; a step that does not fit exits non-zero with what to change. With
 `compiled_trainstep_file`, the executable is saved and `train.py ... compiled_trainstep_file=FILE`
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText import accelerators, autofit, compiled_step, hlo_dump, launch, optimizers, sharding
+from MaxText import accelerators, autofit, compiled_step, gpu_aot, hlo_dump, launch, optimizers, sharding
 from MaxText import flops as flops_lib
 from MaxText import state as state_lib
 from MaxText import train_step as steps
@@ -72,8 +73,8 @@ def topology_devices(config: Config) -> list[Any]:
   # compiles (or a compile next to a training run) may share the machine.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-  if target.platform == "cuda":
-    return _gpu_devices(config, target, topologies)
+  if target.platform == "cuda":  # JAX's CUDA plugin, given the GPU's description: no GPU needed
+    return gpu_aot.devices(config, target, topologies)
   try:
     desc = topologies.get_topology_desc(
       topology_name=target.topology_name,
@@ -86,22 +87,6 @@ def topology_devices(config: Config) -> list[Any]:
     raise ConfigError(  # the advice first: launch.one_line keeps only the first line of libtpu's message
       f"cannot describe TPU topology {name!r} ({target.topology_name}); compiling for TPUs needs libtpu: "
       f"DEVICE=tpu bash setup.sh (or pip install -r requirements-tpu.txt). libtpu said: {e}"
-    ) from None
-  return list(desc.devices)
-
-
-def _gpu_devices(config: Config, target: accelerators.Topology, topologies: Any) -> list[Any]:
-  """GPU targets need JAX's CUDA plugin, which only loads where a GPU and its driver are present."""
-  hosts = config.compile_topology_num_slices
-  try:
-    desc = topologies.get_topology_desc(
-      platform="cuda", topology_name=config.compile_topology, topology=f"1x{hosts}x{target.devices_per_host}"
-    )
-  except Exception as e:
-    raise ConfigError(
-      f"compile_topology={config.compile_topology!r} needs JAX's CUDA plugin (DEVICE=gpu bash setup.sh) on a "
-      f"machine with an NVIDIA driver; this machine has {jax.default_backend()} devices only. Compile GPU "
-      f"targets on a GPU host, or pick a TPU compile_topology here. JAX said: {e}"
     ) from None
   return list(desc.devices)
 

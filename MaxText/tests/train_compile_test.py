@@ -187,11 +187,6 @@ def test_unknown_topology_names_fail_with_the_valid_sizes(tmp_path, name):
     train_compile.topology_devices(cfg(tmp_path, "t", f"compile_topology={name}"))
 
 
-def test_gpu_topology_without_a_gpu_says_so(tmp_path):
-  with pytest.raises(ConfigError, match="CUDA plugin"):
-    train_compile.topology_devices(cfg(tmp_path, "t", "compile_topology=a3", "compile_topology_num_slices=2"))
-
-
 @pytest.mark.parametrize("where", ["under_a_file", "a_directory"])
 def test_unwritable_compiled_trainstep_file_fails_before_compiling(tmp_path, where, monkeypatch):
   afile = os.path.join(tmp_path, "afile")

@@ -79,7 +79,7 @@ def test_parameter_count(name):
     "num_experts=6 n_routing_groups=4",
     "routed_score_func=relu",
     "first_num_dense_layers=99",
-    "mlp_bias=true",
+    "mlp_activations_limit=-1",
     "decoder_block=deepseek attention_bias=true",
     "chunk_attn_window_size=-1",
     "chunk_attn_window_size=8 sliding_window_size=8",

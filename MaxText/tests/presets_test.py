@@ -45,6 +45,10 @@ PUBLISHED = {  # billions of parameters, as published by the model authors (text
   "gpt3-175b": 175.0,
   "llama4-17b-16e": 107.8,  # Scout: 109B published with the vision encoder; the text decoder from its config.json
   "llama4-17b-128e": 400.7,  # Maverick: 400B published
+  # gpt-oss: transformers' count of the released config.json (20,914,757,184 and 116,829,156,672; 21B and 117B
+  # published)
+  "gpt-oss-20b": 20.91,
+  "gpt-oss-120b": 116.83,
 }
 
 

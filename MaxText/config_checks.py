@@ -69,8 +69,10 @@ def _validate_family_options(c: dict[str, Any]) -> None:
     )
   if c["attention_bias"] and c["decoder_block"] == "deepseek":
     raise ConfigError("attention_bias=true is not implemented for MLA (decoder_block=deepseek)")
-  if c["mlp_bias"] and c["num_experts"] > 1:
-    raise ConfigError("mlp_bias=true adds biases to dense MLPs only; set num_experts=1 or mlp_bias=false")
+  if c["mlp_bias"] and c["num_experts"] > 1 and c["capacity_factor"] > 0:
+    raise ConfigError("mlp_bias=true with num_experts > 1 (biased experts, gpt-oss) runs dropless: capacity_factor=0")
+  if c["mlp_activations_limit"] < 0:
+    raise ConfigError(f"mlp_activations_limit must be >= 0 (0: no clamped SwiGLU), got {c['mlp_activations_limit']}")
   if c["num_experts_per_tok"] > c["topk_routing_group"] * (c["num_experts"] // groups):
     raise ConfigError(
       f"num_experts_per_tok ({c['num_experts_per_tok']}) exceeds the experts of topk_routing_group "

@@ -40,6 +40,8 @@ SHAPE_KEYS = (
   ("num_experts", None),
   ("shared_experts", None),
   ("routed_bias", None),
+  ("attention_sink", None),
+  ("router_bias", None),
   ("first_num_dense_layers", None),
   ("q_lora_rank", None),
   ("kv_lora_rank", None),

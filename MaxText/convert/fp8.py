@@ -27,9 +27,10 @@ FP8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5
 
 def block_size(hf: dict[str, Any]) -> tuple[int, int] | None:
   """The [M, N] weight block of an FP8 block-scaled config.json; None when it has no quantization_config.
-  ConfigError for any other quantization (GPTQ, AWQ, bitsandbytes, per-tensor FP8, ...)."""
+  None for gpt-oss's MXFP4 experts too (convert/mxfp4.py). ConfigError for any other quantization (GPTQ, AWQ,
+  bitsandbytes, per-tensor FP8, ...)."""
   qc = hf.get("quantization_config")
-  if not qc:
+  if not qc or (isinstance(qc, dict) and qc.get("quant_method") == "mxfp4"):  # MXFP4: convert/mxfp4.py
     return None
   block = qc.get("weight_block_size") if isinstance(qc, dict) else None
   fp8 = isinstance(qc, dict) and qc.get("quant_method") == "fp8" and qc.get("fmt", "e4m3") == "e4m3"

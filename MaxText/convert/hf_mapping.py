@@ -30,6 +30,7 @@ DECODER_BLOCK = {
   "deepseek_v3": "deepseek",
   "kimi_k2": "deepseek",  # Kimi K2: DeepseekV3ForCausalLM under its own (remote-code) config class
   "llama4_text": "llama4",
+  "gpt_oss": "gpt_oss",
 }
 HF_ARCH = {
   "llama2": ("llama", "LlamaForCausalLM"),
@@ -42,6 +43,7 @@ HF_ARCH = {
   "deepseek": ("deepseek_v3", "DeepseekV3ForCausalLM"),  # deepseek_v2 for softmax routing (_deepseek_arch)
   "gpt3": ("gpt2", "GPT2LMHeadModel"),
   "llama4": ("llama4_text", "Llama4ForCausalLM"),
+  "gpt_oss": ("gpt_oss", "GptOssForCausalLM"),
 }
 # HF field -> MaxText key, the same for every family.
 COMMON = {
@@ -109,6 +111,14 @@ EXTRA = {  # decoder_block -> {HF field: MaxText key}
     "floor_scale": "temperature_tuning_floor_scale",
     "attn_scale": "temperature_tuning_scale",
   },
+  "gpt_oss": {
+    "sliding_window": "sliding_window_size",
+    "num_local_experts": "num_experts",
+    "num_experts_per_tok": "num_experts_per_tok",
+    "router_aux_loss_coef": "load_balance_loss_weight",
+    "swiglu_limit": "mlp_activations_limit",
+    "swiglu_alpha": "swiglu_alpha",
+  },
 }
 FIXED = {  # decoder_block -> MaxText keys implied by the family
   "qwen3": {"use_qk_norm": True},
@@ -117,10 +127,13 @@ FIXED = {  # decoder_block -> MaxText keys implied by the family
   # top-1 sigmoid of the chosen logit, weighting the expert input; one shared expert of the experts' width
   "llama4": {"routed_score_func": "sigmoid", "norm_topk_prob": False, "shared_experts": 1}
   | {"routed_weight_on_input": True},
+  # sinks, biased router (softmax over the chosen logits) and biased experts
+  "gpt_oss": {"attention_sink": True, "router_bias": True, "mlp_bias": True, "routed_score_func": "softmax"}
+  | {"norm_topk_prob": True},
 }
 BIASES = {  # decoder_block -> the bias flags (HF field = MaxText key) of its transformers class
   "llama2": ("attention_bias", "mlp_bias"),
-  **{block: ("attention_bias",) for block in ("qwen3", "gemma", "gemma2", "gemma3", "llama4")},
+  **{block: ("attention_bias",) for block in ("qwen3", "gemma", "gemma2", "gemma3", "llama4", "gpt_oss")},
 }
 ORIGINAL = {"original_max_position_embeddings": "original_max_position_embeddings"}
 ROPE_KEYS = {  # rope_type -> {rope_parameters field: MaxText key}
@@ -211,6 +224,13 @@ def _check_llama4_layers(hf: dict[str, Any]) -> None:
       )
 
 
+def _check_gpt_oss_layers(hf: dict[str, Any]) -> None:
+  """gpt-oss's layer_types must alternate sliding and full attention from a sliding layer (models/gpt_oss.py)."""
+  want = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(hf["num_hidden_layers"])]
+  if hf.get("layer_types") is not None and list(hf["layer_types"]) != want:
+    raise ConfigError(f"gpt_oss layer_types={hf['layer_types']} do not alternate sliding/full; only that is supported")
+
+
 def maxtext_keys(hf: dict[str, Any]) -> dict[str, Any]:
   """config.json -> the MaxText architecture keys; errors name what cannot be represented."""
   model_type = hf.get("model_type")
@@ -245,6 +265,8 @@ def maxtext_keys(hf: dict[str, Any]) -> dict[str, Any]:
     out |= _deepseek_routing(hf)
   if block == "llama4":
     _check_llama4_layers(hf)
+  if block == "gpt_oss":
+    _check_gpt_oss_layers(hf)
   rope = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {})}
   if block == "gemma3":
     out |= _rope_keys(rope["full_attention"], "rope_max_timescale", hf)
@@ -271,7 +293,8 @@ def hf_config(c: Config, dtype: str) -> dict[str, Any]:
     model_type, arch, fields = _deepseek_arch(c)
   out: dict[str, Any] = {"model_type": model_type, "architectures": [arch], "dtype": dtype, **fields}
   for flag in ("attention_bias", "mlp_bias"):
-    if c[flag] and flag not in BIASES.get(c.decoder_block, ()):
+    fixed = FIXED.get(c.decoder_block, {}).get(flag)  # gpt_oss: biased experts, checked below
+    if c[flag] and flag not in BIASES.get(c.decoder_block, ()) and not fixed:
       raise ConfigError(f"{flag}=true has no Hugging Face export for decoder_block={c.decoder_block}")
   out |= {flag: c[flag] for flag in BIASES.get(c.decoder_block, ())}
   for src, dst in {**COMMON, **extra}.items():
@@ -285,6 +308,10 @@ def hf_config(c: Config, dtype: str) -> dict[str, Any]:
       raise ConfigError(f"llama4_text fixes {FIXED['llama4']}; this config has {wrong}, which it cannot represent")
     out["intermediate_size"], out["intermediate_size_mlp"] = c.moe_mlp_dim, c.mlp_dim
     out["floor_scale"] = int(out["floor_scale"])
+  if c.decoder_block == "gpt_oss":
+    wrong = {k: c[k] for k, v in FIXED["gpt_oss"].items() if c[k] != v}
+    if wrong or c.moe_mlp_dim != c.mlp_dim or c.num_experts <= 1:
+      raise ConfigError(f"gpt_oss fixes {FIXED['gpt_oss']}, MoE layers and moe_mlp_dim = mlp_dim; got {wrong}")
   if c.decoder_block == "deepseek":  # transformers' default is 1, with no MTP weights to load
     out["num_nextn_predict_layers"] = c.mtp_num_layers
   for key in (
@@ -316,7 +343,8 @@ class Rule(NamedTuple):
   n_in: int | None  # None: copy; else a linear weight whose kernel has n_in input dims
   perm: list[int] | None = None  # permutation of our layout's last axis (DeepSeek's interleaved rope dims)
   transpose: bool = True  # linear weights: HF [out, in] (torch Linear); False: [in, out] (GPT-2 Conv1D)
-  cols: tuple[int, int] | None = None  # a column range of a fused HF tensor (GPT-2's c_attn)
+  cols: tuple[int, ...] | None = None  # slice(*cols) of a fused HF tensor's columns (GPT-2's c_attn; gpt-oss's
+  # interleaved gate/up columns: (0, None, 2) and (1, None, 2))
 
 
 def deinterleave(first: int, rope: int) -> list[int]:
@@ -350,6 +378,8 @@ def _attention_rules(c: Config) -> Iterator[tuple]:
   yield "self_attn.o_proj.weight", ("self_attention", "out", "kernel"), (), 2, None
   if c.attention_bias:
     yield "self_attn.o_proj.bias", ("self_attention", "out", "bias"), (), None, None
+  if c.attention_sink:
+    yield "self_attn.sinks", ("self_attention", "sinks"), (), None, None
   if c.use_qk_norm and c.decoder_block != "llama4":  # llama4's q/k norms have no weights
     yield "self_attn.q_norm.weight", ("self_attention", "query_norm", "scale"), (), None, None
     yield "self_attn.k_norm.weight", ("self_attention", "key_norm", "scale"), (), None, None
@@ -376,8 +406,22 @@ def _llama4_feed_forward_rules(c: Config, moe: bool) -> Iterator[tuple]:
   yield from _mlp_rules(c, "feed_forward.shared_expert", ("mlp", "shared_experts"))
 
 
+def _gpt_oss_feed_forward_rules() -> Iterator[tuple]:
+  """gpt-oss keeps experts fused, [in, out] per expert like ours: gate_up_proj [E, D, 2F] with gate and up
+  columns interleaved (gate even, up odd), its bias [E, 2F] likewise, down_proj [E, F, D] and its bias [E, D]."""
+  yield "mlp.router.weight", ("mlp", "gate", "kernel"), (), 1, None
+  yield "mlp.router.bias", ("mlp", "gate", "bias"), (), None, None
+  for j, half in enumerate(("wi_0", "wi_1")):
+    yield "mlp.experts.gate_up_proj", ("mlp", half), (), None, None, (j, None, 2)
+    yield "mlp.experts.gate_up_proj_bias", ("mlp", f"{half}_bias"), (), None, None, (j, None, 2)
+  yield "mlp.experts.down_proj", ("mlp", "wo"), (), None, None
+  yield "mlp.experts.down_proj_bias", ("mlp", "wo_bias"), (), None, None
+
+
 def _feed_forward_rules(c: Config, moe: bool) -> Iterator[tuple]:
-  if c.decoder_block == "llama4":
+  if c.decoder_block == "gpt_oss":
+    yield from _gpt_oss_feed_forward_rules()
+  elif c.decoder_block == "llama4":
     yield from _llama4_feed_forward_rules(c, moe)
   elif not moe:
     yield from _mlp_rules(c, "mlp", ("mlp",))

@@ -6,7 +6,8 @@ Streams tensor by tensor: every tensor's presence and shape is checked from the 
 first; then orbax writes the checkpoint through MaxText/convert/streaming.py, which reads one HF tensor,
 transforms it and writes it as one chunk (a layer, or one expert of a layer) of its parameter, so peak
 host memory stays near the largest such tensor, not the model (a 405B conversion fits one host).
-FP8 block-scaled checkpoints (DeepSeek V3's) are dequantized tensor by tensor (MaxText/convert/fp8.py).
+FP8 block-scaled checkpoints (DeepSeek V3's) are dequantized tensor by tensor (MaxText/convert/fp8.py), and
+so are gpt-oss's MXFP4 experts (MaxText/convert/mxfp4.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from MaxText import config as config_lib
 from MaxText import launch, models, paths
 from MaxText import state as state_lib
 from MaxText.config import Config
-from MaxText.convert import fp8, hf_mapping, streaming
+from MaxText.convert import fp8, hf_mapping, mxfp4, streaming
 from MaxText.errors import ConfigError
 
 
@@ -144,7 +145,7 @@ def _convert(hf_path: str, output: str, scan_layers: bool, dtype: str, final: st
   state = state_lib.param_spec(c).abstract
   abstract = nnx.to_pure_dict(state)
   rules = hf_mapping.rules(c, models.family(c).stacks(c), abstract)
-  index = tensor_index(hf_path)
+  index, packed = mxfp4.unpack_index(tensor_index(hf_path))
   block = fp8.block_size(read_hf_config(hf_path))
   expected = {r.hf_name for r in rules}
   if block:  # each FP8 weight's block scales travel with it
@@ -159,7 +160,7 @@ def _convert(hf_path: str, output: str, scan_layers: bool, dtype: str, final: st
     _check_shape(index, rule, shape)
     scale = rule.hf_name + fp8.SCALE_SUFFIX
     scale = (index[scale][0], scale) if block and scale in index else None
-    load = functools.partial(_load, index[rule.hf_name][0], rule, shape, storage, scale, block)
+    load = functools.partial(_load, index[rule.hf_name][0], rule, shape, storage, scale, block, rule.hf_name in packed)
     slices.setdefault(rule.path, []).append((rule.index, load))
   leaves = jax.tree_util.tree_leaves_with_path(abstract)
   unmapped = [jax.tree_util.keystr(k) for k, _ in leaves if tuple(streaming.key_name(p) for p in k) not in slices]
@@ -184,20 +185,21 @@ def _check_shape(index: dict[str, tuple[str, tuple[int, ...]]], rule: hf_mapping
     raise ConfigError(f"Missing tensor {rule.hf_name} (needed for {'/'.join(map(str, rule.path))})")
   got = index[rule.hf_name][1]
   if rule.cols:
-    got = (*got[:-1], min(rule.cols[1], got[-1]) - rule.cols[0])
+    got = (*got[:-1], len(range(got[-1])[slice(*rule.cols)]))
   expected = hf_mapping.hf_shape(rule, shape)
   if got != expected:
     raise ConfigError(f"Tensor {rule.hf_name} has shape {got}; config.json implies {expected}")
 
 
 def _load(
-  file: str, rule: hf_mapping.Rule, shape: tuple[int, ...], dtype: np.dtype, scale=None, block=None
-) -> np.ndarray:
-  """Read one HF tensor (dequantized with its FP8 `scale` (file, name) and `block`) in our layout: one
-  slice of its parameter."""
-  tensor = fp8.read_weight(file, rule.hf_name, scale, block)
+  file: str, rule: hf_mapping.Rule, shape: tuple[int, ...], dtype: np.dtype, scale=None, block=None,
+  packed: bool = False,
+) -> np.ndarray:  # fmt: skip
+  """Read one HF tensor (dequantized with its FP8 `scale` (file, name) and `block`, or from its MXFP4
+  blocks and scales when `packed`) in our layout: one slice of its parameter."""
+  tensor = mxfp4.read(file, rule.hf_name) if packed else fp8.read_weight(file, rule.hf_name, scale, block)
   if rule.cols:
-    tensor = tensor[..., rule.cols[0] : rule.cols[1]]
+    tensor = tensor[..., slice(*rule.cols)]
   return to_maxtext(tensor, shape, rule).astype(dtype)
 
 

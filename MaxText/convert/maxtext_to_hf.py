@@ -48,6 +48,16 @@ def to_hf(kernel: np.ndarray, rule: hf_mapping.Rule) -> np.ndarray:
   return matrix.T if rule.transpose else matrix
 
 
+def join(parts: list[tuple[tuple[int, ...], np.ndarray]]) -> np.ndarray:
+  """The column pieces (slice(*cols), array) of one HF tensor -> the tensor: ranges side by side, or strided
+  pieces (cols (j, None, n), gpt-oss's gate/up) interleaved column by column."""
+  parts = sorted(parts, key=lambda p: p[0][0])
+  if len(parts[0][0]) < 3:
+    return np.concatenate([a for _, a in parts], axis=-1)
+  stacked = np.stack([a for _, a in parts], axis=-1)  # [..., F, n]
+  return stacked.reshape(*stacked.shape[:-2], -1)
+
+
 def _shard_of(name: str) -> str:
   parts = name.split(".")
   layer = parts[:2] in (["model", "layers"], ["transformer", "h"])
@@ -124,10 +134,10 @@ def _write(c: Config, output: str, dtype: str) -> None:
     for rule in by_shard[shard]:
       key = prefix + tuple(map(str, rule.path)) + ("value",)
       array = to_hf(reader.read(key, rule.index, block_axes if rule.index else 0), rule)
-      pieces.setdefault(rule.hf_name, []).append(((rule.cols or (0, 0))[0], array))
+      pieces.setdefault(rule.hf_name, []).append((rule.cols or (0, None), array))
     tensors = {}
     for name, parts in pieces.items():
-      array = np.concatenate([a for _, a in sorted(parts, key=lambda p: p[0])], axis=-1)
+      array = join(parts)
       tensors[name] = torch.from_numpy(np.ascontiguousarray(array, np.float32)).to(getattr(torch, dtype))
     filename = f"model-{i + 1:05d}-of-{len(by_shard):05d}.safetensors"
     save_file(tensors, os.path.join(output, filename), metadata={"format": "pt"})

@@ -65,17 +65,28 @@ def soft_cap(x: jax.Array, cap: float) -> jax.Array:
   return x if not cap else cap * jnp.tanh(x / cap)
 
 
+def softmax_with_sinks(scores: jax.Array, sinks: jax.Array) -> jax.Array:
+  """scores [B, K, G, T, S] float32, sinks [K * G] -> probabilities [B, K, G, T, S]: each row's softmax with
+  its head's sink logit as one more key (no value), so a row sums to less than 1 (gpt-oss)."""
+  sink = sinks.astype(jnp.float32).reshape(1, scores.shape[1], scores.shape[2], 1, 1)
+  top = jax.lax.stop_gradient(jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink))
+  weights = jnp.exp(scores - top)
+  return weights / (jnp.sum(weights, axis=-1, keepdims=True) + jnp.exp(sink - top))
+
+
 def dot_product_attention(
-  q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, logits_soft_cap: float = 0.0
-) -> jax.Array:
+  q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, logits_soft_cap: float = 0.0,
+  sinks: jax.Array | None = None,
+) -> jax.Array:  # fmt: skip
   """q [B, T, N, H] (already scaled), k/v [B, S, K, H], mask [B, 1, 1, T, S] -> [B, T, N, H];
-  softmax in float32."""
+  softmax in float32, over the keys and, when given, the heads' sink logits `sinks` [N]."""
   b, t, n, h = q.shape
   kv_heads = k.shape[2]
   q = q.reshape(b, t, kv_heads, n // kv_heads, h)  # [B, T, K, G, H]
   scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
   scores = jnp.where(mask, soft_cap(scores, logits_soft_cap), MASK_VALUE)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  probs = jax.nn.softmax(scores, axis=-1) if sinks is None else softmax_with_sinks(scores, sinks)
+  probs = probs.astype(v.dtype)
   out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
   return out.reshape(b, t, n, v.shape[-1])
 
@@ -96,6 +107,7 @@ def whole_sequence(segment_ids: jax.Array) -> context_parallel.LocalTokens:
 def chunked_dot_product_attention(
   q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, sliding_window: int,
   logits_soft_cap: float, chunk: int, tokens: context_parallel.LocalTokens | None = None, chunk_window: int = 0,
+  sinks: jax.Array | None = None,
 ) -> jax.Array:  # fmt: skip
   """dot_product_attention over query blocks of `chunk` tokens, each rematerialised in the backward pass:
   the [B, N, chunk, S] scores of one block are live at a time instead of the whole [B, N, T, S].
@@ -107,7 +119,7 @@ def chunked_dot_product_attention(
   @jax.checkpoint
   def block(q_block, q_segments, q_index):
     mask = index_mask(q_segments, tokens.k_segments, q_index, tokens.k_index, sliding_window, chunk_window)
-    return dot_product_attention(q_block, k, v, mask, logits_soft_cap)
+    return dot_product_attention(q_block, k, v, mask, logits_soft_cap, sinks)
 
   q_blocks = q.reshape(b, n, chunk, *q.shape[2:]).swapaxes(0, 1)  # [n, B, chunk, N, H]
   segments = tokens.q_segments.reshape(b, n, chunk).swapaxes(0, 1)  # [n, B, chunk]
@@ -130,14 +142,15 @@ def local_attention(
 
 def attend(
   plan: Plan, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, sliding_window: int = 0,
-  chunk_window: int = 0,
+  chunk_window: int = 0, sinks: jax.Array | None = None,
 ) -> jax.Array:  # fmt: skip
   """Attention without a decode cache (training, evaluation) through the plan's kernel: q [B, T, N, Hq]
   already scaled, k [B, T, K, Hq], v [B, T, K, Hv] -> [B, T, N, Hv]; causal, within segments, local when
   sliding_window or chunk_window > 0 (local_window).
 
   Under context parallelism (plan.attention.context_shards > 1) the arrays come split along T and, when
-  load_balanced, in the balanced layout the decoder made; attention then runs per shard."""
+  load_balanced, in the balanced layout the decoder made; attention then runs per shard. `sinks` [N]
+  (attention_sink): dot_product on the whole sequence only, which the plan ensures."""
   run = plan.attention
   cap, t = run.soft_cap, q.shape[1]
   kind = run.kernel_for(t)
@@ -159,8 +172,11 @@ def attend(
     index = context_parallel.original_index(t, run.context_shards, run.load_balanced)
     return ops.context_attention(plan, local, index, q, k, v, segment_ids, context_parallel.LocalTokens)
   if 0 < chunk < t and t % chunk == 0:
-    return chunked_dot_product_attention(q, k, v, segment_ids, sliding_window, cap, chunk, chunk_window=chunk_window)
-  return dot_product_attention(q, k, v, attention_mask(segment_ids, sliding_window, chunk_window=chunk_window), cap)
+    return chunked_dot_product_attention(
+      q, k, v, segment_ids, sliding_window, cap, chunk, chunk_window=chunk_window, sinks=sinks
+    )
+  mask = attention_mask(segment_ids, sliding_window, chunk_window=chunk_window)
+  return dot_product_attention(q, k, v, mask, cap, sinks)
 
 
 def temperature_scale(positions: jax.Array, config: ModelConfig) -> jax.Array:
@@ -180,6 +196,7 @@ class Attention(nnx.Module):
   (llama4's weightless norm) and `use_qk_norm` (None: config.use_qk_norm) turns them on per layer. Biases
   on q/k/v/o come from config.attention_bias or `use_bias` (gpt3, which also has no RoPE: `use_rope`).
   Layers without RoPE scale their queries by position when config.temperature_tuning (llama4's NoPE layers).
+  config.attention_sink adds `sinks` [N], one learned softmax logit per query head (gpt-oss).
   """
 
   def __init__(
@@ -218,6 +235,9 @@ class Attention(nnx.Module):
     self.rope_type = config.rope_type if rope_type is None else rope_type
     self.query_scale = (config.query_pre_attn_scalar or h) ** -0.5
     self.use_rope = use_rope
+    self.sinks = nnx.data(None)
+    if config.attention_sink:
+      self.sinks = nnx.Param(jnp.zeros((n,), wdt), out_sharding=("heads",))
 
   def __call__(
     self,
@@ -246,13 +266,14 @@ class Attention(nnx.Module):
     q = q * self.query_scale
     if self.temperature_tuning:
       q = q * temperature_scale(positions, self.config)[:, :, None, None].astype(q.dtype)
+    sinks = None if self.sinks is None else self.sinks[...]
     if cache is None:
-      out = attend(self.plan, q, k, v, segment_ids, self.sliding_window, self.chunk_window)
+      out = attend(self.plan, q, k, v, segment_ids, self.sliding_window, self.chunk_window, sinks)
     else:
       cache = kv_cache.update(cache, k, v, positions)
       keys, values = kv_cache.read(cache, v.dtype)
       mask = kv_cache.mask(positions, cache.key.shape[1], self.sliding_window, self.chunk_window)
-      out = dot_product_attention(q, keys, values, mask, self.config.attn_logits_soft_cap)
+      out = dot_product_attention(q, keys, values, mask, self.config.attn_logits_soft_cap, sinks)
     out = checkpoint_name(nn.with_logical_constraint(out, HEAD_AXES), "context")
     return checkpoint_name(self.out(out), "out_proj"), cache
 

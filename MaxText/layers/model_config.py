@@ -50,6 +50,7 @@ class ModelConfig:
   temperature_tuning: bool
   temperature_tuning_scale: float
   temperature_tuning_floor_scale: int
+  attention_sink: bool
   quantize_kvcache: bool  # decode: the KV cache's storage
   kv_quant_dtype: str
   # RoPE
@@ -88,6 +89,9 @@ class ModelConfig:
   routed_bias: bool
   routed_scaling_factor: float
   routed_weight_on_input: bool
+  router_bias: bool
+  mlp_activations_limit: float
+  swiglu_alpha: float
   routed_group_score: str
   norm_topk_prob: bool
   n_routing_groups: int

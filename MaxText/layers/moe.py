@@ -104,6 +104,22 @@ def capacity_mask(experts: jax.Array, num_experts: int, capacity_factor: float) 
   return expert_ranks(experts, num_experts) < expert_capacity(x, k, num_experts, capacity_factor)
 
 
+def gated_unit(config: ModelConfig):
+  """(gate, up) -> the experts' hidden activations: act(gate) * up (mlp_activations[0]), or with
+  mlp_activations_limit > 0 gpt-oss's clamped SwiGLU (up + 1) * g * sigmoid(swiglu_alpha * g), where
+  g = min(gate, limit) and up is clipped to [-limit, limit]."""
+  limit, alpha = config.mlp_activations_limit, config.swiglu_alpha
+  if limit <= 0:
+    activation = ACTIVATIONS[config.mlp_activations[0]]
+    return lambda gate, up: activation(gate) * up
+
+  def clamped_swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(alpha * gate))
+
+  return clamped_swiglu
+
+
 class Combine(nnx.Module):
   """expert outputs [X, k, D], combine weights [X, k] float32 -> [X, D] float32, their weighted sum.
 
@@ -118,23 +134,32 @@ class MoeBlock(nnx.Module):
   """x [B, T, D] -> [B, T, D]: sum over the token's top-k experts of weight * wo(act(wi_0 x) * wi_1 x) (with
   routed_weight_on_input: wo(act(wi_0 wx) * wi_1 wx)), plus the shared experts' MLP when shared_experts > 0.
   Expert width F: config.moe_mlp_dim (scaled like mlp_dim); the shared experts are one MLP of width
-  shared_experts * F, as in DeepSeek and MaxText."""
+  shared_experts * F, as in DeepSeek and MaxText. gpt-oss options: router_bias (a bias on the router logits),
+  mlp_bias (each expert's biases wi_0_bias, wi_1_bias [E, F] and wo_bias [E, D]; dropless only) and the
+  clamped SwiGLU (gated_unit)."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, plan: Plan):
     dt, wdt = jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
     e, d, f = config.num_experts, config.emb_dim, config.moe_mlp_dim
-    self.gate = DenseGeneral(d, e, ("embed", None), dtype=jnp.float32, weight_dtype=wdt, rngs=rngs)
+    self.gate = DenseGeneral(
+      d, e, ("embed", None), dtype=jnp.float32, weight_dtype=wdt, rngs=rngs, use_bias=config.router_bias
+    )
     self.gate_bias = nnx.Param(jnp.zeros((e,), wdt), out_sharding=(None,)) if config.routed_bias else nnx.data(None)
     init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=1, out_axis=2, batch_axis=0)
     self.wi_0 = nnx.Param(init(rngs.params(), (e, d, f), wdt), out_sharding=("exp", "embed", "mlp"))
     self.wi_1 = nnx.Param(init(rngs.params(), (e, d, f), wdt), out_sharding=("exp", "embed", "mlp"))
     self.wo = nnx.Param(init(rngs.params(), (e, f, d), wdt), out_sharding=("exp", "mlp", "embed"))
+    self.wi_0_bias = self.wi_1_bias = self.wo_bias = nnx.data(None)
+    if config.mlp_bias:
+      self.wi_0_bias = nnx.Param(jnp.zeros((e, f), wdt), out_sharding=("exp", "mlp"))
+      self.wi_1_bias = nnx.Param(jnp.zeros((e, f), wdt), out_sharding=("exp", "mlp"))
+      self.wo_bias = nnx.Param(jnp.zeros((e, d), wdt), out_sharding=("exp", "embed"))
     self.shared_experts = nnx.data(None)
     if config.shared_experts:
       self.shared_experts = MlpBlock(config, rngs=rngs, mlp_dim=f * config.shared_experts)
     self.config, self.plan, self.num_experts, self.k, self.dtype = config, plan, e, config.num_experts_per_tok, dt
     self.capacity_factor = config.capacity_factor
-    self.activation = ACTIVATIONS[config.mlp_activations[0]]
+    self.glu = gated_unit(config)
     self.combine = Combine()
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -154,6 +179,8 @@ class MoeBlock(nnx.Module):
       out = self._grouped_capacity_experts(tokens, routing.experts, t)
     else:
       out = self._experts(tokens, routing.experts, t)  # [X, k, D]
+    if self.wo_bias is not None:  # each assignment's expert adds its own output bias (dropless: none dropped)
+      out = out + jnp.take(self.wo_bias[...].astype(out.dtype), routing.experts, axis=0)
     out = self.combine(out, weights).astype(self.dtype)
     out = out.reshape(b, t, d)
     if self.shared_experts is not None:
@@ -179,7 +206,7 @@ class MoeBlock(nnx.Module):
     `expert` axis (one of the batch axes), the tokens go to their experts' shards and back
     (moe_dispatch.dropless); the weights are never gathered across `expert`.
     """
-    compute = functools.partial(moe_dispatch.dropless, num_experts=self.num_experts, activation=self.activation)
+    compute = functools.partial(moe_dispatch.dropless, num_experts=self.num_experts, glu=self.glu)
     compute = functools.partial(compute, ragged=self.plan.moe.ragged)
     return self._per_shard(compute, tokens, experts, length, whole_sequences=False)
 
@@ -191,14 +218,15 @@ class MoeBlock(nnx.Module):
       groups = tokens.shape[0] // length if per_sequence else 1
       return moe_dispatch.capacity(
         tokens, experts, *weights, num_experts=self.num_experts, groups=groups,
-        capacity_factor=self.capacity_factor, activation=self.activation, **ep,
+        capacity_factor=self.capacity_factor, glu=self.glu, **ep,
       )  # fmt: skip
 
     return self._per_shard(compute, tokens, experts, length, per_sequence)
 
-  def _weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """wi_0, wi_1, wo in the compute dtype. On TPU, a weight whose FSDP shard has a last dim under 128
-    lanes (mixtral's wo [E, F, D]: 64 of D per chip on v5p-128) keeps its larger dim minor: XLA hoists
+  def _weights(self) -> tuple[jax.Array, ...]:
+    """wi_0, wi_1, wo (and wi_0_bias, wi_1_bias under mlp_bias) in the compute dtype. On TPU, a weight
+    whose FSDP shard has a last dim under 128 lanes (mixtral's wo [E, F, D]: 64 of D per chip on v5p-128)
+    keeps its larger dim minor: XLA hoists
     this cast of the whole layer stack out of the scanned loop, and with D minor libtpu 0.0.52 padded the
     copy to twice its bytes (896 instead of 448 MiB per chip for mixtral; sharding.lane_layout)."""
     params = (self.wi_0, self.wi_1, self.wo)
@@ -209,7 +237,8 @@ class MoeBlock(nnx.Module):
       names = tuple(param.get_metadata().get("out_sharding") or ())[-w.ndim :]
       return ops.keep_lanes(self.plan, w, names)
 
-    return tuple(keep_lanes(p, w) for p, w in zip(params, weights))
+    biases = tuple(weight(p, self.dtype) for p in (self.wi_0_bias, self.wi_1_bias) if p is not None)
+    return tuple(keep_lanes(p, w) for p, w in zip(params, weights)) + biases
 
   def _per_shard(self, compute, tokens: jax.Array, experts: jax.Array, length: int, whole_sequences: bool):
     """compute(tokens, experts, wi_0, wi_1, wo, ep_axes=, ep=) per batch shard (parallel.ops.experts)."""
@@ -230,8 +259,8 @@ class MoeBlock(nnx.Module):
     routed = jnp.repeat(tokens.astype(self.dtype), k, axis=0)  # [A, D], assignment order
     buffer = jnp.zeros((e * c, d), self.dtype).at[slots].set(routed, mode="drop").reshape(e, c, d)
     buffer = nn.with_logical_constraint(buffer, EXPERT_EMBED_AXES)
-    wi_0, wi_1, wo = self._weights()
-    hidden = self.activation(jnp.einsum("ECD,EDF->ECF", buffer, wi_0)) * jnp.einsum("ECD,EDF->ECF", buffer, wi_1)
+    wi_0, wi_1, wo, *biases = self._weights()
+    hidden = moe_dispatch.expert_hidden(buffer, wi_0, wi_1, self.glu, *biases)
     hidden = nn.with_logical_constraint(hidden, EXPERT_MLP_AXES)
     out = jnp.einsum("ECF,EFD->ECD", hidden, wo)
     out = nn.with_logical_constraint(out, EXPERT_EMBED_AXES)

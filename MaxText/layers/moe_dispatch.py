@@ -56,11 +56,25 @@ class Layout(NamedTuple):
   starts: jax.Array  # [P] first sorted position of each destination's run
 
 
-def grouped_mlp(rows: jax.Array, sizes: jax.Array, wi_0, wi_1, wo, activation: Callable) -> jax.Array:
+def grouped_mlp(rows: jax.Array, sizes: jax.Array, wi_0, wi_1, wo, glu: Callable, *biases) -> jax.Array:
   """rows [M, D] grouped by expert (group e has sizes[e] rows; rows past sum(sizes) give 0), weights
-  [E, D, F] / [E, F, D] -> [M, D]: each row through its expert's gated MLP."""
-  hidden = activation(jax.lax.ragged_dot(rows, wi_0, sizes)) * jax.lax.ragged_dot(rows, wi_1, sizes)
-  return jax.lax.ragged_dot(hidden, wo, sizes)
+  [E, D, F] / [E, F, D] -> [M, D]: each row through its expert's gated MLP, glu(gate, up) -> hidden; with
+  `biases` (wi_0's and wi_1's, [E, F]) each row's expert adds its own to the gate and up projections."""
+  gate, up = jax.lax.ragged_dot(rows, wi_0, sizes), jax.lax.ragged_dot(rows, wi_1, sizes)
+  if biases:
+    # The expert of each row: the first group whose end lies beyond it (rows past the groups: none, bias 0).
+    ids = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(rows.shape[0]), side="right")
+    b0, b1 = (jnp.take(b, ids, axis=0, mode="fill", fill_value=0).astype(gate.dtype) for b in biases)
+    gate, up = gate + b0, up + b1
+  return jax.lax.ragged_dot(glu(gate, up), wo, sizes)
+
+
+def expert_hidden(buffer: jax.Array, wi_0, wi_1, glu: Callable, *biases) -> jax.Array:
+  """buffer [E, C, D] -> hidden [E, C, F] = glu(gate, up) of each expert's slots (biases [E, F] added)."""
+  gate, up = jnp.einsum("ECD,EDF->ECF", buffer, wi_0), jnp.einsum("ECD,EDF->ECF", buffer, wi_1)
+  if biases:
+    gate, up = gate + biases[0][:, None].astype(gate.dtype), up + biases[1][:, None].astype(up.dtype)
+  return glu(gate, up)
 
 
 def inverse(perm: jax.Array) -> jax.Array:
@@ -127,11 +141,12 @@ def _return_ragged(out, lay: Layout, block: int, ep_axes):
 
 
 def dropless(
-  tokens: jax.Array, experts: jax.Array, wi_0, wi_1, wo, *, num_experts: int, ep_axes: tuple[str, ...], ep: int,
-  activation: Callable, ragged: bool,
+  tokens: jax.Array, experts: jax.Array, wi_0, wi_1, wo, *biases, num_experts: int, ep_axes: tuple[str, ...],
+  ep: int, glu: Callable, ragged: bool,
 ) -> jax.Array:  # fmt: skip
-  """One shard: tokens [X, D], experts [X, k] (global ids), local weights [E_l, D, F] / [E_l, F, D] ->
-  [X, k, D], each assignment's expert output. ragged: move packed rows (TPU/GPU), else padded blocks."""
+  """One shard: tokens [X, D], experts [X, k] (global ids), local weights [E_l, D, F] / [E_l, F, D] (and
+  [E_l, F] biases of wi_0, wi_1) -> [X, k, D], each assignment's expert output. ragged: move packed rows
+  (TPU/GPU), else padded blocks."""
   x, k = experts.shape
   local = num_experts // ep
   lay = layout(experts, local, ep)
@@ -139,22 +154,22 @@ def dropless(
   rows = jnp.take(tokens, lay.order // k, axis=0)  # [A, D], expert-sorted
   if not ep_axes:  # every expert is here: the sorted rows are already in groups, nothing moves
     sizes = jnp.bincount(experts.reshape(-1), length=local).astype(jnp.int32)
-    out = grouped_mlp(rows, sizes, wi_0, wi_1, wo, activation)
+    out = grouped_mlp(rows, sizes, wi_0, wi_1, wo, glu, *biases)
     return jnp.take(out, inverse(lay.order), axis=0).reshape(x, k, -1)
   ids = experts.reshape(-1)[lay.order] % local
   send, back = (_send_ragged, _return_ragged) if ragged and ep_axes else (_send_dense, _return_dense)
   recv, recv_ids = send(rows, ids, lay, block, ep_axes, local)
   order = jnp.argsort(recv_ids, stable=True)  # padding (id = local) last
   sizes = jnp.bincount(recv_ids, length=local).astype(jnp.int32)
-  out = grouped_mlp(jnp.take(recv, order, axis=0), sizes, wi_0, wi_1, wo, activation)
+  out = grouped_mlp(jnp.take(recv, order, axis=0), sizes, wi_0, wi_1, wo, glu, *biases)
   out = jnp.take(out, inverse(order), axis=0)  # [P * block, D] in received order
   sorted_out = back(out, lay, block, ep_axes)
   return jnp.take(sorted_out, inverse(lay.order), axis=0).reshape(x, k, -1)
 
 
 def capacity(
-  tokens: jax.Array, experts: jax.Array, wi_0, wi_1, wo, *, num_experts: int, ep_axes: tuple[str, ...], ep: int,
-  groups: int, capacity_factor: float, activation: Callable,
+  tokens: jax.Array, experts: jax.Array, wi_0, wi_1, wo, *biases, num_experts: int, ep_axes: tuple[str, ...],
+  ep: int, groups: int, capacity_factor: float, glu: Callable,
 ) -> jax.Array:  # fmt: skip
   """One shard: tokens [X, D], experts [X, k], local weights -> [X, k, D], 0 for the assignments beyond
   their expert's capacity in their group (X split into `groups` runs of consecutive tokens)."""
@@ -171,7 +186,7 @@ def capacity(
   local = e // ep
   buffer = all_to_all(buffer.reshape(ep, local, g * c, d), ep_axes)
   buffer = buffer.transpose(1, 0, 2, 3).reshape(local, ep * g * c, d)
-  hidden = activation(jnp.einsum("ECD,EDF->ECF", buffer, wi_0)) * jnp.einsum("ECD,EDF->ECF", buffer, wi_1)
+  hidden = expert_hidden(buffer, wi_0, wi_1, glu, *biases)
   out = jnp.einsum("ECF,EFD->ECD", hidden, wo).reshape(local, ep, g * c, d).transpose(1, 0, 2, 3)
   out = all_to_all(out, ep_axes).reshape(e * g * c, d)
   return jnp.take(out, slots, axis=0, mode="fill", fill_value=0).reshape(x, k, d)

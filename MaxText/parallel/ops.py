@@ -148,9 +148,9 @@ def experts(
   plan: Plan, compute: Callable, tokens: jax.Array, assignments: jax.Array, weights: tuple[jax.Array, ...],
   num_experts: int, rows: int,
 ) -> jax.Array:  # fmt: skip
-  """compute(tokens, assignments, wi_0, wi_1, wo, ep_axes=, ep=) per batch shard (on the whole batch with
-  ep=1 where there is no mesh or the batch or experts do not split evenly). `rows`: how many units of the
-  batch must split over the batch axes (tokens, or whole sequences). Expert widths split over the mlp
+  """compute(tokens, assignments, wi_0, wi_1, wo[, wi_0 and wi_1 biases], ep_axes=, ep=) per batch shard (on
+  the whole batch with ep=1 where there is no mesh or the batch or experts do not split evenly). `rows`: how
+  many units of the batch must split over the batch axes (tokens, or whole sequences). Expert widths split over the mlp
   axes are summed after (each shard of F gives a partial sum over F)."""
   mesh, axes = plan.mesh, plan.axes
   if mesh is None:
@@ -162,16 +162,17 @@ def experts(
   mlp = axes.mlp if weights[0].shape[-1] % _size(axes.mlp, mesh) == 0 else ()
   vary = (*batch, *ep_axes, *mlp) if plan.moe is not None and plan.moe.vary_for_quantization else ()
 
-  def shard(tokens, assignments, wi_0, wi_1, wo):
-    tokens, wi_0, wi_1, wo = (varying(x, vary) for x in (tokens, wi_0, wi_1, wo))
-    out = compute(tokens, assignments, wi_0, wi_1, wo, ep_axes=ep_axes, ep=ep)
+  def shard(tokens, assignments, *weights):
+    tokens, *weights = (varying(x, vary) for x in (tokens, *weights))
+    out = compute(tokens, assignments, *weights, ep_axes=ep_axes, ep=ep)
     return jax.lax.psum(out, mlp) if mlp else out
 
   b, e, f = batch or None, ep_axes or None, mlp or None
+  biases = (P(e, f),) * (len(weights) - 3)  # gpt-oss: wi_0's and wi_1's [E, F] biases, split like their columns
   return jax.shard_map(
     shard,
     mesh=mesh,
-    in_specs=(P(b, None), P(b, None), P(e, None, f), P(e, None, f), P(e, f, None)),
+    in_specs=(P(b, None), P(b, None), P(e, None, f), P(e, None, f), P(e, f, None), *biases),
     out_specs=P(b, None, None),
   )(tokens, assignments, *weights)
 

@@ -63,11 +63,12 @@ class AttentionPlan:
   context_shards: int  # 1: the sequence is whole per device
   load_balanced: bool  # context parallelism in the balanced chunk order (context_parallel.balance)
   batch_pieces: int = 1  # flash: the kernel called on this many parts of each shard's batch in turn (Pieces)
+  sinks: bool = False  # attention_sink: only dot_product takes the sink logits
 
   def kernel_for(self, length: int) -> str:
     """The kernel for a sequence of `length` tokens (a caller scoring a length other than the training one:
     autoselected falls back to dot_product where a fused kernel cannot take it)."""
-    return _kernel(self.requested, self.platform, self.context_shards, length, self.soft_cap)[0]
+    return _kernel(self.requested, self.platform, self.context_shards, length, self.soft_cap, self.sinks)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,11 +165,16 @@ def activation_axes(mesh: jax.sharding.AbstractMesh | None, rules) -> Axes:
   )
 
 
-def _kernel(requested: str, platform: str, context_shards: int, length: int, soft_cap: float) -> tuple[str, str]:
+def _kernel(
+  requested: str, platform: str, context_shards: int, length: int, soft_cap: float, sinks: bool = False
+) -> tuple[str, str]:
   """(kernel, why): config.attention, with autoselected resolved for the platform: flash (Pallas splash) on
-  TPU, cuDNN on NVIDIA GPUs, dot_product elsewhere or where the fused kernel cannot take the shapes."""
+  TPU, cuDNN on NVIDIA GPUs, dot_product elsewhere or where the fused kernel cannot take the shapes (or the
+  attention sinks)."""
   if requested != "autoselected":
     return requested, f"attention={requested} in the config"
+  if sinks:
+    return "dot_product", "autoselected: attention_sink, which only dot_product takes"
   if context_shards > 1:  # the kernels see a whole sequence; dot_product runs per context shard
     return "dot_product", f"autoselected: context parallelism over {context_shards} shards runs dot_product"
   if platform == "tpu" and length % LANES == 0:
@@ -185,7 +191,12 @@ def _kernel(requested: str, platform: str, context_shards: int, length: int, sof
 def _attention(config: Config, platform: str, axes: Axes, mesh) -> AttentionPlan:
   length, cap = config.max_target_length, config.attn_logits_soft_cap
   shards = math.prod(mesh.shape[a] for a in axes.length) if mesh is not None else 1
-  kernel, reason = _kernel(config.attention, platform, shards, length, cap)
+  kernel, reason = _kernel(config.attention, platform, shards, length, cap, config.attention_sink)
+  if config.attention_sink and (kernel != "dot_product" or shards > 1):
+    raise ConfigError(
+      f"attention_sink=true runs with attention=dot_product (or autoselected) on whole sequences; got "
+      f"attention={kernel} over {shards} context shard(s): set attention=dot_product and no context parallelism"
+    )
   if kernel == "flash" and platform == "gpu":
     raise ConfigError("attention=flash is the TPU (Pallas splash) kernel; on NVIDIA GPUs use attention=cudnn_flash_te")
   if kernel == "cudnn_flash_te" and platform != "gpu":
@@ -211,7 +222,7 @@ def _attention(config: Config, platform: str, axes: Axes, mesh) -> AttentionPlan
   return AttentionPlan(
     kernel=kernel, reason=reason, requested=config.attention, platform=platform, soft_cap=cap,
     query_chunk=config.attention_query_chunk, interpret=platform != "tpu", context_shards=shards,
-    load_balanced=config.context_parallel_load_balance and shards > 1,
+    load_balanced=config.context_parallel_load_balance and shards > 1, sinks=config.attention_sink,
   )  # fmt: skip
 
 

@@ -45,6 +45,10 @@ PUBLISHED = {  # billions of parameters, as published by the model authors (text
   "gpt3-175b": 175.0,
   "llama4-17b-16e": 107.8,  # Scout: 109B published with the vision encoder; the text decoder from its config.json
   "llama4-17b-128e": 400.7,  # Maverick: 400B published
+  # gpt-oss: transformers' count of the released config.json (20,914,757,184 and 116,829,156,672; 21B and 117B
+  # published)
+  "gpt-oss-20b": 20.91,
+  "gpt-oss-120b": 116.83,
 }
 
 
@@ -79,7 +83,7 @@ def test_parameter_count(name):
     "num_experts=6 n_routing_groups=4",
     "routed_score_func=relu",
     "first_num_dense_layers=99",
-    "mlp_bias=true",
+    "mlp_activations_limit=-1",
     "decoder_block=deepseek attention_bias=true",
     "chunk_attn_window_size=-1",
     "chunk_attn_window_size=8 sliding_window_size=8",

@@ -1,0 +1,187 @@
+"""gpt-oss against Hugging Face transformers (PyTorch CPU) on a tiny random model: logits, 16 greedy tokens,
+the bit-exact round trip, the MXFP4 expert import (dequantized as transformers does) and its bfloat16
+export; the KV-cache path (sinks, sliding windows); training on the quick-start data; presets and FLOPs."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from MaxText import config, flops, train
+from MaxText.convert import hf_mapping, hf_to_maxtext, maxtext_to_hf, mxfp4
+from MaxText.errors import ConfigError
+from MaxText.inference import Engine
+from MaxText.parallel import plan as plan_lib
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+families_test = pytest.importorskip("MaxText.tests.families_test")
+decode_parity_test = pytest.importorskip("MaxText.tests.decode_parity_test")
+decode_test = pytest.importorskip("MaxText.tests.decode_test")
+
+# YaRN as gpt-oss ships it (truncate false), over 8 rope dims and a short pre-training length so that it
+# scales frequencies here; 3 layers = one scanned sliding/full pair and a sliding remainder; windows of 4
+# and T = 12, so the windows act; swiglu_limit 1.5 so the clamps act on these random weights.
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8}
+YARN |= {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+TINY = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
+TINY |= dict(head_dim=8, vocab_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=4)
+TINY |= dict(swiglu_limit=1.5, rope_parameters=YARN, max_position_embeddings=32, tie_word_embeddings=False)
+T = 12
+
+
+def hf_model(tmp_path, bf16_exact=False):
+  """A tiny random GptOssForCausalLM (every weight, bias, sink and norm random) saved under tmp_path/hf.
+  bf16_exact: every weight rounded to bfloat16 first (so a bfloat16 export is exact)."""
+  torch.manual_seed(0)
+  cfg = transformers.GptOssConfig(**TINY)
+  model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      value = torch.randn_like(p) * 0.5 + 1.0 if "norm" in name else torch.randn_like(p) * 0.3
+      p.copy_(value.bfloat16().float() if bf16_exact else value)
+  path = os.path.join(tmp_path, "hf")
+  model.save_pretrained(path)
+  return model, path
+
+
+def load(out, *overrides):
+  return config.load([os.path.join(out, "config.yml"), "run_name=t", "dtype=float32", *overrides], {})
+
+
+def exported(back):
+  out = {}
+  for name in set(json.load(open(os.path.join(back, "model.safetensors.index.json")))["weight_map"].values()):
+    out |= safetensors_torch.load_file(os.path.join(back, name))
+  return out
+
+
+def test_logits_greedy_tokens_and_exact_round_trip(tmp_path):
+  model, hf_path = hf_model(tmp_path)
+  gate = model.model.layers[0].mlp.experts.gate_up_proj[..., ::2]
+  tokens = np.random.default_rng(0).integers(0, 64, (2, T))
+  with torch.no_grad():
+    ref = model(torch.tensor(tokens)).logits.numpy()
+    hidden = model.model.layers[0].post_attention_layernorm(model.model.embed_tokens(torch.tensor(tokens)))
+    assert ((hidden.reshape(-1, 32) @ gate[0]) > 1.5).any()  # the clamp acts
+  scanned = os.path.join(tmp_path, "scan")  # a scanned sliding/full pair and an unscanned remainder layer
+  hf_to_maxtext.convert(hf_path, scanned, scan_layers=True)
+  np.testing.assert_allclose(families_test.maxtext_logits(scanned, tokens), ref, rtol=1e-5, atol=1e-5)
+
+  c = load(scanned, f"load_parameters_path={scanned}/params", "max_target_length=32")
+  c = c.replace(max_prefill_predict_length=16, ici_fsdp_parallelism=1, ici_data_parallelism=-1)
+  completions = Engine.load(c).generate(decode_parity_test.PROMPTS, 16, strategy="greedy", stop_tokens=[])
+  want = decode_parity_test.hf_greedy(model, decode_parity_test.PROMPTS)
+  for row, completion in enumerate(completions.completions):
+    np.testing.assert_array_equal(completion.tokens, want[row], err_msg=f"prompt {row}")
+
+  back = os.path.join(tmp_path, "back")
+  maxtext_to_hf.convert(load(scanned, f"load_parameters_path={scanned}/params"), back)
+  original, tensors = safetensors_torch.load_file(os.path.join(hf_path, "model.safetensors")), exported(back)
+  assert sorted(tensors) == sorted(original)
+  for name, tensor in original.items():
+    assert torch.equal(tensors[name], tensor), name
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(back, attn_implementation="eager").eval()
+  with torch.no_grad():
+    np.testing.assert_array_equal(reloaded(torch.tensor(tokens)).logits.numpy(), ref)
+
+
+def quantize_mxfp4(weight):
+  """HF expert weight [E, in, out] -> (blocks uint8 [E, out, in/32, 16], scales uint8 [E, out, in/32]): per
+  block of 32 along `in`, the E8M0 exponent that brings the largest magnitude within 6 (FP4's largest),
+  each value rounded to the nearest E2M1 code, two codes per byte, the low nibble first."""
+  w = np.swapaxes(weight, -1, -2)
+  w = w.reshape(*w.shape[:-1], -1, 32)
+  exponent = np.ceil(np.log2(np.maximum(np.abs(w).max(-1), 1e-30) / 6.0)).astype(np.int32)
+  scaled = w / np.exp2(exponent)[..., None]
+  magnitude = np.abs(np.abs(scaled)[..., None] - mxfp4.E2M1[:8]).argmin(-1)
+  codes = (magnitude + 8 * (scaled < 0)).astype(np.uint8)
+  return codes[..., 0::2] | (codes[..., 1::2] << 4), (exponent + 127).astype(np.uint8)
+
+
+def test_mxfp4_experts_import_as_transformers_dequantizes_and_export_to_bfloat16(tmp_path):
+  model, hf_path = hf_model(tmp_path, bf16_exact=True)
+  state = safetensors_torch.load_file(os.path.join(hf_path, "model.safetensors"))
+  dequantized = {}
+  for name in [n for n in state if n.endswith(("gate_up_proj", "down_proj"))]:
+    blocks, scales = quantize_mxfp4(state.pop(name).numpy())
+    state[name + "_blocks"], state[name + "_scales"] = torch.from_numpy(blocks), torch.from_numpy(scales)
+    ref = transformers.integrations.mxfp4.convert_moe_packed_tensors(
+      state[name + "_blocks"], state[name + "_scales"], dtype=torch.float32
+    )
+    dequantized[name] = ref
+  quantized = os.path.join(tmp_path, "mxfp4")
+  os.makedirs(quantized)
+  safetensors_torch.save_file(state, os.path.join(quantized, "model.safetensors"))
+  cfg = json.load(open(os.path.join(hf_path, "config.json")))
+  quantization = {"quantization_config": {"quant_method": "mxfp4"}}
+  json.dump({**cfg, **quantization}, open(os.path.join(quantized, "config.json"), "w"))
+  out, back = os.path.join(tmp_path, "mt"), os.path.join(tmp_path, "back")
+  hf_to_maxtext.convert(quantized, out, scan_layers=False)
+  maxtext_to_hf.convert(load(out, f"load_parameters_path={out}/params"), back, dtype="bfloat16")
+  tensors = exported(back)
+  for name, ref in dequantized.items():
+    assert tensors[name].dtype == torch.bfloat16 and torch.equal(tensors[name].float(), ref), name
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32).eval()
+  tokens = np.random.default_rng(0).integers(0, 64, (2, T))
+  with torch.no_grad():
+    ref = reloaded(torch.tensor(tokens)).logits.numpy()
+  np.testing.assert_allclose(families_test.maxtext_logits(out, tokens), ref, rtol=1e-5, atol=5e-5)
+  with pytest.raises(ConfigError, match="quantization_config"):
+    hf_mapping.maxtext_keys({**cfg, "quantization_config": {"quant_method": "gptq"}})
+
+
+def test_decode_with_the_cache_equals_the_full_forward(monkeypatch):
+  """Sinks and sliding windows (3 here) in the cache path: prefill and 4 steps past the window."""
+  gpt_oss = ["decoder_block=gpt_oss", "base_num_decoder_layers=3", "num_experts=4", "num_experts_per_tok=2"]
+  gpt_oss += ["sliding_window_size=3", "attention_sink=true", "attention_bias=true", "router_bias=true"]
+  gpt_oss += ["mlp_bias=true", "mlp_activations_limit=1.5", "rope_type=yarn", "rope_truncate=false"]
+  gpt_oss += ["original_max_position_embeddings=8", "rope_factor=4.0"]
+  monkeypatch.setitem(decode_test.FAMILIES, "gpt-oss", gpt_oss)
+  decode_test.test_forward_equals_prefill_equals_step_by_step("gpt-oss")
+
+
+def test_trains_on_the_quickstart_data(tmp_path):
+  """A tiny gpt-oss (every option of the preset on) learns the quick-start corpus: the loss falls."""
+  c = config.load(
+    ["quickstart", "model_name=gpt-oss-20b", "override_model_config=true", f"base_output_directory={tmp_path}"]
+    + ["run_name=gptoss", "base_emb_dim=64", "base_mlp_dim=64", "base_num_query_heads=4", "base_num_kv_heads=2"]
+    + ["head_dim=16", "base_num_decoder_layers=2", "num_experts=4", "num_experts_per_tok=2", "vocab_size=512"]
+    + ["sliding_window_size=16", "max_target_length=32", "per_device_batch_size=1", "steps=20", "dtype=float32"]
+    + ["text_max_documents=20", "enable_checkpointing=false", "eval_interval=0", "log_period=1"]
+    + ["enable_tensorboard=false", "log_config=false", "load_balance_loss_weight=0.001"],
+    {},
+  )
+  train.run(c)
+  losses = [json.loads(line)["loss"] for line in open(c.metrics_file)]
+  assert len(losses) == 20 and np.mean(losses[-5:]) < losses[0] - 0.5, losses
+
+
+@pytest.mark.parametrize("preset", ["gpt-oss-20b", "gpt-oss-120b"])
+def test_presets_are_the_released_configs(preset):
+  """The preset -> config.json -> the same keys; transformers' GptOssConfig (its defaults are 120b's) maps
+  to the preset; FLOPs count each sliding layer's 128-key window and each full layer's T/2 keys."""
+  c = config.load([os.path.join(config.CONFIG_DIR, "base.yml"), "run_name=t", f"model_name={preset}"], {})
+  hf = hf_mapping.hf_config(c, "bfloat16")
+  assert {k: v for k, v in hf_mapping.maxtext_keys(hf).items() if c[k] != v} == {}
+  layers, experts = (24, 32) if preset == "gpt-oss-20b" else (36, 128)
+  released = transformers.GptOssConfig(num_hidden_layers=layers, num_local_experts=experts).to_dict()
+  keys = hf_mapping.maxtext_keys(released)
+  assert {k: v for k, v in keys.items() if c[k] != v} == {"load_balance_loss_weight": 0.001}
+  with pytest.raises(ConfigError, match="layer_types"):
+    hf_mapping.maxtext_keys({**released, "layer_types": ["full_attention"] * layers})
+  model = flops.abstract_model(c)
+  per_layer = 2.0 * 64 * (64 + 64)  # 2 FLOPs x N heads x (H_qk + H_v) per attended key
+  t = c.max_target_length
+  window = flops.attended_keys(t, 128)
+  want = layers // 2 * per_layer * (window + t / 2)
+  assert flops.forward_count(model, t).attention == pytest.approx(want, rel=1e-9)
+
+
+def test_sinks_need_dot_product_attention():
+  base = [os.path.join(config.CONFIG_DIR, "base.yml"), "run_name=t", "model_name=gpt-oss-20b"]
+  with pytest.raises(ConfigError, match="attention_sink=true runs with attention=dot_product"):
+    plan_lib.build(config.load([*base, "attention=flash"], {}))
+  assert plan_lib.build(config.load(base, {})).attention.kernel_for(4096) == "dot_product"

@@ -8,7 +8,7 @@ from flax import nnx
 
 from MaxText.layers.decoder import Decoder, Family
 from MaxText.layers.model_config import ModelConfig
-from MaxText.models import deepseek, gemma, gemma2, gemma3, gpt3, llama2, llama4
+from MaxText.models import deepseek, gemma, gemma2, gemma3, gpt3, llama2, llama4, qwen3next
 
 if TYPE_CHECKING:
   from MaxText.parallel.plan import Plan
@@ -26,6 +26,7 @@ REGISTRY: dict[str, Family] = {
   "deepseek": deepseek.FAMILY,
   "llama4": llama4.FAMILY,
   "gpt3": gpt3.FAMILY,
+  "qwen3next": qwen3next.FAMILY,
 }
 
 

@@ -318,12 +318,13 @@ def hf_config(c: Config, dtype: str) -> dict[str, Any]:
     out["floor_scale"] = int(out["floor_scale"])
   if c.decoder_block == "qwen3next":
     if not (c.shared_experts and c.shared_expert_gate and c.num_experts > 1):
-      raise ConfigError("qwen3_next export needs num_experts > 1 and one gated shared expert "
-        "(shared_experts, shared_expert_gate)")
+      raise ConfigError(
+        "qwen3_next export needs num_experts > 1 and one gated shared expert (shared_experts, shared_expert_gate)"
+      )
     out["shared_expert_intermediate_size"] = c.shared_experts * c.moe_mlp_dim
     out["decoder_sparse_step"], out["mlp_only_layers"] = 1, []
-    interval = c.full_attention_interval
-    out["layer_types"] = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(out["num_hidden_layers"])]
+    interval, layers = c.full_attention_interval, c.num_decoder_layers
+    out["layer_types"] = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
   if c.decoder_block == "deepseek":  # transformers' default is 1, with no MTP weights to load
     out["num_nextn_predict_layers"] = c.mtp_num_layers
   for key in (

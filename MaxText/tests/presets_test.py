@@ -45,6 +45,7 @@ PUBLISHED = {  # billions of parameters, as published by the model authors (text
   "gpt3-175b": 175.0,
   "llama4-17b-16e": 107.8,  # Scout: 109B published with the vision encoder; the text decoder from its config.json
   "llama4-17b-128e": 400.7,  # Maverick: 400B published
+  "qwen3-next-80b-a3b": 79.67,  # 80B published; transformers counts 79,674,391,296 for its config.json
 }
 
 

@@ -141,3 +141,14 @@ def test_flops_count_linear_attention_layers_as_such():
   assert c.num_decoder_layers == 48
   np.testing.assert_allclose(short.attention, 3 * (36 * linear + 12 * full(2048)), rtol=1e-6)
   np.testing.assert_allclose(long.attention - short.attention, 3 * 12 * (full(4096) - full(2048)), rtol=1e-6)
+
+
+def test_unsupported_settings_are_config_errors():
+  from MaxText.errors import ConfigError  # noqa: PLC0415
+  from MaxText.parallel import plan as plan_lib  # noqa: PLC0415
+
+  base = [os.path.join(config.CONFIG_DIR, "base.yml"), "run_name=t", "decoder_block=qwen3next"]
+  with pytest.raises(ConfigError, match="linear_num_value_heads a multiple of linear_num_key_heads"):
+    plan_lib.build(config.load([*base, "linear_num_key_heads=3"], {}))
+  with pytest.raises(ConfigError, match="set ici/dcn_context_parallelism=1"):
+    plan_lib.build(config.load([*base, "ici_context_parallelism=2"], {}))

@@ -187,7 +187,8 @@ class GatedDeltaNet(nnx.Module):
     )
     valid = (segment_ids != 0)[..., None]
     previous = jnp.pad(segment_ids, ((0, 0), (1, 0)))[:, :-1]
-    start = ((segment_ids != previous) & (positions > 0))[..., None] if cache is None else jnp.zeros_like(valid)
+    not_first = jnp.arange(t)[None, :] > 0
+    start = ((segment_ids != previous) & not_first)[..., None] if cache is None else jnp.zeros_like(valid)
     g = jnp.where(valid, jnp.where(start, SEGMENT_START_DECAY, g), 0.0)
     beta = jnp.where(valid, beta, 0.0)
     state = jnp.zeros((b, hv, dk, dv), jnp.float32) if cache is None else cache.ssm

@@ -159,3 +159,22 @@ def test_unsupported_settings_are_config_errors():
     plan_lib.build(config.load([*base, "linear_num_key_heads=3"], {}))
   with pytest.raises(ConfigError, match="set ici/dcn_context_parallelism=1"):
     plan_lib.build(config.load([*base, "ici_context_parallelism=2"], {}))
+
+
+def test_packed_documents_do_not_see_each_other():
+  """A row packing documents of 4 and 6 tokens: the second's DeltaNet output equals that document alone."""
+  from flax import nnx  # noqa: PLC0415
+
+  from MaxText.layers.model_config import ModelConfig  # noqa: PLC0415
+  from MaxText.parallel import plan as plan_lib  # noqa: PLC0415
+
+  c = config.load([os.path.join(config.CONFIG_DIR, "base.yml"), "run_name=t", "dtype=float32", *TRAIN_KEYS], {})
+  with nnx.use_eager_sharding(False):
+    layer = gated_deltanet.GatedDeltaNet(ModelConfig.from_config(c), rngs=nnx.Rngs(0), plan=plan_lib.build(c))
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 10, 32)), jnp.float32)
+  segments = jnp.asarray([[1] * 4 + [2] * 6])
+  positions = jnp.asarray([list(range(4)) + list(range(6))])
+  run = nnx.jit(lambda m, *args: m(*args)[0])
+  packed = run(layer, x, positions, segments)
+  alone = run(layer, x[:, 4:], positions[:, 4:], jnp.ones((1, 6), jnp.int32))
+  np.testing.assert_allclose(packed[:, 4:], alone, rtol=1e-5, atol=1e-6)

@@ -3,7 +3,8 @@
 No second description of the architecture: the count walks the model's modules (an abstract build,
 nothing allocated) and reads from each what it computes. Every projection (DenseGeneral) counts its kernel,
 a MoeBlock its experts' weights times k / num_experts (the experts a token is routed to), every attention
-module its own window (global causal, sliding, Llama 4's chunks; NoPE layers are global), and the logits
+module its own window (global causal, sliding, Llama 4's chunks; NoPE layers are global), every gated DeltaNet
+its chunked linear-attention cost per token (GatedDeltaNet.forward_flops_per_token), and the logits
 head once per application (the main model's, and one per multi-token-prediction module). Stacked layers
 (scan_layers) are counted through their kernels' leading layer axis.
 
@@ -24,6 +25,7 @@ from MaxText import state as state_lib
 from MaxText.config import Config
 from MaxText.layers.attention import Attention
 from MaxText.layers.attention_mla import MLAttention
+from MaxText.layers.gated_deltanet import GatedDeltaNet
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.moe import MoeBlock
 
@@ -83,7 +85,8 @@ def _attention_forward(module: Attention | MLAttention, length: int) -> float:
   heads, v_dims = module.out.in_features  # [N, H_v] -> D
   query = module.query if getattr(module, "wq_b", None) is None else module.wq_b  # MLA with q_lora_rank
   keys = attended_keys(length, module.sliding_window, getattr(module, "chunk_window", 0))
-  return 2.0 * keys * heads * (query.out_features[-1] + v_dims) * _copies(module.out)
+  qk_dims = getattr(module, "qk_head_dim", None) or query.out_features[-1]  # qwen3next: q and gate share a projection
+  return 2.0 * keys * heads * (qk_dims + v_dims) * _copies(module.out)
 
 
 def forward_count(model: nnx.Module, length: int) -> ForwardCount:
@@ -96,6 +99,8 @@ def forward_count(model: nnx.Module, length: int) -> ForwardCount:
       active += sum(_size(getattr(module, w)) for w in EXPERT_WEIGHTS) * module.k / module.num_experts
     elif isinstance(module, (Attention, MLAttention)):
       attention += _attention_forward(module, length)
+    elif isinstance(module, GatedDeltaNet):  # linear attention: per token, independent of the length
+      attention += module.forward_flops_per_token() * _copies(module.out)
   head = getattr(model, LOGITS_HEAD)
   head_size = _size(model.token_embedder.embedding if head is None else head.kernel)
   applications = 1 + len(model.mtp_modules or ())  # each MTP module applies the shared head again
@@ -125,7 +130,9 @@ def training_flops_per_token(config: Config, model: nnx.Module | None = None) ->
     attention = 3 · sum over attention layers 2·S_eff·N·(H_qk + H_v)
                 QK^T and AV, 2 FLOPs per multiply-add, over S_eff = attended_keys(T, window, chunk) keys:
                 T/2 for global causal layers (half of full attention, as MaxText counts it), less for
-                sliding-window and chunked layers; MLA's H_qk is qk_nope + qk_rope, H_v is v_head_dim.
+                sliding-window and chunked layers; MLA's H_qk is qk_nope + qk_rope, H_v is v_head_dim;
+                + 3 · per gated DeltaNet layer its chunked-rule and convolution FLOPs per token (qwen3next),
+                which do not grow with T.
   Under LoRA the base is frozen: the backward still computes activation gradients through its weights but
   no weight gradients, so every base weight (matmul and embedding) costs 4, not 6; the adapters, trained
   and each used once per token, cost 6 each and are counted in matmul. Not counted: norms, activations,

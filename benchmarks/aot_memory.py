@@ -66,6 +66,11 @@ CASES = (
     "model_name=kimi-k2-1t", "compile_topology=v5p-512", "per_device_batch_size=1", "max_target_length=4096",
     "ici_expert_parallelism=32", "capacity_factor=1.0", "capacity_group=sequence",
   ),
+  # Qwen3-Next 80B-A3B: 36 gated DeltaNet + 12 gated attention layers, 512 experts per layer.
+  case(
+    "qwen3-next-80b-a3b v5p-128",
+    "model_name=qwen3-next-80b-a3b", "compile_topology=v5p-128", "per_device_batch_size=1", "max_target_length=4096",
+  ),
   # Expert parallelism (docs/expert_parallelism.md): tokens move to the experts by all-to-all.
   case(
     "mixtral-8x7b v5p-128 expert=8 dropless",

@@ -31,6 +31,7 @@ DECODER_BLOCK = {
   "kimi_k2": "deepseek",  # Kimi K2: DeepseekV3ForCausalLM under its own (remote-code) config class
   "llama4_text": "llama4",
   "gpt_oss": "gpt_oss",
+  "qwen3_next": "qwen3next",
 }
 HF_ARCH = {
   "llama2": ("llama", "LlamaForCausalLM"),
@@ -44,6 +45,7 @@ HF_ARCH = {
   "gpt3": ("gpt2", "GPT2LMHeadModel"),
   "llama4": ("llama4_text", "Llama4ForCausalLM"),
   "gpt_oss": ("gpt_oss", "GptOssForCausalLM"),
+  "qwen3next": ("qwen3_next", "Qwen3NextForCausalLM"),
 }
 # HF field -> MaxText key, the same for every family.
 COMMON = {
@@ -120,11 +122,20 @@ EXTRA = {  # decoder_block -> {HF field: MaxText key}
     "swiglu_alpha": "swiglu_alpha",
   },
 }
+EXTRA["qwen3next"] = {
+  **{k: v for k, v in EXTRA["qwen3"].items() if k != "num_local_experts"},
+  "linear_num_key_heads": "linear_num_key_heads",
+  "linear_num_value_heads": "linear_num_value_heads",
+  "linear_key_head_dim": "linear_key_head_dim",
+  "linear_value_head_dim": "linear_value_head_dim",
+  "linear_conv_kernel_dim": "linear_conv_kernel_dim",
+}
 FIXED = {  # decoder_block -> MaxText keys implied by the family
   "qwen3": {"use_qk_norm": True},
   "gemma2": {"use_post_attn_norm": True, "use_post_ffw_norm": True},
   "gemma3": {"use_post_attn_norm": True, "use_post_ffw_norm": True, "use_qk_norm": True},
   # top-1 sigmoid of the chosen logit, weighting the expert input; one shared expert of the experts' width
+  "qwen3next": {"use_qk_norm": True, "shared_expert_gate": True},
   "llama4": {"routed_score_func": "sigmoid", "norm_topk_prob": False, "shared_experts": 1}
   | {"routed_weight_on_input": True},
   # sinks, biased router (softmax over the chosen logits) and biased experts
@@ -133,7 +144,7 @@ FIXED = {  # decoder_block -> MaxText keys implied by the family
 }
 BIASES = {  # decoder_block -> the bias flags (HF field = MaxText key) of its transformers class
   "llama2": ("attention_bias", "mlp_bias"),
-  **{block: ("attention_bias",) for block in ("qwen3", "gemma", "gemma2", "gemma3", "llama4", "gpt_oss")},
+  **{block: ("attention_bias",) for block in ("qwen3", "gemma", "gemma2", "gemma3", "llama4", "gpt_oss", "qwen3next")},
 }
 ORIGINAL = {"original_max_position_embeddings": "original_max_position_embeddings"}
 ROPE_KEYS = {  # rope_type -> {rope_parameters field: MaxText key}
@@ -231,6 +242,24 @@ def _check_gpt_oss_layers(hf: dict[str, Any]) -> None:
     raise ConfigError(f"gpt_oss layer_types={hf['layer_types']} do not alternate sliding/full; only that is supported")
 
 
+def _qwen3_next_keys(hf: dict[str, Any]) -> dict[str, Any]:
+  """Qwen3-Next's layer pattern (layer_types must repeat full_attention_interval), shared expert, partial RoPE."""
+  layers = hf["num_hidden_layers"]
+  types = hf.get("layer_types") or []
+  interval = types.index("full_attention") + 1 if "full_attention" in types else hf.get("full_attention_interval", 4)
+  want = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
+  if types and list(types) != want:
+    raise ConfigError(f"qwen3_next layer_types={types} is not every {interval}th layer full attention; unsupported")
+  if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers") or not hf.get("num_experts"):
+    raise ConfigError("qwen3_next without MoE in every layer (decoder_sparse_step, mlp_only_layers) is not supported")
+  shared, width = hf.get("shared_expert_intermediate_size") or 0, hf["moe_intermediate_size"]
+  if shared % width:
+    raise ConfigError(f"qwen3_next shared_expert_intermediate_size={shared} is not a multiple of {width}")
+  rope = hf.get("rope_parameters") or {}
+  factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+  return {"full_attention_interval": interval, "shared_experts": shared // width, "partial_rotary_factor": factor}
+
+
 def maxtext_keys(hf: dict[str, Any]) -> dict[str, Any]:
   """config.json -> the MaxText architecture keys; errors name what cannot be represented."""
   model_type = hf.get("model_type")
@@ -267,6 +296,8 @@ def maxtext_keys(hf: dict[str, Any]) -> dict[str, Any]:
     _check_llama4_layers(hf)
   if block == "gpt_oss":
     _check_gpt_oss_layers(hf)
+  if block == "qwen3next":
+    out |= _qwen3_next_keys(hf)
   rope = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {})}
   if block == "gemma3":
     out |= _rope_keys(rope["full_attention"], "rope_max_timescale", hf)
@@ -312,6 +343,15 @@ def hf_config(c: Config, dtype: str) -> dict[str, Any]:
     wrong = {k: c[k] for k, v in FIXED["gpt_oss"].items() if c[k] != v}
     if wrong or c.moe_mlp_dim != c.mlp_dim or c.num_experts <= 1:
       raise ConfigError(f"gpt_oss fixes {FIXED['gpt_oss']}, MoE layers and moe_mlp_dim = mlp_dim; got {wrong}")
+  if c.decoder_block == "qwen3next":
+    if not (c.shared_experts and c.shared_expert_gate and c.num_experts > 1):
+      raise ConfigError(
+        "qwen3_next export needs num_experts > 1 and one gated shared expert (shared_experts, shared_expert_gate)"
+      )
+    out["shared_expert_intermediate_size"] = c.shared_experts * c.moe_mlp_dim
+    out["decoder_sparse_step"], out["mlp_only_layers"] = 1, []
+    interval, layers = c.full_attention_interval, c.num_decoder_layers
+    out["layer_types"] = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
   if c.decoder_block == "deepseek":  # transformers' default is 1, with no MTP weights to load
     out["num_nextn_predict_layers"] = c.mtp_num_layers
   for key in (
@@ -332,6 +372,8 @@ def hf_config(c: Config, dtype: str) -> dict[str, Any]:
     out["max_position_embeddings"] = int(c.original_max_position_embeddings * c.rope_factor)
   if c.decoder_block == "gemma3":
     rope = {"full_attention": rope, "sliding_attention": _rope_parameters(c, "default", c.local_rope_max_timescale)}
+  if c.decoder_block == "qwen3next":
+    rope["partial_rotary_factor"] = c.partial_rotary_factor
   out["rope_parameters"] = rope
   return out
 
@@ -385,6 +427,20 @@ def _attention_rules(c: Config) -> Iterator[tuple]:
     yield "self_attn.k_norm.weight", ("self_attention", "key_norm", "scale"), (), None, None
 
 
+def _linear_attention_rules() -> Iterator[tuple]:
+  """Qwen3-Next's gated DeltaNet, whose parameters keep HF's fused layouts (layers/gated_deltanet.py)."""
+  for hf, mt, n_in in (
+    ("in_proj_qkvz.weight", ("in_proj_qkvz", "kernel"), 1),
+    ("in_proj_ba.weight", ("in_proj_ba", "kernel"), 1),
+    ("conv1d.weight", ("conv1d",), None),
+    ("dt_bias", ("dt_bias",), None),
+    ("A_log", ("A_log",), None),
+    ("norm.weight", ("norm", "scale"), None),
+    ("out_proj.weight", ("out", "kernel"), 2),
+  ):
+    yield f"linear_attn.{hf}", ("self_attention", *mt), (), n_in, None
+
+
 def _mlp_rules(c: Config, prefix: str, path: tuple) -> Iterator[tuple]:
   for hf, mt in (("gate_proj", ("wi", 0)), ("up_proj", ("wi", 1)), ("down_proj", ("wo",))):
     yield f"{prefix}.{hf}.weight", (*path, *mt, "kernel"), (), 1, None
@@ -425,14 +481,17 @@ def _feed_forward_rules(c: Config, moe: bool) -> Iterator[tuple]:
     yield from _llama4_feed_forward_rules(c, moe)
   elif not moe:
     yield from _mlp_rules(c, "mlp", ("mlp",))
-  elif c.decoder_block in ("deepseek", "qwen3"):
+  elif c.decoder_block in ("deepseek", "qwen3", "qwen3next"):
     yield "mlp.gate.weight", ("mlp", "gate", "kernel"), (), 1, None
     if c.routed_bias:
       yield "mlp.gate.e_score_correction_bias", ("mlp", "gate_bias"), (), None, None
     for e in range(c.num_experts):
       for hf, mt in (("gate_proj", "wi_0"), ("up_proj", "wi_1"), ("down_proj", "wo")):
         yield f"mlp.experts.{e}.{hf}.weight", ("mlp", mt), (e,), 1, None
-    if c.shared_experts:
+    if c.shared_experts and c.decoder_block == "qwen3next":  # one gated shared expert
+      yield from _mlp_rules(c, "mlp.shared_expert", ("mlp", "shared_experts"))
+      yield "mlp.shared_expert_gate.weight", ("mlp", "shared_expert_gate", "kernel"), (), 1, None
+    elif c.shared_experts:
       yield from _mlp_rules(c, "mlp.shared_experts", ("mlp", "shared_experts"))
   else:
     yield "block_sparse_moe.gate.weight", ("mlp", "gate", "kernel"), (), 1, None
@@ -441,10 +500,11 @@ def _feed_forward_rules(c: Config, moe: bool) -> Iterator[tuple]:
         yield f"block_sparse_moe.experts.{e}.{hf}.weight", ("mlp", mt), (e,), 1, None
 
 
-def _layer_rules(c: Config, moe: bool) -> Iterator[tuple]:
-  """(HF suffix, path inside the layer, expert index, n_in, permutation) for one decoder layer."""
+def _layer_rules(c: Config, moe: bool, linear: bool = False) -> Iterator[tuple]:
+  """(HF suffix, path inside the layer, expert index, n_in, permutation) for one decoder layer; `linear`:
+  a gated DeltaNet layer (qwen3next)."""
   yield "input_layernorm.weight", ("pre_self_attention_layer_norm", "scale"), (), None, None
-  yield from _attention_rules(c)
+  yield from _linear_attention_rules() if linear else _attention_rules(c)
   if c.decoder_block in ("gemma2", "gemma3"):
     yield "post_attention_layernorm.weight", ("post_self_attention_norm", "scale"), (), None, None
     yield "pre_feedforward_layernorm.weight", ("post_self_attention_layer_norm", "scale"), (), None, None
@@ -479,7 +539,8 @@ def rules(c: Config, stacks, params: dict) -> list[Rule]:
     moe = c.num_experts > 1 and i >= c.first_num_dense_layers
     if c.decoder_block == "llama4":
       moe = c.num_experts > 1 and (i + 1) % c.interleave_moe_layer_step == 0  # models/llama4.is_moe_layer
-    for suffix, path, expert, n_in, perm, *cols in _layer_rules(c, moe):
+    linear = c.decoder_block == "qwen3next" and (i + 1) % c.full_attention_interval != 0  # models/qwen3next
+    for suffix, path, expert, n_in, perm, *cols in _layer_rules(c, moe, linear):
       rule = Rule(f"model.layers.{i}.{suffix}", prefix + path, index + expert, n_in, perm, cols=(cols or [None])[0])
       out.append(rule)
   return out + _mtp_rules(c)

@@ -96,6 +96,16 @@ class ModelConfig:
   norm_topk_prob: bool
   n_routing_groups: int
   topk_routing_group: int
+  # Qwen3-Next: gated DeltaNet layers, gated attention, gated shared expert
+  linear_num_key_heads: int
+  linear_num_value_heads: int
+  linear_key_head_dim: int
+  linear_value_head_dim: int
+  linear_conv_kernel_dim: int
+  linear_chunk_size: int
+  full_attention_interval: int
+  partial_rotary_factor: float
+  shared_expert_gate: bool
   # Multi-token prediction, LoRA adapters
   mtp_num_layers: int
   lora_rank: int

@@ -157,6 +157,9 @@ class MoeBlock(nnx.Module):
     self.shared_experts = nnx.data(None)
     if config.shared_experts:
       self.shared_experts = MlpBlock(config, rngs=rngs, mlp_dim=f * config.shared_experts)
+    self.shared_expert_gate = nnx.data(None)  # qwen3next: sigmoid(x . w) scales the shared experts' output
+    if config.shared_experts and config.shared_expert_gate:
+      self.shared_expert_gate = DenseGeneral(d, 1, ("embed", None), dtype=dt, weight_dtype=wdt, rngs=rngs)
     self.config, self.plan, self.num_experts, self.k, self.dtype = config, plan, e, config.num_experts_per_tok, dt
     self.capacity_factor = config.capacity_factor
     self.glu = gated_unit(config)
@@ -184,7 +187,10 @@ class MoeBlock(nnx.Module):
     out = self.combine(out, weights).astype(self.dtype)
     out = out.reshape(b, t, d)
     if self.shared_experts is not None:
-      out = out + self.shared_experts(x)
+      shared = self.shared_experts(x)
+      if self.shared_expert_gate is not None:
+        shared = shared * jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32)).astype(shared.dtype)
+      out = out + shared
     return nn.with_logical_constraint(out, ACTIVATION_AXES)
 
   def _route(self, tokens: jax.Array) -> Routing:

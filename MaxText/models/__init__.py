@@ -8,7 +8,7 @@ from flax import nnx
 
 from MaxText.layers.decoder import Decoder, Family
 from MaxText.layers.model_config import ModelConfig
-from MaxText.models import deepseek, gemma, gemma2, gemma3, gpt3, gpt_oss, llama2, llama4
+from MaxText.models import deepseek, gemma, gemma2, gemma3, gpt3, gpt_oss, llama2, llama4, qwen3next
 
 if TYPE_CHECKING:
   from MaxText.parallel.plan import Plan
@@ -27,6 +27,7 @@ REGISTRY: dict[str, Family] = {
   "llama4": llama4.FAMILY,
   "gpt3": gpt3.FAMILY,
   "gpt_oss": gpt_oss.FAMILY,
+  "qwen3next": qwen3next.FAMILY,
 }
 
 

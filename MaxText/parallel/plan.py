@@ -276,6 +276,15 @@ def _check_family(config: Config) -> models.Family:
   family = models.REGISTRY[config.decoder_block]
   if family.learned_positions and config.trainable_position_size <= 0:
     raise ConfigError(f"decoder_block={config.decoder_block} needs trainable_position_size > 0")
+  if config.decoder_block == "qwen3next":  # the gated DeltaNet (layers/gated_deltanet.py)
+    if config.full_attention_interval < 1 or config.linear_num_value_heads % max(config.linear_num_key_heads, 1):
+      raise ConfigError(
+        f"qwen3next needs full_attention_interval >= 1 and linear_num_value_heads a multiple of "
+        f"linear_num_key_heads; got {config.full_attention_interval}, {config.linear_num_value_heads}, "
+        f"{config.linear_num_key_heads}"
+      )
+    if config.ici_context_parallelism * config.dcn_context_parallelism > 1:
+      raise ConfigError("qwen3next: the gated DeltaNet runs over whole sequences; set ici/dcn_context_parallelism=1")
   if config.mtp_num_layers and family.mtp_layer is None:
     raise ConfigError(
       f"mtp_num_layers={config.mtp_num_layers} is not available for decoder_block={config.decoder_block} "

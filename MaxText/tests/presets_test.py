@@ -49,6 +49,7 @@ PUBLISHED = {  # billions of parameters, as published by the model authors (text
   # published)
   "gpt-oss-20b": 20.91,
   "gpt-oss-120b": 116.83,
+  "qwen3-next-80b-a3b": 79.67,  # 80B published; transformers counts 79,674,391,296 for its config.json
 }
 
 

@@ -92,6 +92,18 @@ class ModelConfig:
   norm_topk_prob: bool
   n_routing_groups: int
   topk_routing_group: int
+  # Images in (use_multimodal): the SigLIP tower, the projector, the placeholder token
+  use_multimodal: bool
+  image_size_for_vit: int
+  patch_size_for_vit: int
+  num_channels_for_vit: int
+  hidden_size_for_vit: int
+  intermediate_size_for_vit: int
+  num_hidden_layers_for_vit: int
+  num_attention_heads_for_vit: int
+  vision_layer_norm_epsilon: float
+  mm_tokens_per_image: int
+  image_token_id: int
   # Multi-token prediction, LoRA adapters
   mtp_num_layers: int
   lora_rank: int

@@ -248,6 +248,8 @@ def _gemma3_multimodal_keys(hf: dict[str, Any]) -> dict[str, Any]:
   out |= {dst: vision[src] for src, dst in VISION_KEYS.items()}
   out["mm_tokens_per_image"] = hf.get("mm_tokens_per_image", 256)
   out["image_token_id"] = hf.get("image_token_index", hf.get("image_token_id", 262144))
+  out["image_start_token_id"] = hf.get("boi_token_index", hf.get("boi_token_id", 255999))
+  out["image_end_token_id"] = hf.get("eoi_token_index", hf.get("eoi_token_id", 256000))
   return out
 
 
@@ -359,6 +361,7 @@ def hf_config(c: Config, dtype: str) -> dict[str, Any]:
     out = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "dtype": dtype}
     out |= {"text_config": text, "vision_config": vision, "mm_tokens_per_image": c.mm_tokens_per_image}
     out |= {"image_token_index": c.image_token_id, "tie_word_embeddings": c.logits_via_embedding}
+    out |= {"boi_token_index": c.image_start_token_id, "eoi_token_index": c.image_end_token_id}
   return out
 
 

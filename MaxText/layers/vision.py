@@ -17,6 +17,10 @@ from MaxText.layers.model_config import ModelConfig
 from MaxText.layers.normalizations import LayerNorm, gemma_rms_norm
 
 
+# The tower is small next to the text model (about 0.4B parameters in Gemma 3): its weights are replicated
+# (logical axis None) except the projector's output, which is sharded like the embeddings.
+
+
 def _args(config: ModelConfig, rngs: nnx.Rngs) -> dict:
   return dict(dtype=jnp.dtype(config.dtype), weight_dtype=jnp.dtype(config.weight_dtype), rngs=rngs)
 
@@ -30,13 +34,13 @@ class SiglipLayer(nnx.Module):
     args = _args(config, rngs)
     norm = dict(epsilon=config.vision_layer_norm_epsilon, dtype=args["dtype"], weight_dtype=args["weight_dtype"])
     self.layer_norm1 = LayerNorm(d, **norm)
-    self.query = DenseGeneral(d, (n, h), ("vit_embed", "vit_heads", "kv"), use_bias=True, **args)
-    self.key = DenseGeneral(d, (n, h), ("vit_embed", "vit_heads", "kv"), use_bias=True, **args)
-    self.value = DenseGeneral(d, (n, h), ("vit_embed", "vit_heads", "kv"), use_bias=True, **args)
-    self.out = DenseGeneral((n, h), d, ("vit_heads", "kv", "vit_embed"), use_bias=True, **args)
+    self.query = DenseGeneral(d, (n, h), (None, None, "kv"), use_bias=True, **args)
+    self.key = DenseGeneral(d, (n, h), (None, None, "kv"), use_bias=True, **args)
+    self.value = DenseGeneral(d, (n, h), (None, None, "kv"), use_bias=True, **args)
+    self.out = DenseGeneral((n, h), d, (None, "kv", None), use_bias=True, **args)
     self.layer_norm2 = LayerNorm(d, **norm)
-    self.fc1 = DenseGeneral(d, config.intermediate_size_for_vit, ("vit_embed", "vit_mlp"), use_bias=True, **args)
-    self.fc2 = DenseGeneral(config.intermediate_size_for_vit, d, ("vit_mlp", "vit_embed"), use_bias=True, **args)
+    self.fc1 = DenseGeneral(d, config.intermediate_size_for_vit, (None, None), use_bias=True, **args)
+    self.fc2 = DenseGeneral(config.intermediate_size_for_vit, d, (None, None), use_bias=True, **args)
     self.scale = h**-0.5
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -63,16 +67,16 @@ class VisionEncoder(nnx.Module):
     self.config = config
     self.patches_per_side = config.image_size_for_vit // p
     self.tokens_per_side = int(round(config.mm_tokens_per_image**0.5))
-    self.patch_embedding = DenseGeneral((c, p, p), d, (None, None, None, "vit_embed"), use_bias=True, **args)
+    self.patch_embedding = DenseGeneral((c, p, p), d, (None, None, None, None), use_bias=True, **args)
     init = nnx.initializers.normal(0.02)
     self.position_embedding = nnx.Param(
-      init(rngs.params(), (self.patches_per_side**2, d), args["weight_dtype"]), out_sharding=(None, "vit_embed")
+      init(rngs.params(), (self.patches_per_side**2, d), args["weight_dtype"]), out_sharding=(None, None)
     )
     self.layers = nnx.List([SiglipLayer(config, rngs=rngs) for _ in range(config.num_hidden_layers_for_vit)])
     norm = dict(dtype=args["dtype"], weight_dtype=args["weight_dtype"])
     self.post_layernorm = LayerNorm(d, epsilon=config.vision_layer_norm_epsilon, **norm)
     self.mm_soft_emb_norm = gemma_rms_norm(d, epsilon=config.vision_layer_norm_epsilon, **norm)
-    self.mm_input_projection = DenseGeneral(d, config.emb_dim, ("vit_embed", "embed"), **args)
+    self.mm_input_projection = DenseGeneral(d, config.emb_dim, (None, "embed"), **args)
 
   def encode(self, pixels: jax.Array) -> jax.Array:
     """pixels [M, H, W, C] -> SigLIP's last hidden states [M, patches, hidden_size_for_vit]."""

@@ -1,6 +1,7 @@
 """Gemma 3 with images (use_multimodal) against transformers' Gemma3ForConditionalGeneration: a tiny random
-model converted both ways (bit-exact), float32 logits of an image+text prompt, 16 greedy tokens; the
-bidirectional mask over each image's tokens; text-only use of the converted checkpoint."""
+model converted both ways (bit-exact), float32 logits of an image+text prompt, 16 greedy tokens (full forwards,
+and the Engine's KV-cache decode); decode.py with image_path; text-only use of the converted checkpoint; the
+image helpers' errors."""
 
 import json
 import os
@@ -11,23 +12,31 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import checkpointing, config, models
+from MaxText import checkpointing, config, decode, models
 from MaxText.convert import hf_to_maxtext, maxtext_to_hf
+from MaxText.data import images as images_lib
+from MaxText.errors import DataError
+from MaxText.inference import Engine
 from MaxText.layers import vision
 from MaxText.parallel import plan as plan_lib
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
+Image = pytest.importorskip("PIL.Image")
 
 TEXT = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 TEXT |= dict(vocab_size=64, head_dim=8, sliding_window=4, query_pre_attn_scalar=6)
 VISION = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2, image_size=16)
 VISION |= dict(patch_size=4, vision_use_head=False)
 IMAGE, BOI, EOI = 60, 58, 59
+NEW = 16
 
 
-def hf_model(tmp_path):
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+  """(HF model, its directory, our converted directory): random norms, biases and projector."""
+  tmp = tmp_path_factory.mktemp("gemma3mm")
   torch.manual_seed(0)
   cfg = transformers.Gemma3Config(
     text_config=TEXT, vision_config=VISION, mm_tokens_per_image=4, image_token_index=IMAGE,
@@ -38,9 +47,10 @@ def hf_model(tmp_path):
     for name, p in model.named_parameters():
       if "norm" in name or name.endswith("bias") or "mm_input_projection" in name:
         p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "layer_norm" in name and name.endswith("weight") else 0.0))
-  path = os.path.join(tmp_path, "hf")
-  model.save_pretrained(path)
-  return model, path
+  hf_path, out = str(tmp / "hf"), str(tmp / "mt")
+  model.save_pretrained(hf_path)
+  hf_to_maxtext.convert(hf_path, out, scan_layers=True)
+  return model, hf_path, out
 
 
 def load(out_dir, *overrides):
@@ -52,42 +62,61 @@ def load(out_dir, *overrides):
 def prompt(rng):
   """Two rows: text, an image (boi, 4 placeholders, eoi), text, a second image, text."""
   image = [BOI] + [IMAGE] * 4 + [EOI]
-  rows = [list(rng.integers(1, 50, 3)) + image + list(rng.integers(1, 50, 2)) + image + [7] for _ in range(2)]
-  return np.asarray(rows)
+  return np.asarray([list(rng.integers(1, 50, 3)) + image + list(rng.integers(1, 50, 2)) + image + [7] for _ in "ab"])
 
 
-def test_image_blocks_and_mask():
+def hf_greedy(model, tokens, pixels):
+  with torch.no_grad():
+    out = model.generate(
+      input_ids=torch.tensor(tokens), pixel_values=torch.tensor(pixels),
+      token_type_ids=torch.tensor((tokens == IMAGE).astype(np.int64)), max_new_tokens=NEW, do_sample=False,
+    )  # fmt: skip
+  return out.numpy()[:, tokens.shape[1] :]
+
+
+def test_image_blocks_and_expand():
   tokens = jnp.asarray([[1, IMAGE, IMAGE, 2, IMAGE, 3]])
   np.testing.assert_array_equal(vision.image_blocks(tokens, IMAGE), [[-1, 0, 0, -1, 1, -1]])
+  c = config.load(["MaxText/configs/base.yml", "run_name=t", "use_multimodal=true", "mm_tokens_per_image=2"], {})
+  start, end, image = c.image_start_token_id, c.image_end_token_id, c.image_token_id
+  assert images_lib.expand([2, 5, start, 6], 1, c, bos=2) == [2, 5, start, image, image, end, 6]
+  assert images_lib.expand([2, 5], 1, c, bos=2) == [2, start, image, image, end, 5]
+  with pytest.raises(DataError, match=r"2 image\(s\) but 1 image markers .*row 3"):
+    images_lib.expand([start, 5], 2, c, "row 3")
+  with pytest.raises(DataError, match="text-only model"):
+    images_lib.expand([5], 1, c.replace(use_multimodal=False), "row 1")
 
 
-def test_gemma3_multimodal_matches_hugging_face(tmp_path):
-  model, hf_path = hf_model(tmp_path)
+def test_load_errors_name_the_file(tmp_path):
+  with pytest.raises(DataError, match=r"missing.png' \(row 4\) cannot be read"):
+    images_lib.load(str(tmp_path / "missing.png"), 16, "row 4")
+  (tmp_path / "bad.png").write_bytes(b"not a png")
+  with pytest.raises(DataError, match=r"bad.png' \(row 5\) is not a readable image"):
+    images_lib.load(str(tmp_path / "bad.png"), 16, "row 5")
+  Image.fromarray(np.full((5, 9, 3), 255, np.uint8)).save(tmp_path / "white.png")
+  np.testing.assert_allclose(images_lib.load(str(tmp_path / "white.png"), 16), np.ones((16, 16, 3)))
+
+
+def test_logits_and_greedy_tokens_match_hugging_face(converted):
+  model, _, out = converted
   rng = np.random.default_rng(0)
   tokens = prompt(rng)
   pixels = rng.uniform(-1, 1, (4, 3, 16, 16)).astype(np.float32)  # two images per row, channels first
-  token_type_ids = (tokens == IMAGE).astype(np.int64)
   with torch.no_grad():
     ref = model(
-      input_ids=torch.tensor(tokens), pixel_values=torch.tensor(pixels), token_type_ids=torch.tensor(token_type_ids)
-    ).logits.numpy()
-  out = os.path.join(tmp_path, "mt")
-  hf_to_maxtext.convert(hf_path, out, scan_layers=True)
-  c, ours_model = load(out)
+      input_ids=torch.tensor(tokens), pixel_values=torch.tensor(pixels),
+      token_type_ids=torch.tensor((tokens == IMAGE).astype(np.int64)),
+    ).logits.numpy()  # fmt: skip
+  _, ours = load(out)
   images = jnp.asarray(pixels.transpose(0, 2, 3, 1).reshape(2, 2, 16, 16, 3))
   b, t = tokens.shape
   pos, seg = jnp.broadcast_to(jnp.arange(t), (b, t)), jnp.ones((b, t), jnp.int32)
-  got = np.asarray(ours_model(jnp.asarray(tokens), pos, seg, images=images))
-  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens), pos, seg, images=images)), ref, rtol=1e-5, atol=1e-5)
 
-  # 16 greedy tokens: transformers' generate against full forwards of the growing sequence
-  with torch.no_grad():
-    hf_gen = model.generate(
-      input_ids=torch.tensor(tokens[:1]), pixel_values=torch.tensor(pixels[:2]),
-      token_type_ids=torch.tensor(token_type_ids[:1]), max_new_tokens=16, do_sample=False,
-    ).numpy()[0, t:]  # fmt: skip
-  graphdef, state = nnx.split(ours_model)
-  n = t + 16  # one compiled shape: causal attention ignores the zeros after the current token
+  # 16 greedy tokens from full forwards of the growing sequence (one compiled shape: causal attention ignores
+  # the zeros after the current token)
+  graphdef, state = nnx.split(ours)
+  n = t + NEW
 
   @jax.jit
   def step(state, seq, i):
@@ -97,13 +126,44 @@ def test_gemma3_multimodal_matches_hugging_face(tmp_path):
   seq = jnp.zeros((1, n), jnp.int32).at[:, :t].set(tokens[:1])
   for i in range(t - 1, n - 1):
     seq = step(state, seq, i)
-  np.testing.assert_array_equal(seq[0, t:], hf_gen)
+  np.testing.assert_array_equal(np.asarray(seq[0, t:]), hf_greedy(model, tokens[:1], pixels[:2])[0])
 
-  # the way back is bit-exact, and the text model alone reads the same checkpoint
-  back = os.path.join(tmp_path, "back")
-  maxtext_to_hf.convert(
-    config.load([os.path.join(out, "config.yml"), "run_name=t", f"load_parameters_path={out}/params"], {}), back
+
+def test_engine_and_decode_with_images(converted, tmp_path, capsys):
+  """The Engine's prefill (bidirectional image blocks over the KV cache) and decode steps give transformers'
+  greedy tokens; the prompt's <start_of_image> markers become whole image blocks; decode.py reads image_path."""
+  model, _, out = converted
+  rng = np.random.default_rng(1)
+  pixels = rng.integers(0, 256, (2, 16, 16, 3)).astype(np.uint8)
+  files = []
+  for i, p in enumerate(pixels):
+    files.append(str(tmp_path / f"cat{i}.png"))
+    Image.fromarray(p).save(files[-1])
+  c = config.load(
+    [os.path.join(out, "config.yml"), "run_name=t", "dtype=float32", f"load_parameters_path={out}/params"]
+    + ["max_prefill_predict_length=32", "max_target_length=64", "decode_sampling_strategy=greedy"],
+    {},
   )
+  engine = Engine.load(c, tokenizer=None)
+  ids = [3, 4, BOI, 5, BOI, 6]
+  got = engine.generate([ids], NEW, images=[files], stop_tokens=[]).completions[0].tokens
+  expanded = np.asarray([images_lib.expand(ids, 2, c)])
+  hf_pixels = np.stack([images_lib.load(f, 16) for f in files]).transpose(0, 3, 1, 2)
+  np.testing.assert_array_equal(got, hf_greedy(model, expanded, hf_pixels)[0])
+
+  with pytest.raises(DataError, match=r"1 image\(s\) but 2 image markers \(token 58\) \(prompt 0\)"):
+    engine.generate([ids], 2, images=[files[:1]])
+  decode.main(["decode.py", os.path.join(out, "config.yml"), "run_name=d", f"load_parameters_path={out}/params",
+               f"image_path={files[0]}", "prompt=1+1", "decode_max_new_tokens=4",
+               "max_prefill_predict_length=32", "max_target_length=64"])  # fmt: skip  (byte tokens fit vocab 64)
+  assert f"Prompt: '1+1' with image(s) {files[0]}" in capsys.readouterr().out
+
+
+def test_round_trip_is_exact_and_text_only_use_works(converted, tmp_path):
+  model, hf_path, out = converted
+  back = str(tmp_path / "back")
+  c = config.load([os.path.join(out, "config.yml"), "run_name=t", f"load_parameters_path={out}/params"], {})
+  maxtext_to_hf.convert(c, back)
   original = safetensors_torch.load_file(os.path.join(hf_path, "model.safetensors"))
   exported = {}
   for name in set(json.load(open(os.path.join(back, "model.safetensors.index.json")))["weight_map"].values()):
@@ -111,11 +171,12 @@ def test_gemma3_multimodal_matches_hugging_face(tmp_path):
   assert set(exported) == set(original)
   for name, tensor in original.items():
     assert torch.equal(exported[name], tensor), name
-  reloaded = transformers.Gemma3ForConditionalGeneration.from_pretrained(back).float().eval()
-  assert isinstance(reloaded, transformers.Gemma3ForConditionalGeneration)
-  text = tokens[:, :3]
+  assert json.load(open(os.path.join(back, "config.json")))["architectures"] == ["Gemma3ForConditionalGeneration"]
+  assert transformers.AutoConfig.from_pretrained(back).vision_config.patch_size == 4
+
+  text = np.asarray([[2, 9, 17, 33], [5, 1, 40, 12]])
   with torch.no_grad():
-    text_ref = model(input_ids=torch.tensor(text)).logits.numpy()
+    ref = model(input_ids=torch.tensor(text)).logits.numpy()
   _, text_model = load(out, "use_multimodal=false")
-  text_got = text_model(jnp.asarray(text), jnp.broadcast_to(jnp.arange(3), (2, 3)), jnp.ones((2, 3), jnp.int32))
-  np.testing.assert_allclose(np.asarray(text_got), text_ref, rtol=1e-5, atol=1e-5)
+  got = text_model(jnp.asarray(text), jnp.broadcast_to(jnp.arange(4), (2, 4)), jnp.ones((2, 4), jnp.int32))
+  np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)

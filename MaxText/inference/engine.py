@@ -250,7 +250,8 @@ class Engine:
     if len(images) != len(ids):
       raise ConfigError(f"images: {len(images)} lists for {len(ids)} prompts; give one list per prompt")
     bos = self.tokenizer.bos_id if self.tokenizer is not None else -1
-    return [images_lib.expand(x, len(imgs), self.config, f"prompt {i}", bos) for i, (x, imgs) in enumerate(zip(ids, images))]
+    c = self.config
+    return [images_lib.expand(x, len(imgs), c, f"prompt {i}", bos) for i, (x, imgs) in enumerate(zip(ids, images))]
 
   def _pixels(self, images: Sequence[Sequence[Any]], rows: int) -> jax.Array:
     """float32 [rows, N, S, S, 3] (N: the most images of a prompt; zeros where a row has fewer), on the mesh."""

@@ -16,7 +16,6 @@ from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.model_config import ModelConfig
 from MaxText.layers.normalizations import LayerNorm, gemma_rms_norm
 
-
 # The tower is small next to the text model (about 0.4B parameters in Gemma 3): its weights are replicated
 # (logical axis None) except the projector's output, which is sharded like the embeddings.
 

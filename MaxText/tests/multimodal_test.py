@@ -153,9 +153,19 @@ def test_engine_and_decode_with_images(converted, tmp_path, capsys):
 
   with pytest.raises(DataError, match=r"1 image\(s\) but 2 image markers \(token 58\) \(prompt 0\)"):
     engine.generate([ids], 2, images=[files[:1]])
-  decode.main(["decode.py", os.path.join(out, "config.yml"), "run_name=d", f"load_parameters_path={out}/params",
-               f"image_path={files[0]}", "prompt=1+1", "decode_max_new_tokens=4",
-               "max_prefill_predict_length=32", "max_target_length=64"])  # fmt: skip  (byte tokens fit vocab 64)
+  decode.main(
+    [
+      "decode.py",
+      os.path.join(out, "config.yml"),
+      "run_name=d",
+      f"load_parameters_path={out}/params",
+      f"image_path={files[0]}",
+      "prompt=1+1",
+      "decode_max_new_tokens=4",
+      "max_prefill_predict_length=32",
+      "max_target_length=64",
+    ]
+  )  # fmt: skip  (byte tokens fit vocab 64)
   assert f"Prompt: '1+1' with image(s) {files[0]}" in capsys.readouterr().out
 
 

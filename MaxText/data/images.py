@@ -69,21 +69,31 @@ def expand(ids: Sequence[int], n_images: int, config: Any, where: str = "", bos:
   image_start_token_id already in the text becomes a whole block (Gemma 3's chat template writes
   <start_of_image> where an image goes); without any, the blocks go first (after a leading `bos`).
   More images than image_start_token_id markers (or fewer) is a DataError naming `where`."""
-  ids = list(ids)
+  return expand_with_mask(ids, [0] * len(ids), n_images, config, where, bos)[0]
+
+
+def expand_with_mask(
+  ids: Sequence[int], mask: Sequence[int], n_images: int, config: Any, where: str = "", bos: int = -1
+) -> tuple[list[int], list[int]]:  # fmt: skip
+  """expand() of ids and their loss mask together: image tokens never carry loss."""
+  ids, mask = list(ids), list(mask)
   at = f" ({where})" if where else ""
   if n_images and not getattr(config, "use_multimodal", False):
     raise DataError(f"{n_images} image(s){at} for a text-only model: set use_multimodal=true with a vision model")
-  if config.use_multimodal and config.image_token_id in ids:
-    raise DataError(f"the text{at} holds the image placeholder token {config.image_token_id} itself")
   if not n_images:
-    return ids
+    return ids, mask
+  if config.image_token_id in ids:
+    raise DataError(f"the text{at} holds the image placeholder token {config.image_token_id} itself")
+  one = block(config)
   markers = ids.count(config.image_start_token_id)
   if markers == 0:
     first = 1 if bos >= 0 and ids[:1] == [bos] else 0
-    return ids[:first] + block(config) * n_images + ids[first:]
+    return ids[:first] + one * n_images + ids[first:], mask[:first] + [0] * (len(one) * n_images) + mask[first:]
   if markers != n_images:
     raise DataError(f"{n_images} image(s) but {markers} image markers (token {config.image_start_token_id}){at}")
-  out = []
-  for token in ids:
-    out += block(config) if token == config.image_start_token_id else [token]
-  return out
+  out_ids, out_mask = [], []
+  for token, m in zip(ids, mask):
+    is_marker = token == config.image_start_token_id
+    out_ids += one if is_marker else [token]
+    out_mask += [0] * len(one) if is_marker else [m]
+  return out_ids, out_mask

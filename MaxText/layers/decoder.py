@@ -238,7 +238,10 @@ class Decoder(nnx.Module):
     if images is not None:
       if self.vision_encoder is None:
         raise ValueError("images given to a text-only model (use_multimodal=false)")
-      x = vision.splice(x, tokens, self.vision_encoder(images), c.image_token_id)
+      soft = self.vision_encoder(images)
+      if c.freeze_vision_encoder:  # the tower and projector get no gradient (the optimizer also keeps them)
+        soft = jax.lax.stop_gradient(soft)
+      x = vision.splice(x, tokens, soft, c.image_token_id)
       segment_ids = ImageSegments(segment_ids, vision.image_blocks(tokens, c.image_token_id))
     x = nn.with_logical_constraint(x, ACTIVATION_AXES)
     if not (c.enable_dropout and c.dropout_rate > 0):

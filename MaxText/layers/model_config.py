@@ -104,6 +104,7 @@ class ModelConfig:
   vision_layer_norm_epsilon: float
   mm_tokens_per_image: int
   image_token_id: int
+  freeze_vision_encoder: bool  # training: no gradient flows into the vision tower and projector
   # Multi-token prediction, LoRA adapters
   mtp_num_layers: int
   lora_rank: int

@@ -190,3 +190,60 @@ def test_round_trip_is_exact_and_text_only_use_works(converted, tmp_path):
   _, text_model = load(out, "use_multimodal=false")
   got = text_model(jnp.asarray(text), jnp.broadcast_to(jnp.arange(4), (2, 4)), jnp.ones((2, 4), jnp.int32))
   np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)
+
+
+MM_TINY = ["decoder_block=gemma3", "base_num_decoder_layers=2", "use_multimodal=true", "image_size_for_vit=16"]
+MM_TINY += ["patch_size_for_vit=4", "hidden_size_for_vit=16", "intermediate_size_for_vit=24", "mm_tokens_per_image=4"]
+MM_TINY += ["num_hidden_layers_for_vit=1", "num_attention_heads_for_vit=2", "image_token_id=310"]
+MM_TINY += ["image_start_token_id=311", "image_end_token_id=312", "images_per_row=2", "max_target_length=64"]
+
+
+def vision_params(c, step):
+  from MaxText import train  # noqa: PLC0415
+
+  reader_path = train.checkpoint_path(c, step)
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0), plan_lib.build(c))), nnx.Param)
+  params = nnx.to_pure_dict(checkpointing.load_params(reader_path, abstract))
+  return params["vision_encoder"], params["decoder_norm"]
+
+
+@pytest.mark.slow  # two short training runs (about 30 s each on an idle 2-core host)
+@pytest.mark.parametrize("freeze", [True, False])
+def test_sft_with_images_trains_and_freezes_the_vision_tower(tmp_path, freeze):
+  """jsonl rows {"messages", "images"}: images decoded in the pipeline, packed 2 per row, loss on the replies;
+  freeze_vision_encoder keeps the tower and projector exactly; false trains them."""
+  from MaxText import train  # noqa: PLC0415
+  from MaxText.tests.conftest import BASE, TINY, losses  # noqa: PLC0415
+  from MaxText.tests.sft_test import make_tokenizer  # noqa: PLC0415
+
+  tok = make_tokenizer(str(tmp_path / "tok"))
+  rng = np.random.default_rng(0)
+  records = []
+  for i, color in enumerate(("red", "blue")):
+    path = str(tmp_path / f"{color}.png")
+    Image.fromarray(rng.integers(0, 256, (20, 24, 3)).astype(np.uint8)).save(path)
+    messages = [{"role": "user", "content": "What is it?"}, {"role": "assistant", "content": ["Paris.", "Rome."][i]}]
+    records.append({"messages": messages, "images": [path]})
+  data = tmp_path / "chat.jsonl"
+  data.write_text("".join(json.dumps(r) + "\n" for r in records * 2))
+  args = [BASE, "run_name=mm", f"base_output_directory={tmp_path}", *TINY, *MM_TINY, "dataset_type=text"]
+  args += ["use_sft=true", f"dataset_path={data}", "tokenizer_type=huggingface", f"tokenizer_path={tok.path}"]
+  args += ["vocab_size=320", "eval_fraction=0", "steps=2", "per_device_batch_size=2", "enable_checkpointing=true"]
+  args += ["checkpoint_period=1", f"freeze_vision_encoder={str(freeze).lower()}"]
+  c = config.load(args, {})
+  train.run(c, jax.devices()[:1])
+  assert all(np.isfinite(losses(c)))
+  (v1, n1), (v2, n2) = vision_params(c, 1), vision_params(c, 2)
+  same = jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), v1, v2))
+  assert all(same) if freeze else not any(same)
+  assert not np.array_equal(n1["scale"], n2["scale"])  # the text model trains either way
+
+
+def test_bad_image_rows_fail_with_one_line_naming_the_row(tmp_path):
+  from MaxText.data import sft  # noqa: PLC0415
+
+  c = config.load(["MaxText/configs/base.yml", "run_name=t", *MM_TINY[:-1]], {})
+  path = str(tmp_path / "nothing.png")
+  ex = sft.Examples(np.full(8, 5, np.int32), np.ones(8, np.uint8), np.array([0, 8]), [("chat.jsonl:3", [path])], 16, 2)
+  with pytest.raises(DataError, match=r"nothing.png' \(chat.jsonl:3\) cannot be read"):
+    sft.ExampleRows(ex, 8, False, None).rows(np.array([0]))

@@ -242,7 +242,6 @@ def test_sft_with_images_trains_and_freezes_the_vision_tower(tmp_path, freeze):
 def test_bad_image_rows_fail_with_one_line_naming_the_row(tmp_path):
   from MaxText.data import sft  # noqa: PLC0415
 
-  c = config.load(["MaxText/configs/base.yml", "run_name=t", *MM_TINY[:-1]], {})
   path = str(tmp_path / "nothing.png")
   ex = sft.Examples(np.full(8, 5, np.int32), np.ones(8, np.uint8), np.array([0, 8]), [("chat.jsonl:3", [path])], 16, 2)
   with pytest.raises(DataError, match=r"nothing.png' \(chat.jsonl:3\) cannot be read"):

@@ -246,3 +246,18 @@ def test_bad_image_rows_fail_with_one_line_naming_the_row(tmp_path):
   ex = sft.Examples(np.full(8, 5, np.int32), np.ones(8, np.uint8), np.array([0, 8]), [("chat.jsonl:3", [path])], 16, 2)
   with pytest.raises(DataError, match=r"nothing.png' \(chat.jsonl:3\) cannot be read"):
     sft.ExampleRows(ex, 8, False, None).rows(np.array([0]))
+
+
+def test_flops_count_the_vision_tower():
+  """Per image: 2 x (patch embedding 768 + q/k/v/o 1024 + MLP 768 weights) x 16 patches + 4 x 16 x 16 patches x width 16
+  x 1 layer + 2 x projector 16 x 64 x 4 soft tokens = 106496 FLOPs; x 2 images per row / 64 tokens; x1 frozen,
+  x3 not."""
+  from MaxText import flops  # noqa: PLC0415
+  from MaxText.tests.conftest import BASE, SIZES  # noqa: PLC0415
+
+  base = [BASE, "run_name=f", *SIZES, *MM_TINY]
+  frozen = flops.training_flops_per_token(config.load(base, {}))
+  trained = flops.training_flops_per_token(config.load([*base, "freeze_vision_encoder=false"], {}))
+  text = flops.training_flops_per_token(config.load([*base, "use_multimodal=false"], {}))
+  assert frozen.vision == 106496 * 2 / 64 and trained.vision == 3 * frozen.vision and text.vision == 0
+  assert frozen.total - frozen.vision == text.total  # the text model's count is unchanged

@@ -236,6 +236,10 @@ class Decoder(nnx.Module):
     if self.family.scale_embeddings:
       x = x * jnp.asarray(c.emb_dim**0.5, x.dtype)
     if images is not None:
+      if shards > 1:
+        raise ValueError(
+          "images with load-balanced context parallelism are not supported; set context_parallel_load_balance=false"
+        )
       if self.vision_encoder is None:
         raise ValueError("images given to a text-only model (use_multimodal=false)")
       soft = self.vision_encoder(images)

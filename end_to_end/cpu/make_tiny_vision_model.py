@@ -19,8 +19,11 @@ import torch
 import transformers
 from PIL import Image
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_tiny_chat_model import CHATML, SPECIAL  # noqa: E402
+CHATML = (  # the same ChatML template as make_tiny_chat_model.py
+  "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+  "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SPECIAL = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 
 IMAGE_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
 BOI, EOI, IMAGE = (len(SPECIAL) + i for i in range(3))  # special tokens after the chat ones: 5, 6, 7

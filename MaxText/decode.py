@@ -3,6 +3,8 @@
 python3 MaxText/decode.py MaxText/configs/base.yml run_name=d prompt="I love to"
 python3 MaxText/decode.py quickstart load_parameters_path=outputs/quickstart/checkpoints/400/state \
   prompt="import os" decode_max_new_tokens=64
+python3 MaxText/decode.py CONVERTED/config.yml load_parameters_path=CONVERTED/params image_path=cat.png \
+  prompt="Describe the image."    # a vision-language model (use_multimodal): the image goes before the text
 python3 MaxText/decode.py CONFIG.yml load_parameters_path=BASE lora_rank=R lora_alpha=A \
   lora_weights_path=RUN_DIR/checkpoints/STEP/state prompt="..."    # a LoRA fine-tune, merged at load
 
@@ -31,7 +33,7 @@ SHOWN_ROWS = 4  # rows printed when they differ (sampling)
 def report(config: Config, engine: Engine, result: Generation) -> str:
   lines = [f"Parameters: {engine.source}", f"Tokenizer: {engine.tokenizer.path}"]
   lines += [f"Plan: {line}" for line in plan_lib.describe(engine.plan, config)]
-  lines.append(f"Prompt: {config.prompt!r}")
+  lines.append(f"Prompt: {config.prompt!r}" + (f" with image(s) {config.image_path}" if config.image_path else ""))
   texts = result.texts
   shown = texts[:1] if len(set(texts)) == 1 else texts[:SHOWN_ROWS]
   for i, text in enumerate(shown):
@@ -53,7 +55,10 @@ def run(config: Config, rows: int | None = None) -> Generation:
     quantize.save(config.save_quantized_params_path, engine.params)
     if jax.process_index() == 0:
       print(f"Saved int8 params to {config.save_quantized_params_path} (load_parameters_path for decode)", flush=True)
-  result = engine.generate([config.prompt] * batch, stop_strings=config.decode_stop_strings)
+  images = None
+  if config.image_path:  # the same image(s) on every row
+    images = [[p.strip() for p in config.image_path.split(",") if p.strip()]] * batch
+  result = engine.generate([config.prompt] * batch, stop_strings=config.decode_stop_strings, images=images)
   if jax.process_index() == 0:  # every process holds the same texts
     print(report(config, engine, result), flush=True)
   return result
@@ -64,7 +69,7 @@ USAGE = launch.Usage(
   "[per_device_batch_size=N: a batch instead of one row] [key=value ...]",
   summary="Decode: config -> params (checkpoint, or random weights) -> prefill + generate -> text.",
   keys=(
-    "prompt", "load_parameters_path", "model_name", "tokenizer_path", "per_device_batch_size",
+    "prompt", "image_path", "load_parameters_path", "model_name", "tokenizer_path", "per_device_batch_size",
     "max_prefill_predict_length", "max_target_length", "decode_max_new_tokens", "decode_sampling_strategy",
     "decode_sampling_temperature", "decode_sampling_top_k", "decode_sampling_nucleus_p", "decode_seed",
     "decode_stop_strings", "quantization", "quantize_kvcache", "kv_quant_dtype", "save_quantized_params_path",

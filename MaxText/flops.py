@@ -31,6 +31,7 @@ from MaxText.layers.moe import MoeBlock
 
 EXPERT_WEIGHTS = ("wi_0", "wi_1", "wo")  # a MoeBlock's [E, ...] expert weights; its router is a DenseGeneral
 LOGITS_HEAD = "logits_dense"  # the Decoder's output projection (None when tied to token_embedder)
+VISION = "vision_encoder"  # the Decoder's image encoder (layers/vision.py; None without use_multimodal)
 
 
 class FlopCount(NamedTuple):
@@ -40,6 +41,7 @@ class FlopCount(NamedTuple):
   matmul: float  # decoder-layer weight matmuls: attention projections, MLP / routed + shared experts, router
   attention: float  # the QK^T and AV matmuls of causal (sliding-window, chunked) self-attention
   embedding: float  # the output (unembedding) projection; the input lookup is not a matmul
+  vision: float = 0.0  # use_multimodal: the vision tower and projector, per text token (images_per_row / T)
 
 
 class ForwardCount(NamedTuple):
@@ -93,6 +95,8 @@ def forward_count(model: nnx.Module, length: int) -> ForwardCount:
   """Walk `model` (a Decoder, abstract or real) for a training length of `length` tokens."""
   active = attention = 0.0
   for path, module in nnx.iter_modules(model):
+    if path[:1] == (VISION,):  # per image, not per token: vision_forward_per_image
+      continue
     if isinstance(module, DenseGeneral) and path != (LOGITS_HEAD,):
       active += _size(module.kernel)
     elif isinstance(module, MoeBlock):
@@ -106,6 +110,24 @@ def forward_count(model: nnx.Module, length: int) -> ForwardCount:
   applications = 1 + len(model.mtp_modules or ())  # each MTP module applies the shared head again
   adapters = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
   return ForwardCount(active, adapters, head_size * applications, attention)
+
+
+def vision_forward_per_image(model: nnx.Module) -> float:
+  """Forward FLOPs of one image through the vision tower and projector (0 without one): every SigLIP
+  projection (patch embedding, q/k/v/o, MLP) once per patch, full attention over the P patches
+  (QK^T and AV: 4·P·P·width per layer), the projector once per soft token."""
+  encoder = getattr(model, VISION, None)
+  if encoder is None:
+    return 0.0
+  patches, tokens = encoder.patches_per_side**2, encoder.tokens_per_side**2
+  per_patch = sum(
+    _size(m.kernel)
+    for p, m in nnx.iter_modules(encoder)
+    if isinstance(m, DenseGeneral) and p[:1] != ("mm_input_projection",)
+  )
+  width = encoder.position_embedding.get_value().shape[-1]
+  attention = 4.0 * patches * patches * width * len(encoder.layers)
+  return 2.0 * per_patch * patches + attention + 2.0 * _size(encoder.mm_input_projection.kernel) * tokens
 
 
 def abstract_model(config: Config, spec: state_lib.StateSpec | None = None) -> nnx.Module:
@@ -137,13 +159,20 @@ def training_flops_per_token(config: Config, model: nnx.Module | None = None) ->
   no weight gradients, so every base weight (matmul and embedding) costs 4, not 6; the adapters, trained
   and each used once per token, cost 6 each and are counted in matmul. Not counted: norms, activations,
   softmax, RoPE, biases, the MoE dispatch (XLA's cost analysis does count them).
+    vision    = images_per_row / T · vision_forward_per_image, x1 with freeze_vision_encoder (no backward
+                reaches the tower) else x3 (use_multimodal; the image tokens' text-model work is in the rest)
   """
-  w = forward_count(abstract_model(config) if model is None else model, config.max_target_length)
+  model = abstract_model(config) if model is None else model
+  w = forward_count(model, config.max_target_length)
   per_weight = 4.0 if w.adapters else 6.0  # LoRA: no weight gradients for the frozen base
   matmul = per_weight * w.active + 6.0 * w.adapters
   attention = 3.0 * w.attention
   embedding = per_weight * w.logits
-  return FlopCount(matmul + attention + embedding, matmul, attention, embedding)
+  vision = 0.0
+  if getattr(model, VISION, None) is not None:
+    passes = 1.0 if config.freeze_vision_encoder else 3.0
+    vision = passes * vision_forward_per_image(model) * config.images_per_row / config.max_target_length
+  return FlopCount(matmul + attention + embedding + vision, matmul, attention, embedding, vision)
 
 
 def mfu(flops_per_step: float, step_time_s: float, num_devices: int, peak_flops_per_device: float) -> float:

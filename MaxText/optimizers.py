@@ -252,6 +252,7 @@ def _adafactor(config: Config, schedule: optax.Schedule) -> optax.GradientTransf
 # Parameters no optimizer moves: the MoE routers' selection bias (routed_bias) gets no gradient (it only picks
 # experts) and is set from the expert loads (train_step.balance_router_bias); weight decay would shrink it.
 FIXED_PARAMS = (r"(^|/)gate_bias$",)
+VISION_PARAMS = (r"^vision_encoder/",)  # freeze_vision_encoder: the vision tower and projector (layers/vision.py)
 
 
 def keep_fixed(inner: optax.GradientTransformation, patterns: tuple[str, ...]) -> optax.GradientTransformation:
@@ -278,8 +279,11 @@ def build(config: Config) -> Optimizer:
   tx = base
   if config.gradient_clipping_threshold > 0:
     tx = optax.chain(optax.clip_by_global_norm(config.gradient_clipping_threshold), base)
-  if config.routed_bias:
-    tx = keep_fixed(tx, FIXED_PARAMS)
+  fixed = FIXED_PARAMS if config.routed_bias else ()
+  if config.use_multimodal and config.freeze_vision_encoder:  # no weight decay either
+    fixed += VISION_PARAMS
+  if fixed:
+    tx = keep_fixed(tx, fixed)
   if config.skip_step_on_spikes:  # the train step passes loss= and grad_norm= to update()
     tx = skip_spikes(tx, config.skip_step_interval, config.skip_step_scaling_factor)
   return Optimizer(tx, schedule)

@@ -95,7 +95,11 @@ def shaped_inputs(config: Config, mesh: Mesh) -> tuple[dict[str, jax.ShapeDtypeS
   """The batch and the dropout key as train.py passes them, as shapes with shardings."""
   shape = (sharding.global_batch_size(config, mesh), config.max_target_length)
   shardings = steps.batch_shardings(config, mesh)
-  batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=s) for k, s in shardings.items()}
+  batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=s) for k, s in shardings.items() if k != "images"}
+  if "images" in shardings:  # use_multimodal: images_per_row images per row (data/images.py)
+    size = (config.image_size_for_vit, config.image_size_for_vit, config.num_channels_for_vit)
+    image_shape = (shape[0], config.images_per_row, *size)
+    batch["images"] = jax.ShapeDtypeStruct(image_shape, jnp.float32, sharding=shardings["images"])
   key = jax.eval_shape(lambda: jax.random.fold_in(jax.random.key(0), 0))
   rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
   return batch, rng

@@ -74,7 +74,7 @@ def loss_sums(graphdef: nnx.GraphDef, config: Config, params: nnx.State, batch: 
   model = nnx.merge(graphdef, params)
   with_mtp = config.mtp_num_layers > 0
   inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"], rng)
-  out = model.forward(*inputs, hidden_only=True, mtp=with_mtp)
+  out = model.forward(*inputs, hidden_only=True, mtp=with_mtp, images=batch.get("images"))
   tiles = vocab_tiles(config, *batch["targets"].shape, model.plan.data_shards)
   lse, target_logit = token_logits(model, out.logits, batch["targets"], tiles)
   mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
@@ -311,7 +311,10 @@ def eval_step(
 def batch_shardings(config: Config, mesh: Mesh) -> dict[str, NamedSharding]:
   data = sharding.input_sharding(config, mesh)
   keys = ("inputs", "targets", "inputs_segmentation", "targets_segmentation", "inputs_position")
-  return {k: data for k in keys}
+  out = {k: data for k in keys}
+  if config.use_multimodal:  # float32 pixels [B, images_per_row, S, S, C] (data/images.py)
+    out["images"] = sharding.input_sharding(config, mesh, rank=5)
+  return out
 
 
 # XLA:CPU (jax 0.11+) hands bfloat16 dots, and the elementwise work fused around them, to YNNPACK. In

@@ -260,9 +260,53 @@ def _qwen3_next_keys(hf: dict[str, Any]) -> dict[str, Any]:
   return {"full_attention_interval": interval, "shared_experts": shared // width, "partial_rotary_factor": factor}
 
 
+# Gemma3ForConditionalGeneration (model_type gemma3): vision_config field -> MaxText key.
+VISION_KEYS = {
+  "image_size": "image_size_for_vit",
+  "patch_size": "patch_size_for_vit",
+  "num_channels": "num_channels_for_vit",
+  "hidden_size": "hidden_size_for_vit",
+  "intermediate_size": "intermediate_size_for_vit",
+  "num_hidden_layers": "num_hidden_layers_for_vit",
+  "num_attention_heads": "num_attention_heads_for_vit",
+  "layer_norm_eps": "vision_layer_norm_epsilon",
+}
+VISION_DEFAULTS = {"num_channels": 3, "layer_norm_eps": 1e-6}
+TEXT_PREFIX = "language_model."  # Gemma 3's multimodal checkpoints: language_model.model.layers..., vision_tower...
+# Names other writers use for the same tensors (Google's releases, transformers' in-memory names) -> ours.
+ALIASES = (("vision_tower.vision_model.", "vision_tower."), ("model.language_model.", "language_model.model."))
+ALIASES += (("model.vision_tower.", "vision_tower."), ("model.multi_modal_projector.", "multi_modal_projector."))
+
+
+def canonical_name(name: str) -> str:
+  """A multimodal checkpoint's tensor name in the layout the rules use (the first alias that matches)."""
+  for other, ours in ALIASES:
+    if name.startswith(other):
+      name = ours + name[len(other) :]
+  return name
+
+
+def _gemma3_multimodal_keys(hf: dict[str, Any]) -> dict[str, Any]:
+  """Gemma3ForConditionalGeneration's config.json -> MaxText keys: its text_config's, plus the vision tower's."""
+  vision = {**VISION_DEFAULTS, **hf["vision_config"]}
+  if vision.get("vision_use_head"):
+    raise ConfigError("vision_config.vision_use_head=true is not supported (Gemma 3 uses the patch outputs)")
+  text = {"model_type": "gemma3_text", **hf["text_config"]}
+  text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", True))
+  out = maxtext_keys(text) | {"use_multimodal": True}
+  out |= {dst: vision[src] for src, dst in VISION_KEYS.items()}
+  out["mm_tokens_per_image"] = hf.get("mm_tokens_per_image", 256)
+  out["image_token_id"] = hf.get("image_token_index", hf.get("image_token_id", 262144))
+  out["image_start_token_id"] = hf.get("boi_token_index", hf.get("boi_token_id", 255999))
+  out["image_end_token_id"] = hf.get("eoi_token_index", hf.get("eoi_token_id", 256000))
+  return out
+
+
 def maxtext_keys(hf: dict[str, Any]) -> dict[str, Any]:
   """config.json -> the MaxText architecture keys; errors name what cannot be represented."""
   model_type = hf.get("model_type")
+  if model_type == "gemma3" and "text_config" in hf:
+    return _gemma3_multimodal_keys(hf)
   if model_type == "gpt2":
     return gpt2_mapping.maxtext_keys(hf)
   if model_type == "llama4":
@@ -375,6 +419,18 @@ def hf_config(c: Config, dtype: str) -> dict[str, Any]:
   if c.decoder_block == "qwen3next":
     rope["partial_rotary_factor"] = c.partial_rotary_factor
   out["rope_parameters"] = rope
+  if c.use_multimodal:
+    if c.decoder_block != "gemma3":
+      raise ConfigError(
+        f"use_multimodal has a Hugging Face export for decoder_block=gemma3 only, not {c.decoder_block}"
+      )
+    vision = {src: c[dst] for src, dst in VISION_KEYS.items()}
+    vision |= {"model_type": "siglip_vision_model", "hidden_act": "gelu_pytorch_tanh", "vision_use_head": False}
+    text = {k: v for k, v in out.items() if k not in ("architectures", "dtype")} | {"model_type": "gemma3_text"}
+    out = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "dtype": dtype}
+    out |= {"text_config": text, "vision_config": vision, "mm_tokens_per_image": c.mm_tokens_per_image}
+    out |= {"image_token_index": c.image_token_id, "tie_word_embeddings": c.logits_via_embedding}
+    out |= {"boi_token_index": c.image_start_token_id, "eoi_token_index": c.image_end_token_id}
   return out
 
 
@@ -387,6 +443,7 @@ class Rule(NamedTuple):
   transpose: bool = True  # linear weights: HF [out, in] (torch Linear); False: [in, out] (GPT-2 Conv1D)
   cols: tuple[int, ...] | None = None  # slice(*cols) of a fused HF tensor's columns (GPT-2's c_attn; gpt-oss's
   # interleaved gate/up columns: (0, None, 2) and (1, None, 2))
+  conv: bool = False  # a torch Conv2d weight [out, in dims...] (SigLIP's patch embedding), not flattened
 
 
 def deinterleave(first: int, rope: int) -> list[int]:
@@ -543,7 +600,44 @@ def rules(c: Config, stacks, params: dict) -> list[Rule]:
     for suffix, path, expert, n_in, perm, *cols in _layer_rules(c, moe, linear):
       rule = Rule(f"model.layers.{i}.{suffix}", prefix + path, index + expert, n_in, perm, cols=(cols or [None])[0])
       out.append(rule)
-  return out + _mtp_rules(c)
+  out += _mtp_rules(c)
+  if c.use_multimodal:  # the text model under language_model., then the vision tower and projector
+    out = [r._replace(hf_name=TEXT_PREFIX + r.hf_name if r.hf_name.startswith("model.") else r.hf_name) for r in out]
+    out += _vision_rules(c)
+  return out
+
+
+def _vision_rules(c: Config) -> list[Rule]:
+  """The SigLIP tower (vision_tower.) and Gemma 3's projector, into layers/vision.VisionEncoder."""
+  root = ("vision_encoder",)
+  out = [
+    Rule("vision_tower.embeddings.patch_embedding.weight", (*root, "patch_embedding", "kernel"), (), 3, conv=True),
+    Rule("vision_tower.embeddings.patch_embedding.bias", (*root, "patch_embedding", "bias"), (), None),
+    Rule("vision_tower.embeddings.position_embedding.weight", (*root, "position_embedding"), (), None),
+    Rule("vision_tower.post_layernorm.weight", (*root, "post_layernorm", "scale"), (), None),
+    Rule("vision_tower.post_layernorm.bias", (*root, "post_layernorm", "bias"), (), None),
+    Rule("multi_modal_projector.mm_soft_emb_norm.weight", (*root, "mm_soft_emb_norm", "scale"), (), None),
+    # [vision width, emb_dim]: already [in, out]
+    Rule("multi_modal_projector.mm_input_projection_weight", (*root, "mm_input_projection", "kernel"), (), 1)._replace(
+      transpose=False
+    ),
+  ]
+  for i in range(c.num_hidden_layers_for_vit):
+    hf, ours = f"vision_tower.encoder.layers.{i}.", (*root, "layers", i)
+    for name, path, n_in in (
+      ("self_attn.q_proj", "query", 1),
+      ("self_attn.k_proj", "key", 1),
+      ("self_attn.v_proj", "value", 1),
+      ("self_attn.out_proj", "out", 2),
+      ("mlp.fc1", "fc1", 1),
+      ("mlp.fc2", "fc2", 1),
+    ):
+      out.append(Rule(f"{hf}{name}.weight", (*ours, path, "kernel"), (), n_in))
+      out.append(Rule(f"{hf}{name}.bias", (*ours, path, "bias"), (), None))
+    for norm in ("layer_norm1", "layer_norm2"):
+      out.append(Rule(f"{hf}{norm}.weight", (*ours, norm, "scale"), (), None))
+      out.append(Rule(f"{hf}{norm}.bias", (*ours, norm, "bias"), (), None))
+  return out
 
 
 # DeepSeek V3's multi-token-prediction module k (k = 0, 1, ...) is checkpoint layer num_hidden_layers + k: these
@@ -625,4 +719,6 @@ def hf_shape(rule: Rule, shape: tuple[int, ...]) -> tuple[int, ...]:
   if rule.n_in is None:  # torch biases are flat [out]; ours keep the kernel's output dims ([N, H] for q)
     return (math.prod(shape),) if rule.path[-1] == "bias" else tuple(shape)
   rows, cols = math.prod(shape[: rule.n_in]), math.prod(shape[rule.n_in :])
+  if rule.conv:
+    return (cols, *shape[: rule.n_in])
   return (cols, rows) if rule.transpose else (rows, cols)

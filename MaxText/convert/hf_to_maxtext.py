@@ -45,6 +45,8 @@ def get(tree: dict, path: tuple) -> Any:
 def to_maxtext(tensor: np.ndarray, shape: tuple[int, ...], rule: hf_mapping.Rule) -> np.ndarray:
   """An HF tensor (already cut to rule.cols) -> our layout with `shape`: a torch Linear weight [out, in]
   is transposed, then reshaped; then rule.perm, if any, reorders the last axis."""
+  if rule.conv:  # [out, in dims...] -> [out, in]
+    tensor = tensor.reshape(tensor.shape[0], -1)
   out = (tensor.T if rule.n_in is not None and rule.transpose else tensor).reshape(shape)
   return out if rule.perm is None else out[..., rule.perm]
 
@@ -70,7 +72,8 @@ def read_hf_config(hf_path: str) -> dict[str, Any]:
     raise ConfigError(f"{path!r} is not valid JSON: {e}") from None
   if not isinstance(hf, dict):
     raise ConfigError(f"{path!r} must hold a JSON object, got {type(hf).__name__}")
-  missing = [k for k in REQUIRED_FIELDS if hf.get("model_type") != "gpt2" and k not in hf]
+  fields = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf  # multimodal: its text model
+  missing = [k for k in REQUIRED_FIELDS if hf.get("model_type") != "gpt2" and k not in fields]
   if missing:
     raise ConfigError(f"{path!r} lacks {', '.join(missing)}; it must describe the checkpoint's architecture")
   return hf
@@ -145,7 +148,10 @@ def _convert(hf_path: str, output: str, scan_layers: bool, dtype: str, final: st
   state = state_lib.param_spec(c).abstract
   abstract = nnx.to_pure_dict(state)
   rules = hf_mapping.rules(c, models.family(c).stacks(c), abstract)
-  index, packed = mxfp4.unpack_index(tensor_index(hf_path))
+  raw, packed = mxfp4.unpack_index(tensor_index(hf_path))  # MXFP4 blocks+scales pairs as one tensor
+  real = {hf_mapping.canonical_name(name): name for name in raw}  # multimodal checkpoints name tensors variously
+  index = {hf_mapping.canonical_name(name): v for name, v in raw.items()}
+  packed = {hf_mapping.canonical_name(name) for name in packed}
   block = fp8.block_size(read_hf_config(hf_path))
   expected = {r.hf_name for r in rules}
   if block:  # each FP8 weight's block scales travel with it
@@ -160,7 +166,8 @@ def _convert(hf_path: str, output: str, scan_layers: bool, dtype: str, final: st
     _check_shape(index, rule, shape)
     scale = rule.hf_name + fp8.SCALE_SUFFIX
     scale = (index[scale][0], scale) if block and scale in index else None
-    load = functools.partial(_load, index[rule.hf_name][0], rule, shape, storage, scale, block, rule.hf_name in packed)
+    read = rule._replace(hf_name=real[rule.hf_name])
+    load = functools.partial(_load, index[rule.hf_name][0], read, shape, storage, scale, block, rule.hf_name in packed)
     slices.setdefault(rule.path, []).append((rule.index, load))
   leaves = jax.tree_util.tree_leaves_with_path(abstract)
   unmapped = [jax.tree_util.keystr(k) for k, _ in leaves if tuple(streaming.key_name(p) for p in k) not in slices]

@@ -45,6 +45,8 @@ def to_hf(kernel: np.ndarray, rule: hf_mapping.Rule) -> np.ndarray:
   if rule.n_in is None:
     return kernel.reshape(hf_mapping.hf_shape(rule, kernel.shape))
   matrix = kernel.reshape(int(np.prod(kernel.shape[: rule.n_in])), -1)  # [in, out]
+  if rule.conv:
+    return matrix.T.reshape(hf_mapping.hf_shape(rule, kernel.shape))
   return matrix.T if rule.transpose else matrix
 
 
@@ -59,7 +61,7 @@ def join(parts: list[tuple[tuple[int, ...], np.ndarray]]) -> np.ndarray:
 
 
 def _shard_of(name: str) -> str:
-  parts = name.split(".")
+  parts = name.removeprefix(hf_mapping.TEXT_PREFIX).split(".")  # Gemma 3 multimodal: language_model.model.layers
   layer = parts[:2] in (["model", "layers"], ["transformer", "h"])
   return f"layer-{int(parts[2]):05d}" if layer else "other"
 

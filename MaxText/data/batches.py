@@ -85,6 +85,7 @@ class Rows(NamedTuple):
   segmentation: np.ndarray
   positions: np.ndarray
   loss_mask: np.ndarray | None = None  # see complete_rows; None: every non-padding target carries loss
+  images: np.ndarray | None = None  # use_multimodal: float32 pixels [rows, images_per_row, S, S, C]
 
 
 def assemble_batch(
@@ -101,9 +102,13 @@ def assemble_batch(
     rows = Rows(*(np.zeros((0, length), np.int32) for _ in range(3)))
   missing = local_rows - len(rows.tokens)
   if missing:
-    rows = Rows(*(x if x is None else np.concatenate([x, np.zeros((missing, length), x.dtype)]) for x in rows))
-  local = complete_rows(*rows)
-  return {k: jax.make_array_from_process_local_data(sharding, local[k], global_shape) for k in FIELDS}
+    rows = Rows(*(x if x is None else np.concatenate([x, np.zeros((missing, *x.shape[1:]), x.dtype)]) for x in rows))
+  local = complete_rows(rows.tokens, rows.segmentation, rows.positions, rows.loss_mask)
+  out = {k: jax.make_array_from_process_local_data(sharding, local[k], global_shape) for k in FIELDS}
+  if rows.images is not None:  # the batch axis split like the tokens', the rest whole
+    spec = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(sharding.spec[0]))
+    out["images"] = jax.make_array_from_process_local_data(spec, rows.images, (global_shape[0], *rows.images.shape[1:]))
+  return out
 
 
 class BatchSource(Protocol):

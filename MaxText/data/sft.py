@@ -26,12 +26,14 @@ from jax.sharding import Mesh
 from MaxText import paths, sharding
 from MaxText.config import Config
 from MaxText.data import chat, files, hf_data
+from MaxText.data import images as images_lib
 from MaxText.data import tokenizer as tokenizers
 from MaxText.data.batches import BatchIterator, Iterators
 from MaxText.errors import DataError
 
 log = logging.getLogger(__name__)
 PACK_SALT = 0x5F7  # seeds the fixed packing order apart from the per-epoch row orders (which use epoch >= 0)
+IMAGES_COLUMN = "images"  # use_multimodal: a record's list of image paths (docs/multimodal.md)
 Record = tuple[str, Any]  # (where: "file:line" or "split row i", for messages; the record: a dict)
 
 
@@ -39,6 +41,10 @@ class Examples(NamedTuple):
   tokens: np.ndarray  # int32 [total]: every example's tokens back to back
   loss_mask: np.ndarray  # uint8 [total]: 1 for completion tokens
   offsets: np.ndarray  # int64 [examples + 1]: example e is tokens[offsets[e]:offsets[e + 1]]
+  # use_multimodal: per example its image paths and where it came from (for errors); None: text only
+  images: list[tuple[str, list[str]]] | None = None
+  image_size: int = 0  # image_size_for_vit
+  images_per_row: int = 0
 
 
 class ExampleRows:
@@ -51,12 +57,14 @@ class ExampleRows:
     lengths = np.minimum(np.diff(examples.offsets), length)
     n = len(lengths)
     order = np.arange(n) if seed is None else np.random.default_rng([seed, PACK_SALT]).permutation(n)
-    starts, fill = [], length
-    for i, e in enumerate(order):  # next fit: a new row when the example does not fit the current one
-      if not packing or fill + lengths[e] > length:
+    counts = np.zeros(n, np.int64) if examples.images is None else np.array([len(p) for _, p in examples.images])
+    starts, fill, images = [], length, 0
+    for i, e in enumerate(order):  # next fit: a new row when the example (or its images) does not fit the current one
+      if not packing or fill + lengths[e] > length or images + counts[e] > examples.images_per_row:
         starts.append(i)
-        fill = 0
+        fill, images = 0, 0
       fill += lengths[e]
+      images += counts[e]
     self._order, self._lengths = order, lengths
     self._row_starts = np.array(starts + [n], np.int64)
     self.rows_per_epoch = len(starts)
@@ -70,21 +78,31 @@ class ExampleRows:
     return self._cached[1]
 
   def rows(self, indices: np.ndarray) -> tuple[np.ndarray, ...]:
-    """(tokens, segmentation, positions, loss_mask), each int32 [len(indices), length]."""
+    """(tokens, segmentation, positions, loss_mask), each int32 [len(indices), length]; with images, also
+    float32 pixels [len(indices), images_per_row, S, S, 3], decoded and resized here (zeros for empty slots)."""
     out = [np.zeros((len(indices), self._length), np.int32) for _ in range(4)]
     tokens, segmentation, positions, mask = out
+    ex = self._ex
+    pixels = None
+    if ex.images is not None:
+      pixels = np.zeros((len(indices), ex.images_per_row, ex.image_size, ex.image_size, 3), np.float32)
     for k, n in enumerate(np.asarray(indices, np.int64)):
       epoch, row = divmod(int(n), self.rows_per_epoch)
       r = self._row_order(epoch)[row]
-      col = 0
+      col, slot = 0, 0
       for segment, e in enumerate(self._order[self._row_starts[r] : self._row_starts[r + 1]], 1):
+        if pixels is not None:
+          where, image_paths = ex.images[e]
+          for path in image_paths:
+            pixels[k, slot] = images_lib.load(path, ex.image_size, where)
+            slot += 1
         start, size = self._ex.offsets[e], self._lengths[e]
         tokens[k, col : col + size] = self._ex.tokens[start : start + size]
         mask[k, col : col + size] = self._ex.loss_mask[start : start + size]
         segmentation[k, col : col + size] = segment
         positions[k, col : col + size] = np.arange(size)
         col += size
-    return tokens, segmentation, positions, mask
+    return (tokens, segmentation, positions, mask) + (() if pixels is None else (pixels,))
 
   def state(self, next_row: int) -> dict[str, Any]:
     epoch, row = divmod(next_row, self.rows_per_epoch)
@@ -133,20 +151,43 @@ def encode(config: Config, tok: Any, template: chat.ChatTemplate, records: Itera
   columns = chat.Columns(config.sft_messages_column, config.sft_prompt_column, config.sft_completion_column)
   only, length = config.sft_train_on_completion_only, config.max_target_length
   tokens, masks, dropped, start = [], [], 0, time.perf_counter()
+  pictures = [] if config.use_multimodal else None
   for where, record in records:
     ex = chat.tokenize(template, tok, chat.conversation(record, columns, where), only, where)
-    if not ex.loss_mask[:length].any():
+    ids, loss_mask = ex.tokens, ex.loss_mask
+    image_paths = _image_paths(record, where)
+    if image_paths or config.use_multimodal:
+      if len(image_paths) > config.images_per_row:
+        raise DataError(f"{where} has {len(image_paths)} images, more than images_per_row={config.images_per_row}")
+      ids, loss_mask = images_lib.expand_with_mask(ids, loss_mask, len(image_paths), config, where)
+      ids, loss_mask = np.asarray(ids, np.int32), np.asarray(loss_mask, np.uint8)
+    if not loss_mask[:length].any():
       dropped += 1  # its completion starts past max_target_length: nothing to learn from it
       continue
-    tokens.append(ex.tokens[:length])
-    masks.append(ex.loss_mask[:length])
+    tokens.append(ids[:length])
+    masks.append(loss_mask[:length])
+    if pictures is not None:
+      pictures.append((where, image_paths))
   if dropped:
     log.warning("%s: dropped %d examples whose prompt fills max_target_length=%d", what, dropped, length)
   if not tokens:
     raise DataError(f"{what} has no example with a completion within max_target_length={length}")
   log.info("Tokenized %d SFT examples (%s) in %.1f s", len(tokens), what, time.perf_counter() - start)
   offsets = np.concatenate([[0], np.cumsum([len(t) for t in tokens], dtype=np.int64)])
-  return Examples(np.concatenate(tokens), np.concatenate(masks), offsets)
+  size = config.image_size_for_vit if pictures is not None else 0
+  return Examples(np.concatenate(tokens), np.concatenate(masks), offsets, pictures, size, config.images_per_row)
+
+
+def _image_paths(record: Any, where: str) -> list[str]:
+  """A record's "images" field: a list of image paths (local or gs://), or absent."""
+  value = record.get(IMAGES_COLUMN) if isinstance(record, dict) else None
+  if value is None:
+    return []
+  if isinstance(value, str):
+    value = [value]
+  if not isinstance(value, list) or not all(isinstance(p, str) and p for p in value):
+    raise DataError(f"{where}: {IMAGES_COLUMN!r} must be a list of image paths, got {value!r}")
+  return value
 
 
 def _split_by_hash(records: list[Record], eval_fraction: float) -> tuple[list[Record], list[Record]]:

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, PartitionSpec
 from MaxText import checkpointing, config_checks, sharding
 from MaxText import state as state_lib
 from MaxText.config import Config, serving_config
+from MaxText.data import images as images_lib
 from MaxText.errors import ConfigError
 from MaxText.inference import quantize, sampling
 from MaxText.inference import tokenizer as tokenizer_lib
@@ -59,13 +60,17 @@ class Generation(NamedTuple):
     return [c.text for c in self.completions]
 
 
-def prefill(graphdef: nnx.GraphDef, cache_length: int, params: nnx.State, tokens: jax.Array, lengths: jax.Array):
-  """tokens [B, P] right-padded, lengths [B] -> logits [B, P, V] and the cache of `cache_length` slots."""
+def prefill(
+  graphdef: nnx.GraphDef, cache_length: int, params: nnx.State, tokens: jax.Array, lengths: jax.Array,
+  images: jax.Array | None = None,
+):  # fmt: skip
+  """tokens [B, P] right-padded, lengths [B] (and images [B, N, S, S, C] for their placeholders) -> logits
+  [B, P, V] and the cache of `cache_length` slots."""
   model = nnx.merge(graphdef, params)
   b, p = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
   segment_ids = (positions < lengths[:, None]).astype(jnp.int32)
-  out = model.forward(tokens, positions, segment_ids, cache=model.init_cache(b, cache_length))
+  out = model.forward(tokens, positions, segment_ids, cache=model.init_cache(b, cache_length), images=images)
   return out.logits, out.cache
 
 
@@ -88,8 +93,10 @@ def _sampled(logits, rng, strategy, vocab, params) -> tuple[jax.Array, jax.Array
   return tuple(jax.lax.with_sharding_constraint(x, everywhere) for x in (tokens, sampling.log_probs(logits, tokens)))
 
 
-def prefill_and_sample(graphdef, cache_length, strategy, vocab, params, tokens, lengths, rng, sampling_params):
-  logits, cache = prefill(graphdef, cache_length, params, tokens, lengths)
+def prefill_and_sample(
+  graphdef, cache_length, strategy, vocab, params, tokens, lengths, rng, sampling_params, images=None
+):  # fmt: skip
+  logits, cache = prefill(graphdef, cache_length, params, tokens, lengths, images)
   last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
   return StepOutput(*_sampled(last, rng, strategy, vocab, sampling_params), cache)
 
@@ -238,6 +245,23 @@ class Engine:
       )  # fmt: skip
     return prefill_len, cache_len, new
 
+  def _with_images(self, ids: list[list[int]], images: Sequence[Sequence[Any]]) -> list[list[int]]:
+    """Each prompt's ids with one image block per image (data/images.expand)."""
+    if len(images) != len(ids):
+      raise ConfigError(f"images: {len(images)} lists for {len(ids)} prompts; give one list per prompt")
+    bos = self.tokenizer.bos_id if self.tokenizer is not None else -1
+    c = self.config
+    return [images_lib.expand(x, len(imgs), c, f"prompt {i}", bos) for i, (x, imgs) in enumerate(zip(ids, images))]
+
+  def _pixels(self, images: Sequence[Sequence[Any]], rows: int) -> jax.Array:
+    """float32 [rows, N, S, S, 3] (N: the most images of a prompt; zeros where a row has fewer), on the mesh."""
+    size = self.config.image_size_for_vit
+    out = np.zeros((rows, max(1, max(len(x) for x in images)), size, size, 3), np.float32)
+    for i, row in enumerate(images):
+      for j, image in enumerate(row):
+        out[i, j] = images_lib.pixels(image, size, f"prompt {i}, image {j}")
+    return jax.device_put(out, sharding.input_sharding(self.config, self.mesh, rank=5))
+
   def _batch(self, ids: list[list[int]], prefill_len: int) -> tuple[jax.Array, jax.Array]:
     """Right-padded tokens [B', P] and lengths [B'], B' a multiple of the batch shards, on the mesh."""
     rows = -(-len(ids) // self.batch_shards) * self.batch_shards
@@ -264,12 +288,16 @@ class Engine:
     seed: int | None = None,
     callback: Callable[[int, int], None] | None = None,
     logprobs: bool = False,
+    images: Sequence[Sequence[Any]] | None = None,
   ) -> Generation:
     """Continue each prompt (text, or a list of token ids) by up to max_new_tokens tokens.
 
     Unset options come from the config (decode_max_new_tokens, decode_sampling_*, decode_seed).
     stop_tokens default to the tokenizer's EOS. callback(prompt index, token id) streams every
     generated token as soon as it is sampled (tokens of a stop string included; EOS not).
+    images (use_multimodal models): per prompt a list of images (file paths, local or gs://; PIL images;
+    uint8 arrays [H, W, 3]); each goes where the prompt has image_start_token_id, else before the text
+    (data/images.expand); they are resized to image_size_for_vit.
     """
     c = self.config
     strategy = strategy or c.decode_sampling_strategy
@@ -283,11 +311,14 @@ class Engine:
     rows = _Rows(len(prompts), self.tokenizer, set(eos if stop_tokens is None else stop_tokens), stop_strings)
     start = time.perf_counter()
     ids = [self.encode(p) for p in prompts]
+    if images is not None:
+      ids = self._with_images(ids, images)
     prefill_len, cache_len, new = self._plan(ids, c.decode_max_new_tokens if max_new_tokens is None else max_new_tokens)
     with sharding.activate(c, self.mesh):
       tokens, lengths = self._batch(ids, prefill_len)
       vocab = c.vocab_size if self.tokenizer is None else min(c.vocab_size, self.tokenizer.vocab_size)
-      out = self._jitted("prefill", cache_len, strategy, vocab)(self.params, tokens, lengths, rng, params)
+      pixels = None if images is None else self._pixels(images, tokens.shape[0])
+      out = self._jitted("prefill", cache_len, strategy, vocab)(self.params, tokens, lengths, rng, params, pixels)
       step_fn = self._jitted("step", strategy, vocab)
       ttft, steps = None, 0
       for i in range(new):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -58,6 +58,26 @@ def attention_mask(
   t = s if query_length is None else query_length
   query_ids = segment_ids if t == s else jax.lax.dynamic_slice_in_dim(segment_ids, query_start, t, axis=1)
   return index_mask(query_ids, segment_ids, query_start + jnp.arange(t), jnp.arange(s), sliding_window, chunk_window)
+
+
+class ImageSegments(NamedTuple):
+  """segment_ids [B, T] with image blocks [B, T] (vision.image_blocks: the image's index on its placeholder
+  tokens, -1 on text), passed where segment_ids go when a row holds images: keys of a query's own image
+  block are visible both ways; the rest stays causal (and local in sliding-window layers)."""
+
+  ids: jax.Array
+  blocks: jax.Array
+
+
+def block_mask(
+  q_blocks: jax.Array, k_blocks: jax.Array, q_index: jax.Array, k_index: jax.Array, sliding_window: int
+) -> jax.Array:  # fmt: skip
+  """Queries' image blocks [B, T] at places [B or 1, T], keys' [B, S] at [S] -> [B, 1, 1, T, S] bool: the
+  same image (and within the window when sliding_window > 0; HF: AND(window, OR(causal, blockwise)))."""
+  same = (q_blocks[:, :, None] == k_blocks[:, None, :]) & (q_blocks[:, :, None] >= 0)
+  if sliding_window:
+    same &= q_index[..., :, None] - k_index[None, None, :] < sliding_window
+  return same[:, None, None]
 
 
 def soft_cap(x: jax.Array, cap: float) -> jax.Array:
@@ -267,12 +287,25 @@ class Attention(nnx.Module):
     if self.temperature_tuning:
       q = q * temperature_scale(positions, self.config)[:, :, None, None].astype(q.dtype)
     sinks = None if self.sinks is None else self.sinks[...]
-    if cache is None:
+    blocks = None
+    if isinstance(segment_ids, ImageSegments):
+      segment_ids, blocks = segment_ids
+    if cache is None and blocks is None:
       out = attend(self.plan, q, k, v, segment_ids, self.sliding_window, self.chunk_window, sinks)
+    elif cache is None:  # images: their bidirectional blocks over the causal mask, plain dot-product attention
+      mask = attention_mask(segment_ids, self.sliding_window, chunk_window=self.chunk_window)
+      index = jnp.arange(segment_ids.shape[1])
+      same_doc = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None, None]
+      mask |= block_mask(blocks, blocks, index, index, self.sliding_window) & same_doc
+      out = dot_product_attention(q, k, v, mask, self.config.attn_logits_soft_cap, sinks)
     else:
       cache = kv_cache.update(cache, k, v, positions)
       keys, values = kv_cache.read(cache, v.dtype)
-      mask = kv_cache.mask(positions, cache.key.shape[1], self.sliding_window, self.chunk_window)
+      length = cache.key.shape[1]
+      mask = kv_cache.mask(positions, length, self.sliding_window, self.chunk_window)
+      if blocks is not None:  # a prefill with images: its tokens sit in cache slots 0..T-1
+        k_blocks = jnp.pad(blocks, ((0, 0), (0, length - blocks.shape[1])), constant_values=-1)
+        mask |= block_mask(blocks, k_blocks, positions, jnp.arange(length), self.sliding_window)
       out = dot_product_attention(q, keys, values, mask, self.config.attn_logits_soft_cap, sinks)
     out = checkpoint_name(nn.with_logical_constraint(out, HEAD_AXES), "context")
     return checkpoint_name(self.out(out), "out_proj"), cache

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from MaxText.layers import context_parallel, lora, pipeline
+from MaxText.layers import context_parallel, lora, pipeline, vision
 from MaxText.layers import mtp as mtp_lib
-from MaxText.layers.attention import soft_cap
+from MaxText.layers.attention import ImageSegments, soft_cap
 from MaxText.layers.axes import ACTIVATION_AXES, LOGITS_AXES
 from MaxText.layers.decoder_layer import DecoderLayer, dropout
 from MaxText.layers.embeddings import Embed
@@ -184,11 +184,20 @@ class Decoder(nnx.Module):
     if config.mtp_num_layers:
       layer = functools.partial(family.mtp_layer, plan=plan)
       self.mtp_modules = nnx.List([mtp_lib.MtpModule(config, layer, rngs=rngs) for _ in range(config.mtp_num_layers)])
+    # After the text model too: use_multimodal adds the image encoder without changing the text parameters.
+    self.vision_encoder = nnx.data(None)
+    if config.use_multimodal:
+      self.vision_encoder = vision.VisionEncoder(config, rngs=rngs)
 
   def __call__(
-    self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array, dropout_rng: jax.Array | None = None
+    self,
+    tokens: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    dropout_rng: jax.Array | None = None,
+    images: jax.Array | None = None,
   ) -> jax.Array:
-    return self.forward(tokens, positions, segment_ids, dropout_rng).logits
+    return self.forward(tokens, positions, segment_ids, dropout_rng, images=images).logits
 
   def forward(
     self,
@@ -199,6 +208,7 @@ class Decoder(nnx.Module):
     cache: dict[str, Any] | None = None,
     hidden_only: bool = False,
     mtp: bool = False,
+    images: jax.Array | None = None,
   ) -> DecoderOutput:
     """tokens/positions/segment_ids [B, T] -> logits [B, T, V] and the auxiliary loss.
 
@@ -208,6 +218,8 @@ class Decoder(nnx.Module):
     applies `logits` itself piece by piece (the vocab-tiled loss).
     mtp: also run the multi-token-prediction modules (training; the model must have them) and return
     their hidden states for `logits` in `.mtp`; their MoE losses join aux_loss, averaged over all layers.
+    images: float pixels [B, N, H, W, C] in [-1, 1] (use_multimodal): their soft tokens replace the
+    image_token_id placeholders in order, and each image's tokens attend to each other both ways.
     """
     c = self.config
     # MTP depth k reads token i + k at position i: shifted here, in the natural order of the sequence.
@@ -218,11 +230,23 @@ class Decoder(nnx.Module):
     if shards > 1:
       tokens, positions, segment_ids = (context_parallel.balance(a, shards) for a in (tokens, positions, segment_ids))
       ahead = [context_parallel.balance(a, shards) for a in ahead]
-    x = self.token_embedder(tokens)
+    x = self.token_embedder(jnp.where(tokens < c.vocab_size, tokens, 0))  # placeholders may lie past the vocab
     if self.position_embedder is not None:
       x = x + self.position_embedder(positions)
     if self.family.scale_embeddings:
       x = x * jnp.asarray(c.emb_dim**0.5, x.dtype)
+    if images is not None:
+      if shards > 1:
+        raise ValueError(
+          "images with load-balanced context parallelism are not supported; set context_parallel_load_balance=false"
+        )
+      if self.vision_encoder is None:
+        raise ValueError("images given to a text-only model (use_multimodal=false)")
+      soft = self.vision_encoder(images)
+      if c.freeze_vision_encoder:  # the tower and projector get no gradient (the optimizer also keeps them)
+        soft = jax.lax.stop_gradient(soft)
+      x = vision.splice(x, tokens, soft, c.image_token_id)
+      segment_ids = ImageSegments(segment_ids, vision.image_blocks(tokens, c.image_token_id))
     x = nn.with_logical_constraint(x, ACTIVATION_AXES)
     if not (c.enable_dropout and c.dropout_rate > 0):
       dropout_rng = None

@@ -106,6 +106,19 @@ class ModelConfig:
   full_attention_interval: int
   partial_rotary_factor: float
   shared_expert_gate: bool
+  # Images in (use_multimodal): the SigLIP tower, the projector, the placeholder token
+  use_multimodal: bool
+  image_size_for_vit: int
+  patch_size_for_vit: int
+  num_channels_for_vit: int
+  hidden_size_for_vit: int
+  intermediate_size_for_vit: int
+  num_hidden_layers_for_vit: int
+  num_attention_heads_for_vit: int
+  vision_layer_norm_epsilon: float
+  mm_tokens_per_image: int
+  image_token_id: int
+  freeze_vision_encoder: bool  # training: no gradient flows into the vision tower and projector
   # Multi-token prediction, LoRA adapters
   mtp_num_layers: int
   lora_rank: int

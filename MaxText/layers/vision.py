@@ -1,0 +1,124 @@
+"""Images in: a SigLIP vision tower, Gemma 3's projector to the text width, and the splice of the image soft
+tokens into the token embeddings at the image placeholders (shared by every vision-language family).
+
+Images arrive as float pixels [B, N, H, W, C] already scaled to [-1, 1] (data/images.py); each image gives
+`mm_tokens_per_image` soft tokens, which replace, in order, the `image_token_id` placeholders of its row.
+Attention over the tokens of one image is bidirectional (attention.ImageSegments carries the blocks).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from MaxText.layers.linears import DenseGeneral
+from MaxText.layers.model_config import ModelConfig
+from MaxText.layers.normalizations import LayerNorm, gemma_rms_norm
+
+# The tower is small next to the text model (about 0.4B parameters in Gemma 3): its weights are replicated
+# (logical axis None) except the projector's output, which is sharded like the embeddings.
+
+
+def _args(config: ModelConfig, rngs: nnx.Rngs) -> dict:
+  return dict(dtype=jnp.dtype(config.dtype), weight_dtype=jnp.dtype(config.weight_dtype), rngs=rngs)
+
+
+class SiglipLayer(nnx.Module):
+  """Pre-LayerNorm encoder layer: full (unmasked) multi-head attention with biases, then a gelu(tanh) MLP."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    d, n = config.hidden_size_for_vit, config.num_attention_heads_for_vit
+    h = d // n
+    args = _args(config, rngs)
+    norm = dict(epsilon=config.vision_layer_norm_epsilon, dtype=args["dtype"], weight_dtype=args["weight_dtype"])
+    self.layer_norm1 = LayerNorm(d, **norm)
+    self.query = DenseGeneral(d, (n, h), (None, None, "kv"), use_bias=True, **args)
+    self.key = DenseGeneral(d, (n, h), (None, None, "kv"), use_bias=True, **args)
+    self.value = DenseGeneral(d, (n, h), (None, None, "kv"), use_bias=True, **args)
+    self.out = DenseGeneral((n, h), d, (None, "kv", None), use_bias=True, **args)
+    self.layer_norm2 = LayerNorm(d, **norm)
+    self.fc1 = DenseGeneral(d, config.intermediate_size_for_vit, (None, None), use_bias=True, **args)
+    self.fc2 = DenseGeneral(config.intermediate_size_for_vit, d, (None, None), use_bias=True, **args)
+    self.scale = h**-0.5
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    h = self.layer_norm1(x)
+    q, k, v = self.query(h) * jnp.asarray(self.scale, h.dtype), self.key(h), self.value(h)
+    scores = jnp.einsum("BTNH,BSNH->BNTS", q, k, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    x = x + self.out(jnp.einsum("BNTS,BSNH->BTNH", probs, v))
+    h = jax.nn.gelu(self.fc1(self.layer_norm2(x)), approximate=True)
+    return x + self.fc2(h)
+
+
+class VisionEncoder(nnx.Module):
+  """Gemma 3's image encoder: pixels [B, N, H, W, C] -> soft tokens [B, N * mm_tokens_per_image, emb_dim].
+
+  SigLIP: a patch embedding (a stride-`patch` convolution, stored as a [C, P, P, D] kernel with a bias) plus
+  learned position embeddings, the encoder layers, a final LayerNorm. The projector average-pools the patch
+  grid to sqrt(mm_tokens_per_image) per side, applies a Gemma RMSNorm (1 + w) and projects to emb_dim.
+  """
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    c, p, d = config.num_channels_for_vit, config.patch_size_for_vit, config.hidden_size_for_vit
+    args = _args(config, rngs)
+    self.config = config
+    self.patches_per_side = config.image_size_for_vit // p
+    self.tokens_per_side = int(round(config.mm_tokens_per_image**0.5))
+    self.patch_embedding = DenseGeneral((c, p, p), d, (None, None, None, None), use_bias=True, **args)
+    init = nnx.initializers.normal(0.02)
+    self.position_embedding = nnx.Param(
+      init(rngs.params(), (self.patches_per_side**2, d), args["weight_dtype"]), out_sharding=(None, None)
+    )
+    self.layers = nnx.List([SiglipLayer(config, rngs=rngs) for _ in range(config.num_hidden_layers_for_vit)])
+    norm = dict(dtype=args["dtype"], weight_dtype=args["weight_dtype"])
+    self.post_layernorm = LayerNorm(d, epsilon=config.vision_layer_norm_epsilon, **norm)
+    self.mm_soft_emb_norm = gemma_rms_norm(d, epsilon=config.vision_layer_norm_epsilon, **norm)
+    self.mm_input_projection = DenseGeneral(d, config.emb_dim, (None, "embed"), **args)
+
+  def encode(self, pixels: jax.Array) -> jax.Array:
+    """pixels [M, H, W, C] -> SigLIP's last hidden states [M, patches, hidden_size_for_vit]."""
+    m, height, width, c = pixels.shape
+    p, g = self.config.patch_size_for_vit, self.patches_per_side
+    if height != width or height != g * p:
+      raise ValueError(f"images must be {g * p}x{g * p} (image_size_for_vit), got {height}x{width}")
+    patches = pixels.reshape(m, g, p, g, p, c).transpose(0, 1, 3, 5, 2, 4).reshape(m, g * g, c, p, p)
+    x = self.patch_embedding(patches.astype(self.patch_embedding.dtype))
+    x = x + self.position_embedding[...].astype(x.dtype)
+    for layer in self.layers:
+      x = layer(x)
+    return self.post_layernorm(x)
+
+  def project(self, hidden: jax.Array) -> jax.Array:
+    """[M, patches, hidden] -> [M, mm_tokens_per_image, emb_dim]: average pooling over the patch grid, norm,
+    projection."""
+    m, _, d = hidden.shape
+    g, t = self.patches_per_side, self.tokens_per_side
+    k = g // t
+    pooled = hidden.reshape(m, t, k, t, k, d).astype(jnp.float32).mean(axis=(2, 4)).astype(hidden.dtype)
+    return self.mm_input_projection(self.mm_soft_emb_norm(pooled.reshape(m, t * t, d)))
+
+  def __call__(self, images: jax.Array) -> jax.Array:
+    b, n = images.shape[:2]
+    soft = self.project(self.encode(images.reshape(b * n, *images.shape[2:])))
+    return soft.reshape(b, n * soft.shape[1], soft.shape[2])
+
+
+def image_blocks(tokens: jax.Array, image_token_id: int) -> jax.Array:
+  """tokens [B, T] -> int32 [B, T]: for each run of consecutive image placeholders its index in the row (0, 1,
+  ...), -1 on text. Tokens of one block attend to each other both ways."""
+  is_image = tokens == image_token_id
+  previous = jnp.pad(is_image, ((0, 0), (1, 0)))[:, :-1]
+  group = jnp.cumsum((is_image & ~previous).astype(jnp.int32), axis=1) - 1
+  return jnp.where(is_image, group, -1)
+
+
+def splice(x: jax.Array, tokens: jax.Array, soft: jax.Array, image_token_id: int) -> jax.Array:
+  """Token embeddings x [B, T, D]: the k-th image placeholder of a row takes soft token k of the row's
+  images, soft [B, N * mm_tokens_per_image, D]; placeholders beyond the soft tokens keep their embedding."""
+  is_image = tokens == image_token_id
+  index = jnp.cumsum(is_image.astype(jnp.int32), axis=1) - 1
+  valid = is_image & (index < soft.shape[1])
+  taken = jnp.take_along_axis(soft, jnp.clip(index, 0, soft.shape[1] - 1)[..., None], axis=1)
+  return jnp.where(valid[..., None], taken.astype(x.dtype), x)

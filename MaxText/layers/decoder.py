@@ -69,6 +69,10 @@ class Family:
   scale_embeddings: bool = False  # multiply token embeddings by sqrt(emb_dim) (gemma)
   learned_positions: bool = False  # add a trainable_position_size x emb_dim position embedding (gpt3)
   mtp_layer: Callable[..., nnx.Module] | None = None  # the layer of each MTP module (None: no mtp_num_layers)
+  # use_multimodal: make(config, rngs=...) -> a module mapping images [B, N, H, W, C] to soft tokens [B, M, D]
+  # whose call replaces the image_token_id embeddings; `splice(x, tokens, soft, image_token_id)` places them
+  vision: Callable[..., nnx.Module] | None = None
+  splice: Callable[..., jax.Array] | None = None
 
 
 class LayerBlock(nnx.Module):
@@ -184,11 +188,20 @@ class Decoder(nnx.Module):
     if config.mtp_num_layers:
       layer = functools.partial(family.mtp_layer, plan=plan)
       self.mtp_modules = nnx.List([mtp_lib.MtpModule(config, layer, rngs=rngs) for _ in range(config.mtp_num_layers)])
+    # After the text model: use_multimodal adds the vision tower without changing the text parameters.
+    self.vision_encoder = nnx.data(None)
+    if config.use_multimodal and family.vision is not None:
+      self.vision_encoder = family.vision(config, rngs=rngs)
 
   def __call__(
-    self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array, dropout_rng: jax.Array | None = None
+    self,
+    tokens: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    dropout_rng: jax.Array | None = None,
+    images: jax.Array | None = None,
   ) -> jax.Array:
-    return self.forward(tokens, positions, segment_ids, dropout_rng).logits
+    return self.forward(tokens, positions, segment_ids, dropout_rng, images=images).logits
 
   def forward(
     self,
@@ -199,6 +212,7 @@ class Decoder(nnx.Module):
     cache: dict[str, Any] | None = None,
     hidden_only: bool = False,
     mtp: bool = False,
+    images: jax.Array | None = None,
   ) -> DecoderOutput:
     """tokens/positions/segment_ids [B, T] -> logits [B, T, V] and the auxiliary loss.
 
@@ -208,6 +222,8 @@ class Decoder(nnx.Module):
     applies `logits` itself piece by piece (the vocab-tiled loss).
     mtp: also run the multi-token-prediction modules (training; the model must have them) and return
     their hidden states for `logits` in `.mtp`; their MoE losses join aux_loss, averaged over all layers.
+    images: float pixels [B, N, H, W, C] (use_multimodal): the vision tower's soft tokens replace the
+    image_token_id placeholders' embeddings in order (a prefill; later decode steps pass none).
     """
     c = self.config
     # MTP depth k reads token i + k at position i: shifted here, in the natural order of the sequence.
@@ -223,6 +239,10 @@ class Decoder(nnx.Module):
       x = x + self.position_embedder(positions)
     if self.family.scale_embeddings:
       x = x * jnp.asarray(c.emb_dim**0.5, x.dtype)
+    if images is not None:
+      if self.vision_encoder is None:
+        raise ValueError("images given to a text-only model (use_multimodal=false)")
+      x = self.family.splice(x, tokens, self.vision_encoder(images), c.image_token_id)
     x = nn.with_logical_constraint(x, ACTIVATION_AXES)
     if not (c.enable_dropout and c.dropout_rate > 0):
       dropout_rng = None

@@ -92,6 +92,23 @@ class ModelConfig:
   norm_topk_prob: bool
   n_routing_groups: int
   topk_routing_group: int
+  # Images in (use_multimodal): the SigLIP tower, the projector, the placeholder token
+  use_multimodal: bool
+  image_size_for_vit: int
+  patch_size_for_vit: int
+  num_channels_for_vit: int
+  hidden_size_for_vit: int
+  intermediate_size_for_vit: int
+  num_hidden_layers_for_vit: int
+  num_attention_heads_for_vit: int
+  vision_layer_norm_epsilon: float
+  mm_tokens_per_image: int
+  image_token_id: int
+  # Llama 4's vision tower (models/llama4_vision.py)
+  pixel_shuffle_ratio_for_vit: float
+  projector_input_dim_for_vit: int
+  projector_output_dim_for_vit: int
+  rope_theta_for_vit: float
   # Multi-token prediction, LoRA adapters
   mtp_num_layers: int
   lora_rank: int

@@ -69,7 +69,9 @@ def read_hf_config(hf_path: str) -> dict[str, Any]:
     raise ConfigError(f"{path!r} is not valid JSON: {e}") from None
   if not isinstance(hf, dict):
     raise ConfigError(f"{path!r} must hold a JSON object, got {type(hf).__name__}")
-  missing = [k for k in REQUIRED_FIELDS if hf.get("model_type") != "gpt2" and k not in hf]
+  fields = hf.get("text_config") if hf.get("model_type") == "llama4" else hf  # Llama4ForConditionalGeneration
+  fields = fields if isinstance(fields, dict) else {}
+  missing = [k for k in REQUIRED_FIELDS if hf.get("model_type") != "gpt2" and k not in fields]
   if missing:
     raise ConfigError(f"{path!r} lacks {', '.join(missing)}; it must describe the checkpoint's architecture")
   return hf

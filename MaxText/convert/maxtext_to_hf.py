@@ -49,7 +49,7 @@ def to_hf(kernel: np.ndarray, rule: hf_mapping.Rule) -> np.ndarray:
 
 
 def _shard_of(name: str) -> str:
-  parts = name.split(".")
+  parts = name.removeprefix("language_model.").split(".")  # Llama4ForConditionalGeneration's text layers
   layer = parts[:2] in (["model", "layers"], ["transformer", "h"])
   return f"layer-{int(parts[2]):05d}" if layer else "other"
 

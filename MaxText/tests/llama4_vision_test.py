@@ -1,6 +1,7 @@
 """Llama 4's vision tower against Hugging Face (a tiny random Llama4ForConditionalGeneration, PyTorch CPU):
 image+text logits and 16 greedy tokens, the vision tensors' bit-exact round trip, text-only use."""
 
+import json
 import os
 
 import jax
@@ -10,12 +11,13 @@ import pytest
 from flax import nnx
 
 from MaxText import checkpointing, config, models
-from MaxText.convert import hf_to_maxtext, llama4_vision_mapping
+from MaxText.convert import hf_mapping, hf_to_maxtext, maxtext_to_hf
 from MaxText.models import llama4_vision
 from MaxText.parallel import plan as plan_lib
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
 
 TEXT = dict(hidden_size=32, intermediate_size=16, intermediate_size_mlp=48, num_hidden_layers=4, num_attention_heads=4)
 TEXT |= dict(num_key_value_heads=2, vocab_size=64, head_dim=8, num_local_experts=4, interleave_moe_layer_step=2)
@@ -28,17 +30,11 @@ VISION |= dict(
   patch_size=4, pixel_shuffle_ratio=0.5, projector_input_dim=24, projector_output_dim=24, vision_output_dim=24
 )
 IMAGE_TOKEN = 63
-KEYS = [
-  "use_multimodal=true", "image_size_for_vit=16", "patch_size_for_vit=4", "hidden_size_for_vit=16",
-  "intermediate_size_for_vit=64", "num_hidden_layers_for_vit=2", "num_attention_heads_for_vit=2",
-  "vision_layer_norm_epsilon=1e-5", "pixel_shuffle_ratio_for_vit=0.5", "projector_input_dim_for_vit=24",
-  "projector_output_dim_for_vit=24", f"image_token_id={IMAGE_TOKEN}",
-]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-  """(HF model, its state as numpy, MaxText model with the converted weights)."""
+  """(HF model, its HF directory, the MaxText model converted from it by hf_to_maxtext, the MaxText directory)."""
   tmp = tmp_path_factory.mktemp("l4v")
   torch.manual_seed(0)
   cfg = transformers.Llama4Config(text_config=TEXT, vision_config=VISION, image_token_index=IMAGE_TOKEN)
@@ -47,23 +43,16 @@ def converted(tmp_path_factory):
     for name, p in model.named_parameters():
       if "norm" in name or name.endswith("bias"):
         p.copy_(torch.randn_like(p) * 0.5 + (1.0 if name.endswith("weight") else 0.0))
-  state = {k: v.numpy() for k, v in model.state_dict().items()}
-  # The text decoder goes through the Llama4ForCausalLM converter.
-  text = transformers.Llama4ForCausalLM(cfg.text_config).float().eval()
-  prefix = llama4_vision_mapping.TEXT
-  text.load_state_dict({k[len(prefix) :]: v for k, v in model.state_dict().items() if k.startswith(prefix)})
-  text.save_pretrained(os.path.join(tmp, "hf"))
-  hf_to_maxtext.convert(os.path.join(tmp, "hf"), os.path.join(tmp, "mt"), scan_layers=True)
-  c = config.load([os.path.join(tmp, "mt", "config.yml"), "run_name=t", "dtype=float32", *KEYS], {})
+  hf_path, out = os.path.join(tmp, "hf"), os.path.join(tmp, "mt")
+  model.save_pretrained(hf_path)
+  hf_to_maxtext.convert(hf_path, out, scan_layers=True)
+  return model, hf_path, load(out), out
+
+
+def load(out_dir, *overrides):
+  c = config.load([os.path.join(out_dir, "config.yml"), "run_name=t", "dtype=float32", *overrides], {})
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0), plan_lib.build(c))), nnx.Param)
-  text_abstract = nnx.State({k: v for k, v in abstract.items() if k != "vision_encoder"})
-  params = checkpointing.load_params(os.path.join(tmp, "mt", "params"), text_abstract).to_pure_dict()
-  params["vision_encoder"] = llama4_vision_mapping.to_maxtext(state.__getitem__, 2, 2)
-  params = jax.tree.map(jnp.asarray, params)
-  state_tree = abstract.to_pure_dict()
-  jax.tree.map(lambda a, b: None if a.shape == b.shape else pytest.fail(f"{a.shape} {b.shape}"), state_tree, params)
-  abstract.replace_by_pure_dict(params)
-  return model, state, nnx.merge(graphdef, abstract), tmp
+  return nnx.merge(graphdef, checkpointing.load_params(os.path.join(out_dir, "params"), abstract))
 
 
 def prompt(batch_images: int) -> np.ndarray:
@@ -97,26 +86,37 @@ def test_image_text_logits_and_greedy_tokens_match_hugging_face(converted):
   np.testing.assert_array_equal(np.asarray(seq[0, t:]), hf_out)
 
 
-def test_vision_tensors_round_trip_bit_exact(converted):
-  _, state, ours, _ = converted
-  vision = {k: v for k, v in state.items() if llama4_vision_mapping.is_vision(k)}
-  exported = llama4_vision_mapping.to_hf(nnx.state(ours.vision_encoder, nnx.Param).to_pure_dict())
-  assert sorted(exported) == sorted(vision)
-  for name, tensor in vision.items():
-    assert exported[name].dtype == tensor.dtype and np.array_equal(exported[name], tensor), name
+def test_round_trip_to_hugging_face_is_bit_exact(converted, tmp_path):
+  _, hf_path, _, out = converted
+  back = os.path.join(tmp_path, "back")
+  c = config.load([os.path.join(out, "config.yml"), "run_name=t", f"load_parameters_path={out}/params"], {})
+  assert c.use_multimodal and c.image_token_id == IMAGE_TOKEN and c.num_hidden_layers_for_vit == 2
+  maxtext_to_hf.convert(c, back)
+  original = safetensors_torch.load_file(os.path.join(hf_path, "model.safetensors"))
+  exported = {}
+  for name in set(json.load(open(os.path.join(back, "model.safetensors.index.json")))["weight_map"].values()):
+    exported |= safetensors_torch.load_file(os.path.join(back, name))
+  assert sorted(exported) == sorted(original)
+  for name, tensor in original.items():
+    assert torch.equal(exported[name], tensor), name
+  reloaded = transformers.Llama4ForConditionalGeneration.from_pretrained(back)
+  assert hf_mapping.maxtext_keys(reloaded.config.to_dict()) == hf_mapping.maxtext_keys(
+    json.load(open(f"{hf_path}/config.json"))
+  )
 
 
 def test_text_only_use_of_the_multimodal_model(converted):
-  """No images: the text model alone (logits as HF's with input_ids only); a text-only config refuses images."""
-  model, _, ours, tmp = converted
+  """No images: the text model alone (logits as HF's with input_ids only); the converted checkpoint loads
+  with use_multimodal=false (its vision tensors unread) and then refuses images."""
+  model, _, ours, out = converted
   tokens = np.random.default_rng(3).integers(0, 60, (1, 9))
   with torch.no_grad():
     ref = model(input_ids=torch.tensor(tokens)).logits.numpy()
   pos, seg = jnp.arange(9)[None], jnp.ones((1, 9), jnp.int32)
   np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens), pos, seg)), ref, rtol=2e-5, atol=2e-5)
-  c = config.load([os.path.join(tmp, "mt", "config.yml"), "run_name=t", "dtype=float32"], {})
-  text_only = models.build(c, nnx.Rngs(0), plan_lib.build(c))
+  text_only = load(out, "use_multimodal=false")
   assert text_only.vision_encoder is None
+  np.testing.assert_allclose(np.asarray(text_only(jnp.asarray(tokens), pos, seg)), ref, rtol=2e-5, atol=2e-5)
   with pytest.raises(ValueError, match="text-only"):
     text_only.forward(jnp.asarray(tokens), pos, seg, images=jnp.zeros((1, 1, 16, 16, 3)))
 

@@ -29,15 +29,17 @@ from MaxText.layers.moe import MoeBlock
 
 EXPERT_WEIGHTS = ("wi_0", "wi_1", "wo")  # a MoeBlock's [E, ...] expert weights; its router is a DenseGeneral
 LOGITS_HEAD = "logits_dense"  # the Decoder's output projection (None when tied to token_embedder)
+VISION = "vision_encoder"  # the Decoder's vision tower (use_multimodal), None in text models
 
 
 class FlopCount(NamedTuple):
-  """Training FLOPs per token (forward + backward); `total` is the sum of the three parts."""
+  """Training FLOPs per token (forward + backward); `total` is the sum of the parts."""
 
   total: float
   matmul: float  # decoder-layer weight matmuls: attention projections, MLP / routed + shared experts, router
   attention: float  # the QK^T and AV matmuls of causal (sliding-window, chunked) self-attention
   embedding: float  # the output (unembedding) projection; the input lookup is not a matmul
+  vision: float = 0.0  # use_multimodal: the vision tower's FLOPs per image slot, spread over the row's tokens
 
 
 class ForwardCount(NamedTuple):
@@ -47,6 +49,7 @@ class ForwardCount(NamedTuple):
   adapters: int  # LoRA adapters (nnx.LoRAParam), each used once per token
   logits: float  # the logits head's weights x its applications (1 + MTP modules)
   attention: float  # forward QK^T + AV FLOPs per token, summed over the attention layers
+  vision: float = 0.0  # use_multimodal: forward FLOPs of the vision tower per image (its flops_per_image)
 
 
 def attended_keys(length: int, sliding_window: int = 0, chunk_window: int = 0) -> float:
@@ -90,6 +93,8 @@ def forward_count(model: nnx.Module, length: int) -> ForwardCount:
   """Walk `model` (a Decoder, abstract or real) for a training length of `length` tokens."""
   active = attention = 0.0
   for path, module in nnx.iter_modules(model):
+    if path[:1] == (VISION,):  # counted per image, not per token
+      continue
     if isinstance(module, DenseGeneral) and path != (LOGITS_HEAD,):
       active += _size(module.kernel)
     elif isinstance(module, MoeBlock):
@@ -100,7 +105,9 @@ def forward_count(model: nnx.Module, length: int) -> ForwardCount:
   head_size = _size(model.token_embedder.embedding if head is None else head.kernel)
   applications = 1 + len(model.mtp_modules or ())  # each MTP module applies the shared head again
   adapters = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
-  return ForwardCount(active, adapters, head_size * applications, attention)
+  vision = getattr(model, VISION, None)
+  per_image = vision.flops_per_image() if vision is not None and hasattr(vision, "flops_per_image") else 0.0
+  return ForwardCount(active, adapters, head_size * applications, attention, per_image)
 
 
 def abstract_model(config: Config, spec: state_lib.StateSpec | None = None) -> nnx.Module:
@@ -126,6 +133,8 @@ def training_flops_per_token(config: Config, model: nnx.Module | None = None) ->
                 QK^T and AV, 2 FLOPs per multiply-add, over S_eff = attended_keys(T, window, chunk) keys:
                 T/2 for global causal layers (half of full attention, as MaxText counts it), less for
                 sliding-window and chunked layers; MLA's H_qk is qk_nope + qk_rope, H_v is v_head_dim.
+  vision    = use_multimodal: the vision tower's forward FLOPs per image (its flops_per_image) x images_per_row
+              / max_target_length; x3 when it trains, x1 under freeze_vision_encoder (no gradient into it)
   Under LoRA the base is frozen: the backward still computes activation gradients through its weights but
   no weight gradients, so every base weight (matmul and embedding) costs 4, not 6; the adapters, trained
   and each used once per token, cost 6 each and are counted in matmul. Not counted: norms, activations,
@@ -136,7 +145,12 @@ def training_flops_per_token(config: Config, model: nnx.Module | None = None) ->
   matmul = per_weight * w.active + 6.0 * w.adapters
   attention = 3.0 * w.attention
   embedding = per_weight * w.logits
-  return FlopCount(matmul + attention + embedding, matmul, attention, embedding)
+  # The vision tower runs once per image slot of a row (images_per_row, 1 without the key): its forward, and
+  # its backward (2x) unless freeze_vision_encoder keeps it fixed (no gradient flows into it then).
+  images = config["images_per_row"] if "images_per_row" in config else 1
+  frozen = config["freeze_vision_encoder"] if "freeze_vision_encoder" in config else False
+  vision = (1.0 if frozen else 3.0) * w.vision * images / config.max_target_length
+  return FlopCount(matmul + attention + embedding + vision, matmul, attention, embedding, vision)
 
 
 def mfu(flops_per_step: float, step_time_s: float, num_devices: int, peak_flops_per_device: float) -> float:

@@ -120,6 +120,23 @@ class Llama4VisionEncoder(nnx.Module):
     self.adapter_fc2 = DenseGeneral(config.projector_input_dim_for_vit, out_dim, (None, None), **args)
     self.projector = DenseGeneral(out_dim, config.emb_dim, (None, "embed"), **args)
 
+  def flops_per_image(self) -> float:
+    """Forward FLOPs of one image tile: 2 per multiply-add of every weight matmul over the tokens it sees
+    (G*G patches; G*G + 1 tokens in the encoder; (rG)^2 after the pixel shuffle) plus the encoder's
+    bidirectional QK^T and AV (2 * 2 * (G*G + 1)^2 * D per layer). Norms, gelu, softmax, rope not counted."""
+    c = self.config
+    grid = c.image_size_for_vit // c.patch_size_for_vit
+    tokens, shuffled = grid * grid + 1, tokens_per_image(c)
+
+    def size(dense: DenseGeneral) -> int:
+      return int(np.prod(dense.in_features + dense.out_features))
+
+    layer = self.layers[0]
+    per_layer = sum(size(m) for m in (layer.query, layer.key, layer.value, layer.out, layer.fc1, layer.fc2))
+    head = sum(size(m) for m in (self.adapter_fc1, self.adapter_fc2, self.projector))
+    matmul = 2.0 * (grid * grid * size(self.patch_embedding) + tokens * per_layer * len(self.layers) + shuffled * head)
+    return matmul + 4.0 * tokens * tokens * c.hidden_size_for_vit * len(self.layers)
+
   def __call__(self, images: jax.Array) -> jax.Array:
     c = self.config
     b, n, s, _, ch = images.shape

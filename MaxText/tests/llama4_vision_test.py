@@ -11,7 +11,9 @@ import pytest
 from flax import nnx
 
 from MaxText import checkpointing, config, models
+from MaxText import flops as flops_lib
 from MaxText.convert import hf_mapping, hf_to_maxtext, maxtext_to_hf
+from MaxText.layers.model_config import ModelConfig
 from MaxText.models import llama4_vision
 from MaxText.parallel import plan as plan_lib
 
@@ -133,3 +135,25 @@ def test_pixel_shuffle_and_rope_layout():
   angles = llama4_vision.rope_angles(4, 8, 10000.0)
   assert angles.shape == (17, 4) and not angles[-1].any()
   np.testing.assert_allclose(angles[5], [2.0, 2.0 * 0.01, 2.0, 2.0 * 0.01], rtol=1e-6)  # row 1, column 1
+
+
+def test_flops_count_the_vision_tower_per_image():
+  """Scout with images: the text count is unchanged, the tower adds its per-image FLOPs over the row's tokens
+  (x1 frozen, x3 trained); 144 soft tokens per tile."""
+  base = [os.path.join(config.CONFIG_DIR, "base.yml"), "run_name=t", "model_name=llama4-17b-16e"]
+  base += [
+    "max_target_length=8192",
+    "override_model_config=true",
+    "num_hidden_layers_for_vit=2",
+  ]  # the count is linear in layers
+  text = flops_lib.training_flops_per_token(config.load(base, {}))
+  frozen = flops_lib.training_flops_per_token(config.load([*base, "use_multimodal=true"], {}))
+  trained_c = config.load([*base, "use_multimodal=true", "freeze_vision_encoder=false"], {})
+  trained = flops_lib.training_flops_per_token(trained_c)
+  assert text.vision == 0 and (frozen.matmul, frozen.attention) == (text.matmul, text.attention)
+  d, n, m = 1408, 24 * 24, 144  # width, patches, soft tokens
+  per_layer = 2 * (n + 1) * (4 * d * d + 2 * d * 5632) + 4 * (n + 1) ** 2 * d
+  per_image = 2 * n * 3 * 14 * 14 * d + 2 * per_layer + 2 * m * (4 * d * 4096 + 4096 * 4096 + 4096 * 5120)
+  assert frozen.vision == pytest.approx(per_image / 8192) and trained.vision == pytest.approx(3 * per_image / 8192)
+  assert frozen.total == pytest.approx(text.total + frozen.vision)
+  assert llama4_vision.tokens_per_image(ModelConfig.from_config(trained_c)) == m

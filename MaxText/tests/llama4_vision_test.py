@@ -72,17 +72,16 @@ def test_image_text_logits_and_greedy_tokens_match_hugging_face(converted):
     ref = model(input_ids=torch.tensor(tokens), pixel_values=torch.tensor(pixels)).logits.numpy()
   images = jnp.asarray(pixels.transpose(0, 2, 3, 1)[None])  # [B=1, N=2, H, W, C]
   t = tokens.shape[1]
-  got = ours(jnp.asarray(tokens), jnp.arange(t)[None], jnp.ones((1, t), jnp.int32), images=images)
-  np.testing.assert_allclose(np.asarray(got), ref, rtol=2e-5, atol=2e-5)
-
-  # 16 greedy tokens: the whole (right-padded, causal) sequence recomputed each step, one compile.
   with torch.no_grad():
     hf_out = model.generate(
       input_ids=torch.tensor(tokens), pixel_values=torch.tensor(pixels), max_new_tokens=16, do_sample=False
     )[0, t:].numpy()
+  # The prompt right-padded to t + 16 (causal: the padding changes nothing before it), one compile; the
+  # first call's logits are the prompt's, then 16 greedy tokens recomputing the whole sequence each step.
   seq = jnp.zeros((1, t + 16), jnp.int32).at[:, :t].set(jnp.asarray(tokens))
   n = seq.shape[1]
   logits = jax.jit(lambda s: ours(s, jnp.arange(n)[None], jnp.ones_like(s), images=images)[0])
+  np.testing.assert_allclose(np.asarray(logits(seq)[:t]), ref[0], rtol=2e-5, atol=2e-5)
   for i in range(t, n):
     seq = seq.at[0, i].set(logits(seq)[i - 1].argmax().astype(jnp.int32))
   np.testing.assert_array_equal(np.asarray(seq[0, t:]), hf_out)

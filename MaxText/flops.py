@@ -35,7 +35,7 @@ VISION = "vision_encoder"  # the Decoder's image encoder (layers/vision.py; None
 
 
 class FlopCount(NamedTuple):
-  """Training FLOPs per token (forward + backward); `total` is the sum of the three parts."""
+  """Training FLOPs per token (forward + backward); `total` is the sum of the parts."""
 
   total: float
   matmul: float  # decoder-layer weight matmuls: attention projections, MLP / routed + shared experts, router
@@ -51,6 +51,7 @@ class ForwardCount(NamedTuple):
   adapters: int  # LoRA adapters (nnx.LoRAParam), each used once per token
   logits: float  # the logits head's weights x its applications (1 + MTP modules)
   attention: float  # forward QK^T + AV FLOPs per token, summed over the attention layers
+  vision: float = 0.0  # use_multimodal: forward FLOPs of the vision tower per image (its flops_per_image)
 
 
 def attended_keys(length: int, sliding_window: int = 0, chunk_window: int = 0) -> float:
@@ -109,7 +110,14 @@ def forward_count(model: nnx.Module, length: int) -> ForwardCount:
   head_size = _size(model.token_embedder.embedding if head is None else head.kernel)
   applications = 1 + len(model.mtp_modules or ())  # each MTP module applies the shared head again
   adapters = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
-  return ForwardCount(active, adapters, head_size * applications, attention)
+  vision = getattr(model, VISION, None)
+  if vision is None:
+    per_image = 0.0
+  elif hasattr(vision, "flops_per_image"):  # a tower that counts itself (Llama 4's)
+    per_image = vision.flops_per_image()
+  else:  # Gemma 3's SigLIP tower and projector
+    per_image = vision_forward_per_image(model)
+  return ForwardCount(active, adapters, head_size * applications, attention, per_image)
 
 
 def vision_forward_per_image(model: nnx.Module) -> float:
@@ -168,10 +176,9 @@ def training_flops_per_token(config: Config, model: nnx.Module | None = None) ->
   matmul = per_weight * w.active + 6.0 * w.adapters
   attention = 3.0 * w.attention
   embedding = per_weight * w.logits
-  vision = 0.0
-  if getattr(model, VISION, None) is not None:
-    passes = 1.0 if config.freeze_vision_encoder else 3.0
-    vision = passes * vision_forward_per_image(model) * config.images_per_row / config.max_target_length
+  # The vision tower runs once per image slot of a row: its forward, and its backward (2x) unless
+  # freeze_vision_encoder keeps it fixed (no gradient flows into it then).
+  vision = (1.0 if config.freeze_vision_encoder else 3.0) * w.vision * config.images_per_row / config.max_target_length
   return FlopCount(matmul + attention + embedding + vision, matmul, attention, embedding, vision)
 
 

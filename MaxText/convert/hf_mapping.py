@@ -13,7 +13,7 @@ from collections.abc import Collection, Iterator
 from typing import Any, NamedTuple
 
 from MaxText.config import Config
-from MaxText.convert import fp8, gpt2_mapping
+from MaxText.convert import fp8, gpt2_mapping, llama4_vision_mapping
 from MaxText.errors import ConfigError
 
 # HF model_type -> decoder_block, and back (with the HF architecture class).
@@ -309,8 +309,9 @@ def maxtext_keys(hf: dict[str, Any]) -> dict[str, Any]:
     return _gemma3_multimodal_keys(hf)
   if model_type == "gpt2":
     return gpt2_mapping.maxtext_keys(hf)
-  if model_type == "llama4":
-    raise ConfigError("model_type=llama4 is the multimodal model; convert its text decoder (model_type=llama4_text)")
+  if model_type == "llama4":  # Llama4ForConditionalGeneration: the text decoder plus the vision tower
+    text, vision = llama4_vision_mapping.maxtext_keys(hf)
+    return {**maxtext_keys(text), **vision}
   if model_type not in DECODER_BLOCK:
     raise ConfigError(
       f"Unsupported architecture model_type={model_type!r}; supported: {', '.join(DECODER_BLOCK)}, gpt2"
@@ -355,6 +356,10 @@ def hf_config(c: Config, dtype: str) -> dict[str, Any]:
   """MaxText config -> config.json for the matching transformers class."""
   if c.decoder_block == "gpt3":
     return gpt2_mapping.hf_config(c, dtype)
+  if c.use_multimodal and c.decoder_block == "llama4":
+    return llama4_vision_mapping.hf_config(c, hf_config(c.replace(use_multimodal=False), dtype), dtype)
+  if c.use_multimodal:
+    raise ConfigError(f"use_multimodal=true has no Hugging Face export for decoder_block={c.decoder_block}")
   if c.decoder_block not in HF_ARCH:
     raise ConfigError(f"decoder_block {c.decoder_block!r} has no Hugging Face export; supported: {', '.join(HF_ARCH)}")
   model_type, arch = HF_ARCH[c.decoder_block]
@@ -601,7 +606,10 @@ def rules(c: Config, stacks, params: dict) -> list[Rule]:
       rule = Rule(f"model.layers.{i}.{suffix}", prefix + path, index + expert, n_in, perm, cols=(cols or [None])[0])
       out.append(rule)
   out += _mtp_rules(c)
-  if c.use_multimodal:  # the text model under language_model., then the vision tower and projector
+  if c.use_multimodal and c.decoder_block == "llama4":  # Llama4ForConditionalGeneration
+    out = [r._replace(hf_name=llama4_vision_mapping.TEXT_PREFIX + r.hf_name) for r in out]
+    out += [Rule(name, path, (), n_in) for name, path, n_in in llama4_vision_mapping.rules(c)]
+  elif c.use_multimodal:  # Gemma 3: the text model under language_model., then the vision tower and projector
     out = [r._replace(hf_name=TEXT_PREFIX + r.hf_name if r.hf_name.startswith("model.") else r.hf_name) for r in out]
     out += _vision_rules(c)
   return out

@@ -69,6 +69,10 @@ class Family:
   scale_embeddings: bool = False  # multiply token embeddings by sqrt(emb_dim) (gemma)
   learned_positions: bool = False  # add a trainable_position_size x emb_dim position embedding (gpt3)
   mtp_layer: Callable[..., nnx.Module] | None = None  # the layer of each MTP module (None: no mtp_num_layers)
+  # use_multimodal: make(config, rngs=...) -> a module mapping images [B, N, H, W, C] to soft tokens [B, M, D]
+  # whose call replaces the image_token_id embeddings; `splice(x, tokens, soft, image_token_id)` places them
+  vision: Callable[..., nnx.Module] | None = None
+  splice: Callable[..., jax.Array] | None = None
 
 
 class LayerBlock(nnx.Module):
@@ -184,10 +188,11 @@ class Decoder(nnx.Module):
     if config.mtp_num_layers:
       layer = functools.partial(family.mtp_layer, plan=plan)
       self.mtp_modules = nnx.List([mtp_lib.MtpModule(config, layer, rngs=rngs) for _ in range(config.mtp_num_layers)])
-    # After the text model too: use_multimodal adds the image encoder without changing the text parameters.
+    # After the text model too: use_multimodal adds the image encoder without changing the text parameters
+    # (the family's own tower, e.g. Llama 4's, else Gemma 3's SigLIP).
     self.vision_encoder = nnx.data(None)
     if config.use_multimodal:
-      self.vision_encoder = vision.VisionEncoder(config, rngs=rngs)
+      self.vision_encoder = (family.vision or vision.VisionEncoder)(config, rngs=rngs)
 
   def __call__(
     self,
@@ -245,8 +250,11 @@ class Decoder(nnx.Module):
       soft = self.vision_encoder(images)
       if c.freeze_vision_encoder:  # the tower and projector get no gradient (the optimizer also keeps them)
         soft = jax.lax.stop_gradient(soft)
-      x = vision.splice(x, tokens, soft, c.image_token_id)
-      segment_ids = ImageSegments(segment_ids, vision.image_blocks(tokens, c.image_token_id))
+      if self.family.splice is not None:  # the family's own placement (Llama 4: causal over the image tokens)
+        x = self.family.splice(x, tokens, soft, c.image_token_id)
+      else:  # Gemma 3: each image's tokens attend to each other both ways
+        x = vision.splice(x, tokens, soft, c.image_token_id)
+        segment_ids = ImageSegments(segment_ids, vision.image_blocks(tokens, c.image_token_id))
     x = nn.with_logical_constraint(x, ACTIVATION_AXES)
     if not (c.enable_dropout and c.dropout_rate > 0):
       dropout_rng = None

@@ -119,6 +119,11 @@ class ModelConfig:
   mm_tokens_per_image: int
   image_token_id: int
   freeze_vision_encoder: bool  # training: no gradient flows into the vision tower and projector
+  # Llama 4's vision tower (models/llama4_vision.py)
+  pixel_shuffle_ratio_for_vit: float
+  projector_input_dim_for_vit: int
+  projector_output_dim_for_vit: int
+  rope_theta_for_vit: float
   # Multi-token prediction, LoRA adapters
   mtp_num_layers: int
   lora_rank: int

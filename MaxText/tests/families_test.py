@@ -301,7 +301,8 @@ def test_bfloat16_storage_restores_as_rounded_float32(tmp_path):
 @pytest.mark.parametrize("preset", ["llama4-17b-16e", "llama4-17b-128e"])
 def test_llama4_presets_export_their_config_and_read_it_back(preset):
   """Scout and Maverick presets -> config.json -> the same architecture keys; per-layer lists that do not
-  follow the intervals, and the multimodal model_type, are refused with the field named."""
+  follow the intervals, and a multimodal model_type without its text/vision configs, are refused with the
+  field named (llama4_vision_test converts the multimodal model)."""
   c = config.load([os.path.join(config.CONFIG_DIR, "base.yml"), "run_name=t", f"model_name={preset}"], {})
   hf = hf_mapping.hf_config(c, "bfloat16")
   for key, value in hf_mapping.maxtext_keys(hf).items():
@@ -310,5 +311,5 @@ def test_llama4_presets_export_their_config_and_read_it_back(preset):
   assert hf_mapping.maxtext_keys(hf_cfg.to_dict()) == hf_mapping.maxtext_keys(hf)  # with the derived lists
   with pytest.raises(ConfigError, match="moe_layers"):
     hf_mapping.maxtext_keys({**hf, "moe_layers": [0]})
-  with pytest.raises(ConfigError, match="llama4_text"):
+  with pytest.raises(ConfigError, match="text_config and vision_config"):
     hf_mapping.maxtext_keys({**hf, "model_type": "llama4"})

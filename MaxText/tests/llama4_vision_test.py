@@ -1,0 +1,158 @@
+"""Llama 4's vision tower against Hugging Face (a tiny random Llama4ForConditionalGeneration, PyTorch CPU):
+image+text logits and 16 greedy tokens, the vision tensors' bit-exact round trip, text-only use."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from MaxText import checkpointing, config, models
+from MaxText import flops as flops_lib
+from MaxText.convert import hf_mapping, hf_to_maxtext, maxtext_to_hf
+from MaxText.layers.model_config import ModelConfig
+from MaxText.models import llama4_vision
+from MaxText.parallel import plan as plan_lib
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+TEXT = dict(hidden_size=32, intermediate_size=16, intermediate_size_mlp=48, num_hidden_layers=4, num_attention_heads=4)
+TEXT |= dict(num_key_value_heads=2, vocab_size=64, head_dim=8, num_local_experts=4, interleave_moe_layer_step=2)
+TEXT |= dict(
+  attention_chunk_size=8, floor_scale=4, attn_scale=1.0, max_position_embeddings=64, tie_word_embeddings=False
+)
+# 16 x 16 tiles of 4 x 4 patches: a 4 x 4 grid, pixel-shuffled to 4 soft tokens per tile.
+VISION = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=16)
+VISION |= dict(
+  patch_size=4, pixel_shuffle_ratio=0.5, projector_input_dim=24, projector_output_dim=24, vision_output_dim=24
+)
+IMAGE_TOKEN = 63
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+  """(HF model, its HF directory, the MaxText model converted from it by hf_to_maxtext, the MaxText directory)."""
+  tmp = tmp_path_factory.mktemp("l4v")
+  torch.manual_seed(0)
+  cfg = transformers.Llama4Config(text_config=TEXT, vision_config=VISION, image_token_index=IMAGE_TOKEN)
+  model = transformers.Llama4ForConditionalGeneration(cfg).float().eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "norm" in name or name.endswith("bias"):
+        p.copy_(torch.randn_like(p) * 0.5 + (1.0 if name.endswith("weight") else 0.0))
+  hf_path, out = os.path.join(tmp, "hf"), os.path.join(tmp, "mt")
+  model.save_pretrained(hf_path)
+  hf_to_maxtext.convert(hf_path, out, scan_layers=True)
+  return model, hf_path, load(out), out
+
+
+def load(out_dir, *overrides):
+  c = config.load([os.path.join(out_dir, "config.yml"), "run_name=t", "dtype=float32", *overrides], {})
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0), plan_lib.build(c))), nnx.Param)
+  return nnx.merge(graphdef, checkpointing.load_params(os.path.join(out_dir, "params"), abstract))
+
+
+def prompt(batch_images: int) -> np.ndarray:
+  """Text, <|image_start|>-like text token, 4 placeholders per tile, more text (one row)."""
+  rng = np.random.default_rng(1)
+  head, tail = rng.integers(0, 60, 3), rng.integers(0, 60, 4)
+  return np.concatenate([head, np.full(4 * batch_images, IMAGE_TOKEN), tail])[None]
+
+
+def test_image_text_logits_and_greedy_tokens_match_hugging_face(converted):
+  model, _, ours, _ = converted
+  pixels = np.random.default_rng(2).standard_normal((2, 3, 16, 16)).astype(np.float32)  # two tiles, NCHW
+  tokens = prompt(2)
+  with torch.no_grad():
+    ref = model(input_ids=torch.tensor(tokens), pixel_values=torch.tensor(pixels)).logits.numpy()
+  images = jnp.asarray(pixels.transpose(0, 2, 3, 1)[None])  # [B=1, N=2, H, W, C]
+  t = tokens.shape[1]
+  with torch.no_grad():
+    hf_out = model.generate(
+      input_ids=torch.tensor(tokens), pixel_values=torch.tensor(pixels), max_new_tokens=16, do_sample=False
+    )[0, t:].numpy()
+  # The prompt right-padded to t + 16 (causal: the padding changes nothing before it), one compile; the
+  # first call's logits are the prompt's, then 16 greedy tokens recomputing the whole sequence each step.
+  seq = jnp.zeros((1, t + 16), jnp.int32).at[:, :t].set(jnp.asarray(tokens))
+  n = seq.shape[1]
+  logits = jax.jit(lambda s: ours(s, jnp.arange(n)[None], jnp.ones_like(s), images=images)[0])
+  np.testing.assert_allclose(np.asarray(logits(seq)[:t]), ref[0], rtol=2e-5, atol=2e-5)
+  for i in range(t, n):
+    seq = seq.at[0, i].set(logits(seq)[i - 1].argmax().astype(jnp.int32))
+  np.testing.assert_array_equal(np.asarray(seq[0, t:]), hf_out)
+
+
+def test_round_trip_to_hugging_face_is_bit_exact(converted, tmp_path):
+  _, hf_path, _, out = converted
+  back = os.path.join(tmp_path, "back")
+  c = config.load([os.path.join(out, "config.yml"), "run_name=t", f"load_parameters_path={out}/params"], {})
+  assert c.use_multimodal and c.image_token_id == IMAGE_TOKEN and c.num_hidden_layers_for_vit == 2
+  maxtext_to_hf.convert(c, back)
+  original = safetensors_torch.load_file(os.path.join(hf_path, "model.safetensors"))
+  exported = {}
+  for name in set(json.load(open(os.path.join(back, "model.safetensors.index.json")))["weight_map"].values()):
+    exported |= safetensors_torch.load_file(os.path.join(back, name))
+  assert sorted(exported) == sorted(original)
+  for name, tensor in original.items():
+    assert torch.equal(exported[name], tensor), name
+  reloaded = transformers.Llama4ForConditionalGeneration.from_pretrained(back)
+  assert hf_mapping.maxtext_keys(reloaded.config.to_dict()) == hf_mapping.maxtext_keys(
+    json.load(open(f"{hf_path}/config.json"))
+  )
+
+
+def test_text_only_use_of_the_multimodal_model(converted):
+  """No images: the text model alone (logits as HF's with input_ids only); the converted checkpoint loads
+  with use_multimodal=false (its vision tensors unread) and then refuses images."""
+  model, _, ours, out = converted
+  tokens = np.random.default_rng(3).integers(0, 60, (1, 9))
+  with torch.no_grad():
+    ref = model(input_ids=torch.tensor(tokens)).logits.numpy()
+  pos, seg = jnp.arange(9)[None], jnp.ones((1, 9), jnp.int32)
+  np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens), pos, seg)), ref, rtol=2e-5, atol=2e-5)
+  text_only = load(out, "use_multimodal=false")
+  assert text_only.vision_encoder is None
+  np.testing.assert_allclose(np.asarray(text_only(jnp.asarray(tokens), pos, seg)), ref, rtol=2e-5, atol=2e-5)
+  with pytest.raises(ValueError, match="text-only"):
+    text_only.forward(jnp.asarray(tokens), pos, seg, images=jnp.zeros((1, 1, 16, 16, 3)))
+
+
+def test_pixel_shuffle_and_rope_layout():
+  """Pixel shuffle folds 2 x 2 neighbours into channels; rope: columns then rows, from 1, class token 0."""
+  x = jnp.arange(16 * 2, dtype=jnp.float32).reshape(1, 16, 2)  # a 4 x 4 grid, 2 channels
+  y = llama4_vision.pixel_shuffle(x, 0.5)
+  assert y.shape == (1, 4, 8)
+  with torch.no_grad():
+    from transformers.models.llama4.modeling_llama4 import pixel_shuffle
+
+    np.testing.assert_array_equal(np.asarray(y), pixel_shuffle(torch.tensor(np.asarray(x)), 0.5).numpy())
+  angles = llama4_vision.rope_angles(4, 8, 10000.0)
+  assert angles.shape == (17, 4) and not angles[-1].any()
+  np.testing.assert_allclose(angles[5], [2.0, 2.0 * 0.01, 2.0, 2.0 * 0.01], rtol=1e-6)  # row 1, column 1
+
+
+def test_flops_count_the_vision_tower_per_image():
+  """Scout with images: the text count is unchanged, the tower adds its per-image FLOPs over the row's tokens
+  (x1 frozen, x3 trained); 144 soft tokens per tile."""
+  base = [os.path.join(config.CONFIG_DIR, "base.yml"), "run_name=t", "model_name=llama4-17b-16e"]
+  base += [
+    "max_target_length=8192",
+    "override_model_config=true",
+    "num_hidden_layers_for_vit=2",
+  ]  # the count is linear in layers
+  text = flops_lib.training_flops_per_token(config.load(base, {}))
+  frozen = flops_lib.training_flops_per_token(config.load([*base, "use_multimodal=true"], {}))
+  trained_c = config.load([*base, "use_multimodal=true", "freeze_vision_encoder=false"], {})
+  trained = flops_lib.training_flops_per_token(trained_c)
+  assert text.vision == 0 and (frozen.matmul, frozen.attention) == (text.matmul, text.attention)
+  d, n, m = 1408, 24 * 24, 144  # width, patches, soft tokens
+  per_layer = 2 * (n + 1) * (4 * d * d + 2 * d * 5632) + 4 * (n + 1) ** 2 * d
+  per_image = 2 * n * 3 * 14 * 14 * d + 2 * per_layer + 2 * m * (4 * d * 4096 + 4096 * 4096 + 4096 * 5120)
+  assert frozen.vision == pytest.approx(per_image / 8192) and trained.vision == pytest.approx(3 * per_image / 8192)
+  assert frozen.total == pytest.approx(text.total + frozen.vision)
+  assert llama4_vision.tokens_per_image(ModelConfig.from_config(trained_c)) == m

@@ -358,8 +358,6 @@ def hf_config(c: Config, dtype: str) -> dict[str, Any]:
     return gpt2_mapping.hf_config(c, dtype)
   if c.use_multimodal and c.decoder_block == "llama4":
     return llama4_vision_mapping.hf_config(c, hf_config(c.replace(use_multimodal=False), dtype), dtype)
-  if c.use_multimodal:
-    raise ConfigError(f"use_multimodal=true has no Hugging Face export for decoder_block={c.decoder_block}")
   if c.decoder_block not in HF_ARCH:
     raise ConfigError(f"decoder_block {c.decoder_block!r} has no Hugging Face export; supported: {', '.join(HF_ARCH)}")
   model_type, arch = HF_ARCH[c.decoder_block]

@@ -101,6 +101,11 @@ FAMILY_PRESETS = {
   # one 4-layer unit (NoPE last; MoE every 2nd) and a remainder; chunks of 4 within the 16 tokens
   "llama4": ["model_name=llama4-17b-128e", "num_experts=4", "base_moe_mlp_dim=32", "base_num_decoder_layers=6"]
   + ["chunk_attn_window_size=4"],
+  # sliding/full alternation with a window of 4 inside the 16 tokens; sinks, router and expert biases
+  "gpt_oss": ["model_name=gpt-oss-20b", *MOE, "sliding_window_size=4"],
+  # three gated DeltaNet layers and one gated attention layer; chunks of 4
+  "qwen3next": ["model_name=qwen3-next-80b-a3b", *MOE, "base_num_decoder_layers=4", "linear_num_key_heads=2"]
+  + ["linear_num_value_heads=4", "linear_key_head_dim=16", "linear_value_head_dim=16", "linear_chunk_size=4"],
 }
 FAMILY_TINY = ["base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=4", "base_mlp_dim=128", "head_dim=16"]
 FAMILY_TINY += ["base_num_decoder_layers=2", "vocab_size=512", "max_target_length=16", "dtype=float32"]

@@ -79,19 +79,8 @@ def read_prompts(config: Config) -> Prompts:
   if path.endswith(".parquet"):
     texts = files.read_parquet_column(path, column)
     return _checked(path, Prompts(texts, [f"{path} row {i}" for i in range(len(texts))]))
-  texts, where = [], []
-  for number, line in enumerate(paths.Path(path).read_text().splitlines(), 1):
-    if not line.strip():
-      continue
-    try:
-      record = json.loads(line)
-    except json.JSONDecodeError as e:
-      raise DataError(f"{path}:{number} is not a JSON object: {e}") from None
-    if not isinstance(record, dict) or not isinstance(record.get(column), str):
-      keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-      raise DataError(f"{path}:{number} has no text field {column!r} (it has {keys}); set rl_prompt_column")
-    texts.append(record[column])
-    where.append(f"{path}:{number}")
+  rows = files.jsonl_column(path, column, "set rl_prompt_column")
+  texts, where = [text for _, text in rows], [f"{path}:{number}" for number, _ in rows]
   return _checked(path, Prompts(texts, where))
 
 

@@ -81,7 +81,13 @@ def read_texts(path: str, strict: bool, column: str, skipped: list[str] | None =
 
 def read_jsonl(path: str, column: str) -> list[str]:
   """The string field `column` of each non-blank line (a JSON object) of `path`."""
-  texts = []
+  return [text for _, text in jsonl_column(path, column, "set text_column to the field holding the text")]
+
+
+def jsonl_column(path: str, column: str, hint: str) -> list[tuple[int, str]]:
+  """(line number, the string field `column`) of each non-blank line (a JSON object) of `path`; a DataError
+  naming the line and the fields it has, ending with `hint` (the key that names the field)."""
+  rows = []
   for number, line in enumerate(read_document(path, strict=True).splitlines(), 1):
     if not line.strip():
       continue
@@ -90,9 +96,10 @@ def read_jsonl(path: str, column: str) -> list[str]:
     except json.JSONDecodeError as e:
       raise DataError(f"{path}:{number} is not a JSON object: {e}") from None
     if not isinstance(record, dict) or not isinstance(record.get(column), str):
-      raise DataError(f"{path}:{number} has no text field {column!r} (set text_column to the field holding the text)")
-    texts.append(record[column])
-  return texts
+      keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+      raise DataError(f"{path}:{number} has no text field {column!r} (it has {keys}); {hint}")
+    rows.append((number, record[column]))
+  return rows
 
 
 def read_parquet_column(path: str, column: str) -> list[str]:

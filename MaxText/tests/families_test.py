@@ -134,6 +134,14 @@ def test_logits_match_hugging_face_and_round_trip_is_exact(family, tmp_path):
 
   back = os.path.join(tmp_path, "back")
   c = config.load([os.path.join(scanned, "config.yml"), "run_name=t", f"load_parameters_path={scanned}/params"], {})
+  assert_export_is_exact(c, hf_path, back)
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(back, attn_implementation="eager").eval()
+  with torch.no_grad():
+    np.testing.assert_array_equal(reloaded(torch.tensor(tokens)).logits.numpy(), ref)
+
+
+def assert_export_is_exact(c: config.Config, hf_path: str, back: str) -> None:
+  """Export the model `c` loads to Hugging Face at `back`: every tensor equals hf_path's original, bit for bit."""
   maxtext_to_hf.convert(c, back)
   original = safetensors_torch.load_file(os.path.join(hf_path, "model.safetensors"))
   exported = {}
@@ -142,9 +150,6 @@ def test_logits_match_hugging_face_and_round_trip_is_exact(family, tmp_path):
   assert sorted(exported) == sorted(original)
   for name, tensor in original.items():
     assert torch.equal(exported[name], tensor), name
-  reloaded = transformers.AutoModelForCausalLM.from_pretrained(back, attn_implementation="eager").eval()
-  with torch.no_grad():
-    np.testing.assert_array_equal(reloaded(torch.tensor(tokens)).logits.numpy(), ref)
 
 
 MOE_FAMILIES = ("mixtral", "qwen3-moe", "deepseek3", "deepseek2", "llama4")

@@ -12,10 +12,11 @@ from flax import nnx
 
 from MaxText import checkpointing, config, models
 from MaxText import flops as flops_lib
-from MaxText.convert import hf_mapping, hf_to_maxtext, maxtext_to_hf
+from MaxText.convert import hf_mapping, hf_to_maxtext
 from MaxText.layers.model_config import ModelConfig
 from MaxText.models import llama4_vision
 from MaxText.parallel import plan as plan_lib
+from MaxText.tests import families_test
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -92,14 +93,7 @@ def test_round_trip_to_hugging_face_is_bit_exact(converted, tmp_path):
   back = os.path.join(tmp_path, "back")
   c = config.load([os.path.join(out, "config.yml"), "run_name=t", f"load_parameters_path={out}/params"], {})
   assert c.use_multimodal and c.image_token_id == IMAGE_TOKEN and c.num_hidden_layers_for_vit == 2
-  maxtext_to_hf.convert(c, back)
-  original = safetensors_torch.load_file(os.path.join(hf_path, "model.safetensors"))
-  exported = {}
-  for name in set(json.load(open(os.path.join(back, "model.safetensors.index.json")))["weight_map"].values()):
-    exported |= safetensors_torch.load_file(os.path.join(back, name))
-  assert sorted(exported) == sorted(original)
-  for name, tensor in original.items():
-    assert torch.equal(exported[name], tensor), name
+  families_test.assert_export_is_exact(c, hf_path, back)
   reloaded = transformers.Llama4ForConditionalGeneration.from_pretrained(back)
   assert hf_mapping.maxtext_keys(reloaded.config.to_dict()) == hf_mapping.maxtext_keys(
     json.load(open(f"{hf_path}/config.json"))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from MaxText import config, flops, train
-from MaxText.convert import hf_to_maxtext, maxtext_to_hf
+from MaxText.convert import hf_to_maxtext
 from MaxText.inference import Engine
 from MaxText.layers import gated_deltanet
 from MaxText.tests import decode_parity_test, families_test
@@ -61,14 +61,7 @@ def test_logits_match_hugging_face_and_round_trip_is_exact(tmp_path):
 
   back = os.path.join(tmp_path, "back")
   c = config.load([os.path.join(scanned, "config.yml"), "run_name=t", f"load_parameters_path={scanned}/params"], {})
-  maxtext_to_hf.convert(c, back)
-  original = safetensors_torch.load_file(os.path.join(hf_path, "model.safetensors"))
-  exported = {}
-  for name in set(json.load(open(os.path.join(back, "model.safetensors.index.json")))["weight_map"].values()):
-    exported |= safetensors_torch.load_file(os.path.join(back, name))
-  assert sorted(exported) == sorted(original)
-  for name, tensor in original.items():
-    assert torch.equal(exported[name], tensor), name
+  families_test.assert_export_is_exact(c, hf_path, back)
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(back, attn_implementation="eager").eval()
   with torch.no_grad():
     np.testing.assert_array_equal(reloaded(torch.tensor(tokens)).logits.numpy(), ref)

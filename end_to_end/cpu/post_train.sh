@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Post-training on a tiny model, end to end (docs/rl.md): make a Hugging Face Llama with a chat tokenizer, convert
-# it, teach it "a+b=" sums by SFT, (DPO: the marked block below), improve it with GRPO and the exact-answer reward,
+# it, teach it "a+b=" sums by SFT, prefer right sums by DPO, improve it with GRPO and the exact-answer reward,
 # decode a sum with the result and export it back to Hugging Face. Asserts on each stage's metrics file.
 #   bash end_to_end/cpu/post_train.sh [OUTPUT_DIR]
 case "${1:-}" in -h|--help) sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;; esac
@@ -27,12 +27,13 @@ python3 MaxText/train.py cpu/sft base_output_directory="$OUT" log_config=false s
   load_parameters_path="$OUT/converted/params" "$TOK" dataset_path="$OUT/sums_chat.jsonl"
 python3 end_to_end/assert_metrics.py "$OUT/sft/metrics.jsonl" --steps 150 --max_final_loss 1.0 --keys loss
 POLICY="$OUT/sft/checkpoints/150/state"
-# ---- DPO (issue 27 item 1; branch dpo): preference-tune the SFT model before GRPO, then start GRPO from it.
-# python3 MaxText/train.py cpu/sft base_output_directory="$OUT" run_name=dpo log_config=false use_sft=false \
-#   use_dpo=true dpo_beta=0.1 load_parameters_path="$POLICY" "$TOK" dataset_path="$OUT/sums_prefs.jsonl"
-# python3 end_to_end/assert_metrics.py "$OUT/dpo/metrics.jsonl" --keys loss
-# POLICY="$OUT/dpo/checkpoints/<last step>/state"
-# ---- end of the DPO block
+# DPO (docs/dpo.md): preference-tune the SFT model on "a+b=" pairs (chosen: the sum, rejected: a wrong digit);
+# its first loss is ln 2 (the policy starts as the reference). GRPO then starts from the DPO model.
+python3 end_to_end/cpu/make_prefs.py "$OUT/sums_prefs.jsonl" 9
+python3 MaxText/train.py cpu/dpo base_output_directory="$OUT" log_config=false load_parameters_path="$POLICY" "$TOK" \
+  dataset_path="$OUT/sums_prefs.jsonl" steps=20 checkpoint_period=20 eval_interval=20 log_period=10 learning_rate=1e-3
+python3 end_to_end/assert_metrics.py "$OUT/dpo/metrics.jsonl" --steps 20 --keys loss,dpo_accuracy,dpo_reward_margin
+POLICY="$OUT/dpo/checkpoints/20/state"
 python3 -m MaxText.rl "$OUT/converted/config.yml" run_name=grpo base_output_directory="$OUT" log_config=false \
   load_parameters_path="$POLICY" "$TOK" dataset_path="$OUT/sums_prompts.jsonl" rl_reward=arithmetic add_bos=false \
   steps=10 per_device_batch_size=8 num_generations=4 learning_rate=1e-4 max_target_length=64 \
@@ -45,4 +46,4 @@ grep -Eq "Output: '[0-9]+' " "$OUT/decode.log"  # a number (the right one is 7, 
 python3 -m MaxText.convert.maxtext_to_hf "$OUT/converted/config.yml" \
   load_parameters_path="$OUT/grpo/checkpoints/10/state" --output "$OUT/hf_grpo"
 test -f "$OUT/hf_grpo/config.json"
-echo "OK post_train: converted, SFT, GRPO, decoded and exported"
+echo "OK post_train: converted, SFT, DPO, GRPO, decoded and exported"

@@ -20,6 +20,7 @@ C capacity slots per expert, D model dim, F expert width.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -104,20 +105,27 @@ def capacity_mask(experts: jax.Array, num_experts: int, capacity_factor: float) 
   return expert_ranks(experts, num_experts) < expert_capacity(x, k, num_experts, capacity_factor)
 
 
-def gated_unit(config: ModelConfig):
-  """(gate, up) -> the experts' hidden activations: act(gate) * up (mlp_activations[0]), or with
-  mlp_activations_limit > 0 gpt-oss's clamped SwiGLU (up + 1) * g * sigmoid(swiglu_alpha * g), where
-  g = min(gate, limit) and up is clipped to [-limit, limit]."""
-  limit, alpha = config.mlp_activations_limit, config.swiglu_alpha
-  if limit <= 0:
-    activation = ACTIVATIONS[config.mlp_activations[0]]
-    return lambda gate, up: activation(gate) * up
+@dataclasses.dataclass(frozen=True)
+class GatedUnit:
+  """(gate, up) -> the experts' hidden activations: act(gate) * up (mlp_activations[0]), or with limit > 0
+  gpt-oss's clamped SwiGLU (up + 1) * g * sigmoid(alpha * g), where g = min(gate, limit) and up is clipped to
+  [-limit, limit]. A value, not a closure: it is static data of the MoE module, and two builds of one config
+  must give equal graphs."""
 
-  def clamped_swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
-    return (up + 1) * (gate * jax.nn.sigmoid(alpha * gate))
+  activation: str
+  limit: float
+  alpha: float
 
-  return clamped_swiglu
+  def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+    if self.limit <= 0:
+      return ACTIVATIONS[self.activation](gate) * up
+    gate, up = jnp.minimum(gate, self.limit), jnp.clip(up, -self.limit, self.limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(self.alpha * gate))
+
+
+def gated_unit(config: ModelConfig) -> GatedUnit:
+  """The experts' gated unit for `config` (mlp_activations, mlp_activations_limit, swiglu_alpha)."""
+  return GatedUnit(config.mlp_activations[0], config.mlp_activations_limit, config.swiglu_alpha)
 
 
 class Combine(nnx.Module):

@@ -101,7 +101,8 @@ def test_sigterm_during_async_saves_checkpoints_that_step_and_resumes(tmp_path):
   assert "SIGTERM received; checkpoint saved to" in stopped_line(output)
   assert 4 <= step < 200 and checkpoints(tmp_path, "term")[-1] == step
 
-  resumed = cfg(tmp_path, "term", *RUN[:3], f"steps={step + 2}", "checkpoint_period=100")
+  # Resumed here on 8 devices (the run had 2): a global batch of 8 on purpose, so elastic_resume=false.
+  resumed = cfg(tmp_path, "term", *RUN[:3], f"steps={step + 2}", "checkpoint_period=100", "elastic_resume=false")
   assert train.run(resumed)["steps_run"] == 2
   with open(resumed.metrics_file) as f:
     logged = [json.loads(line)["step"] for line in f]

@@ -261,16 +261,7 @@ def _qwen3_next_keys(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 # Gemma3ForConditionalGeneration (model_type gemma3): vision_config field -> MaxText key.
-VISION_KEYS = {
-  "image_size": "image_size_for_vit",
-  "patch_size": "patch_size_for_vit",
-  "num_channels": "num_channels_for_vit",
-  "hidden_size": "hidden_size_for_vit",
-  "intermediate_size": "intermediate_size_for_vit",
-  "num_hidden_layers": "num_hidden_layers_for_vit",
-  "num_attention_heads": "num_attention_heads_for_vit",
-  "layer_norm_eps": "vision_layer_norm_epsilon",
-}
+VISION_KEYS = {**llama4_vision_mapping.TOWER_KEYS, "layer_norm_eps": "vision_layer_norm_epsilon"}
 VISION_DEFAULTS = {"num_channels": 3, "layer_norm_eps": 1e-6}
 TEXT_PREFIX = "language_model."  # Gemma 3's multimodal checkpoints: language_model.model.layers..., vision_tower...
 # Names other writers use for the same tensors (Google's releases, transformers' in-memory names) -> ours.

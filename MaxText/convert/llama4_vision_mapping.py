@@ -14,8 +14,9 @@ from MaxText.errors import ConfigError
 
 TEXT_PREFIX = "language_model."
 ARCH = ("llama4", "Llama4ForConditionalGeneration")
-# vision_config field -> MaxText key
-VISION_KEYS = {
+# vision_config field -> MaxText key: the tower's size, as every vision_config gives it (Gemma 3's SigLIP too:
+# hf_mapping.VISION_KEYS adds its own to these)
+TOWER_KEYS = {
   "image_size": "image_size_for_vit",
   "patch_size": "patch_size_for_vit",
   "num_channels": "num_channels_for_vit",
@@ -23,6 +24,9 @@ VISION_KEYS = {
   "intermediate_size": "intermediate_size_for_vit",
   "num_hidden_layers": "num_hidden_layers_for_vit",
   "num_attention_heads": "num_attention_heads_for_vit",
+}
+VISION_KEYS = {  # Llama 4's: the tower's size and its pixel shuffle and adapter
+  **TOWER_KEYS,
   "pixel_shuffle_ratio": "pixel_shuffle_ratio_for_vit",
   "projector_input_dim": "projector_input_dim_for_vit",
   "projector_output_dim": "projector_output_dim_for_vit",

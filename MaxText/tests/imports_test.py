@@ -8,10 +8,14 @@ MaxText.pkg.name when there is one, else to the package MaxText.pkg.
 """
 
 import ast
+import importlib.util
 import os
+import subprocess
+import sys
 
 import pytest
 
+import MaxText
 from MaxText.tests.conftest import ROOT
 
 PACKAGE = "MaxText"
@@ -252,3 +256,29 @@ def test_entry_points_run_main_with_sys_argv():
         if [ast.unparse(s) for s in node.body] != ["main(sys.argv)"]:
           odd.append(f"{path}:{node.lineno}: {' / '.join(ast.unparse(s) for s in node.body)}")
   assert not odd, "__main__ blocks that are not `main(sys.argv)`:\n  " + "\n  ".join(odd)
+
+
+def _devices_without_jax_platforms(code: str) -> subprocess.CompletedProcess:
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+@pytest.mark.skipif(MaxText._accelerator_present(), reason="this machine has an accelerator: JAX picks it")
+@pytest.mark.parametrize("order", ["import MaxText, jax", "import jax, MaxText"])
+def test_no_libtpu_noise_on_a_machine_without_accelerators(order):
+  """libtpu installed, no TPU/GPU here: importing MaxText picks the CPU before libtpu can print its TPU_WORKER_HOSTNAMES
+  errors, whichever of jax and MaxText comes first; JAX on its own prints them (the reason for the fix)."""
+  ours = _devices_without_jax_platforms(f"{order}; print(jax.devices()[0].platform)")
+  assert ours.returncode == 0, ours.stderr
+  assert ours.stdout.strip() == "cpu"
+  assert "TPU_WORKER_HOSTNAMES" not in ours.stderr and "E0000" not in ours.stderr, ours.stderr
+  bare = _devices_without_jax_platforms("import jax; print(jax.devices()[0].platform)")
+  assert "TPU_WORKER_HOSTNAMES" in bare.stderr
+
+
+def test_an_explicit_jax_platforms_is_left_alone():
+  env = {**os.environ, "JAX_PLATFORMS": ""}
+  code = "import os, MaxText; print(repr(os.environ['JAX_PLATFORMS']))"
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+  assert out.stdout.strip() == "''", out.stderr

@@ -164,20 +164,18 @@ def test_image_file_to_logits_and_engine_tokens_match_hugging_face(processor, ti
   assert ids == hf_ids[0].tolist() and prepared.tiles.shape == (3, S, S, 3)  # 2 x 1 tiles + the global one
   np.testing.assert_array_equal(prepared.tiles, hf_pixels.numpy().transpose(0, 2, 3, 1))
   ours = l4v.load(out, *IDS)
-  tokens, images = jnp.asarray([ids]), jnp.asarray(prepared.tiles[None])
-  t = len(ids)
-  logits = ours(tokens, jnp.arange(t)[None], jnp.ones_like(tokens), images=images)
-  np.testing.assert_allclose(np.asarray(logits[0]), ref[0], rtol=2e-5, atol=2e-5)
+  images, t = jnp.asarray(prepared.tiles[None]), len(ids)
+  n = t + 8  # full forwards of the prompt padded to t + 8 (causal: the padding changes nothing before it)
+  forward = jax.jit(lambda s: ours(s, jnp.arange(n)[None], jnp.ones_like(s), images=images)[0])
+  seq = jnp.zeros((1, n), jnp.int32).at[0, :t].set(jnp.asarray(ids))
+  np.testing.assert_allclose(np.asarray(forward(seq)[:t]), ref[0], rtol=2e-5, atol=2e-5)
+  for i in range(t, n):  # cache-free greedy decoding
+    seq = seq.at[0, i].set(forward(seq)[i - 1].argmax().astype(jnp.int32))
+  np.testing.assert_array_equal(np.asarray(seq[0, t:]), hf_new)
 
-  engine = Engine.load(c, tokenizer=None)
+  engine = Engine.load(c, tokenizer=None)  # prefill (the image's tiles) + KV-cache decode steps
   got = engine.generate([prompt], 8, images=[[path]], stop_tokens=[]).completions[0].tokens
   np.testing.assert_array_equal(got, hf_new)
-  n = t + 8  # cache-free: full forwards of the growing sequence (one compiled shape; causal)
-  step = jax.jit(lambda s: ours(s, jnp.arange(n)[None], jnp.ones_like(s), images=images)[0])
-  seq = jnp.zeros((1, n), jnp.int32).at[:, :t].set(tokens)
-  for i in range(t, n):
-    seq = seq.at[0, i].set(step(seq)[i - 1].argmax().astype(jnp.int32))
-  np.testing.assert_array_equal(np.asarray(seq[0, t:]), got)
 
 
 def test_decode_with_image_path(tiny, capsys):

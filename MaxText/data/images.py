@@ -14,7 +14,8 @@ Each family has a Scheme (SCHEMES, keyed by decoder_block; the square one for th
   image_global_token_id (<|image|>, also the prompt's marker) and the global (or only) tile's placeholders;
   image_end_token_id. Each tile has (image_size_for_vit / patch_size_for_vit * pixel_shuffle_ratio_for_vit)^2
   placeholders (image_token_id).
-Paths may be gs:// (read through MaxText/paths.py).
+Images are made RGB with any transparency composited onto white, as transformers does. Paths may be gs://
+(read through MaxText/paths.py).
 """
 
 from __future__ import annotations
@@ -45,9 +46,7 @@ def to_pixels(image: Any, size: int) -> np.ndarray:
     if image.shape != (size, size, 3):
       raise DataError(f"a float image must be [{size}, {size}, 3] in [-1, 1], got shape {image.shape}")
     return image.astype(np.float32)
-  if isinstance(image, np.ndarray):
-    image = image_cls.fromarray(image)
-  rgb = image.convert("RGB").resize((size, size), image_cls.Resampling.BILINEAR)
+  rgb = to_rgb(image).resize((size, size), image_cls.Resampling.BILINEAR)
   return (np.asarray(rgb, np.float32) - 127.5) / 127.5  # transformers' fused rescale + normalise
 
 
@@ -65,6 +64,20 @@ def _open(path: str, where: str, use: Callable[[Any], Any]) -> Any:
     raise
   except Exception as e:  # Pillow raises UnidentifiedImageError, OSError, SyntaxError... for damaged files
     raise DataError(f"image {path!r}{at} is not a readable image: {type(e).__name__}: {e}") from None
+
+
+def to_rgb(image: Any) -> Any:
+  """A PIL image or uint8 array [H, W, C] -> an RGB PIL image; transparency composited onto white, as
+  transformers' processors convert images."""
+  image_cls = _pil()
+  if isinstance(image, np.ndarray):
+    if image.dtype != np.uint8:
+      raise DataError(f"an image array must be uint8 [H, W, C] here, got {image.dtype} {image.shape}")
+    image = image_cls.fromarray(image)
+  if "A" not in image.getbands() and image.info.get("transparency") is None:
+    return image.convert("RGB")
+  white = image_cls.new("RGBA", image.size, (255, 255, 255, 255))
+  return image_cls.alpha_composite(white, image.convert("RGBA")).convert("RGB")
 
 
 def load(path: str, size: int, where: str = "") -> np.ndarray:
@@ -198,14 +211,6 @@ def slots_per_row(config: Any) -> int:
   return config.image_tiles_per_row or config.images_per_row
 
 
-def _rgb(image: Any) -> Any:
-  if isinstance(image, np.ndarray):
-    if image.dtype != np.uint8:
-      raise DataError(f"an image array must be uint8 [H, W, 3] for this model, got {image.dtype} {image.shape}")
-    image = _pil().fromarray(image)
-  return image.convert("RGB")
-
-
 def prepare(image: Any, config: Any, where: str = "") -> Prepared:
   """A path (local or gs://), PIL image or uint8 array [H, W, 3] -> its tiles and its block of tokens."""
   s = scheme(config)
@@ -213,7 +218,7 @@ def prepare(image: Any, config: Any, where: str = "") -> Prepared:
     return Prepared(to_pixels(image, config.image_size_for_vit)[None], block(config))
 
   def both(img: Any) -> Prepared:
-    rgb = _rgb(img)
+    rgb = to_rgb(img)
     return Prepared(s.tiles(rgb, config), s.tokens(config, s.grid(config, (rgb.height, rgb.width))))
 
   return _open(image, where, both) if isinstance(image, str) else both(image)

@@ -100,6 +100,18 @@ def test_llama4_tiles_match_the_image_processor(size, shape, max_patches, grid):
     np.testing.assert_array_equal(got.tiles[:-1], want[:-1])
 
 
+def test_transparency_is_composited_onto_white_as_the_processors_do():
+  rgba = np.concatenate([picture(16, 32), np.tile(np.arange(0, 256, 8, dtype=np.uint8), (16, 1))[..., None]], -1)
+  image = Image.fromarray(rgba)  # alpha from 0 (left) to 248 (right)
+  want = hf_image_processor()(image, return_tensors="pt")["pixel_values"].float().numpy().transpose(0, 2, 3, 1)
+  np.testing.assert_array_equal(images_lib.prepare(image, tiny_config()).tiles, want)
+  c = types.SimpleNamespace(decoder_block="gemma3", image_size_for_vit=32, mm_tokens_per_image=4)
+  c.image_start_token_id, c.image_token_id, c.image_end_token_id = 1, 2, 3
+  kwargs = dict(size={"height": 32, "width": 32}, do_pan_and_scan=False)
+  pil = transformers.Gemma3ImageProcessorPil(**kwargs)(image, return_tensors="np")["pixel_values"][0]
+  np.testing.assert_allclose(images_lib.prepare(rgba, c).tiles[0], pil.transpose(1, 2, 0), atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("size", [(16, 16), (20, 13), (40, 64)])
 def test_gemma3_pixels_match_the_image_processors(size):
   image = Image.fromarray(picture(*size, seed=1))

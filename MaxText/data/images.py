@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from MaxText import paths
-from MaxText.errors import DataError
+from MaxText.errors import ConfigError, DataError
 
 
 def _pil():
@@ -128,6 +128,8 @@ def canvases(max_tiles: int) -> list[tuple[int, int]]:
 def best_grid(height: int, width: int, max_tiles: int, tile: int) -> tuple[int, int]:
   """The grid whose canvas (tile pixels per cell) takes the image with the least upscaling (else the least
   downscaling), then the least area; scales in float32 as the processor computes them."""
+  if max_tiles < 1:
+    raise ConfigError(f"max_image_tiles={max_tiles}: an image needs at least one tile (Llama 4: 16)")
   grids = np.array(canvases(max_tiles), np.int64)
   scale_h = (grids[:, 0] * tile).astype(np.float32) / np.float32(height)
   scale_w = (grids[:, 1] * tile).astype(np.float32) / np.float32(width)

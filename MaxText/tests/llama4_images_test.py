@@ -13,7 +13,7 @@ import pytest
 
 from MaxText import config, decode
 from MaxText.data import images as images_lib
-from MaxText.errors import DataError
+from MaxText.errors import ConfigError, DataError
 from MaxText.inference import Engine
 from MaxText.tests import llama4_vision_test as l4v
 from MaxText.tests.llama4_vision_test import converted  # noqa: F401 (the tiny HF model and its conversion)
@@ -141,6 +141,8 @@ def test_token_layout_matches_llama4_processor(processor, sizes):
   assert got.count(c.image_token_id) == tpt * sum(images_lib.num_tiles(images_lib.best_grid(*s, 4, S)) for s in sizes)
   with pytest.raises(DataError, match=r"^1 image\(s\) but 2 image markers \(token 54\) \(prompt 3\)$"):
     images_lib.expand([5, 54, 54], [[1]], c, "prompt 3")
+  with pytest.raises(ConfigError, match=r"^max_image_tiles=0: an image needs at least one tile"):
+    images_lib.prepare(images[0], tiny_config(max_image_tiles=0))
 
 
 @pytest.fixture(scope="module")

@@ -167,8 +167,9 @@ def training_flops_per_token(config: Config, model: nnx.Module | None = None) ->
   no weight gradients, so every base weight (matmul and embedding) costs 4, not 6; the adapters, trained
   and each used once per token, cost 6 each and are counted in matmul. Not counted: norms, activations,
   softmax, RoPE, biases, the MoE dispatch (XLA's cost analysis does count them).
-    vision    = images_per_row / T · vision_forward_per_image, x1 with freeze_vision_encoder (no backward
-                reaches the tower) else x3 (use_multimodal; the image tokens' text-model work is in the rest)
+    vision    = slots / T · vision_forward_per_image (one image or tile; slots: image_tiles_per_row, else
+                images_per_row), x1 with freeze_vision_encoder (no backward reaches the tower) else x3
+                (use_multimodal; the image tokens' text-model work is in the rest)
   """
   model = abstract_model(config) if model is None else model
   w = forward_count(model, config.max_target_length)
@@ -178,7 +179,8 @@ def training_flops_per_token(config: Config, model: nnx.Module | None = None) ->
   embedding = per_weight * w.logits
   # The vision tower runs once per image slot of a row: its forward, and its backward (2x) unless
   # freeze_vision_encoder keeps it fixed (no gradient flows into it then).
-  vision = (1.0 if config.freeze_vision_encoder else 3.0) * w.vision * config.images_per_row / config.max_target_length
+  slots = config.image_tiles_per_row or config.images_per_row  # tiles per row (data/images.slots_per_row)
+  vision = (1.0 if config.freeze_vision_encoder else 3.0) * w.vision * slots / config.max_target_length
   return FlopCount(matmul + attention + embedding + vision, matmul, attention, embedding, vision)
 
 

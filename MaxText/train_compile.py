@@ -96,9 +96,9 @@ def shaped_inputs(config: Config, mesh: Mesh) -> tuple[dict[str, jax.ShapeDtypeS
   shape = (sharding.global_batch_size(config, mesh), config.max_target_length)
   shardings = steps.batch_shardings(config, mesh)
   batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=s) for k, s in shardings.items() if k != "images"}
-  if "images" in shardings:  # use_multimodal: images_per_row images per row (data/images.py)
+  if "images" in shardings:  # use_multimodal: tile slots per row (data/images.slots_per_row)
     size = (config.image_size_for_vit, config.image_size_for_vit, config.num_channels_for_vit)
-    image_shape = (shape[0], config.images_per_row, *size)
+    image_shape = (shape[0], config.image_tiles_per_row or config.images_per_row, *size)
     batch["images"] = jax.ShapeDtypeStruct(image_shape, jnp.float32, sharding=shardings["images"])
   key = jax.eval_shape(lambda: jax.random.fold_in(jax.random.key(0), 0))
   rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(mesh, PartitionSpec()))

@@ -52,6 +52,8 @@ def maxtext_keys(hf: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
   rope = vision.get("rope_parameters") or {"rope_theta": vision.get("rope_theta", 10000.0)}
   keys["rope_theta_for_vit"] = float(rope["rope_theta"])
   keys["image_token_id"] = hf.get("image_token_index", 200092)
+  keys["image_start_token_id"] = hf.get("boi_token_index", 200080)  # <|image_start|>, data/images.py
+  keys["image_end_token_id"] = hf.get("eoi_token_index", 200081)  # <|image_end|>
   return {**text, "model_type": "llama4_text"}, keys
 
 
@@ -69,6 +71,8 @@ def hf_config(c: Any, text: dict[str, Any], dtype: str) -> dict[str, Any]:
     "text_config": text,
     "vision_config": vision,
     "image_token_index": c.image_token_id,
+    "boi_token_index": c.image_start_token_id,
+    "eoi_token_index": c.image_end_token_id,
     "tie_word_embeddings": False,
   }
 

@@ -12,6 +12,7 @@ a new order. A row is then indexing into the packed layout, so the iterator stat
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -44,7 +45,9 @@ class Examples(NamedTuple):
   # use_multimodal: per example its image paths and where it came from (for errors); None: text only
   images: list[tuple[str, list[str]]] | None = None
   image_size: int = 0  # image_size_for_vit
-  images_per_row: int = 0
+  images_per_row: int = 0  # tile slots per row (images_lib.slots_per_row)
+  tiles: np.ndarray | None = None  # int64 [examples]: each example's tiles (None: one per image)
+  tiler: Callable[[str, str], np.ndarray] | None = None  # (path, where) -> float32 [n, S, S, 3]; None: one square
 
 
 class ExampleRows:
@@ -58,6 +61,7 @@ class ExampleRows:
     n = len(lengths)
     order = np.arange(n) if seed is None else np.random.default_rng([seed, PACK_SALT]).permutation(n)
     counts = np.zeros(n, np.int64) if examples.images is None else np.array([len(p) for _, p in examples.images])
+    counts = counts if examples.tiles is None else examples.tiles
     starts, fill, images = [], length, 0
     for i, e in enumerate(order):  # next fit: a new row when the example (or its images) does not fit the current one
       if not packing or fill + lengths[e] > length or images + counts[e] > examples.images_per_row:
@@ -79,7 +83,8 @@ class ExampleRows:
 
   def rows(self, indices: np.ndarray) -> tuple[np.ndarray, ...]:
     """(tokens, segmentation, positions, loss_mask), each int32 [len(indices), length]; with images, also
-    float32 pixels [len(indices), images_per_row, S, S, 3], decoded and resized here (zeros for empty slots)."""
+    float32 pixels [len(indices), slots, S, S, 3] (slots: images_per_row), each image's tiles in order, decoded
+    and resized here (zeros for empty slots)."""
     out = [np.zeros((len(indices), self._length), np.int32) for _ in range(4)]
     tokens, segmentation, positions, mask = out
     ex = self._ex
@@ -94,8 +99,11 @@ class ExampleRows:
         if pixels is not None:
           where, image_paths = ex.images[e]
           for path in image_paths:
-            pixels[k, slot] = images_lib.load(path, ex.image_size, where)
-            slot += 1
+            tiles = ex.tiler(path, where) if ex.tiler else images_lib.load(path, ex.image_size, where)[None]
+            if slot + len(tiles) > pixels.shape[1]:  # only when a file changed after it was tokenized
+              raise DataError(f"image {path!r} ({where}) now has more tiles than when the data was tokenized")
+            pixels[k, slot : slot + len(tiles)] = tiles
+            slot += len(tiles)
         start, size = self._ex.offsets[e], self._lengths[e]
         tokens[k, col : col + size] = self._ex.tokens[start : start + size]
         mask[k, col : col + size] = self._ex.loss_mask[start : start + size]
@@ -151,15 +159,14 @@ def encode(config: Config, tok: Any, template: chat.ChatTemplate, records: Itera
   columns = chat.Columns(config.sft_messages_column, config.sft_prompt_column, config.sft_completion_column)
   only, length = config.sft_train_on_completion_only, config.max_target_length
   tokens, masks, dropped, start = [], [], 0, time.perf_counter()
-  pictures = [] if config.use_multimodal else None
+  pictures, tile_counts = ([], []) if config.use_multimodal else (None, None)
   for where, record in records:
     ex = chat.tokenize(template, tok, chat.conversation(record, columns, where), only, where)
     ids, loss_mask = ex.tokens, ex.loss_mask
     image_paths = _image_paths(record, where)
     if image_paths or config.use_multimodal:
-      if len(image_paths) > config.images_per_row:
-        raise DataError(f"{where} has {len(image_paths)} images, more than images_per_row={config.images_per_row}")
-      ids, loss_mask = images_lib.expand_with_mask(ids, loss_mask, len(image_paths), config, where)
+      blocks, n_tiles = _image_blocks(config, image_paths, where)
+      ids, loss_mask = images_lib.expand_with_mask(ids, loss_mask, blocks, config, where)
       ids, loss_mask = np.asarray(ids, np.int32), np.asarray(loss_mask, np.uint8)
     if not loss_mask[:length].any():
       dropped += 1  # its completion starts past max_target_length: nothing to learn from it
@@ -168,14 +175,40 @@ def encode(config: Config, tok: Any, template: chat.ChatTemplate, records: Itera
     masks.append(loss_mask[:length])
     if pictures is not None:
       pictures.append((where, image_paths))
+      tile_counts.append(n_tiles)
   if dropped:
     log.warning("%s: dropped %d examples whose prompt fills max_target_length=%d", what, dropped, length)
   if not tokens:
     raise DataError(f"{what} has no example with a completion within max_target_length={length}")
   log.info("Tokenized %d SFT examples (%s) in %.1f s", len(tokens), what, time.perf_counter() - start)
   offsets = np.concatenate([[0], np.cumsum([len(t) for t in tokens], dtype=np.int64)])
-  size = config.image_size_for_vit if pictures is not None else 0
-  return Examples(np.concatenate(tokens), np.concatenate(masks), offsets, pictures, size, config.images_per_row)
+  if pictures is None:
+    return Examples(np.concatenate(tokens), np.concatenate(masks), offsets)
+  tiler = functools.partial(_tiles, config)
+  slots, size = images_lib.slots_per_row(config), config.image_size_for_vit
+  return Examples(
+    np.concatenate(tokens), np.concatenate(masks), offsets, pictures, size, slots, np.array(tile_counts), tiler
+  )
+
+
+def _image_blocks(config: Config, image_paths: list[str], where: str) -> tuple[list[list[int]] | int, int]:
+  """(each image's block of tokens, the example's tiles); a count of images for a text model (expand's error)."""
+  if not config.use_multimodal:
+    return len(image_paths), 0
+  if len(image_paths) > config.images_per_row:
+    raise DataError(f"{where} has {len(image_paths)} images, more than images_per_row={config.images_per_row}")
+  layouts = [images_lib.layout(path, config, where) for path in image_paths]
+  n_tiles, slots = sum(n for _, n in layouts), images_lib.slots_per_row(config)
+  if n_tiles > slots:
+    raise DataError(
+      f"{where}: its {len(image_paths)} image(s) make {n_tiles} tiles, more than the {slots} tile slots of a row; "
+      f"raise image_tiles_per_row (or lower max_image_tiles)"
+    )
+  return [b for b, _ in layouts], n_tiles
+
+
+def _tiles(config: Config, path: str, where: str) -> np.ndarray:
+  return images_lib.prepare(path, config, where).tiles
 
 
 def _image_paths(record: Any, where: str) -> list[str]:

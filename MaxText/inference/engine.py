@@ -245,21 +245,27 @@ class Engine:
       )  # fmt: skip
     return prefill_len, cache_len, new
 
-  def _with_images(self, ids: list[list[int]], images: Sequence[Sequence[Any]]) -> list[list[int]]:
-    """Each prompt's ids with one image block per image (data/images.expand)."""
+  def _with_images(
+    self, ids: list[list[int]], images: Sequence[Sequence[Any]]
+  ) -> tuple[list[list[int]], list[np.ndarray]]:  # fmt: skip
+    """Each prompt's ids with its images' blocks (data/images.expand) and its images' tiles [n, S, S, 3]."""
     if len(images) != len(ids):
       raise ConfigError(f"images: {len(images)} lists for {len(ids)} prompts; give one list per prompt")
     bos = self.tokenizer.bos_id if self.tokenizer is not None else -1
-    c = self.config
-    return [images_lib.expand(x, len(imgs), c, f"prompt {i}", bos) for i, (x, imgs) in enumerate(zip(ids, images))]
+    c, out_ids, out_tiles = self.config, [], []
+    size = (0, c.image_size_for_vit, c.image_size_for_vit, 3)
+    for i, (x, row) in enumerate(zip(ids, images)):
+      prepared = [images_lib.prepare(image, c, f"prompt {i}, image {j}") for j, image in enumerate(row)]
+      out_ids.append(images_lib.expand(x, [p.tokens for p in prepared], c, f"prompt {i}", bos))
+      out_tiles.append(np.concatenate([p.tiles for p in prepared]) if prepared else np.zeros(size, np.float32))
+    return out_ids, out_tiles
 
-  def _pixels(self, images: Sequence[Sequence[Any]], rows: int) -> jax.Array:
-    """float32 [rows, N, S, S, 3] (N: the most images of a prompt; zeros where a row has fewer), on the mesh."""
+  def _pixels(self, tiles: list[np.ndarray], rows: int) -> jax.Array:
+    """float32 [rows, N, S, S, 3] (N: the most tiles of a prompt; zeros where a row has fewer), on the mesh."""
     size = self.config.image_size_for_vit
-    out = np.zeros((rows, max(1, max(len(x) for x in images)), size, size, 3), np.float32)
-    for i, row in enumerate(images):
-      for j, image in enumerate(row):
-        out[i, j] = images_lib.pixels(image, size, f"prompt {i}, image {j}")
+    out = np.zeros((rows, max(1, max(len(x) for x in tiles)), size, size, 3), np.float32)
+    for i, row in enumerate(tiles):
+      out[i, : len(row)] = row
     return jax.device_put(out, sharding.input_sharding(self.config, self.mesh, rank=5))
 
   def _batch(self, ids: list[list[int]], prefill_len: int) -> tuple[jax.Array, jax.Array]:
@@ -296,8 +302,9 @@ class Engine:
     stop_tokens default to the tokenizer's EOS. callback(prompt index, token id) streams every
     generated token as soon as it is sampled (tokens of a stop string included; EOS not).
     images (use_multimodal models): per prompt a list of images (file paths, local or gs://; PIL images;
-    uint8 arrays [H, W, 3]); each goes where the prompt has image_start_token_id, else before the text
-    (data/images.expand); they are resized to image_size_for_vit.
+    uint8 arrays [H, W, 3]); each goes where the prompt has its family's image marker (Gemma 3:
+    image_start_token_id; Llama 4: image_global_token_id, <|image|>), else before the text (data/images.expand);
+    they are resized to image_size_for_vit (Llama 4: tiled, data/images.py).
     """
     c = self.config
     strategy = strategy or c.decode_sampling_strategy
@@ -311,13 +318,14 @@ class Engine:
     rows = _Rows(len(prompts), self.tokenizer, set(eos if stop_tokens is None else stop_tokens), stop_strings)
     start = time.perf_counter()
     ids = [self.encode(p) for p in prompts]
+    tiles = None
     if images is not None:
-      ids = self._with_images(ids, images)
+      ids, tiles = self._with_images(ids, images)
     prefill_len, cache_len, new = self._plan(ids, c.decode_max_new_tokens if max_new_tokens is None else max_new_tokens)
     with sharding.activate(c, self.mesh):
       tokens, lengths = self._batch(ids, prefill_len)
       vocab = c.vocab_size if self.tokenizer is None else min(c.vocab_size, self.tokenizer.vocab_size)
-      pixels = None if images is None else self._pixels(images, tokens.shape[0])
+      pixels = None if tiles is None else self._pixels(tiles, tokens.shape[0])
       out = self._jitted("prefill", cache_len, strategy, vocab)(self.params, tokens, lengths, rng, params, pixels)
       step_fn = self._jitted("step", strategy, vocab)
       ttft, steps = None, 0

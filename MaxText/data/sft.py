@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 
 from MaxText import paths, sharding
 from MaxText.config import Config
-from MaxText.data import chat, files, hf_data
+from MaxText.data import chat, files, hf_data, image_records
 from MaxText.data import images as images_lib
 from MaxText.data import tokenizer as tokenizers
 from MaxText.data.batches import BatchIterator, Iterators
@@ -33,7 +33,6 @@ from MaxText.errors import DataError
 
 log = logging.getLogger(__name__)
 PACK_SALT = 0x5F7  # seeds the fixed packing order apart from the per-epoch row orders (which use epoch >= 0)
-IMAGES_COLUMN = "images"  # use_multimodal: a record's list of image paths (docs/multimodal.md)
 Record = tuple[str, Any]  # (where: "file:line" or "split row i", for messages; the record: a dict)
 
 
@@ -41,8 +40,9 @@ class Examples(NamedTuple):
   tokens: np.ndarray  # int32 [total]: every example's tokens back to back
   loss_mask: np.ndarray  # uint8 [total]: 1 for completion tokens
   offsets: np.ndarray  # int64 [examples + 1]: example e is tokens[offsets[e]:offsets[e + 1]]
-  # use_multimodal: per example its image paths and where it came from (for errors); None: text only
-  images: list[tuple[str, list[str]]] | None = None
+  # use_multimodal: per example where it came from (for errors) and its images (image_records.row_images:
+  # paths, encoded images, Hugging Face dataset references); None: text only
+  images: list[tuple[str, list[Any]]] | None = None
   image_size: int = 0  # image_size_for_vit
   images_per_row: int = 0
 
@@ -92,9 +92,9 @@ class ExampleRows:
       col, slot = 0, 0
       for segment, e in enumerate(self._order[self._row_starts[r] : self._row_starts[r + 1]], 1):
         if pixels is not None:
-          where, image_paths = ex.images[e]
-          for path in image_paths:
-            pixels[k, slot] = images_lib.load(path, ex.image_size, where)
+          where, row_images = ex.images[e]
+          for image in row_images:
+            pixels[k, slot] = image_records.pixels(image, ex.image_size, where)
             slot += 1
         start, size = self._ex.offsets[e], self._lengths[e]
         tokens[k, col : col + size] = self._ex.tokens[start : start + size]
@@ -141,8 +141,14 @@ def file_records(path: str) -> Iterator[Record]:
 
 
 def hf_records(config: Config, split: str, data_files: str) -> Iterator[Record]:
+  """The rows of a Hugging Face dataset split; an Image column (sft_images_column) is not decoded here: its
+  rows hold references to their images (image_records.HfImage), read when a batch is built."""
   dataset = hf_data.load_split(config, split, data_files)
+  column = config.sft_images_column
+  dataset, images = image_records.split_hf_images(dataset, column)
   for i, row in enumerate(dataset):
+    if images is not None:
+      row[column] = images[i]
     yield f"hf_path={config.hf_path!r} split {split!r} row {i}", row
 
 
@@ -155,11 +161,11 @@ def encode(config: Config, tok: Any, template: chat.ChatTemplate, records: Itera
   for where, record in records:
     ex = chat.tokenize(template, tok, chat.conversation(record, columns, where), only, where)
     ids, loss_mask = ex.tokens, ex.loss_mask
-    image_paths = _image_paths(record, where)
-    if image_paths or config.use_multimodal:
-      if len(image_paths) > config.images_per_row:
-        raise DataError(f"{where} has {len(image_paths)} images, more than images_per_row={config.images_per_row}")
-      ids, loss_mask = images_lib.expand_with_mask(ids, loss_mask, len(image_paths), config, where)
+    row_images = image_records.row_images(record, config.sft_images_column, where)
+    if row_images or config.use_multimodal:
+      if len(row_images) > config.images_per_row:
+        raise DataError(f"{where} has {len(row_images)} images, more than images_per_row={config.images_per_row}")
+      ids, loss_mask = images_lib.expand_with_mask(ids, loss_mask, len(row_images), config, where)
       ids, loss_mask = np.asarray(ids, np.int32), np.asarray(loss_mask, np.uint8)
     if not loss_mask[:length].any():
       dropped += 1  # its completion starts past max_target_length: nothing to learn from it
@@ -167,7 +173,7 @@ def encode(config: Config, tok: Any, template: chat.ChatTemplate, records: Itera
     tokens.append(ids[:length])
     masks.append(loss_mask[:length])
     if pictures is not None:
-      pictures.append((where, image_paths))
+      pictures.append((where, row_images))
   if dropped:
     log.warning("%s: dropped %d examples whose prompt fills max_target_length=%d", what, dropped, length)
   if not tokens:
@@ -176,18 +182,6 @@ def encode(config: Config, tok: Any, template: chat.ChatTemplate, records: Itera
   offsets = np.concatenate([[0], np.cumsum([len(t) for t in tokens], dtype=np.int64)])
   size = config.image_size_for_vit if pictures is not None else 0
   return Examples(np.concatenate(tokens), np.concatenate(masks), offsets, pictures, size, config.images_per_row)
-
-
-def _image_paths(record: Any, where: str) -> list[str]:
-  """A record's "images" field: a list of image paths (local or gs://), or absent."""
-  value = record.get(IMAGES_COLUMN) if isinstance(record, dict) else None
-  if value is None:
-    return []
-  if isinstance(value, str):
-    value = [value]
-  if not isinstance(value, list) or not all(isinstance(p, str) and p for p in value):
-    raise DataError(f"{where}: {IMAGES_COLUMN!r} must be a list of image paths, got {value!r}")
-  return value
 
 
 def _split_by_hash(records: list[Record], eval_fraction: float) -> tuple[list[Record], list[Record]]:

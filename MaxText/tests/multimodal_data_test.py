@@ -241,3 +241,16 @@ def test_a_frozen_tower_gets_no_adapters_and_bad_tower_targets_fail_at_startup(t
     state_lib.param_spec(cfg(tmp_path, "r", *MM, "lora_rank=4", "freeze_vision_encoder=false",
                              "lora_vision_target_modules=fc3"))  # fmt: skip
   assert "\n" not in str(e.value) and "layers/0/query" in str(e.value)
+
+
+def test_flops_of_an_adapted_tower_count_its_forward_and_activation_backward(tmp_path):
+  """Under LoRA a trained tower has no weight gradients: 2x its forward, not 3x; its adapters are not counted
+  per text token."""
+  from MaxText import flops  # noqa: PLC0415
+
+  count = {
+    freeze: flops.training_flops_per_token(cfg(tmp_path, "f", *MM, "lora_rank=4", f"freeze_vision_encoder={freeze}"))
+    for freeze in ("true", "false")
+  }
+  assert count["false"].vision == 2 * count["true"].vision > 0
+  assert count["false"].total - count["false"].vision == count["true"].total - count["true"].vision

@@ -106,6 +106,8 @@ def pixels(image: Any, size: int, where: str) -> np.ndarray:
   """One image of `row_images` -> float32 [size, size, 3] in [-1, 1] (images.pixels: resized, scaled)."""
   if isinstance(image, HfImage):
     image = image.value()
+    if not image or not (image.get("bytes") or image.get("path")):
+      raise DataError(f"{where}: one of its images is null (no bytes, no path)")
   if isinstance(image, dict):
     if not image.get("bytes"):  # datasets stores a local file by its path alone
       return images_lib.pixels(image["path"], size, where)

@@ -131,13 +131,14 @@ def test_hf_image_rows_are_read_when_their_batch_is_built(tmp_path):
   [
     ({"bytes": b"not a png", "path": "x.png"}, [], r"image 'x.png' \(hf_path='parquet' split 'train' row 1\) is not"),
     ({"bytes": b"GIF89a", "path": None}, [], r"image <6 bytes> \(.*row 1\) is not a readable image"),
+    ("null", [], r"row 1: one of its images is null"),
     (None, ["images_per_row=1"], r"row 0 has 2 images, more than images_per_row=1"),
     (None, ["use_multimodal=false"], r"image\(s\) \(.*row 0\) for a text-only model"),
   ],
 )  # fmt: skip
 def test_bad_hf_image_rows_fail_in_one_line_naming_the_row(tmp_path, tok, column, extra, match):
   pictures, _ = _pictures(tmp_path, 2)
-  second = column or pictures[1]
+  second = pictures[1] if column is None else None if column == "null" else column  # row 1 holds [second]
   data = datasets.Dataset.from_dict(
     {"messages": [_messages(0), _messages(1)], "images": [[pictures[0], pictures[1]], [second]]},
     features=_features(images=datasets.List(datasets.Image())),
@@ -178,6 +179,7 @@ def _lora(tmp_path, freeze, *extra):
   return c, mesh, optimizer, spec
 
 
+@pytest.mark.slow  # about 25 s of CPU: init, a train step, two forwards and two exports compile
 def test_lora_trains_tower_adapters_and_merge_and_export_fold_them_in(tmp_path):
   """freeze_vision_encoder=false: adapters on the tower's projections and the projector too; two steps move
   every adapter and nothing else (the base, tower included, stays bit-identical). The merged params (no LoRA)
@@ -209,7 +211,7 @@ def test_lora_trains_tower_adapters_and_merge_and_export_fold_them_in(tmp_path):
   positions, segments = jnp.asarray(batch["inputs_position"]), jnp.ones_like(tokens)
   plain_spec = state_lib.param_spec(c.replace(lora_rank=0), mesh)
   adapted, folded = (
-    np.asarray(nnx.merge(g, p)(tokens, positions, segments, images=images))
+    np.asarray(jax.jit(lambda p, g=g: nnx.merge(g, p)(tokens, positions, segments, images=images))(p))
     for g, p in ((spec.graphdef, spec.partition.combine(adapters, base)), (plain_spec.graphdef, merged))
   )
   np.testing.assert_allclose(folded, adapted, atol=2e-5, rtol=2e-5)

@@ -180,7 +180,7 @@ def training_flops_per_token(config: Config, model: nnx.Module | None = None) ->
   embedding = per_weight * w.logits
   # The vision tower runs once per image slot of a row: its forward, and its backward (2x) unless
   # freeze_vision_encoder keeps it fixed (no gradient flows into it then).
-  passes = 1.0 if config.freeze_vision_encoder else (2.0 if w.adapters else 3.0)
+  passes = 1.0 if config.freeze_vision_encoder else (2.0 if config.lora_rank > 0 else 3.0)
   vision = passes * w.vision * config.images_per_row / config.max_target_length
   return FlopCount(matmul + attention + embedding + vision, matmul, attention, embedding, vision)
 

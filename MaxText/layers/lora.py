@@ -11,6 +11,8 @@ jax.lax.dot_general, creates A and B as nnx.LoRAParam next to the kernel (`kerne
 where and how large. Qwix creates adapters on a module's first call, so they are added to each layer
 as it is built (`adapted_stacks`), before the decoder stacks and scans its layers: the scanned body
 works on temporary copies of a layer, where a parameter created on first use would be lost.
+A use_multimodal model whose tower trains (freeze_vision_encoder=false) gets adapters on the tower's and
+projector's projections too (`adapted_tower`, lora_vision_target_modules); a frozen tower gets none.
 
 Training splits the parameters into the adapters (the only thing differentiated and optimised) and
 the frozen base; checkpoints keep the adapters. That split is the state spec's (state.Partition, built

@@ -243,6 +243,8 @@ def test_a_frozen_tower_gets_no_adapters_and_bad_tower_targets_fail_at_startup(t
     state_lib.param_spec(cfg(tmp_path, "r", *MM, "lora_rank=4", "freeze_vision_encoder=false",
                              "lora_vision_target_modules=fc3"))  # fmt: skip
   assert "\n" not in str(e.value) and "layers/0/query" in str(e.value)
+  with pytest.raises(ConfigError, match=r"lora_vision_target_modules='\(' is not a regular expression"):
+    cfg(tmp_path, "x", *MM, "lora_vision_target_modules=(")
 
 
 def test_flops_of_an_adapted_tower_count_its_forward_and_activation_backward(tmp_path):

@@ -111,6 +111,28 @@ def test_hf_image_columns_give_the_examples_of_the_image_files(tmp_path, tok):
   assert not got[2][:, 1].any()
 
 
+def test_a_saved_dataset_dict_serves_its_splits(tmp_path, tok):
+  """hf_path=<a DatasetDict.save_to_disk directory>: train_split and hf_eval_split; a split it lacks, or an eval
+  split of a saved Dataset (no splits), fails in one line."""
+  pictures, _ = _pictures(tmp_path, 2)
+  features = _features(images=datasets.List(datasets.Image()))
+  split = {
+    name: datasets.Dataset.from_dict({"messages": [_messages(i)], "images": [[pictures[i]]]}, features=features)
+    for i, name in enumerate(("train", "validation"))
+  }
+  datasets.DatasetDict(split).save_to_disk(str(tmp_path / "dict"))
+  c = sft_config(tmp_path, tok, "x", *MM, "dataset_type=hf", f"hf_path={tmp_path / 'dict'}", "hf_eval_split=validation")
+  train, held = sft.load_examples(c, tok, chat.load_template(tok))
+  assert [w for w, _ in train.images] == [f"hf_path={str(tmp_path / 'dict')!r} split 'train' row 0"]
+  rows = sft.ExampleRows(held, c.max_target_length, False, None).rows(np.array([0]))
+  np.testing.assert_array_equal(rows[-1][0, 0], image_records.pixels(pictures[1], 16, ""))
+  with pytest.raises(DataError, match=r"the saved DatasetDict has splits \['train', 'validation'\], not 'test'$"):
+    sft.load_examples(c.replace(hf_eval_split="test"), tok, chat.load_template(tok))
+  split["train"].save_to_disk(str(tmp_path / "one"))
+  with pytest.raises(DataError, match="a saved Dataset has no splits; save a DatasetDict with a 'validation' split"):
+    sft.load_examples(c.replace(hf_path=str(tmp_path / "one")), tok, chat.load_template(tok))
+
+
 def test_hf_image_rows_are_read_when_their_batch_is_built(tmp_path):
   """Loading keeps references to the memory-mapped rows, not decoded (or encoded) images."""
   pictures, _ = _pictures(tmp_path, 2)

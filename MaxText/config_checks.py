@@ -251,10 +251,11 @@ def _validate_lora(c: dict[str, Any]) -> None:
     raise ConfigError(f"lora_rank={c['lora_rank']} must be >= 0 (0 turns LoRA off)")
   if c["lora_alpha"] <= 0:
     raise ConfigError(f"lora_alpha={c['lora_alpha']} must be > 0")
-  try:
-    re.compile(c["lora_target_modules"])
-  except re.error as e:
-    raise ConfigError(f"lora_target_modules={c['lora_target_modules']!r} is not a regular expression: {e}") from None
+  for key in ("lora_target_modules", "lora_vision_target_modules"):
+    try:
+      re.compile(c[key])
+    except re.error as e:
+      raise ConfigError(f"{key}={c[key]!r} is not a regular expression: {e}") from None
 
 
 def _validate_quantization(c: dict[str, Any]) -> None:

@@ -109,7 +109,8 @@ def forward_count(model: nnx.Module, length: int) -> ForwardCount:
   head = getattr(model, LOGITS_HEAD)
   head_size = _size(model.token_embedder.embedding if head is None else head.kernel)
   applications = 1 + len(model.mtp_modules or ())  # each MTP module applies the shared head again
-  adapters = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+  adapters = nnx.state(model, nnx.LoRAParam)  # the text model's: a trained tower's are in its per-image count
+  adapters = sum(x.size for key, sub in adapters.items() if key != VISION for x in jax.tree.leaves(sub))
   vision = getattr(model, VISION, None)
   if vision is None:
     per_image = 0.0
@@ -168,7 +169,8 @@ def training_flops_per_token(config: Config, model: nnx.Module | None = None) ->
   and each used once per token, cost 6 each and are counted in matmul. Not counted: norms, activations,
   softmax, RoPE, biases, the MoE dispatch (XLA's cost analysis does count them).
     vision    = slots / T · vision_forward_per_image (one image or tile; slots: image_tiles_per_row, else
-                images_per_row), x1 with freeze_vision_encoder (no backward reaches the tower) else x3
+                images_per_row), x1 with freeze_vision_encoder (no backward reaches the tower), else x3, or x2
+                under LoRA (adapted tower: activation gradients only; its small adapters not counted)
                 (use_multimodal; the image tokens' text-model work is in the rest)
   """
   model = abstract_model(config) if model is None else model
@@ -180,7 +182,8 @@ def training_flops_per_token(config: Config, model: nnx.Module | None = None) ->
   # The vision tower runs once per image slot of a row: its forward, and its backward (2x) unless
   # freeze_vision_encoder keeps it fixed (no gradient flows into it then).
   slots = config.image_tiles_per_row or config.images_per_row  # tiles per row (data/images.slots_per_row)
-  vision = (1.0 if config.freeze_vision_encoder else 3.0) * w.vision * slots / config.max_target_length
+  passes = 1.0 if config.freeze_vision_encoder else (2.0 if config.lora_rank > 0 else 3.0)
+  vision = passes * w.vision * slots / config.max_target_length
   return FlopCount(matmul + attention + embedding + vision, matmul, attention, embedding, vision)
 
 

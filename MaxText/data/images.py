@@ -226,13 +226,16 @@ def prepare(image: Any, config: Any, where: str = "") -> Prepared:
   return _open(image, where, both) if isinstance(image, str) else both(image)
 
 
-def layout(path: str, config: Any, where: str = "") -> tuple[list[int], int]:
-  """(block, tiles) of the image file at `path`, from its size alone (its pixels are decoded when a batch is
-  built): square schemes need no read at all."""
+def layout(image: Any, config: Any, where: str = "") -> tuple[list[int], int]:
+  """(block, tiles) of an image file's path (or a PIL image), from its size alone (its pixels are decoded when a
+  batch is built): square schemes need no read at all."""
   s = scheme(config)
   if s is SQUARE:
     return block(config), 1
-  grid = _open(path, where, lambda image: s.grid(config, (image.height, image.width)))
+  if isinstance(image, str):
+    grid = _open(image, where, lambda im: s.grid(config, (im.height, im.width)))
+  else:
+    grid = s.grid(config, (image.height, image.width))
   return s.tokens(config, grid), num_tiles(grid)
 
 

@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 
 from MaxText import paths, sharding
 from MaxText.config import Config
-from MaxText.data import chat, files, hf_data
+from MaxText.data import chat, files, hf_data, image_records
 from MaxText.data import images as images_lib
 from MaxText.data import tokenizer as tokenizers
 from MaxText.data.batches import BatchIterator, Iterators
@@ -34,7 +34,6 @@ from MaxText.errors import DataError
 
 log = logging.getLogger(__name__)
 PACK_SALT = 0x5F7  # seeds the fixed packing order apart from the per-epoch row orders (which use epoch >= 0)
-IMAGES_COLUMN = "images"  # use_multimodal: a record's list of image paths (docs/multimodal.md)
 Record = tuple[str, Any]  # (where: "file:line" or "split row i", for messages; the record: a dict)
 
 
@@ -42,12 +41,13 @@ class Examples(NamedTuple):
   tokens: np.ndarray  # int32 [total]: every example's tokens back to back
   loss_mask: np.ndarray  # uint8 [total]: 1 for completion tokens
   offsets: np.ndarray  # int64 [examples + 1]: example e is tokens[offsets[e]:offsets[e + 1]]
-  # use_multimodal: per example its image paths and where it came from (for errors); None: text only
-  images: list[tuple[str, list[str]]] | None = None
+  # use_multimodal: per example where it came from (for errors) and its images (image_records.row_images:
+  # paths, encoded images, Hugging Face dataset references); None: text only
+  images: list[tuple[str, list[Any]]] | None = None
   image_size: int = 0  # image_size_for_vit
   images_per_row: int = 0  # tile slots per row (images_lib.slots_per_row)
   tiles: np.ndarray | None = None  # int64 [examples]: each example's tiles (None: one per image)
-  tiler: Callable[[str, str], np.ndarray] | None = None  # (path, where) -> float32 [n, S, S, 3]; None: one square
+  tiler: Callable[[Any, str], np.ndarray] | None = None  # (image, where) -> float32 [n, S, S, 3]; None: one square
 
 
 class ExampleRows:
@@ -97,11 +97,14 @@ class ExampleRows:
       col, slot = 0, 0
       for segment, e in enumerate(self._order[self._row_starts[r] : self._row_starts[r + 1]], 1):
         if pixels is not None:
-          where, image_paths = ex.images[e]
-          for path in image_paths:
-            tiles = ex.tiler(path, where) if ex.tiler else images_lib.load(path, ex.image_size, where)[None]
+          where, row_images = ex.images[e]
+          for image in row_images:
+            if ex.tiler:
+              tiles = ex.tiler(image, where)
+            else:
+              tiles = image_records.pixels(image, ex.image_size, where)[None]
             if slot + len(tiles) > pixels.shape[1]:  # only when a file changed after it was tokenized
-              raise DataError(f"image {path!r} ({where}) now has more tiles than when the data was tokenized")
+              raise DataError(f"an image of {where} now has more tiles than when the data was tokenized")
             pixels[k, slot : slot + len(tiles)] = tiles
             slot += len(tiles)
         start, size = self._ex.offsets[e], self._lengths[e]
@@ -149,8 +152,14 @@ def file_records(path: str) -> Iterator[Record]:
 
 
 def hf_records(config: Config, split: str, data_files: str) -> Iterator[Record]:
+  """The rows of a Hugging Face dataset split; an Image column (sft_images_column) is not decoded here: its
+  rows hold references to their images (image_records.HfImage), read when a batch is built."""
   dataset = hf_data.load_split(config, split, data_files)
+  column = config.sft_images_column
+  dataset, images = image_records.split_hf_images(dataset, column)
   for i, row in enumerate(dataset):
+    if images is not None:
+      row[column] = images[i]
     yield f"hf_path={config.hf_path!r} split {split!r} row {i}", row
 
 
@@ -163,9 +172,9 @@ def encode(config: Config, tok: Any, template: chat.ChatTemplate, records: Itera
   for where, record in records:
     ex = chat.tokenize(template, tok, chat.conversation(record, columns, where), only, where)
     ids, loss_mask = ex.tokens, ex.loss_mask
-    image_paths = _image_paths(record, where)
-    if image_paths or config.use_multimodal:
-      blocks, n_tiles = _image_blocks(config, image_paths, where)
+    row_images = image_records.row_images(record, config.sft_images_column, where)
+    if row_images or config.use_multimodal:
+      blocks, n_tiles = _image_blocks(config, row_images, where)
       ids, loss_mask = images_lib.expand_with_mask(ids, loss_mask, blocks, config, where)
       ids, loss_mask = np.asarray(ids, np.int32), np.asarray(loss_mask, np.uint8)
     if not loss_mask[:length].any():
@@ -174,7 +183,7 @@ def encode(config: Config, tok: Any, template: chat.ChatTemplate, records: Itera
     tokens.append(ids[:length])
     masks.append(loss_mask[:length])
     if pictures is not None:
-      pictures.append((where, image_paths))
+      pictures.append((where, row_images))
       tile_counts.append(n_tiles)
   if dropped:
     log.warning("%s: dropped %d examples whose prompt fills max_target_length=%d", what, dropped, length)
@@ -191,36 +200,25 @@ def encode(config: Config, tok: Any, template: chat.ChatTemplate, records: Itera
   )
 
 
-def _image_blocks(config: Config, image_paths: list[str], where: str) -> tuple[list[list[int]] | int, int]:
+def _image_blocks(config: Config, row_images: list[Any], where: str) -> tuple[list[list[int]] | int, int]:
   """(each image's block of tokens, the example's tiles); a count of images for a text model (expand's error)."""
   if not config.use_multimodal:
-    return len(image_paths), 0
-  if len(image_paths) > config.images_per_row:
-    raise DataError(f"{where} has {len(image_paths)} images, more than images_per_row={config.images_per_row}")
-  layouts = [images_lib.layout(path, config, where) for path in image_paths]
+    return len(row_images), 0
+  if len(row_images) > config.images_per_row:
+    raise DataError(f"{where} has {len(row_images)} images, more than images_per_row={config.images_per_row}")
+  squares = images_lib.scheme(config) is images_lib.SQUARE  # no image is read to lay out a square one
+  layouts = [images_lib.layout(im if squares else image_records.resolved(im, where), config, where) for im in row_images]
   n_tiles, slots = sum(n for _, n in layouts), images_lib.slots_per_row(config)
   if n_tiles > slots:
     raise DataError(
-      f"{where}: its {len(image_paths)} image(s) make {n_tiles} tiles, more than the {slots} tile slots of a row; "
+      f"{where}: its {len(row_images)} image(s) make {n_tiles} tiles, more than the {slots} tile slots of a row; "
       f"raise image_tiles_per_row (or lower max_image_tiles)"
     )
   return [b for b, _ in layouts], n_tiles
 
 
-def _tiles(config: Config, path: str, where: str) -> np.ndarray:
-  return images_lib.prepare(path, config, where).tiles
-
-
-def _image_paths(record: Any, where: str) -> list[str]:
-  """A record's "images" field: a list of image paths (local or gs://), or absent."""
-  value = record.get(IMAGES_COLUMN) if isinstance(record, dict) else None
-  if value is None:
-    return []
-  if isinstance(value, str):
-    value = [value]
-  if not isinstance(value, list) or not all(isinstance(p, str) and p for p in value):
-    raise DataError(f"{where}: {IMAGES_COLUMN!r} must be a list of image paths, got {value!r}")
-  return value
+def _tiles(config: Config, image: Any, where: str) -> np.ndarray:
+  return images_lib.prepare(image_records.resolved(image, where), config, where).tiles
 
 
 def _split_by_hash(records: list[Record], eval_fraction: float) -> tuple[list[Record], list[Record]]:

@@ -11,6 +11,8 @@ jax.lax.dot_general, creates A and B as nnx.LoRAParam next to the kernel (`kerne
 where and how large. Qwix creates adapters on a module's first call, so they are added to each layer
 as it is built (`adapted_stacks`), before the decoder stacks and scans its layers: the scanned body
 works on temporary copies of a layer, where a parameter created on first use would be lost.
+A use_multimodal model whose tower trains (freeze_vision_encoder=false) gets adapters on the tower's and
+projector's projections too (`adapted_tower`, lora_vision_target_modules); a frozen tower gets none.
 
 Training splits the parameters into the adapters (the only thing differentiated and optimised) and
 the frozen base; checkpoints keep the adapters. That split is the state spec's (state.Partition, built
@@ -82,6 +84,26 @@ def adapted_stacks(stacks: tuple[Any, ...], config: Config) -> tuple[Any, ...]:
     return make_adapted
 
   return tuple(dataclasses.replace(s, make=with_adapters(s.make)) for s in stacks)
+
+
+def adapted_tower(tower: nnx.Module, config: Config, rngs: nnx.Rngs) -> nnx.Module:
+  """The vision tower (and projector) of a use_multimodal model, with adapters on the projections whose path
+  inside the tower (e.g. `layers/0/query`, `mm_input_projection`) fully matches lora_vision_target_modules when
+  LoRA is on and the tower trains (freeze_vision_encoder=false); else unchanged, so under LoRA a frozen tower
+  has no adapters and nothing of it trains. Built last, so the base parameters stay those of lora_rank=0."""
+  if not enabled(config) or config.freeze_vision_encoder:
+    return tower
+  provider = qwix.LoraProvider(
+    module_path=config.lora_vision_target_modules, rank=config.lora_rank, alpha=config.lora_alpha
+  )
+  size = config.image_size_for_vit
+  images = jnp.zeros((1, 1, size, size, config.num_channels_for_vit), jnp.dtype(config.dtype))  # one dummy image
+  adapted = qwix.apply_lora_to_model(tower, provider, images, rngs=nnx.Rngs(rngs.params()))
+  if not jax.tree.leaves(nnx.state(adapted, nnx.LoRAParam)):  # the run plan checked the targets against the tower
+    raise ValueError(
+      f"lora_vision_target_modules={config.lora_vision_target_modules!r} matches no projection of {kernel_paths(tower)}"
+    )
+  return adapted
 
 
 def merged_kernel(kernel: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:

@@ -129,6 +129,7 @@ class ModelConfig:
   lora_rank: int
   lora_alpha: float
   lora_target_modules: str
+  lora_vision_target_modules: str  # use_multimodal, freeze_vision_encoder=false: adapted projections of the tower
 
   @classmethod
   def from_config(cls, config: Any) -> ModelConfig:

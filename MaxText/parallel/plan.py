@@ -29,7 +29,7 @@ from flax import nnx
 
 from MaxText import config_checks, models, sharding
 from MaxText.config import Config, ConfigError
-from MaxText.layers import lora
+from MaxText.layers import lora, vision
 from MaxText.layers.attention_kernels import LANES
 from MaxText.layers.axes import EXPERT_EMBED_AXES, HEAD_AXES, KV_HEAD_AXES, MLP_AXES
 from MaxText.layers.model_config import ModelConfig
@@ -295,7 +295,8 @@ def _check_family(config: Config) -> models.Family:
 
 def _check_lora_targets(config: Config, stacks: Sequence[Any], plan: Plan) -> None:
   """lora_target_modules must match a projection of every layer kind (Qwix matches module paths with
-  re.fullmatch), checked on abstract layers: nothing is allocated."""
+  re.fullmatch), and lora_vision_target_modules one of a trained vision tower, checked on abstract layers:
+  nothing is allocated."""
   if not lora.enabled(config):
     return
   model_config = ModelConfig.from_config(config)
@@ -307,6 +308,16 @@ def _check_lora_targets(config: Config, stacks: Sequence[Any], plan: Plan) -> No
       raise ConfigError(
         f"lora_target_modules={config.lora_target_modules!r} matches no projection of a decoder layer; "
         f"their paths are: {', '.join(paths)}"
+      )
+  if model_config.use_multimodal and not model_config.freeze_vision_encoder:  # the tower gets adapters too
+    family = models.family(model_config)
+    with nnx.use_eager_sharding(False):
+      tower = nnx.eval_shape(lambda: (family.vision or vision.VisionEncoder)(model_config, rngs=nnx.Rngs(0)))
+    paths = lora.kernel_paths(tower)
+    if not any(re.fullmatch(config.lora_vision_target_modules, p) for p in paths):
+      raise ConfigError(
+        f"lora_vision_target_modules={config.lora_vision_target_modules!r} matches no projection of the vision "
+        f"tower (or set freeze_vision_encoder=true); their paths are: {', '.join(paths)}"
       )
 
 

@@ -207,7 +207,8 @@ def _image_blocks(config: Config, row_images: list[Any], where: str) -> tuple[li
   if len(row_images) > config.images_per_row:
     raise DataError(f"{where} has {len(row_images)} images, more than images_per_row={config.images_per_row}")
   squares = images_lib.scheme(config) is images_lib.SQUARE  # no image is read to lay out a square one
-  layouts = [images_lib.layout(im if squares else image_records.resolved(im, where), config, where) for im in row_images]
+  resolved = row_images if squares else [image_records.resolved(im, where) for im in row_images]
+  layouts = [images_lib.layout(im, config, where) for im in resolved]
   n_tiles, slots = sum(n for _, n in layouts), images_lib.slots_per_row(config)
   if n_tiles > slots:
     raise DataError(

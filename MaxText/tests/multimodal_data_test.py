@@ -141,7 +141,7 @@ def test_hf_image_rows_are_read_when_their_batch_is_built(tmp_path):
   rest, refs = image_records.split_hf_images(data, "images")
   assert rest.column_names == ["text"] and [len(r) for r in refs] == [1, 2]
   assert all(isinstance(r, image_records.HfImage) for row in refs for r in row)
-  want = np.asarray(pictures[1].resize((8, 8), Image.Resampling.BILINEAR), np.float32) / 127.5 - 1
+  want = (np.asarray(pictures[1].resize((8, 8), Image.Resampling.BILINEAR), np.float32) - 127.5) / 127.5
   np.testing.assert_array_equal(image_records.pixels(refs[1][1], 8, "row 1"), want)
   assert image_records.split_hf_images(data, "other")[1] is None  # no such column: nothing to split
   paths = datasets.Dataset.from_dict({"images": [["a.png"]]})

@@ -304,6 +304,7 @@ def reference_params(config: Config, mesh: Mesh, spec: state_lib.StateSpec, rest
 def run(config: Config, devices: Sequence[Any] | None = None) -> dict[str, Any]:
   """GRPO to config.steps on `devices` (default: all); returns the last step's metrics ({} if none ran)."""
   train.check_hardware(config)
+  config = train.keep_schedule_on_resume(config)  # a resume with more steps keeps the learning-rate schedule
   mesh = sharding.create_mesh(config, devices)
   check(config, sharding.global_batch_size(config, mesh))
   reward = rl_rewards.load(config.rl_reward)

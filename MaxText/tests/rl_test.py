@@ -306,8 +306,8 @@ def test_gradient_accumulation_gives_the_update_of_the_whole_batch(tmp_path):
   results, start = [], jax.tree.map(np.asarray, state.params)
   with sharding.activate(c, mesh):  # as rl.run calls the step
     batch = rollout_batch(c, spec, state.params)
-    for fn, start in ((step_fn, jax.tree.map(jnp.copy, state)), (step2, state)):  # (the state is donated)
-      new, metrics = fn(start, reference, batch)
+    for fn, initial in ((step_fn, jax.tree.map(jnp.copy, state)), (step2, state)):  # (the state is donated)
+      new, metrics = fn(initial, reference, batch)
       results.append((jax.tree.map(np.asarray, new.params), {k: float(v) for k, v in metrics.items()}))
   (whole, m1), (accumulated, m2) = results
   moved = jax.tree.map(lambda new, old: new - old, whole, start)

@@ -3,10 +3,12 @@
 python3 -m MaxText.rl CONFIG.yml load_parameters_path=... rl_reward=arithmetic dataset_path=prompts.jsonl
 
 Each step: take global_batch / num_generations prompts; sample num_generations completions of each through the
-inference engine (KV cache, batched, decode_sampling_* settings) with the current parameters, on device; score
-them with the reward (rl_rewards.py); normalise the rewards within each prompt's group; one optimizer step on the
-clipped policy-ratio objective minus grpo_beta x KL to the frozen reference (the starting parameters). The loss
-covers completion tokens only. Optimizer, shardings and checkpoints are train.py's.
+inference engine (rl_sampling.py: KV cache, batched, decode_sampling_* settings, until every row sampled EOS)
+with the current parameters, on device; score them with the reward (rl_rewards.py); normalise the rewards within
+each prompt's group; one optimizer step (over gradient_accumulation_steps micro-batches) on the clipped
+policy-ratio objective minus grpo_beta x KL to the frozen reference (the starting parameters; under LoRA the base
+with the adapters off). The loss covers completion tokens only. Optimizer, shardings, checkpoints and signal
+handling (a checkpoint and exit 75 on SIGTERM) are train.py's.
 """
 
 from __future__ import annotations

@@ -3,10 +3,12 @@
 python3 -m MaxText.rl CONFIG.yml load_parameters_path=... rl_reward=arithmetic dataset_path=prompts.jsonl
 
 Each step: take global_batch / num_generations prompts; sample num_generations completions of each through the
-inference engine (KV cache, batched, decode_sampling_* settings) with the current parameters, on device; score
-them with the reward (rl_rewards.py); normalise the rewards within each prompt's group; one optimizer step on the
-clipped policy-ratio objective minus grpo_beta x KL to the frozen reference (the starting parameters). The loss
-covers completion tokens only. Optimizer, shardings and checkpoints are train.py's.
+inference engine (rl_sampling.py: KV cache, batched, decode_sampling_* settings, until every row sampled EOS)
+with the current parameters, on device; score them with the reward (rl_rewards.py); normalise the rewards within
+each prompt's group; one optimizer step (over gradient_accumulation_steps micro-batches) on the clipped
+policy-ratio objective minus grpo_beta x KL to the frozen reference (the starting parameters; under LoRA the base
+with the adapters off). The loss covers completion tokens only. Optimizer, shardings, checkpoints and signal
+handling (a checkpoint and exit 75 on SIGTERM) are train.py's.
 """
 
 from __future__ import annotations
@@ -26,14 +28,14 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText import checkpointing, launch, optimizers, paths, rl_rewards, sharding, train
+from MaxText import checkpointing, launch, optimizers, paths, preemption, rl_rewards, rl_sampling, sharding, train
 from MaxText import state as state_lib
 from MaxText import train_step as steps
 from MaxText.config import Config, serving_config
 from MaxText.data import files
 from MaxText.errors import ConfigError, DataError
 from MaxText.inference import engine as engine_lib
-from MaxText.inference import tokenizer as tokenizer_lib
+from MaxText.layers import lora
 from MaxText.parallel import plan as plan_lib
 from MaxText.state import TrainState
 
@@ -59,9 +61,7 @@ def check(config: Config, global_batch: int) -> None:
     raise ConfigError("GRPO reads its prompts from dataset_path (a .jsonl or .parquet file with a prompt column)")
   if config.grpo_epsilon <= 0 or config.grpo_beta < 0:
     raise ConfigError(f"grpo_epsilon={config.grpo_epsilon} must be > 0 and grpo_beta={config.grpo_beta} >= 0")
-  for key, bad in (("gradient_accumulation_steps", config.gradient_accumulation_steps != 1),
-                   ("lora_rank", config.lora_rank > 0), ("use_sft", config.use_sft),
-                   ("mtp_num_layers", config.mtp_num_layers > 0)):  # fmt: skip
+  for key, bad in (("use_sft", config.use_sft), ("mtp_num_layers", config.mtp_num_layers > 0)):
     if bad:
       raise ConfigError(f"{key}={config[key]} is not supported by GRPO (MaxText/rl.py) yet; leave it at its default")
 
@@ -109,21 +109,7 @@ class Rollout(NamedTuple):
   batch: dict[str, np.ndarray]  # the train batch's fields [B, T], old_logprobs [B, T] and advantages [B]
   rewards: np.ndarray  # [B] float32
   lengths: np.ndarray  # [B] completion tokens (with the EOS, when one was sampled)
-
-
-def sample(engine: engine_lib.Engine, params: nnx.State, prompts: Sequence[str], seed: int) -> list[Any]:
-  """One completion per prompt from `params` (the train state's, on device: no host copy), cut after EOS.
-  Nothing stops at EOS inside the engine, so that the EOS token and its log-probability are kept for the loss."""
-  engine.params = params
-  out = engine.generate(prompts, stop_tokens=(), seed=seed, logprobs=True)
-  eos = engine.tokenizer.eos_id
-  cut = []
-  for c in out.completions:
-    n = c.tokens.index(eos) + 1 if eos in c.tokens else len(c.tokens)
-    tokens = c.tokens[:n]
-    text = engine.tokenizer.decode([t for t in tokens if t != eos])
-    cut.append(engine_lib.Completion(text, tokens, c.logprobs[:n], "eos" if eos in tokens else "length"))
-  return cut
+  decode_steps: int  # decode steps the sampler ran (fewer than decode_max_new_tokens - 1 once every row ended)
 
 
 def advantages(rewards: np.ndarray, group: int) -> np.ndarray:
@@ -161,10 +147,12 @@ def token_logprobs(graphdef: nnx.GraphDef, config: Config, params: nnx.State, ba
   return target_logit - lse
 
 
-def grpo_loss(graphdef, config: Config, params, ref_logp, batch) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """The GRPO objective (to minimise) and its per-token statistics. Per token t of completion i:
-  ratio = pi / pi_old; min(ratio * A_i, clip(ratio, 1 - eps, 1 + eps) * A_i) - beta * KL_k3(pi || pi_ref), with
-  KL_k3 = exp(ref - logp) - (ref - logp) - 1 (unbiased, >= 0); averaged over each completion, then over completions."""
+def grpo_sums(graphdef, config: Config, params, ref_logp, batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The GRPO objective summed over the batch's completions (to minimise) and the sums its metrics come from
+  (SUM_KEYS). Per token t of completion i: ratio = pi / pi_old;
+  min(ratio * A_i, clip(ratio, 1 - eps, 1 + eps) * A_i) - beta * KL_k3(pi || pi_ref), with
+  KL_k3 = exp(ref - logp) - (ref - logp) - 1 (unbiased, >= 0); averaged over each completion's tokens, then
+  summed over completions: the step divides by the global batch's completions once, so micro-batches add up."""
   logp = token_logprobs(graphdef, config, params, batch)
   mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)  # [B, T]: completion targets only
   adv = batch["advantages"][:, None]
@@ -175,10 +163,54 @@ def grpo_loss(graphdef, config: Config, params, ref_logp, batch) -> tuple[jax.Ar
   kl = jnp.exp(log_ref_ratio) - log_ref_ratio - 1
   per_token = -(surrogate - config.grpo_beta * kl)
   per_row = jnp.maximum(mask.sum(axis=1), 1.0)
-  loss = jnp.mean((per_token * mask).sum(axis=1) / per_row)
+  objective = ((per_token * mask).sum(axis=1) / per_row).sum()
   clipped = ((ratio < 1 - eps) & (adv < 0)) | ((ratio > 1 + eps) & (adv > 0))
-  tokens = jnp.maximum(mask.sum(), 1.0)
-  return loss, {"kl": (kl * mask).sum() / tokens, "clip_fraction": (clipped * mask).sum() / tokens}
+  sums = {"loss": objective, "rows": jnp.float32(mask.shape[0]), "tokens": mask.sum(), "kl": (kl * mask).sum(),
+          "clipped": (clipped * mask).sum()}  # fmt: skip
+  return objective, sums
+
+
+SUM_KEYS = ("loss", "rows", "tokens", "kl", "clipped")  # what grpo_sums adds up, over micro-batches too
+
+
+def sums_to_metrics(sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """The mean loss per completion and the per-token kl and clip_fraction of grpo_sums' sums."""
+  tokens = jnp.maximum(sums["tokens"], 1.0)
+  return {"loss": sums["loss"] / jnp.maximum(sums["rows"], 1.0), "kl": sums["kl"] / tokens,
+          "clip_fraction": sums["clipped"] / tokens}  # fmt: skip
+
+
+def grpo_loss(graphdef, config: Config, params, ref_logp, batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The GRPO loss of one batch (grpo_sums' objective over its completions) and its kl and clip_fraction."""
+  _, sums = grpo_sums(graphdef, config, params, ref_logp, batch)
+  metrics = sums_to_metrics(sums)
+  return metrics.pop("loss"), metrics
+
+
+def _grads(graphdef, config: Config, partition: state_lib.Partition, trainable, frozen, reference, batch):
+  """Summed gradients with respect to `trainable` (`frozen`, the rest or None, gets none) and the SUM_KEYS sums,
+  over gradient_accumulation_steps micro-batches; the reference log-probs are computed per micro-batch too."""
+
+  def objective(trainable, batch):
+    ref_logp = jax.lax.stop_gradient(token_logprobs(graphdef, config, reference, batch))
+    return grpo_sums(graphdef, config, partition.combine(trainable, frozen), ref_logp, batch)
+
+  grad_fn = jax.grad(objective, has_aux=True)
+  micro = config.gradient_accumulation_steps
+  if micro == 1:
+    return grad_fn(trainable, batch)
+  data_axes = sharding.data_axes(config)
+
+  def split(x):  # micro-batch i takes rows i, i + micro, ... (as train_step): each device holds a share of each
+    x = x.reshape(-1, micro, *x.shape[1:]).swapaxes(0, 1)  # [micro, B/micro, ...]
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(None, data_axes, *[None] * (x.ndim - 2)))
+
+  def body(acc, micro_batch):
+    return jax.tree.map(jnp.add, acc, grad_fn(trainable, micro_batch)), None
+
+  zeros = (jax.tree.map(jnp.zeros_like, trainable), {k: jnp.zeros((), jnp.float32) for k in SUM_KEYS})
+  acc, _ = jax.lax.scan(body, zeros, jax.tree.map(split, batch))
+  return acc
 
 
 def grpo_step(
@@ -186,23 +218,32 @@ def grpo_step(
   tx: optax.GradientTransformation,
   schedule: optax.Schedule,
   config: Config,
+  partition: state_lib.Partition,
   state: TrainState,
-  ref_params: nnx.State,
+  ref_params: nnx.State | None,
   batch: dict[str, jax.Array],
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-  """One optimizer step on a rollout batch; like train_step, a non-finite update is not applied."""
-  ref_logp = jax.lax.stop_gradient(token_logprobs(graphdef, config, ref_params, batch))
-  loss_fn = functools.partial(grpo_loss, graphdef, config)
-  (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, ref_logp, batch)
-  grad_norm = optax.global_norm(grads)
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
+  """One optimizer step on a rollout batch; like train_step, a non-finite update is not applied. Under LoRA
+  (`partition` freezes the base) only the adapters are differentiated and updated, and the reference is the base
+  with the adapters off (train_step.reference_params; `ref_params` None), as DPO's."""
+  trainable, frozen = partition.split(state.params)
+  reference = steps.reference_params(partition, state.params, ref_params)
+  grads, sums = _grads(graphdef, config, partition, trainable, frozen, reference, batch)
+  grads = jax.tree.map(lambda g: g / jnp.maximum(sums["rows"], 1.0), grads)  # the mean over completions
+  metrics = sums_to_metrics(sums)
+  loss, grad_norm = metrics["loss"], optax.global_norm(grads)
+  updates, opt_state = tx.update(grads, state.opt_state, trainable)
+  params = optax.apply_updates(trainable, updates)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & steps.all_finite((params, opt_state))
   params, opt_state = jax.tree.map(
-    lambda new, old: jnp.where(finite, new, old), (params, opt_state), (state.params, state.opt_state)
+    lambda new, old: jnp.where(finite, new, old), (params, opt_state), (trainable, state.opt_state)
   )
-  metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state.step), **aux}
-  metrics["update_finite"] = finite.astype(jnp.float32)
+  metrics |= {
+    "grad_norm": grad_norm,
+    "learning_rate": schedule(state.step),
+    "update_finite": finite.astype(jnp.float32),
+  }
+  params = partition.combine(params, frozen)
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
@@ -213,11 +254,13 @@ def batch_shardings(config: Config, mesh: Mesh) -> dict[str, NamedSharding]:
 
 
 def jit_grpo_step(config: Config, mesh: Mesh, optimizer: optimizers.Optimizer, spec: state_lib.StateSpec) -> Any:
-  """grpo_step bound to its static arguments and jitted with shardings; the state is donated, the reference not."""
+  """grpo_step bound to its static arguments and jitted with shardings; the state is donated, the reference not
+  (None under LoRA: the base is the reference)."""
   replicated = NamedSharding(mesh, PartitionSpec())
+  reference = None if spec.partition.freezes else spec.shardings.params
   return jax.jit(
-    functools.partial(grpo_step, spec.graphdef, optimizer.tx, optimizer.schedule, config),
-    in_shardings=(spec.shardings, spec.shardings.params, batch_shardings(config, mesh)),
+    functools.partial(grpo_step, spec.graphdef, optimizer.tx, optimizer.schedule, config, spec.partition),
+    in_shardings=(spec.shardings, reference, batch_shardings(config, mesh)),
     out_shardings=(spec.shardings, replicated),
     donate_argnums=0,
     compiler_options=steps.step_compiler_options(config, mesh),
@@ -242,20 +285,17 @@ class Parts:
   prompt_ids: list[list[int]]
   per_step: int  # prompts per step
   manager: Any
+  for_sampling: Any  # train state params -> the engine's (rl_sampling.policy_for_sampling)
+  partition: state_lib.Partition  # which params train: all, or under LoRA the adapters (what checkpoints hold)
+  watch: preemption.Watch | None = None  # signals: stop with a checkpoint at the next step boundary
 
 
-def make_engine(config: Config, mesh: Mesh) -> engine_lib.Engine:
-  """The inference engine over the decoding plan's graphdef, with no parameters of its own: each step hands it
-  the train state's."""
-  decode_config = serving_config(state_lib.for_inference(config))
-  graphdef = state_lib.param_spec(decode_config, mesh, plan_lib.build(decode_config, mesh, decoding=True)).graphdef
-  tokenizer = tokenizer_lib.for_decoding(config)
-  return engine_lib.Engine(config, mesh, graphdef, None, tokenizer, "the GRPO policy")
-
-
-def reference_params(config: Config, mesh: Mesh, spec: state_lib.StateSpec, restored: Any) -> nnx.State:
+def reference_params(config: Config, mesh: Mesh, spec: state_lib.StateSpec, restored: Any) -> nnx.State | None:
   """The frozen reference: the parameters the run started from (load_parameters_path, else the random init of
-  init_weights_seed), also when resuming from a later checkpoint; a separate copy on device."""
+  init_weights_seed), also when resuming from a later checkpoint; a separate copy on device. None under LoRA,
+  whose reference is the frozen base inside the train state (adapters off: train_step.reference_params)."""
+  if spec.partition.freezes:
+    return None
   if config.load_parameters_path:
     return checkpointing.load_params(config.load_parameters_path, spec.abstract.params)
   if restored.source == "init":
@@ -266,23 +306,25 @@ def reference_params(config: Config, mesh: Mesh, spec: state_lib.StateSpec, rest
 def run(config: Config, devices: Sequence[Any] | None = None) -> dict[str, Any]:
   """GRPO to config.steps on `devices` (default: all); returns the last step's metrics ({} if none ran)."""
   train.check_hardware(config)
+  config = train.keep_schedule_on_resume(config)  # a resume with more steps keeps the learning-rate schedule
   mesh = sharding.create_mesh(config, devices)
   check(config, sharding.global_batch_size(config, mesh))
   reward = rl_rewards.load(config.rl_reward)
   prompts = read_prompts(config)
   optimizer = optimizers.build(config)
-  with sharding.activate(config, mesh):
+  with sharding.activate(config, mesh), preemption.Watch(mesh) as watch:
     spec = state_lib.state_spec(config, optimizer.tx, mesh, plan_lib.build(config, mesh))
     manager = checkpointing.create_manager(config)
     try:
       restored = checkpointing.restore_or_init(config, optimizer.tx, spec, manager)
       if train.already_done(config, int(restored.state.step)):
         return {}
-      engine = make_engine(config, mesh)
+      engine = rl_sampling.make_engine(config, mesh)
       ids = [engine.encode(p) for p in prompts.texts]
       parts = Parts(mesh, engine, jit_grpo_step(config, mesh, optimizer, spec),
                     reference_params(config, mesh, spec, restored), reward, prompts, ids,
-                    sharding.global_batch_size(config, mesh) // config.num_generations, manager)  # fmt: skip
+                    sharding.global_batch_size(config, mesh) // config.num_generations, manager,
+                    rl_sampling.policy_for_sampling(config, mesh), spec.partition, watch)  # fmt: skip
       train.write_config(config)
       return loop(config, parts, restored)
     finally:  # also on a reward error: checkpoints of earlier steps complete, none is lost
@@ -296,12 +338,14 @@ def rollout(config: Config, parts: Parts, params: nnx.State, step: int) -> tuple
   rows = [r for r in step_rows(len(parts.prompts.texts), parts.per_step, step, config.data_shuffle_seed)
           for _ in range(g)]  # fmt: skip
   texts = [parts.prompts.texts[r] for r in rows]
-  completions = sample(parts.engine, params, texts, seed=config.decode_seed * 1_000_003 + step)
+  samples = rl_sampling.sample(parts.engine, parts.for_sampling(params), texts, config.decode_seed * 1_000_003 + step)
+  completions = samples.completions
   where = [parts.prompts.where[r] for r in rows]
   rewards = np.asarray(rl_rewards.score(parts.reward, texts, [c.text for c in completions], where), np.float32)
   ids = [parts.prompt_ids[r] for r in rows]
   batch = build_batch(ids, completions, advantages(rewards, g), config.max_target_length)
-  return Rollout(batch, rewards, np.asarray([len(c.tokens) for c in completions], np.float32)), rows
+  lengths = np.asarray([len(c.tokens) for c in completions], np.float32)
+  return Rollout(batch, rewards, lengths, samples.decode_steps), rows
 
 
 def loop(config: Config, parts: Parts, restored: Any) -> dict[str, Any]:
@@ -321,12 +365,16 @@ def loop(config: Config, parts: Parts, restored: Any) -> dict[str, Any]:
     done = step + 1
     train.check_finite(config, done, scalars)
     record = {"step": done, **scalars, "reward_mean": float(out.rewards.mean()), "reward_std": float(out.rewards.std()),
-              "completion_length": float(out.lengths.mean()), "sample_time_s": sampled - t0,
-              "step_time_s": time.perf_counter() - t0}  # fmt: skip
+              "completion_length": float(out.lengths.mean()), "decode_steps": out.decode_steps,
+              "sample_time_s": sampled - t0, "step_time_s": time.perf_counter() - t0}  # fmt: skip
     writer.write(record)
-    if parts.manager is not None and (done % config.checkpoint_period == 0 or done == config.steps):
-      checkpointing.save(parts.manager, done, state, {"step": done})
+    stop = parts.watch.stop_signal() if parts.watch else 0  # the same on every process
+    if parts.manager is not None and (done % config.checkpoint_period == 0 or done == config.steps or stop):
+      checkpointing.save(parts.manager, done, parts.partition.checkpointed(state), {"step": done})  # LoRA: adapters
       writer.say(f"checkpoint {done}: {train.checkpoint_path(config, done)}")
+    if stop and done < config.steps:  # run() waits for the save before the exception leaves it
+      path = paths.join(config.checkpoint_dir, str(done)) if parts.manager is not None else None
+      raise preemption.Stopped(done, parts.watch.signum or stop, path, here=bool(parts.watch.signum))
   return record
 
 
@@ -378,9 +426,10 @@ def compile_steps(config: Config) -> dict[str, Any]:
     batch["old_logprobs"] = jax.ShapeDtypeStruct((b, t), jnp.float32, sharding=shardings["old_logprobs"])
     batch["advantages"] = jax.ShapeDtypeStruct((b,), jnp.float32, sharding=shardings["advantages"])
     start = time.perf_counter()
-    compiled = jit_grpo_step(config, mesh, optimizer, spec).lower(spec.abstract, spec.abstract.params, batch).compile()
+    reference = None if spec.partition.freezes else spec.abstract.params  # LoRA: the base in the state
+    compiled = jit_grpo_step(config, mesh, optimizer, spec).lower(spec.abstract, reference, batch).compile()
     reports["grpo_step"] = train_compile._report(compiled, devices, mesh, time.perf_counter() - start, lines)
-    reports.update(_compile_sampling(config, mesh, devices, spec, b))
+    reports.update(_compile_sampling(config, mesh, devices, spec.abstract.params, b))
   return reports
 
 
@@ -388,6 +437,8 @@ def reference_bytes(config: Config) -> int:
   """Bytes per device of the frozen reference's parameters (as sharded on the compile topology's mesh)."""
   from MaxText import train_compile  # lazy: AOT only
 
+  if lora.enabled(config):  # the reference is the frozen base inside the train state
+    return 0
   mesh = sharding.create_mesh(config, train_compile.topology_devices(config))
   with sharding.activate(config, mesh):
     abstract = state_lib.param_spec(config, mesh).abstract
@@ -395,11 +446,17 @@ def reference_bytes(config: Config) -> int:
   return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in leaves)
 
 
-def _compile_sampling(config: Config, mesh: Mesh, devices: Sequence[Any], spec: Any, b: int) -> dict[str, Any]:
-  """The engine's two programs at this config's prompt bucket and cache length, on the train state's params."""
+def _compile_sampling(
+  config: Config, mesh: Mesh, devices: Sequence[Any], abstract_params: Any, b: int
+) -> dict[str, Any]:
+  """The engine's two programs at this config's prompt bucket and cache length, on the train state's params
+  (under LoRA the merged ones: the plain model's)."""
   from MaxText import train_compile  # lazy: AOT only
 
-  engine = make_engine(config, mesh)
+  engine = rl_sampling.make_engine(config, mesh)
+  if lora.enabled(config):
+    plain = serving_config(state_lib.for_inference(config))
+    abstract_params = state_lib.param_spec(plain, mesh, plan_lib.build(plain, mesh, decoding=True)).abstract
   prompt = engine_lib.bucket(config.max_prefill_predict_length, config.max_prefill_predict_length)
   cache_len = max(engine_lib.bucket(prompt + config.decode_max_new_tokens, config.max_target_length), prompt)
   vocab = config.vocab_size
@@ -413,17 +470,15 @@ def _compile_sampling(config: Config, mesh: Mesh, devices: Sequence[Any], spec: 
   lengths = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rows(1))
   start = time.perf_counter()
   prefill = engine._jitted("prefill", cache_len, strategy, vocab)
-  compiled = prefill.lower(spec.abstract.params, tokens, lengths, key, params).compile()
+  compiled = prefill.lower(abstract_params, tokens, lengths, key, params).compile()
   reports = {"sample_prefill": train_compile._report(compiled, devices, mesh, time.perf_counter() - start, ())}
   out = compiled.output_shardings.cache if hasattr(compiled.output_shardings, "cache") else None
-  cache = jax.eval_shape(prefill, spec.abstract.params, tokens, lengths, key, params).cache
+  cache = jax.eval_shape(prefill, abstract_params, tokens, lengths, key, params).cache
   if out is not None:
     cache = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), cache, out)
   start = time.perf_counter()
   index = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
-  step = engine._jitted("step", strategy, vocab).lower(
-    spec.abstract.params, cache, lengths, lengths, index, key, params
-  )
+  step = engine._jitted("step", strategy, vocab).lower(abstract_params, cache, lengths, lengths, index, key, params)
   reports["sample_step"] = train_compile._report(step.compile(), devices, mesh, time.perf_counter() - start, ())
   return reports
 
@@ -445,7 +500,7 @@ def config_compiles(argv: Sequence[str]) -> bool:
 def main(argv: Sequence[str]) -> None:
   """argv: sys.argv (the program name first)."""
   config = launch.start(argv[1:], USAGE, join_job=not config_compiles(argv))
-  with launch.user_errors():
+  with launch.user_errors(), preemption.lost_processes(config.checkpoint_dir if config.enable_checkpointing else None):
     if config.compile_topology:
       from MaxText import train_compile  # lazy: AOT only
 
@@ -455,7 +510,10 @@ def main(argv: Sequence[str]) -> None:
       return
     launch.check_outputs(config)
     try:
-      run(config)
+      run(config)  # raises Stopped after its checkpoint
+    except preemption.Stopped as stopped:
+      print(stopped.line(), file=sys.stderr, flush=True)
+      sys.exit(preemption.EXIT_STOPPED)
     except rl_rewards.RewardError as e:
       sys.exit(f"Reward error: {e} (checkpoints saved before this step are kept)")
     except train.NonFiniteLossError as e:

@@ -6,6 +6,7 @@ import shutil
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -233,3 +234,110 @@ def test_main_prints_one_line_for_a_failing_reward(tmp_path, monkeypatch, capsys
     rl.main(argv)
   message = str(exit_info.value.code)
   assert message.startswith("Reward error: rl_reward on ") and "returned nan" in message and "\n" not in message
+
+
+def update_parts(tmp_path, name, *overrides):
+  """The config, initial train state, jitted GRPO update and reference of the tiny model on one device."""
+  c = rl_config(tmp_path, name, *overrides)
+  mesh = sharding.create_mesh(c, jax.devices()[:1])
+  optimizer = optimizers.build(c)
+  with sharding.activate(c, mesh):
+    spec = state_lib.state_spec(c, optimizer.tx, mesh)
+    state = state_lib.init_state(c, optimizer.tx, spec)
+    reference = None if spec.partition.freezes else jax.tree.map(np.asarray, state.params)
+    return c, spec, state, rl.jit_grpo_step(c, mesh, optimizer, spec), reference
+
+
+def rollout_batch(c, spec, params, rows=8):
+  """rows "<bos>a+b=" prompts with 3-token completions, advantages of both signs, old log-probs = the policy's."""
+  rng = np.random.default_rng(1)
+  tok = ByteTokenizer()
+  prompts = [[tok.bos_id, *tok.encode(f"{a}+{b}=")] for a, b in rng.integers(0, 10, (rows, 2))]
+  done = [rl.engine_lib.Completion("", [int(t) for t in rng.integers(3, 259, 3)], [0.0] * 3, "length")
+          for _ in range(rows)]  # fmt: skip
+  batch = rl.build_batch(prompts, done, rng.standard_normal(rows).astype(np.float32), LENGTH)
+  logp = jax.jit(lambda p, b: rl.token_logprobs(spec.graphdef, c, p, b))(params, batch)
+  batch["old_logprobs"] = np.where(batch["targets_segmentation"] != 0, np.asarray(logp), 0.0).astype(np.float32)
+  return batch
+
+
+def test_lora_updates_only_the_adapters_against_the_base_as_reference(tmp_path):
+  """lora_rank > 0: the reference is the base with the adapters off, so KL = 0 at step 0 (fresh B = 0); the
+  update moves the adapters only, and then the policy departs from the reference (KL > 0)."""
+  c, spec, state, step_fn, reference = update_parts(tmp_path, "lora", "lora_rank=4", "lora_random_base=true",
+                                                    "learning_rate=1e-2")  # fmt: skip
+  assert reference is None and spec.partition.freezes
+  before = jax.tree.map(np.asarray, state.params)
+  batch = rollout_batch(c, spec, state.params)
+  state, first = step_fn(state, None, batch)
+  state, second = step_fn(state, None, batch)
+  assert float(first["kl"]) == 0.0 and float(second["kl"]) > 0 and float(first["update_finite"]) == 1
+  adapters, base = spec.partition.split(jax.tree.map(np.asarray, state.params))
+  adapters0, base0 = spec.partition.split(before)
+  jax.tree.map(np.testing.assert_array_equal, base, base0)
+  changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(adapters), jax.tree.leaves(adapters0))]
+  assert changed and all(changed)
+
+
+@pytest.mark.slow  # 25 s on 2 busy cores (12 s of CPU): the sampler and the update compile
+def test_a_lora_run_with_accumulation_samples_the_adapted_model_and_checkpoints_the_adapters(tmp_path, monkeypatch):
+  """rl.run under LoRA (the engine samples the base with the adapters folded in) with 2 micro-batches: KL 0 at
+  step 1, then > 0; the checkpoint holds the adapters only. (The random model never sums right: the reward is
+  one that varies within a group, so that the advantages are not all 0.)"""
+  (tmp_path / "varied_reward.py").write_text("def varied(prompt, completion):\n  return sum(completion.encode()) % 7\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  c = rl_config(tmp_path, "lora", "lora_rank=4", "lora_random_base=true", "gradient_accumulation_steps=2", "steps=2",
+                "learning_rate=1e-2", "enable_checkpointing=true", "rl_reward=varied_reward:varied")  # fmt: skip
+  rl.run(c, devices=jax.devices()[:1])
+  first, second = records(c)
+  assert first["kl"] == 0 and second["kl"] > 0 and second["update_finite"] == 1
+  saved = jax.tree_util.tree_flatten_with_path(checkpointing.saved_tree(f"{c.checkpoint_dir}/2/state")["params"])[0]
+  names = [jax.tree_util.keystr(path) for path, _ in saved]
+  assert names and all("_lora_a" in n or "_lora_b" in n for n in names), names
+
+
+def test_gradient_accumulation_gives_the_update_of_the_whole_batch(tmp_path):
+  """Micro-batches of rows i, i + 2, ... add up to the one-batch update: the SGD step (params - lr x gradient,
+  proportional to the gradient, unlike Adam's first step) and the metrics agree within float32 rounding."""
+  c, spec, state, step_fn, reference = update_parts(tmp_path, "ga", "opt_type=sgd", "learning_rate=1")
+  mesh = sharding.create_mesh(c, jax.devices()[:1])
+  accumulating = c.replace(gradient_accumulation_steps=2)
+  step2 = rl.jit_grpo_step(accumulating, mesh, optimizers.build(accumulating), spec)
+  results, start = [], jax.tree.map(np.asarray, state.params)
+  with sharding.activate(c, mesh):  # as rl.run calls the step
+    batch = rollout_batch(c, spec, state.params)
+    for fn, initial in ((step_fn, jax.tree.map(jnp.copy, state)), (step2, state)):  # (the state is donated)
+      new, metrics = fn(initial, reference, batch)
+      results.append((jax.tree.map(np.asarray, new.params), {k: float(v) for k, v in metrics.items()}))
+  (whole, m1), (accumulated, m2) = results
+  moved = jax.tree.map(lambda new, old: new - old, whole, start)
+  assert max(float(np.abs(x).max()) for x in jax.tree.leaves(moved)) > 1e-3
+  close = lambda a, b, s: np.testing.assert_allclose(a - s, b - s, rtol=1e-4, atol=1e-7)  # noqa: E731
+  jax.tree.map(close, accumulated, whole, start)  # the updates: small beside the params
+  for key in ("loss", "kl", "clip_fraction", "grad_norm"):
+    np.testing.assert_allclose(m2[key], m1[key], rtol=1e-5, atol=1e-7, err_msg=key)
+  assert m1["grad_norm"] > 0
+
+
+def test_sampling_stops_once_every_row_has_sampled_eos(tmp_path, monkeypatch):
+  """Top-1 sampling of one prompt on every row: all rows sample the same tokens; with EOS set to the second of
+  them, decoding ends after 2 tokens (2 decode steps dispatched instead of 7), with the same tokens and
+  log-probabilities as the full run, which itself matches Engine.generate without stop tokens."""
+  c = rl_config(tmp_path, "stop", "decode_sampling_strategy=topk", "decode_sampling_top_k=1",
+                "decode_max_new_tokens=8")  # fmt: skip
+  mesh = sharding.create_mesh(c, jax.devices()[:1])
+  with sharding.activate(c, mesh):
+    params = state_lib.init_params(c, state_lib.param_spec(c, mesh))
+    engine = rl.rl_sampling.make_engine(c, mesh)
+    full = rl.rl_sampling.sample(engine, params, ["3+4="] * 4, seed=0)
+    engine.params = params
+    generated = engine.generate(["3+4="] * 4, stop_tokens=(), seed=0, logprobs=True).completions
+    assert [x.tokens for x in full.completions] == [g.tokens for g in generated] and full.decode_steps == 7
+    np.testing.assert_allclose(full.completions[0].logprobs, generated[0].logprobs, rtol=1e-6)
+    first = full.completions[0]
+    assert first.tokens[1] not in first.tokens[:1]  # (the test's premise: EOS is the second token, not the first)
+    monkeypatch.setattr(engine.tokenizer, "eos_id", first.tokens[1])
+    short = rl.rl_sampling.sample(engine, params, ["3+4="] * 4, seed=0)
+  assert short.decode_steps == 2
+  for x in short.completions:
+    assert x.tokens == first.tokens[:2] and x.finish_reason == "eos" and x.logprobs == first.logprobs[:2]

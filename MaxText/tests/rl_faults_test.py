@@ -1,0 +1,43 @@
+"""GRPO (python3 -m MaxText.rl) under SIGTERM, as a real process: it checkpoints the step it is at and exits 75
+with one line; a restart continues as the uninterrupted run would (docs/rl.md, docs/failures.md)."""
+
+import json
+import os
+import signal
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from MaxText import checkpointing, config, preemption, rl
+from MaxText.tests.faults_test import Process, assert_clean, stopped_line, stopped_step
+from MaxText.tests.rl_test import records, rl_args
+
+RUN = ["per_device_batch_size=4", "enable_checkpointing=true", "checkpoint_period=1000"]  # 2 devices: 2 prompts x 4
+
+
+@pytest.mark.slow  # a subprocess and two in-process runs, each compiling the sampler and the update
+def test_sigterm_checkpoints_the_current_step_exits_75_and_resumes_exactly(tmp_path):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  run = Process([sys.executable, "-u", "-m", "MaxText.rl", *rl_args(tmp_path, "term", *RUN, "steps=1000")], env)
+  run.wait_for("step 2/1000")
+  run.proc.send_signal(signal.SIGTERM)
+  rc, output = run.finish()
+  assert rc == preemption.EXIT_STOPPED, output[-3000:]
+  assert_clean(output)
+  step = stopped_step(output)
+  assert "SIGTERM received; checkpoint saved to" in stopped_line(output)
+  resumed = config.load(rl_args(tmp_path, "term", *RUN, f"steps={step + 1}"), {})
+  assert 2 <= step < 1000 and checkpointing.committed_steps(resumed.checkpoint_dir) == [step]
+
+  two = jax.devices()[:2]
+  rl.run(resumed, devices=two)
+  # The resume keeps the 1000-step learning-rate schedule the run started with (train.keep_schedule_on_resume).
+  whole = config.load(rl_args(tmp_path, "whole", *RUN, f"steps={step + 1}", "learning_rate_schedule_steps=1000"), {})
+  rl.run(whole, devices=two)
+  keys = ("loss", "reward_mean", "kl", "grad_norm", "completion_length")
+  got, want = records(resumed), records(whole)
+  assert [r["step"] for r in got] == list(range(1, step + 2))  # the subprocess's steps, then the resumed one
+  for r, w in zip(got, want, strict=True):
+    np.testing.assert_allclose([r[k] for k in keys], [w[k] for k in keys], rtol=1e-5, err_msg=json.dumps(r))

@@ -167,9 +167,10 @@ def saved_per_token(d: Dims, remat: str, tensor: int) -> float:
   return d.emb + named[remat]
 
 
-# Buffers of one dispatch row live at once in an MoE layer's backward (the compiled buffer reports of
-# mixtral-8x7b on v5p-128, benchmarks/README.md "Auto-fit"): of width F, the gate and up projections, their
-# gated product and its gradient; of width D, the received, sorted, computed and returned rows.
+# Buffers of one dispatch row live at once in an MoE layer's backward: of width F, the gate and up projections,
+# their gated product and its gradient; of width D, the received, sorted, computed and returned rows. Fitted to
+# mixtral-8x7b's compiles on v5p-128 (benchmarks/README.md, "Auto-fit"); XLA's buffer report at expert=8,
+# batch 4 holds five [131072, 14336] (rows x F) slots and about ten [131072, 4096] (rows x D), not all live at once.
 MOE_LIVE_F, MOE_LIVE_D = 4, 4
 
 

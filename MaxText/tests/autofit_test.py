@@ -1,5 +1,6 @@
 """Auto-fit (train_compile.py auto_fit=true): the estimator's shape (monotone in batch, the state divided by
-the chips that shard it, remat saving memory and costing time), the search's bisection against a fake
+the chips that shard it, remat saving memory and costing time), the MoE dispatch term (its rows against the
+traced dispatch's buffers, its totals against mixtral-8x7b's compiles), the search's bisection against a fake
 compiler, and (slow tier) the real command on a v5e-8 topology with a small HBM budget: the winner fits when
 compiled, and the next larger batch, compiled, does not."""
 

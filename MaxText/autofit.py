@@ -12,7 +12,8 @@ Steps:
    abstract shapes and shardings: nothing compiled, nothing allocated).
 2. For each (split, remat, accumulation) group, `estimate` gives the memory of every batch: the state, its
    gradients (and an accumulator), two layers of gathered weights, the activations the remat policy saves,
-   one layer's backward workspace and the loss's logits. The group's candidate is its largest batch under
+   one layer's backward workspace (MoE: the dispatch buffers as moe_dispatch sizes them, `dispatch_rows`)
+   and the loss's logits. The group's candidate is its largest batch under
    auto_fit_margin x HBM. Candidates are ranked by tokens per step per chip, then by estimated tokens/s.
 3. Compiles (at most auto_fit_compiles): the best group is compiled at its estimated batch; each compile
    calibrates the activation term (a per-sample slope from two compiles, else the ratio to the estimate)
@@ -79,6 +80,16 @@ class Split:
     return ", ".join(parts)
 
 
+class Moe(NamedTuple):
+  """The MoE widths the dispatch buffers depend on (layers/moe.py, layers/moe_dispatch.py)."""
+
+  experts: int  # E
+  k: int  # routed experts per token
+  expert_mlp: int  # F of one routed expert
+  shared_mlp: int  # F of the shared experts' MLP (shared_experts x F; 0: none)
+  capacity_factor: float  # 0: dropless
+
+
 class Dims(NamedTuple):
   """The model widths the estimate needs (per token, per layer), from the config."""
 
@@ -90,6 +101,7 @@ class Dims(NamedTuple):
   vocab: int
   length: int  # T
   act_bytes: int  # bytes per activation element (config.dtype)
+  moe: Moe | None = None  # None: a dense model
 
 
 class Facts(NamedTuple):
@@ -127,13 +139,16 @@ class Candidate:
 
 
 def dims(config: Config) -> Dims:
-  moe = config.num_experts > 1
-  mlp = config.num_experts_per_tok * config.moe_mlp_dim if moe else config.mlp_dim
+  moe = None
+  if config.num_experts > 1:
+    f, k = config.moe_mlp_dim, config.num_experts_per_tok
+    moe = Moe(config.num_experts, k, f, config.shared_experts * f, config.capacity_factor)
+  mlp = moe.k * moe.expert_mlp if moe else config.mlp_dim
   heads, kv = config.num_query_heads, config.num_kv_heads
   itemsize = jax.numpy.dtype(config.dtype).itemsize
   return Dims(
     config.emb_dim, (heads + 2 * kv) * config.head_dim, heads * config.head_dim, mlp, config.num_decoder_layers,
-    config.vocab_size, config.max_target_length, itemsize,
+    config.vocab_size, config.max_target_length, itemsize, moe,
   )  # fmt: skip
 
 
@@ -152,18 +167,48 @@ def saved_per_token(d: Dims, remat: str, tensor: int) -> float:
   return d.emb + named[remat]
 
 
+# Buffers of one dispatch row live at once in an MoE layer's backward: of width F, the gate and up projections,
+# their gated product and its gradient; of width D, the received, sorted, computed and returned rows. Fitted to
+# mixtral-8x7b's compiles on v5p-128 (benchmarks/README.md, "Auto-fit"); XLA's buffer report at expert=8,
+# batch 4 holds five [131072, 14336] (rows x F) slots and about ten [131072, 4096] (rows x D), not all live at once.
+MOE_LIVE_F, MOE_LIVE_D = 4, 4
+
+
+def dispatch_rows(m: Moe, expert: int) -> float:
+  """Rows per token that a device's experts compute on, as the dispatch buffers are sized (not as routed):
+  capacity_factor x k slots (at most E); dropless on one shard, the k assignments; dropless over `expert`
+  shards, the receive buffer's worst case: each of the ep sources may send a shard min(k, E/ep) rows per
+  token (moe_dispatch.dropless), so ep x min(k, E/ep), up to 8x a balanced load for mixtral at expert=8."""
+  if m.capacity_factor > 0:
+    return min(m.capacity_factor * m.k, m.experts)
+  if expert <= 1:
+    return m.k
+  return expert * min(m.k, m.experts // expert)
+
+
+def workspace_per_token(d: Dims, split: Split) -> float:
+  """Elements per token of one layer's backward workspace. Dense: 0.4 of all its intermediates (fitted to
+  llama2-7b on v5e-256: 0.627 GiB per sample compiled, of which the kept layer inputs are 0.5). MoE: the same
+  for the layer without its routed experts, plus the dispatch rows' live buffers, which grow with the
+  expert axis (dispatch_rows), not with the tokens' k alone."""
+  t = split.tensor
+  if d.moe is None:
+    return 0.4 * saved_per_token(d, "none", t)
+  outside = 0.4 * saved_per_token(d._replace(mlp=d.moe.shared_mlp), "none", t)
+  rows = dispatch_rows(d.moe, split.expert)
+  return outside + rows * (MOE_LIVE_F * d.moe.expert_mlp / t + MOE_LIVE_D * d.emb)
+
+
 def estimate(d: Dims, f: Facts, remat: str, batch: float, accumulation: int = 1) -> Estimate:
   """Bytes per device of one train step at per_device_batch_size `batch` (the step's), split into
   `accumulation` micro-batches. Fixed: state + gradients (+ an accumulator) + two layers of gathered weights.
-  Activations (for one micro-batch): what `remat` saves per layer, one layer's backward workspace (all its
-  intermediates, as remat_policy=none keeps them) and the float32 logits and their gradient."""
+  Activations (for one micro-batch): what `remat` saves per layer, one layer's backward workspace
+  (workspace_per_token) and the float32 logits and their gradient."""
   rows = batch * f.devices / accumulation / f.batch_shards  # micro-batch rows on each device
   tokens = rows * d.length
   fixed = f.state_bytes + f.param_bytes * (2 if accumulation > 1 else 1) + 2 * f.layer_weight_bytes
   saved = tokens * d.layers * saved_per_token(d, remat, f.split.tensor) * d.act_bytes
-  # About 0.4 of a layer's intermediates are live at once in its backward (fitted to llama2-7b on v5e-256:
-  # 0.627 GiB per sample compiled, of which the kept layer inputs are 0.5); the compiles calibrate the rest.
-  workspace = 0.4 * tokens * saved_per_token(d, "none", f.split.tensor) * d.act_bytes
+  workspace = tokens * workspace_per_token(d, f.split) * d.act_bytes  # the compiles calibrate the rest
   logits = min(tokens * d.vocab / f.split.tensor * 4, 256 * 2**20)  # num_vocab_tiling=-1: <= 256 MiB pieces
   act = saved + workspace + logits
   return Estimate(fixed, act, fixed + act)

@@ -1,17 +1,25 @@
 """Auto-fit (train_compile.py auto_fit=true): the estimator's shape (monotone in batch, the state divided by
-the chips that shard it, remat saving memory and costing time), the search's bisection against a fake
+the chips that shard it, remat saving memory and costing time), the MoE dispatch term (its rows against the
+traced dispatch's buffers, its totals against mixtral-8x7b's compiles), the search's bisection against a fake
 compiler, and (slow tier) the real command on a v5e-8 topology with a small HBM budget: the winner fits when
 compiled, and the next larger batch, compiled, does not."""
 
+import functools
+import math
 import os
 import re
 import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import pytest
+from jax.extend import core
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from MaxText import autofit, config
+from MaxText.layers import moe_dispatch
 from MaxText.tests.conftest import BASE, ROOT, SIZES
 
 GiB = 2**30
@@ -151,3 +159,82 @@ def test_auto_fit_on_v5e_8_fits_and_the_next_batch_does_not(tmp_path):
   assert compiled_total(*recipe) <= budget
   over = compiled_total(*recipe, f"per_device_batch_size={batch + 1}")
   assert over is None or over > budget
+
+
+# MoE: the dispatch buffers' rows (autofit.dispatch_rows) against the traced dispatch, and the estimate against
+# mixtral-8x7b's compiles on v5p-128 (benchmarks/README.md, "Auto-fit"), from the facts autofit.facts gave there.
+MIXTRAL = autofit.Dims(4096, 6144, 4096, 28672, 32, 32000, 4096, 2, autofit.Moe(8, 2, 14336, 0, 0.0))
+
+
+def mixtral_facts(fsdp, expert):
+  layer = {1: 2902540544.0, 8: 362817568.0}[expert]  # one layer's weights over tensor x expert, bf16
+  return autofit.Facts(autofit.Split(fsdp, 1, expert), 64, 8759918604, 2919972864, layer, 64, 7.97e10, {})
+
+
+def expert_rows(moe, ep, x):
+  """Rows of the widest expert matmul output (width F) in one shard's traced dispatch (make_jaxpr: nothing
+  compiled), as moe_dispatch sizes its buffers for x tokens per shard."""
+  d, f = 8, 48  # F distinct from every other width in the trace
+  local = moe.experts // ep
+  spec = lambda *shape, dtype=jnp.float32: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+  glu = lambda gate, up: jax.nn.silu(gate) * up  # noqa: E731
+  if moe.capacity_factor:
+    fn = functools.partial(moe_dispatch.capacity, groups=1, capacity_factor=moe.capacity_factor)
+  else:
+    fn = functools.partial(moe_dispatch.dropless, ragged=False)
+  fn = functools.partial(fn, num_experts=moe.experts, glu=glu)
+  args = (spec(ep * x, d), spec(ep * x, moe.k, dtype=jnp.int32), spec(moe.experts, d, f), spec(moe.experts, d, f))
+  args += (spec(moe.experts, f, d),)
+  if ep == 1:
+    traced = jax.make_jaxpr(lambda *a: fn(*a, ep_axes=(), ep=1))(*args)
+  else:
+    mesh = Mesh(jax.devices()[:ep], ("expert",))
+    per_shard = lambda *a: fn(*a, ep_axes=("expert",), ep=ep)  # noqa: E731
+    sharded = jax.shard_map(per_shard, mesh=mesh, in_specs=(P("expert"),) * 5, out_specs=P("expert"))
+    traced = jax.make_jaxpr(sharded)(*args)
+  assert local * ep == moe.experts
+  rows = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      rows.extend(math.prod(v.aval.shape[:-1]) for v in eqn.outvars if getattr(v.aval, "shape", ())[-1:] == (f,))
+      for param in eqn.params.values():  # shard_map's body, the sort's comparator, ...
+        if isinstance(param, (core.Jaxpr, core.ClosedJaxpr)):
+          walk(getattr(param, "jaxpr", param))
+
+  walk(traced.jaxpr)
+  return max(rows)
+
+
+@pytest.mark.parametrize(
+  "moe, ep",
+  [
+    (autofit.Moe(8, 2, 48, 0, 0.0), 1),  # dropless on one shard: the k assignments per token
+    (autofit.Moe(8, 2, 48, 0, 0.0), 4),  # over 4 shards of 2 experts: 4 x min(2, 2) rows per token
+    (autofit.Moe(8, 2, 48, 0, 0.0), 8),  # mixtral's expert=8: 8 x min(2, 1), 4x the assignments
+    (autofit.Moe(4, 1, 48, 0, 0.0), 2),  # k=1: 2 x 1
+    (autofit.Moe(8, 2, 48, 0, 1.25), 4),  # capacity: 1.25 x k slots per token wherever the experts live
+  ],
+)
+def test_dispatch_rows_are_the_buffers_the_dispatch_traces(moe, ep):
+  x = 32  # tokens per shard
+  assert expert_rows(moe, ep, x) == autofit.dispatch_rows(moe, ep) * x
+
+
+def test_dense_estimate_is_unchanged_and_moe_adds_the_dispatch_buffers(tiny):
+  c, f = tiny
+  d = autofit.dims(c)
+  assert d.moe is None
+  assert autofit.workspace_per_token(d, f.split) == 0.4 * autofit.saved_per_token(d, "none", 1)
+  ep1, ep8 = (autofit.estimate(MIXTRAL, mixtral_facts(64 // e, e), "full", 4).activations for e in (1, 8))
+  assert ep8 > 2 * ep1  # the expert axis's worst-case receive buffers, 8 rows per token against 2
+
+
+@pytest.mark.parametrize(
+  "expert, batch, compiled_gib",
+  [(8, 4, 31.45), (8, 8, 54.54), (8, 12, 81.12), (8, 13, 91.73), (1, 4, 23.40), (1, 32, 84.01)],
+)
+def test_the_moe_estimate_lands_near_the_compiled_step(expert, batch, compiled_gib):
+  """Before the dispatch term, fsdp 8 x expert 8 at batch 12 was estimated 29.43 GiB for XLA's 81.12."""
+  est = autofit.estimate(MIXTRAL, mixtral_facts(64 // expert, expert), "full", batch).total / GiB
+  assert est == pytest.approx(compiled_gib, rel=0.15)

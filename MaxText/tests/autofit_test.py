@@ -103,10 +103,14 @@ def test_the_search_bisects_to_the_largest_fitting_batch_and_writes_a_recipe(tmp
 
 
 def test_the_shipped_auto_recipe_runs_by_name(tmp_path):
-  """configs/auto/llama2-7b-v5e-256.yml, written by the search in benchmarks/README.md ("Auto-fit")."""
+  """configs/auto/llama2-7b-v5e-256.yml and mixtral-8x7b-v5p-128.yml, written by the searches in benchmarks/README.md
+  ("Auto-fit")."""
   c = config.load(["auto/llama2-7b-v5e-256", f"base_output_directory={tmp_path}"], {})
   searched = (c.model_name, c.per_device_batch_size, c.remat_policy, c.ici_fsdp_parallelism)
   assert searched == ("llama2-7b", 20, "full", 256)
+  c = config.load(["auto/mixtral-8x7b-v5p-128", f"base_output_directory={tmp_path}"], {})  # with the MoE term
+  searched = (c.model_name, c.per_device_batch_size, c.ici_fsdp_parallelism, c.ici_expert_parallelism)
+  assert searched == ("mixtral-8x7b", 32, 64, 1)
 
 
 TINY_TPU = (

@@ -88,17 +88,22 @@ def assert_clean(output):
   assert not any(marker in output for marker in NO_TRACE), output[-3000:]
 
 
-@pytest.mark.slow
-def test_sigterm_during_async_saves_checkpoints_that_step_and_resumes(tmp_path):
-  # checkpoint_period=1 with async saves: a save is in flight whenever the signal lands.
-  run = start(tmp_path, "term", "checkpoint_period=1", "async_checkpointing=true")
-  run.wait_for("step 3/")
+def terminate_after(run, text):
+  """SIGTERM `run` once it printed `text`: it exits 75 with no traceback after saving a checkpoint at the step it
+  stopped at, which is returned."""
+  run.wait_for(text)
   run.proc.send_signal(signal.SIGTERM)
   rc, output = run.finish()
   assert rc == preemption.EXIT_STOPPED, output[-3000:]
   assert_clean(output)
-  step = stopped_step(output)
   assert "SIGTERM received; checkpoint saved to" in stopped_line(output)
+  return stopped_step(output)
+
+
+@pytest.mark.slow
+def test_sigterm_during_async_saves_checkpoints_that_step_and_resumes(tmp_path):
+  # checkpoint_period=1 with async saves: a save is in flight whenever the signal lands.
+  step = terminate_after(start(tmp_path, "term", "checkpoint_period=1", "async_checkpointing=true"), "step 3/")
   assert 4 <= step < 200 and checkpoints(tmp_path, "term")[-1] == step
 
   # Resumed here on 8 devices (the run had 2): a global batch of 8 on purpose, so elastic_resume=false.

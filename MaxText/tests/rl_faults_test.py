@@ -3,15 +3,14 @@ with one line; a restart continues as the uninterrupted run would (docs/rl.md, d
 
 import json
 import os
-import signal
 import sys
 
 import jax
 import numpy as np
 import pytest
 
-from MaxText import checkpointing, config, preemption, rl
-from MaxText.tests.faults_test import Process, assert_clean, stopped_line, stopped_step
+from MaxText import checkpointing, config, rl
+from MaxText.tests.faults_test import Process, terminate_after
 from MaxText.tests.rl_test import records, rl_args
 
 RUN = ["per_device_batch_size=4", "enable_checkpointing=true", "checkpoint_period=1000"]  # 2 devices: 2 prompts x 4
@@ -21,13 +20,7 @@ RUN = ["per_device_batch_size=4", "enable_checkpointing=true", "checkpoint_perio
 def test_sigterm_checkpoints_the_current_step_exits_75_and_resumes_exactly(tmp_path):
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
   run = Process([sys.executable, "-u", "-m", "MaxText.rl", *rl_args(tmp_path, "term", *RUN, "steps=1000")], env)
-  run.wait_for("step 2/1000")
-  run.proc.send_signal(signal.SIGTERM)
-  rc, output = run.finish()
-  assert rc == preemption.EXIT_STOPPED, output[-3000:]
-  assert_clean(output)
-  step = stopped_step(output)
-  assert "SIGTERM received; checkpoint saved to" in stopped_line(output)
+  step = terminate_after(run, "step 2/1000")
   resumed = config.load(rl_args(tmp_path, "term", *RUN, f"steps={step + 1}"), {})
   assert 2 <= step < 1000 and checkpointing.committed_steps(resumed.checkpoint_dir) == [step]
 

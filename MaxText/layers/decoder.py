@@ -192,7 +192,8 @@ class Decoder(nnx.Module):
     # (the family's own tower, e.g. Llama 4's, else Gemma 3's SigLIP).
     self.vision_encoder = nnx.data(None)
     if config.use_multimodal:
-      self.vision_encoder = (family.vision or vision.VisionEncoder)(config, rngs=rngs)
+      encoder = family.vision or vision.VisionEncoder
+      self.vision_encoder = encoder(config, rngs=rngs, remat_policy=plan.remat_policy)
 
   def __call__(
     self,

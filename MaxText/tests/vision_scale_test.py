@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import config, models, sharding, state
+from MaxText import config, models, sharding, state, train_compile
+from MaxText import flops as flops_lib
 from MaxText.convert import hf_mapping
 from MaxText.convert.hf_to_maxtext import get, to_maxtext
 from MaxText.convert.maxtext_to_hf import to_hf
@@ -145,3 +146,16 @@ def test_hugging_face_mapping_covers_both_layouts(tower):
   assert len(rebuilt) == len(jax.tree.leaves(scanned["vision_encoder"]))
   for path, array in rebuilt.items():
     np.testing.assert_array_equal(array, get(scanned, path), err_msg="/".join(map(str, path)))
+
+
+def test_train_compile_builds_the_images_and_counts_the_tower():
+  """train_compile's abstract batch carries images_per_row images per row, sharded like the tokens; the step
+  compiles with them on the 8-device mesh (scanned tower) and its model FLOPs include the tower's."""
+  c = load("gemma3", "images_per_row=2", "max_target_length=32", "per_device_batch_size=1")
+  mesh = sharding.create_mesh(c)
+  batch, _ = train_compile.shaped_inputs(c, mesh)
+  assert batch["images"].shape == (8, 2, 16, 16, 3) and batch["images"].dtype == jnp.float32
+  assert batch["images"].sharding.spec[0] == batch["inputs"].sharding.spec[0]
+  _, report, _ = train_compile.compile_train_step(c, jax.devices())
+  per_token = flops_lib.training_flops_per_token(c)
+  assert per_token.vision > 0 and report.model_flops == pytest.approx(per_token.total * 8 * 32 / 8)

@@ -135,7 +135,7 @@ def vision_forward_per_image(model: nnx.Module) -> float:
     if isinstance(m, DenseGeneral) and p[:1] != ("mm_input_projection",)
   )
   width = encoder.position_embedding.get_value().shape[-1]
-  attention = 4.0 * patches * patches * width * len(encoder.layers)
+  attention = 4.0 * patches * patches * width * encoder.num_layers
   return 2.0 * per_patch * patches + attention + 2.0 * _size(encoder.mm_input_projection.kernel) * tokens
 
 

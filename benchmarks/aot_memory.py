@@ -99,6 +99,23 @@ CASES = (
     "model_name=llama4-17b-16e", "compile_topology=v5p-128", "per_device_batch_size=1", "max_target_length=16384",
     "ici_expert_parallelism=16", "capacity_factor=1.25", "capacity_group=sequence",
   ),
+  # Vision-language models (docs/multimodal.md): the same step with images (sharded, scanned towers; frozen),
+  # and without them for comparison.
+  case(
+    "gemma3-27b v5p-128 images",
+    "model_name=gemma3-27b", "compile_topology=v5p-128", "per_device_batch_size=2", "max_target_length=4096",
+    "use_multimodal=true", "images_per_row=2",
+  ),
+  case(
+    "gemma3-27b v5p-128 text",
+    "model_name=gemma3-27b", "compile_topology=v5p-128", "per_device_batch_size=2", "max_target_length=4096",
+  ),
+  case(
+    "llama4-17b-16e v5p-128 expert=16 capacity images",
+    "model_name=llama4-17b-16e", "compile_topology=v5p-128", "per_device_batch_size=1", "max_target_length=16384",
+    "ici_expert_parallelism=16", "capacity_factor=1.25", "capacity_group=sequence", "use_multimodal=true",
+    "images_per_row=4",
+  ),
 )  # fmt: skip
 
 REPORT = {

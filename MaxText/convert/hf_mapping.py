@@ -597,7 +597,7 @@ def rules(c: Config, stacks, params: dict) -> list[Rule]:
   out += _mtp_rules(c)
   if c.use_multimodal and c.decoder_block == "llama4":  # Llama4ForConditionalGeneration
     out = [r._replace(hf_name=llama4_vision_mapping.TEXT_PREFIX + r.hf_name) for r in out]
-    out += [Rule(name, path, (), n_in) for name, path, n_in in llama4_vision_mapping.rules(c)]
+    out += [Rule(name, path, index, n_in) for name, path, index, n_in in llama4_vision_mapping.rules(c)]
   elif c.use_multimodal:  # Gemma 3: the text model under language_model., then the vision tower and projector
     out = [r._replace(hf_name=TEXT_PREFIX + r.hf_name if r.hf_name.startswith("model.") else r.hf_name) for r in out]
     out += _vision_rules(c)
@@ -620,7 +620,8 @@ def _vision_rules(c: Config) -> list[Rule]:
     ),
   ]
   for i in range(c.num_hidden_layers_for_vit):
-    hf, ours = f"vision_tower.encoder.layers.{i}.", (*root, "layers", i)
+    hf = f"vision_tower.encoder.layers.{i}."
+    ours, index = llama4_vision_mapping.tower_layer(c, root, i)
     for name, path, n_in in (
       ("self_attn.q_proj", "query", 1),
       ("self_attn.k_proj", "key", 1),
@@ -629,11 +630,11 @@ def _vision_rules(c: Config) -> list[Rule]:
       ("mlp.fc1", "fc1", 1),
       ("mlp.fc2", "fc2", 1),
     ):
-      out.append(Rule(f"{hf}{name}.weight", (*ours, path, "kernel"), (), n_in))
-      out.append(Rule(f"{hf}{name}.bias", (*ours, path, "bias"), (), None))
+      out.append(Rule(f"{hf}{name}.weight", (*ours, path, "kernel"), index, n_in))
+      out.append(Rule(f"{hf}{name}.bias", (*ours, path, "bias"), index, None))
     for norm in ("layer_norm1", "layer_norm2"):
-      out.append(Rule(f"{hf}{norm}.weight", (*ours, norm, "scale"), (), None))
-      out.append(Rule(f"{hf}{norm}.bias", (*ours, norm, "bias"), (), None))
+      out.append(Rule(f"{hf}{norm}.weight", (*ours, norm, "scale"), index, None))
+      out.append(Rule(f"{hf}{norm}.bias", (*ours, norm, "bias"), index, None))
   return out
 
 

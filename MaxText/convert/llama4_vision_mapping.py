@@ -77,27 +77,34 @@ def hf_config(c: Any, text: dict[str, Any], dtype: str) -> dict[str, Any]:
   }
 
 
-def rules(c: Any) -> Iterator[tuple[str, tuple[Any, ...], int | None]]:
-  """(HF name, path in the params pure dict, n_in: None to copy, else a torch Linear weight whose kernel has
-  n_in input dims) for every tensor of the vision tower and projector."""
+def tower_layer(c: Any, root: tuple[str, ...], i: int) -> tuple[tuple[Any, ...], tuple[int, ...]]:
+  """(path, index) of encoder layer i of a vision tower under `root` (both towers, layers/vision.py's
+  encoder_layers): the stacked `layers` module and slice i under scan_layers, else the i-th module."""
+  return ((*root, "layers"), (i,)) if c.scan_layers else ((*root, "layers", i), ())
+
+
+def rules(c: Any) -> Iterator[tuple[str, tuple[Any, ...], tuple[int, ...], int | None]]:
+  """(HF name, path in the params pure dict, index: the slice of a stacked parameter, n_in: None to copy,
+  else a torch Linear weight whose kernel has n_in input dims) for every tensor of the vision tower and
+  projector."""
   v, root = "vision_model.", ("vision_encoder",)
-  yield f"{v}patch_embedding.linear.weight", (*root, "patch_embedding", "kernel"), 1
-  yield f"{v}class_embedding", (*root, "class_embedding"), None
-  yield f"{v}positional_embedding_vlm", (*root, "positional_embedding"), None
+  yield f"{v}patch_embedding.linear.weight", (*root, "patch_embedding", "kernel"), (), 1
+  yield f"{v}class_embedding", (*root, "class_embedding"), (), None
+  yield f"{v}positional_embedding_vlm", (*root, "positional_embedding"), (), None
   for norm in ("layernorm_pre", "layernorm_post"):
-    yield f"{v}{norm}.weight", (*root, norm, "scale"), None
-    yield f"{v}{norm}.bias", (*root, norm, "bias"), None
+    yield f"{v}{norm}.weight", (*root, norm, "scale"), (), None
+    yield f"{v}{norm}.bias", (*root, norm, "bias"), (), None
   for i in range(c.num_hidden_layers_for_vit):
-    layer, path = f"{v}model.layers.{i}.", (*root, "layers", i)
+    layer, (path, index) = f"{v}model.layers.{i}.", tower_layer(c, root, i)
     for norm in ("input_layernorm", "post_attention_layernorm"):
-      yield f"{layer}{norm}.weight", (*path, norm, "scale"), None
-      yield f"{layer}{norm}.bias", (*path, norm, "bias"), None
+      yield f"{layer}{norm}.weight", (*path, norm, "scale"), index, None
+      yield f"{layer}{norm}.bias", (*path, norm, "bias"), index, None
     for ours, theirs, n_in in (("query", "q", 1), ("key", "k", 1), ("value", "v", 1), ("out", "o", 2)):
-      yield f"{layer}self_attn.{theirs}_proj.weight", (*path, ours, "kernel"), n_in
-      yield f"{layer}self_attn.{theirs}_proj.bias", (*path, ours, "bias"), None
+      yield f"{layer}self_attn.{theirs}_proj.weight", (*path, ours, "kernel"), index, n_in
+      yield f"{layer}self_attn.{theirs}_proj.bias", (*path, ours, "bias"), index, None
     for fc in ("fc1", "fc2"):
-      yield f"{layer}mlp.{fc}.weight", (*path, fc, "kernel"), 1
-      yield f"{layer}mlp.{fc}.bias", (*path, fc, "bias"), None
-  yield f"{v}vision_adapter.mlp.fc1.weight", (*root, "adapter_fc1", "kernel"), 1
-  yield f"{v}vision_adapter.mlp.fc2.weight", (*root, "adapter_fc2", "kernel"), 1
-  yield "multi_modal_projector.linear_1.weight", (*root, "projector", "kernel"), 1
+      yield f"{layer}mlp.{fc}.weight", (*path, fc, "kernel"), index, 1
+      yield f"{layer}mlp.{fc}.bias", (*path, fc, "bias"), index, None
+  yield f"{v}vision_adapter.mlp.fc1.weight", (*root, "adapter_fc1", "kernel"), (), 1
+  yield f"{v}vision_adapter.mlp.fc2.weight", (*root, "adapter_fc2", "kernel"), (), 1
+  yield "multi_modal_projector.linear_1.weight", (*root, "projector", "kernel"), (), 1

@@ -192,7 +192,7 @@ class Decoder(nnx.Module):
     # (the family's own tower, e.g. Llama 4's, else Gemma 3's SigLIP).
     self.vision_encoder = nnx.data(None)
     if config.use_multimodal:
-      tower = (family.vision or vision.VisionEncoder)(config, rngs=rngs)
+      tower = (family.vision or vision.VisionEncoder)(config, rngs=rngs, remat_policy=plan.remat_policy)
       self.vision_encoder = lora.adapted_tower(tower, config, rngs)  # LoRA adapters, when the tower trains
 
   def __call__(

@@ -22,6 +22,7 @@ from `trainable_filter`). Export and decode fold the adapters into the base kern
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -86,24 +87,96 @@ def adapted_stacks(stacks: tuple[Any, ...], config: Config) -> tuple[Any, ...]:
   return tuple(dataclasses.replace(s, make=with_adapters(s.make)) for s in stacks)
 
 
+def tower_projections(tower: nnx.Module) -> list[tuple[str, tuple[Any, ...], bool]]:
+  """(name, module path, stacked) of each projection of a vision tower. The name is the path inside the tower
+  with the layer index, `layers/<i>/query`, whatever the layout: a stacked (scanned) encoder gives its one
+  module under every index, with stacked=True; the projector's names have no index (`mm_input_projection`)."""
+  stacked_layers = not isinstance(getattr(tower, "layers", None), nnx.List)
+  out = []
+  for path, module in nnx.iter_modules(tower):
+    if not hasattr(module, "kernel"):
+      continue
+    if path[:1] == ("layers",) and stacked_layers:
+      rest = "/".join(map(str, path[1:]))
+      out += [(f"layers/{i}/{rest}", tuple(path), True) for i in range(tower.num_layers)]
+    else:
+      out.append(("/".join(map(str, path)), tuple(path), False))
+  return out
+
+
+def tower_paths_shown(tower: nnx.Module) -> str:
+  """The tower's projection names for an error message: the first layer's and the projector's."""
+  names = [n for n, _, _ in tower_projections(tower)]
+  return ", ".join(n for n in names if not n.startswith("layers/") or n.startswith("layers/0/"))
+
+
+def tower_targets(tower: nnx.Module, pattern: str) -> list[tuple[tuple[Any, ...], int]]:
+  """(module path, layers) of the tower's projections whose name fully matches `pattern`; layers > 0: a stacked
+  module of that many layers (adapted in every layer: a scanned encoder's layers cannot differ). ValueError
+  when nothing matches, or when a pattern picks some of a stacked projection's layers."""
+  chosen: dict[tuple[Any, ...], list[str]] = {}
+  stacked: dict[tuple[Any, ...], bool] = {}
+  for name, path, is_stacked in tower_projections(tower):
+    if re.fullmatch(pattern, name):
+      chosen.setdefault(path, []).append(name)
+      stacked[path] = is_stacked
+  if not chosen:
+    raise ValueError(
+      f"lora_vision_target_modules={pattern!r} matches no projection of the vision tower; their paths are: "
+      f"{tower_paths_shown(tower)} (every layer has the projections of layers/0)"
+    )
+  out = []
+  for path, names in chosen.items():
+    layers = tower.num_layers if stacked[path] else 0
+    if layers and len(names) != layers:
+      raise ValueError(
+        f"lora_vision_target_modules={pattern!r} matches {names[0]} in {len(names)} of {layers} vision layers; "
+        "scanned layers are adapted alike: match every layer, or set scan_layers=false"
+      )
+    out.append((path, layers))
+  return out
+
+
+def _adapt_projection(module: nnx.Module, config: Config, key: jax.Array, layers: int) -> nnx.Module:
+  """One DenseGeneral with Qwix adapters, created by one call on a dummy input; `layers` > 0: a stacked module,
+  adapted layer by layer (its adapters get the leading `layers` axis, as the scanned text layers' do)."""
+  provider = qwix.LoraProvider(module_path=".*", rank=config.lora_rank, alpha=config.lora_alpha)
+
+  def adapt(m: nnx.Module, rngs: nnx.Rngs) -> nnx.Module:
+    return qwix.apply_lora_to_model(m, provider, jnp.zeros((1, *m.in_features), m.dtype), rngs=rngs)
+
+  if not layers:
+    return adapt(module, nnx.Rngs(key))
+
+  @nnx.split_rngs(splits=layers)
+  @nnx.vmap(in_axes=(0, 0), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+  def each(m: nnx.Module, rngs: nnx.Rngs) -> nnx.Module:
+    return adapt(m, rngs)
+
+  return each(module, nnx.Rngs(key))
+
+
 def adapted_tower(tower: nnx.Module, config: Config, rngs: nnx.Rngs) -> nnx.Module:
-  """The vision tower (and projector) of a use_multimodal model, with adapters on the projections whose path
-  inside the tower (e.g. `layers/0/query`, `mm_input_projection`) fully matches lora_vision_target_modules when
+  """The vision tower (and projector) of a use_multimodal model, with adapters on the projections whose name
+  (tower_projections: `layers/0/query`, `mm_input_projection`, ...) fully matches lora_vision_target_modules when
   LoRA is on and the tower trains (freeze_vision_encoder=false); else unchanged, so under LoRA a frozen tower
-  has no adapters and nothing of it trains. Built last, so the base parameters stay those of lora_rank=0."""
+  has no adapters and nothing of it trains. Built last, so the base parameters stay those of lora_rank=0.
+  Each projection is adapted on its own (a scanned encoder cannot be run by Qwix's tracing call); in a stacked
+  encoder a projection gets adapters in every layer or in none."""
   if not enabled(config) or config.freeze_vision_encoder:
     return tower
-  provider = qwix.LoraProvider(
-    module_path=config.lora_vision_target_modules, rank=config.lora_rank, alpha=config.lora_alpha
-  )
-  size = config.image_size_for_vit
-  images = jnp.zeros((1, 1, size, size, config.num_channels_for_vit), jnp.dtype(config.dtype))  # one dummy image
-  adapted = qwix.apply_lora_to_model(tower, provider, images, rngs=nnx.Rngs(rngs.params()))
-  if not jax.tree.leaves(nnx.state(adapted, nnx.LoRAParam)):  # the run plan checked the targets against the tower
-    raise ValueError(
-      f"lora_vision_target_modules={config.lora_vision_target_modules!r} matches no projection of {kernel_paths(tower)}"
-    )
-  return adapted
+  key = rngs.params()  # one key for the tower's adapters, drawn after the base was built
+  for i, (path, layers) in enumerate(tower_targets(tower, config.lora_vision_target_modules)):
+    parent = tower
+    for part in path[:-1]:
+      parent = parent[part] if isinstance(part, int) else getattr(parent, part)
+    module = parent[path[-1]] if isinstance(path[-1], int) else getattr(parent, path[-1])
+    adapted = _adapt_projection(module, config, jax.random.fold_in(key, i), layers)
+    if isinstance(path[-1], int):
+      parent[path[-1]] = adapted
+    else:
+      setattr(parent, path[-1], adapted)
+  return tower
 
 
 def merged_kernel(kernel: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:

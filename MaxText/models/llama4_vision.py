@@ -17,6 +17,8 @@ Each tile gives (r G)^2 soft tokens (144 for Scout and Maverick: S = 336, P = 14
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +27,7 @@ from flax import nnx
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.model_config import ModelConfig
 from MaxText.layers.normalizations import LayerNorm
+from MaxText.layers.vision import encoder_layers, run_layers
 
 
 def tokens_per_image(config: ModelConfig) -> int:
@@ -79,13 +82,13 @@ class VisionLayer(nnx.Module):
     d, n = config.hidden_size_for_vit, config.num_attention_heads_for_vit
     h, args = d // n, _args(config, rngs)
     self.input_layernorm = _norm(config, d)
-    self.query = DenseGeneral(d, (n, h), (None, None, None), use_bias=True, **args)
-    self.key = DenseGeneral(d, (n, h), (None, None, None), use_bias=True, **args)
-    self.value = DenseGeneral(d, (n, h), (None, None, None), use_bias=True, **args)
-    self.out = DenseGeneral((n, h), d, (None, None, None), use_bias=True, **args)
+    self.query = DenseGeneral(d, (n, h), ("embed", "heads", "kv"), use_bias=True, **args)
+    self.key = DenseGeneral(d, (n, h), ("embed", "heads", "kv"), use_bias=True, **args)
+    self.value = DenseGeneral(d, (n, h), ("embed", "heads", "kv"), use_bias=True, **args)
+    self.out = DenseGeneral((n, h), d, ("heads", "kv", "embed"), use_bias=True, **args)
     self.post_attention_layernorm = _norm(config, d)
-    self.fc1 = DenseGeneral(d, config.intermediate_size_for_vit, (None, None), use_bias=True, **args)
-    self.fc2 = DenseGeneral(config.intermediate_size_for_vit, d, (None, None), use_bias=True, **args)
+    self.fc1 = DenseGeneral(d, config.intermediate_size_for_vit, ("embed", "mlp"), use_bias=True, **args)
+    self.fc2 = DenseGeneral(config.intermediate_size_for_vit, d, ("mlp", "embed"), use_bias=True, **args)
 
   def __call__(self, x: jax.Array, angles: jax.Array) -> jax.Array:
     h = self.input_layernorm(x)
@@ -99,26 +102,30 @@ class VisionLayer(nnx.Module):
 
 class Llama4VisionEncoder(nnx.Module):
   """Image tiles [B, N, S, S, C] (float, normalised as the processor does) -> soft tokens
-  [B, N * tokens_per_image, emb_dim]."""
+  [B, N * tokens_per_image, emb_dim]. Weights on the text layers' logical axes (layers/vision.py); the encoder
+  layers stacked and scanned under config.scan_layers, each rematerialised by `remat_policy`."""
 
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-    self.config = config
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, remat_policy: str = "none"):
+    self.config, self.remat_policy = config, remat_policy
     d, p, c = config.hidden_size_for_vit, config.patch_size_for_vit, config.num_channels_for_vit
     grid = config.image_size_for_vit // p
     args = _args(config, rngs)
     wdt = jnp.dtype(config.weight_dtype)
-    self.patch_embedding = DenseGeneral(c * p * p, d, (None, None), **args)
+    self.patch_embedding = DenseGeneral(c * p * p, d, (None, "embed"), **args)
     init = nnx.initializers.normal(d**-0.5)
-    self.class_embedding = nnx.Param(init(rngs.params(), (d,), wdt), out_sharding=(None,))
-    self.positional_embedding = nnx.Param(init(rngs.params(), (grid * grid + 1, d), wdt), out_sharding=(None, None))
+    self.class_embedding = nnx.Param(init(rngs.params(), (d,), wdt), out_sharding=("embed",))
+    self.positional_embedding = nnx.Param(init(rngs.params(), (grid * grid + 1, d), wdt), out_sharding=(None, "embed"))
     self.layernorm_pre = _norm(config, d)
-    self.layers = nnx.List([VisionLayer(config, rngs=rngs) for _ in range(config.num_hidden_layers_for_vit)])
+    self.num_layers = config.num_hidden_layers_for_vit
+    self.layers = encoder_layers(functools.partial(VisionLayer, config), self.num_layers, config.scan_layers, rngs)
     self.layernorm_post = _norm(config, d)
     shuffled = round(d / config.pixel_shuffle_ratio_for_vit**2)
-    self.adapter_fc1 = DenseGeneral(shuffled, config.projector_input_dim_for_vit, (None, None), **args)
+    # The adapter widens into `mlp` and comes back to the tower's `embed`; the projector maps that (as `mlp`:
+    # its output is the text model's `embed`) to emb_dim.
+    self.adapter_fc1 = DenseGeneral(shuffled, config.projector_input_dim_for_vit, ("embed", "mlp"), **args)
     out_dim = config.projector_output_dim_for_vit
-    self.adapter_fc2 = DenseGeneral(config.projector_input_dim_for_vit, out_dim, (None, None), **args)
-    self.projector = DenseGeneral(out_dim, config.emb_dim, (None, "embed"), **args)
+    self.adapter_fc2 = DenseGeneral(config.projector_input_dim_for_vit, out_dim, ("mlp", "embed"), **args)
+    self.projector = DenseGeneral(out_dim, config.emb_dim, ("mlp", "embed"), **args)
 
   def flops_per_image(self) -> float:
     """Forward FLOPs of one image tile: 2 per multiply-add of every weight matmul over the tokens it sees
@@ -131,11 +138,11 @@ class Llama4VisionEncoder(nnx.Module):
     def size(dense: DenseGeneral) -> int:
       return int(np.prod(dense.in_features + dense.out_features))
 
-    layer = self.layers[0]
+    layer = self.layers[0] if isinstance(self.layers, nnx.List) else self.layers  # sizes are per layer
     per_layer = sum(size(m) for m in (layer.query, layer.key, layer.value, layer.out, layer.fc1, layer.fc2))
     head = sum(size(m) for m in (self.adapter_fc1, self.adapter_fc2, self.projector))
-    matmul = 2.0 * (grid * grid * size(self.patch_embedding) + tokens * per_layer * len(self.layers) + shuffled * head)
-    return matmul + 4.0 * tokens * tokens * c.hidden_size_for_vit * len(self.layers)
+    matmul = 2.0 * (grid * grid * size(self.patch_embedding) + tokens * per_layer * self.num_layers + shuffled * head)
+    return matmul + 4.0 * tokens * tokens * c.hidden_size_for_vit * self.num_layers
 
   def __call__(self, images: jax.Array) -> jax.Array:
     c = self.config
@@ -149,9 +156,7 @@ class Llama4VisionEncoder(nnx.Module):
     x = jnp.concatenate([x, cls], axis=1) + self.positional_embedding[...].astype(dt)
     x = self.layernorm_pre(x)
     angles = jnp.asarray(rope_angles(g, x.shape[-1] // c.num_attention_heads_for_vit, c.rope_theta_for_vit))
-    for layer in self.layers:
-      x = layer(x, angles)
-    x = self.layernorm_post(x)[:, :-1]
+    x = self.layernorm_post(run_layers(self.layers, x, self.remat_policy, angles))[:, :-1]
     x = pixel_shuffle(x, c.pixel_shuffle_ratio_for_vit)
     x = jax.nn.gelu(self.adapter_fc2(jax.nn.gelu(self.adapter_fc1(x), approximate=False)), approximate=False)
     x = self.projector(x)

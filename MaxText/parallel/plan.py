@@ -313,12 +313,10 @@ def _check_lora_targets(config: Config, stacks: Sequence[Any], plan: Plan) -> No
     family = models.family(model_config)
     with nnx.use_eager_sharding(False):
       tower = nnx.eval_shape(lambda: (family.vision or vision.VisionEncoder)(model_config, rngs=nnx.Rngs(0)))
-    paths = lora.kernel_paths(tower)
-    if not any(re.fullmatch(config.lora_vision_target_modules, p) for p in paths):
-      raise ConfigError(
-        f"lora_vision_target_modules={config.lora_vision_target_modules!r} matches no projection of the vision "
-        f"tower (or set freeze_vision_encoder=true); their paths are: {', '.join(paths)}"
-      )
+    try:
+      lora.tower_targets(tower, config.lora_vision_target_modules)
+    except ValueError as e:
+      raise ConfigError(f"{e} (or set freeze_vision_encoder=true)") from None
 
 
 def build(

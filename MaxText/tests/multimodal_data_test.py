@@ -227,7 +227,7 @@ def test_lora_trains_tower_adapters_and_merge_and_export_fold_them_in(tmp_path):
   assert all(lora_test._equal(before.frozen, base))
   assert not any(lora_test._equal(before.trainable, adapters))
   merged = lora.merged(c, spec.partition.combine(adapters, base))
-  query = [t["vision_encoder"]["layers"][0]["query"]["kernel"][...] for t in (merged, base)]
+  query = [t["vision_encoder"]["layers"]["query"]["kernel"][...] for t in (merged, base)]
   assert not np.array_equal(*query)  # the tower's adapters were folded in
   tokens, images = jnp.asarray(batch["inputs"]), jnp.asarray(batch["images"])
   positions, segments = jnp.asarray(batch["inputs_position"]), jnp.ones_like(tokens)
@@ -280,3 +280,19 @@ def test_flops_of_an_adapted_tower_count_its_forward_and_activation_backward(tmp
   }
   assert count["false"].vision == 2 * count["true"].vision > 0
   assert count["false"].total - count["false"].vision == count["true"].total - count["true"].vision
+
+
+def test_tower_targets_pick_layers_when_unrolled_and_all_or_none_when_scanned(tmp_path):
+  """Names carry the layer index in both layouts (layers/<i>/query); unrolled layers are adapted one by one, a
+  scanned stack in every layer or in none (a pattern picking some of them is a one-line error at startup)."""
+  one = (
+    "lora_rank=4",
+    "freeze_vision_encoder=false",
+    "lora_vision_target_modules=layers/1/query",
+    "num_hidden_layers_for_vit=2",
+  )
+  spec = state_lib.param_spec(cfg(tmp_path, "u", *MM, *one, "scan_layers=false"))
+  adapters = [n for n in lora_test._names(spec.partition.split(spec.abstract)[0]) if "vision_encoder" in n]
+  assert adapters and all("['layers'][1]['query']" in n for n in adapters), adapters
+  with pytest.raises(ConfigError, match=r"matches layers/1/query in 1 of \d+ vision layers; scanned layers are"):
+    state_lib.param_spec(cfg(tmp_path, "s", *MM, *one, "scan_layers=true"))

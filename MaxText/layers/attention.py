@@ -127,23 +127,30 @@ def whole_sequence(segment_ids: jax.Array) -> context_parallel.LocalTokens:
 def chunked_dot_product_attention(
   q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, sliding_window: int,
   logits_soft_cap: float, chunk: int, tokens: context_parallel.LocalTokens | None = None, chunk_window: int = 0,
-  sinks: jax.Array | None = None,
+  sinks: jax.Array | None = None, blocks: jax.Array | None = None,
 ) -> jax.Array:  # fmt: skip
   """dot_product_attention over query blocks of `chunk` tokens, each rematerialised in the backward pass:
   the [B, N, chunk, S] scores of one block are live at a time instead of the whole [B, N, T, S].
-  `tokens` (default: whole_sequence(segment_ids)) places the T queries and S keys for the mask."""
+  `tokens` (default: whole_sequence(segment_ids)) places the T queries and S keys for the mask; `blocks`
+  [B, T] (ImageSegments.blocks, whole sequence only) also opens each image block to its own tokens both ways."""
   tokens = whole_sequence(segment_ids) if tokens is None else tokens
   b, t = q.shape[:2]
   n = t // chunk
 
   @jax.checkpoint
-  def block(q_block, q_segments, q_index):
+  def block(q_block, q_segments, q_index, q_images):
     mask = index_mask(q_segments, tokens.k_segments, q_index, tokens.k_index, sliding_window, chunk_window)
+    if blocks is not None:
+      same_doc = (q_segments[:, :, None] == tokens.k_segments[:, None, :])[:, None, None]
+      mask |= block_mask(q_images, blocks, q_index, tokens.k_index, sliding_window) & same_doc
     return dot_product_attention(q_block, k, v, mask, logits_soft_cap, sinks)
 
-  q_blocks = q.reshape(b, n, chunk, *q.shape[2:]).swapaxes(0, 1)  # [n, B, chunk, N, H]
-  segments = tokens.q_segments.reshape(b, n, chunk).swapaxes(0, 1)  # [n, B, chunk]
-  out = jax.lax.map(lambda args: block(*args), (q_blocks, segments, tokens.q_index.reshape(n, chunk)))
+  def split(x: jax.Array) -> jax.Array:  # [B, T, ...] -> [n, B, chunk, ...]
+    return x.reshape(b, n, chunk, *x.shape[2:]).swapaxes(0, 1)
+
+  images = split(blocks) if blocks is not None else jnp.zeros((n, 0), jnp.int32)  # placeholder when text only
+  args = (split(q), split(tokens.q_segments), tokens.q_index.reshape(n, chunk), images)
+  out = jax.lax.map(lambda a: block(*a), args)
   return out.swapaxes(0, 1).reshape(b, t, *out.shape[3:])
 
 
@@ -292,7 +299,13 @@ class Attention(nnx.Module):
       segment_ids, blocks = segment_ids
     if cache is None and blocks is None:
       out = attend(self.plan, q, k, v, segment_ids, self.sliding_window, self.chunk_window, sinks)
-    elif cache is None:  # images: their bidirectional blocks over the causal mask, plain dot-product attention
+    elif cache is None and 0 < (chunk := self.plan.attention.query_chunk) < q.shape[1] and q.shape[1] % chunk == 0:
+      # images: their bidirectional blocks over the causal mask, dot-product attention in query blocks
+      cap, window = self.config.attn_logits_soft_cap, self.sliding_window
+      out = chunked_dot_product_attention(
+        q, k, v, segment_ids, window, cap, chunk, chunk_window=self.chunk_window, sinks=sinks, blocks=blocks
+      )
+    elif cache is None:  # the same over the whole sequence at once (attention_query_chunk=0 or not dividing T)
       mask = attention_mask(segment_ids, self.sliding_window, chunk_window=self.chunk_window)
       index = jnp.arange(segment_ids.shape[1])
       same_doc = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None, None]

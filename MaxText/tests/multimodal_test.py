@@ -112,6 +112,10 @@ def test_logits_and_greedy_tokens_match_hugging_face(converted):
   b, t = tokens.shape
   pos, seg = jnp.broadcast_to(jnp.arange(t), (b, t)), jnp.ones((b, t), jnp.int32)
   np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens), pos, seg, images=images)), ref, rtol=1e-5, atol=1e-5)
+  # Query blocks of 2 (attention_query_chunk; 512 by default at scale) cut both images' blocks.
+  _, chunked = load(out, "attention_query_chunk=2")
+  got = chunked(jnp.asarray(tokens), pos, seg, images=images)
+  np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)
 
   # 16 greedy tokens from full forwards of the growing sequence (one compiled shape: causal attention ignores
   # the zeros after the current token)

@@ -106,6 +106,6 @@ if [ "${GPU_AOT:-0}" = "1" ] || [ "${TEST:-0}" = "1" ]; then
 fi
 say "this repository, editable (pip install -e .)"
 "$PY" -m pip install --quiet --no-deps -e .
-"$PY" -c "import jax; print('setup.sh: done: jax', jax.__version__, 'on', jax.default_backend(), jax.devices())"
+"$PY" -c "import MaxText, jax; print('setup.sh: done: jax', jax.__version__, 'on', jax.default_backend(), jax.devices())"
 [ "$VENV" = .venv ] && [ "${VIRTUAL_ENV:-}" != "$PWD/.venv" ] && say "activate it with: source .venv/bin/activate"
 exit 0

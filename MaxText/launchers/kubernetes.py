@@ -123,10 +123,14 @@ def container_script(args: argparse.Namespace) -> str:
     first = f"source {XLA_RECIPE}  # the A3 Mega XLA flags (appended to XLA_FLAGS)\n"
   # Kubernetes sends SIGTERM to the container's PID 1 only: this shell, which would neither die of it (PID 1)
   # nor pass it on. The trap passes it to the command's whole process group, whose train.py then saves a
-  # checkpoint and exits (docs/failures.md) within terminationGracePeriodSeconds.
+  # checkpoint and exits (docs/failures.md) within terminationGracePeriodSeconds. The trap is set before the
+  # command starts (a signal in between would kill this shell); one that lands before $child is known is
+  # remembered and passed on as soon as it is.
   return (
-    f"set -uo pipefail\n{first}setsid bash -c {shlex.quote(args.COMMAND)} & child=$!\n"
-    "trap 'kill -TERM -- -$child' TERM INT\n"
+    f"set -uo pipefail\n{first}child= stop=\n"
+    "trap 'stop=1; [ -n \"$child\" ] && kill -TERM -- -$child' TERM INT\n"
+    f"setsid bash -c {shlex.quote(args.COMMAND)} & child=$!\n"
+    "[ -n \"$stop\" ] && kill -TERM -- -$child\n"
     "wait $child; status=$?\n"
     "while kill -0 $child 2>/dev/null; do wait $child; status=$?; done  # a trap ended the first wait early\n"
     "exit $status\n"

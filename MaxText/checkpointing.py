@@ -188,6 +188,10 @@ def _save_errors(manager: ocp.CheckpointManager) -> Iterator[None]:
   except Exception as e:
     if not _no_space(e):
       raise
+    try:  # an async save's other writes may still be in flight: they would land in a directory removed below
+      manager.wait_until_finished()
+    except Exception:  # noqa: BLE001 (the same full disk, reported again: already being handled)
+      pass
     root = epath.Path(manager.directory)
     partial = sorted(p.name for p in root.iterdir() if TMP_SUFFIX in p.name) if root.exists() else []
     if jax.process_index() == 0:  # the directory is shared; one process removes it

@@ -130,7 +130,7 @@ def container_script(args: argparse.Namespace) -> str:
     f"set -uo pipefail\n{first}child= stop=\n"
     "trap 'stop=1; [ -n \"$child\" ] && kill -TERM -- -$child' TERM INT\n"
     f"setsid bash -c {shlex.quote(args.COMMAND)} & child=$!\n"
-    "[ -n \"$stop\" ] && kill -TERM -- -$child\n"
+    '[ -n "$stop" ] && kill -TERM -- -$child\n'
     "wait $child; status=$?\n"
     "while kill -0 $child 2>/dev/null; do wait $child; status=$?; done  # a trap ended the first wait early\n"
     "exit $status\n"

@@ -194,7 +194,10 @@ def run(
     try:
       step_fn = train_step_fn(config, mesh, optimizer, spec, compiled)
       parts = LoopParts(mesh, spec, restored, data, manager, step_fn, global_batch, peak, started, watch, clock)
-      return train_loop(config, parts)
+      # A lost process exits here, before the `finally` below: its saves and barriers would wait for the dead
+      # process, and the sooner the line is out the likelier it precedes JAX's own abort (docs/failures.md).
+      with preemption.lost_processes(config.checkpoint_dir if config.enable_checkpointing else None):
+        return train_loop(config, parts)
     except NonFiniteLossError as e:  # name the checkpoint a restart resumes from (in-flight saves complete first)
       raise NonFiniteLossError(f"{e} {checkpointing.resume_point(config, manager, e.loss_step)}") from None
     finally:  # on success or error, let in-flight (async) checkpoints of good steps complete

@@ -196,7 +196,9 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step(tmp_path):
 def test_killed_process_makes_the_survivor_exit_76_naming_it_and_keeps_the_checkpoint(tmp_path, victim):
   # The kill follows the save of checkpoint 3 at once. Process 1 killed: the survivor's gloo collective waits
   # for it, and the lost-process watch ends it once the coordinator has missed its heartbeats (3 s here).
-  # Process 0 (the coordinator) killed: the survivor's collective fails at once.
+  # Process 0 (the coordinator) killed: the survivor's collective fails at once; so does JAX's error poll of the
+  # coordinator, which aborts the process (no Python runs) when it comes first, as it can on a loaded machine
+  # (docs/failures.md). Either way the survivor stops at once and the last checkpoint stays whole.
   runs = two_processes(
     tmp_path, "lost", "checkpoint_period=3", "async_checkpointing=false", "jax_distributed_heartbeat_timeout=3"
   )
@@ -204,7 +206,12 @@ def test_killed_process_makes_the_survivor_exit_76_naming_it_and_keeps_the_check
   runs[victim].proc.kill()
   killed = time.monotonic()
   rc, output = runs[1 - victim].finish(timeout=60)
-  assert rc == preemption.EXIT_PROCESS_LOST and time.monotonic() - killed < 3 + 15, output[-3000:]
+  assert time.monotonic() - killed < 3 + 15, output[-3000:]
+  if victim == 0 and rc == -signal.SIGABRT:
+    assert "Terminating process because the JAX distributed service detected fatal errors" in output, output[-3000:]
+    assert preemption.latest_checkpoint(f"{tmp_path}/lost/checkpoints") >= 3
+    return
+  assert rc == preemption.EXIT_PROCESS_LOST, output[-3000:]
   assert_clean(output)
   lines = [line for line in output.splitlines() if line.startswith("Lost ")]
   assert len(lines) == 1, output[-3000:]

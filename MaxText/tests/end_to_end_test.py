@@ -34,3 +34,14 @@ def test_post_train_script(tmp_path):
   )
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   assert "OK post_train:" in result.stdout and "GRPO: 100 prompts" in result.stdout
+
+
+@pytest.mark.slow  # ~2 minutes on 2 idle cores: convert, fine-tune with images, three decodes, export
+def test_multimodal_script(tmp_path):
+  result = subprocess.run(
+    ["bash", "end_to_end/cpu/multimodal.sh", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900
+  )
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  assert "OK multimodal:" in result.stdout
+  for colour in ("red", "green", "blue"):
+    assert f"output: '{colour}.'" in result.stdout.lower()

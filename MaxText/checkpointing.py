@@ -65,6 +65,25 @@ class _NoSpaceTracebacks(logging.Filter):
 _NO_SPACE_FILTER = _NoSpaceTracebacks()
 
 
+class _NoStepMetadataNotice(logging.Filter):
+  """orbax warns "Metadata file does not exist: .../_CHECKPOINT_METADATA" when it reads an item directory
+  (`checkpoints/<step>/state`, what load_*_path take): that file belongs to the step directory above, so an
+  item directory never has it. Dropped only while such a path is being loaded (_loading_item)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Metadata file does not exist")
+
+
+@contextlib.contextmanager
+def _loading_item() -> Iterator[None]:
+  quiet, absl = _NoStepMetadataNotice(), logging.getLogger("absl")
+  absl.addFilter(quiet)
+  try:
+    yield
+  finally:
+    absl.removeFilter(quiet)
+
+
 def _quiet_closed_loop_errors(hook=sys.unraisablehook):
   """sys.unraisablehook without asyncio's "Event loop is closed" RuntimeError. When a background save
   fails (disk full), tensorstore completes the other writes' futures after orbax closed their event loop
@@ -389,7 +408,11 @@ def _check_not_step_dir(key: str, path: str) -> None:
 
 
 def _restore_tree(path: str, abstract: Any, fresh: Callable[[], TrainState]) -> Any:
-  path = paths.absolute(path)
+  with _loading_item():
+    return _restore_tree_quietly(paths.absolute(path), abstract, fresh)
+
+
+def _restore_tree_quietly(path: str, abstract: Any, fresh: Callable[[], TrainState]) -> Any:
   if not paths.with_timeout(lambda: paths.isdir(path), f"load_full_state_path={path!r}"):
     raise ConfigError(f"Checkpoint {path!r} does not exist")
   _check_not_step_dir("load_full_state_path", path)
@@ -411,7 +434,11 @@ def saved_tree(path: str) -> Any:
 
 def load_params(path: str, abstract_params: Any) -> Any:
   """Params from `path`: a params-only checkpoint, or a train-state checkpoint's `params` subtree."""
-  path = paths.absolute(path)
+  with _loading_item():
+    return _load_params_quietly(paths.absolute(path), abstract_params)
+
+
+def _load_params_quietly(path: str, abstract_params: Any) -> Any:
   if not paths.with_timeout(lambda: paths.isdir(path), f"load_parameters_path={path!r}"):
     raise ConfigError(f"load_parameters_path {path!r} does not exist")
   _check_not_step_dir("load_parameters_path", path)

@@ -6,6 +6,7 @@ async_checkpoint_max_lag_steps, so a kill loses at most checkpoint_period + that
 
 import errno
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -126,6 +127,17 @@ def test_step_directory_as_load_path_names_its_state_item(trained, tmp_path, key
   c = cfg(tmp_path, "fresh", "per_device_batch_size=1", f"{key}={step_dir}")
   with pytest.raises(ConfigError, match=f"is a checkpoint step directory; set {key}={step_dir}/state"):
     _restore(c)
+
+
+@pytest.mark.parametrize("key", ["load_parameters_path", "load_full_state_path"])
+def test_loading_a_state_item_directory_logs_no_missing_step_metadata(trained, tmp_path, caplog, key):
+  # orbax looks for the step's _CHECKPOINT_METADATA inside the item directory, where it never is
+  state_dir = os.path.join(trained, "r", "checkpoints", "4", "state")
+  c = cfg(tmp_path, "fresh", "per_device_batch_size=1", f"{key}={state_dir}")
+  with caplog.at_level(logging.WARNING, logger="absl"):
+    assert int(_restore(c).state.step) == (4 if key == "load_full_state_path" else 0)
+  assert not [r for r in caplog.records if "Metadata file does not exist" in r.getMessage()]
+  assert not any(isinstance(f, checkpointing._NoStepMetadataNotice) for f in logging.getLogger("absl").filters)
 
 
 NO_SPACE = "RESOURCE_EXHAUSTED: Error writing \"a/0\": No space left on device [os_error_code='28']"

@@ -2,7 +2,7 @@
 # Lint, format check and the whole CPU test suite, in the environment setup.sh made (.venv; PYTHON=...
 # picks another). Run from anywhere; CI calls this.
 #   TEST=1 bash setup.sh && bash unit_test_and_lint.sh [pytest arguments ...]
-# About 33-36 minutes on 2 cores (33m25s of pytest on 2026-11-25), the slow tier (-m slow: AOT compiles of
+# About 38-40 minutes on 2 cores (37m52s of pytest on 2026-11-26), the slow tier (-m slow: AOT compiles of
 # full-size models, multi-process faults, the Slurm job) included; `-m "not slow"` runs the rest.
 case "${1:-}" in -h|--help) sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 set -euo pipefail

@@ -68,7 +68,8 @@ _NO_SPACE_FILTER = _NoSpaceTracebacks()
 class _NoStepMetadataNotice(logging.Filter):
   """orbax warns "Metadata file does not exist: .../_CHECKPOINT_METADATA" when it reads an item directory
   (`checkpoints/<step>/state`, what load_*_path take): that file belongs to the step directory above, so an
-  item directory never has it. Dropped only while such a path is being loaded (_loading_item)."""
+  item directory never has it. Dropped only while such a path is being loaded (functions decorated with
+  @_loading_item(), a context manager that also serves as a decorator)."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("Metadata file does not exist")
@@ -407,12 +408,9 @@ def _check_not_step_dir(key: str, path: str) -> None:
       raise ConfigError(f"{key} {path!r} is a checkpoint step directory; set {key}={root / item}")
 
 
+@_loading_item()
 def _restore_tree(path: str, abstract: Any, fresh: Callable[[], TrainState]) -> Any:
-  with _loading_item():
-    return _restore_tree_quietly(paths.absolute(path), abstract, fresh)
-
-
-def _restore_tree_quietly(path: str, abstract: Any, fresh: Callable[[], TrainState]) -> Any:
+  path = paths.absolute(path)
   if not paths.with_timeout(lambda: paths.isdir(path), f"load_full_state_path={path!r}"):
     raise ConfigError(f"Checkpoint {path!r} does not exist")
   _check_not_step_dir("load_full_state_path", path)
@@ -432,13 +430,10 @@ def saved_tree(path: str) -> Any:
   return metadata.item_metadata.tree if hasattr(metadata, "item_metadata") else metadata
 
 
+@_loading_item()
 def load_params(path: str, abstract_params: Any) -> Any:
   """Params from `path`: a params-only checkpoint, or a train-state checkpoint's `params` subtree."""
-  with _loading_item():
-    return _load_params_quietly(paths.absolute(path), abstract_params)
-
-
-def _load_params_quietly(path: str, abstract_params: Any) -> Any:
+  path = paths.absolute(path)
   if not paths.with_timeout(lambda: paths.isdir(path), f"load_parameters_path={path!r}"):
     raise ConfigError(f"load_parameters_path {path!r} does not exist")
   _check_not_step_dir("load_parameters_path", path)

@@ -165,6 +165,21 @@ def _validate_sft(c: dict[str, Any]) -> None:
     raise ConfigError(f"sft_chat_template={c['sft_chat_template']!r} does not exist; give a Jinja2 template file")
 
 
+def _validate_images(c: dict[str, Any]) -> None:
+  """use_multimodal: the image slots and tiles can be used as given."""
+  if not c["use_multimodal"]:
+    return
+  if c["images_per_row"] < 1 or c["image_tiles_per_row"] < 0:
+    raise ConfigError(
+      f"use_multimodal needs images_per_row >= 1 and image_tiles_per_row >= 0 (0: images_per_row), got "
+      f"{c['images_per_row']} and {c['image_tiles_per_row']}"
+    )
+  if c["max_image_tiles"] < 1:  # data/images.best_grid says the same to a config built by hand
+    raise ConfigError(f"max_image_tiles={c['max_image_tiles']}: an image needs at least one tile (Llama 4: 16)")
+  if c["use_sft"] and not c["sft_images_column"]:
+    raise ConfigError("use_sft with use_multimodal needs sft_images_column (the field with a row's images)")
+
+
 def _validate_dpo(c: dict[str, Any]) -> None:
   """The DPO keys make sense (checked whether or not use_dpo is on, like every key)."""
   if c["dpo_beta"] <= 0:
@@ -406,6 +421,7 @@ def validate(c: dict[str, Any]) -> None:
       raise ConfigError(f"{key}={c[key]!r} does not exist")
   _validate_tokenizer_path(c)
   _validate_sft(c)
+  _validate_images(c)
   _validate_dpo(c)
   if c["eval_interval"] > 0 and c["eval_steps"] <= 0 and c["eval_steps"] != -1:
     raise ConfigError(f"eval_steps must be > 0 (or -1: one epoch) when eval_interval is set, got {c['eval_steps']}")

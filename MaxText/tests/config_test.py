@@ -181,3 +181,25 @@ def test_a_saved_config_recomputes_its_derived_keys_from_the_command_line(tmp_pa
 def test_derived_keys_stay_errors_on_the_command_line(tmp_path):
   with pytest.raises(ConfigError, match="checkpoint_dir is derived"):
     load(f"checkpoint_dir={tmp_path}")
+
+
+@pytest.mark.parametrize(
+  "arg, match",
+  [
+    ("images_per_row=0", "images_per_row >= 1"),
+    ("image_tiles_per_row=-1", "image_tiles_per_row >= 0"),
+    ("max_image_tiles=0", "max_image_tiles=0: an image needs at least one tile"),
+  ],
+)
+def test_bad_image_keys_fail_at_load_with_use_multimodal(arg, match):
+  with pytest.raises(ConfigError, match=match):
+    load("model_name=llama4-17b-16e", "use_multimodal=true", arg)
+  load("model_name=llama4-17b-16e", arg)  # text only: the image keys are not read
+
+
+def test_multimodal_sft_needs_an_images_column(tmp_path):
+  (tmp_path / "tokenizer.json").write_text("{}")
+  sft = ["use_sft=true", f"dataset_path={tmp_path}/*.jsonl", "tokenizer_type=huggingface"]
+  sft.append(f"tokenizer_path={tmp_path}/tokenizer.json")
+  with pytest.raises(ConfigError, match="needs sft_images_column"):
+    load("model_name=gemma3-4b", "use_multimodal=true", "sft_images_column=", *sft)

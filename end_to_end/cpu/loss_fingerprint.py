@@ -6,7 +6,10 @@ exact float reprs, so that a refactor can be checked to change nothing: run it b
   python3 end_to_end/cpu/loss_fingerprint.py --compare /tmp/before.json /tmp/after.json
 
 Each case trains 3 steps on synthetic data on 8 CPU devices (XLA's forced host device count), float32 and
-bfloat16 cases both."""
+bfloat16 cases both. The `objective/*` cases run the user's command lines in subprocesses (SFT, DPO, DPO under
+LoRA, GRPO through `python3 -m MaxText.rl`, multimodal SFT, a resumed run) on tiny converted Hugging Face models
+that `--fixtures DIR` holds (made there once with torch and transformers; pass the same DIR before and after, so
+that both runs start from the same files); `--only objective/` runs just those."""
 
 import argparse
 import json
@@ -77,6 +80,76 @@ CASES |= {f"remat/{k}": [f"remat_policy={k}"] for k in REMAT}
 CASES |= {"remat/none-unscanned": ["remat_policy=none", "scan_layers=false"]}
 CASES |= {"family/llama4-unscanned": FAMILIES["llama4"] + ["scan_layers=false"]}
 
+# The objectives, as a user runs them: (entry point, arguments); FX is the fixtures directory, OUT the output one.
+QUIET = ["log_config=false", "log_period=1", "enable_tensorboard=false"]
+CHAT = ["load_parameters_path=FX/chat/converted/params", "tokenizer_path=FX/chat/converted/tokenizer.json"]
+OBJECTIVES = {
+  "sft": ("MaxText/train.py", ["cpu/sft", *CHAT, "dataset_path=FX/chat/chat.jsonl", "steps=3",
+                               "enable_checkpointing=false"]),
+  "dpo": ("MaxText/train.py", ["cpu/dpo", *CHAT, "dataset_path=FX/prefs.jsonl", "steps=3", "eval_interval=3",
+                               "enable_checkpointing=false"]),
+  "dpo-lora": ("MaxText/train.py", ["cpu/dpo", *CHAT, "dataset_path=FX/prefs.jsonl", "steps=3", "eval_interval=3",
+                                    "lora_rank=4", "lora_alpha=8", "enable_checkpointing=false"]),
+  "grpo": ("-m MaxText.rl", ["FX/chat/converted/config.yml", *CHAT, "dataset_path=FX/prompts.jsonl",
+                             "rl_reward=fingerprint_reward:varied", "add_bos=false", "steps=3", "per_device_batch_size=8",
+                             "num_generations=4", "learning_rate=1e-4", "max_target_length=64",
+                             "max_prefill_predict_length=32", "decode_max_new_tokens=4",
+                             "decode_sampling_strategy=weighted", "enable_checkpointing=false"]),
+  "multimodal-sft": ("MaxText/train.py", ["FX/vision/converted/config.yml", "load_parameters_path=FX/vision/converted/params",
+                                          "use_sft=true", "dataset_type=text", "dataset_path=FX/vision/chat.jsonl",
+                                          "eval_fraction=0", "max_target_length=48", "per_device_batch_size=1",
+                                          "steps=3", "learning_rate=3e-3", "freeze_vision_encoder=false",
+                                          "enable_checkpointing=false"]),
+  # Resumed: 2 steps and a checkpoint, then the same run_name to 4 steps (the lines of both attempts).
+  "resume": ("MaxText/train.py", ["MaxText/configs/base.yml", *[t for t in TINY if not t.startswith(("steps=",
+             "enable_checkpointing"))], "checkpoint_period=2", "steps=2", "&&", "steps=4"]),
+}  # fmt: skip
+RECORDED = ("loss", "eval_loss", "dpo_accuracy", "eval_dpo_accuracy", "reward_mean", "kl")
+
+
+def make_fixtures(fx):
+  """The tiny models and data the objective cases read (torch and transformers make the models), once per DIR."""
+  import subprocess
+
+  here = os.path.dirname(os.path.abspath(__file__))
+  root = os.path.join(here, "..", "..")
+  run = lambda *args: subprocess.run([sys.executable, *args], check=True, cwd=root, capture_output=True)  # noqa: E731
+  for name, script in (("chat", "make_tiny_chat_model.py"), ("vision", "make_tiny_vision_model.py")):
+    if not os.path.isdir(os.path.join(fx, name, "converted")):
+      run(os.path.join(here, script), os.path.join(fx, name))
+      run("-m", "MaxText.convert.hf_to_maxtext", "--hf_path", os.path.join(fx, name, "hf"), "--output",
+          os.path.join(fx, name, "converted"))  # fmt: skip
+  run(os.path.join(here, "make_prefs.py"), os.path.join(fx, "prefs.jsonl"), "4")
+  with open(os.path.join(fx, "fingerprint_reward.py"), "w") as f:  # rewards that differ within a group on a random model
+    f.write("def varied(prompt, completion):\n  return float(len(completion) % 3)\n")
+  with open(os.path.join(fx, "prompts.jsonl"), "w") as f:  # make_tiny_chat_model.py's ChatML template
+    for a in range(10):
+      for b in range(10):
+        f.write(json.dumps({"prompt": f"<|im_start|>user\n{a}+{b}=<|im_end|>\n<|im_start|>assistant\n"}) + "\n")
+
+
+def run_objective(name, fx, out_dir):
+  """The recorded metrics of each metrics.jsonl line of one objective case, as reprs."""
+  import subprocess
+
+  entry, args = OBJECTIVES[name]
+  root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+  common = [f"run_name={name}", f"base_output_directory={out_dir}", *QUIET]
+  attempts = " ".join(args).split(" && ")
+  first = attempts[0].split(" ")
+  for i, attempt in enumerate(attempts):
+    argv = first + attempt.split(" ") if i else first  # a later attempt: the first's arguments, its own on top
+    argv = [a.replace("FX", fx) for a in argv]
+    cmd = [sys.executable, *entry.split(" "), *argv, *common]
+    env = {**os.environ, "PYTHONPATH": fx}  # the GRPO case's reward module
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, env=env)
+    if done.returncode:
+      tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]
+      return f"exit {done.returncode}: {tail[0]}"
+  with open(os.path.join(out_dir, name, "metrics.jsonl")) as f:
+    lines = [json.loads(line) for line in f]
+  return [{k: repr(v) for k, v in line.items() if k in RECORDED} for line in lines]
+
 
 def run_case(name, overrides, out_dir):
   from MaxText import config, train
@@ -94,6 +167,7 @@ def main(argv):
   p.add_argument("--out", help="write {case: [loss reprs]} here")
   p.add_argument("--only", default="", help="comma-separated case-name prefixes")
   p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
+  p.add_argument("--fixtures", default="/tmp/loss_fingerprint_fixtures", help="the objective cases' tiny models")
   args = p.parse_args(argv[1:])
   if args.compare:
     before, after = (json.load(open(f)) for f in args.compare)
@@ -113,6 +187,12 @@ def main(argv):
       except Exception as e:  # a case that fails is recorded as such (and must fail the same way after)
         results[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
       print(name, results[name], flush=True)
+    wanted = [k for k in OBJECTIVES if not prefixes or any(f"objective/{k}".startswith(s) for s in prefixes)]
+    if wanted:
+      make_fixtures(args.fixtures)
+    for name in wanted:
+      results[f"objective/{name}"] = run_objective(name, args.fixtures, tmp)
+      print(f"objective/{name}", results[f"objective/{name}"], flush=True)
   if args.out:
     with open(args.out, "w") as f:
       json.dump(results, f, indent=1)

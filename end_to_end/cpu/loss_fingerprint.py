@@ -91,11 +91,12 @@ OBJECTIVES = {
   "dpo-lora": ("MaxText/train.py", ["cpu/dpo", *CHAT, "dataset_path=FX/prefs.jsonl", "steps=3", "eval_interval=3",
                                     "lora_rank=4", "lora_alpha=8", "enable_checkpointing=false"]),
   "grpo": ("-m MaxText.rl", ["FX/chat/converted/config.yml", *CHAT, "dataset_path=FX/prompts.jsonl",
-                             "rl_reward=fingerprint_reward:varied", "add_bos=false", "steps=3", "per_device_batch_size=8",
-                             "num_generations=4", "learning_rate=1e-4", "max_target_length=64",
-                             "max_prefill_predict_length=32", "decode_max_new_tokens=4",
+                             "rl_reward=fingerprint_reward:varied", "add_bos=false", "steps=3",
+                             "per_device_batch_size=8", "num_generations=4", "learning_rate=1e-4",
+                             "max_target_length=64", "max_prefill_predict_length=32", "decode_max_new_tokens=4",
                              "decode_sampling_strategy=weighted", "enable_checkpointing=false"]),
-  "multimodal-sft": ("MaxText/train.py", ["FX/vision/converted/config.yml", "load_parameters_path=FX/vision/converted/params",
+  "multimodal-sft": ("MaxText/train.py", ["FX/vision/converted/config.yml",
+                                          "load_parameters_path=FX/vision/converted/params",
                                           "use_sft=true", "dataset_type=text", "dataset_path=FX/vision/chat.jsonl",
                                           "eval_fraction=0", "max_target_length=48", "per_device_batch_size=1",
                                           "steps=3", "learning_rate=3e-3", "freeze_vision_encoder=false",
@@ -120,7 +121,8 @@ def make_fixtures(fx):
       run("-m", "MaxText.convert.hf_to_maxtext", "--hf_path", os.path.join(fx, name, "hf"), "--output",
           os.path.join(fx, name, "converted"))  # fmt: skip
   run(os.path.join(here, "make_prefs.py"), os.path.join(fx, "prefs.jsonl"), "4")
-  with open(os.path.join(fx, "fingerprint_reward.py"), "w") as f:  # rewards that differ within a group on a random model
+  # A reward that differs within a group on a random model.
+  with open(os.path.join(fx, "fingerprint_reward.py"), "w") as f:
     f.write("def varied(prompt, completion):\n  return float(len(completion) % 3)\n")
   with open(os.path.join(fx, "prompts.jsonl"), "w") as f:  # make_tiny_chat_model.py's ChatML template
     for a in range(10):

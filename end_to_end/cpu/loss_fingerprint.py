@@ -143,7 +143,8 @@ def run_objective(name, fx, out_dir):
     argv = first + attempt.split(" ") if i else first  # a later attempt: the first's arguments, its own on top
     argv = [a.replace("FX", fx) for a in argv]
     cmd = [sys.executable, *entry.split(" "), *argv, *common]
-    env = {**os.environ, "PYTHONPATH": fx}  # the GRPO case's reward module
+    # The GRPO case's reward module; this checkout's MaxText first (also where another one is installed).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.abspath(root), fx])}
     done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, env=env)
     if done.returncode:
       tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]

@@ -21,6 +21,7 @@ from MaxText.errors import ConfigError  # also importable from here, its home be
 from MaxText.parallel import kernels, remat
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+MODELS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models")  # <family>/presets/<name>.yml
 ENV_PREFIX = "M_"
 
 # Keys whose value must be one of a fixed set; checked at load.
@@ -206,13 +207,11 @@ def _apply(values: dict[str, Any], updates: Mapping[str, Any], defaults: Mapping
 
 
 def recipes() -> list[str]:
-  """The named experiments: every YAML under configs/ except base.yml and the model presets, by name
-  (its path under configs/ without .yml, e.g. "quickstart", "v5e/16b")."""
+  """The named experiments: every YAML under configs/ except base.yml, by name (its path under configs/ without
+  .yml, e.g. "quickstart", "v5e/16b"). The model presets live with their families (presets())."""
   names = []
   for root, _, files in os.walk(CONFIG_DIR):
     rel = os.path.relpath(root, CONFIG_DIR)
-    if rel.split(os.sep)[0] == "models":
-      continue
     for f in files:
       if f.endswith(".yml") and f != "base.yml":
         names.append(os.path.normpath(os.path.join(rel, f[:-4])).replace(os.sep, "/"))
@@ -254,9 +253,10 @@ def load(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Confi
   user = {**cli, **env}
   model_name = _coerce("model_name", user.get("model_name", values["model_name"]), "")
   override = _coerce("override_model_config", user.get("override_model_config", values["override_model_config"]), False)
-  preset = _load_preset(model_name, defaults)
+  preset_file = preset_path(model_name)
+  preset = _read_yaml(preset_file)
   if not (saved_run and model_name == values["model_name"]):  # a saved run's file holds its preset's keys as run
-    _apply(values, preset, defaults, f"models/{model_name}.yml")
+    _apply(values, preset, defaults, os.path.relpath(preset_file, os.path.dirname(MODELS_DIR)))
   before = dict(values)
   _apply(values, cli, defaults, "command line")
   _apply(values, env, defaults, "environment")
@@ -288,12 +288,23 @@ def _drop_derived(values: dict[str, Any]) -> bool:
   return True
 
 
-def _load_preset(model_name: str, defaults: Mapping[str, Any]) -> dict[str, Any]:
-  path = os.path.join(CONFIG_DIR, "models", f"{model_name}.yml")
-  if not os.path.isfile(path):
-    names = sorted(f[:-4] for f in os.listdir(os.path.join(CONFIG_DIR, "models")) if f.endswith(".yml"))
+def presets() -> dict[str, str]:
+  """model_name -> its preset file: every models/<family>/presets/<model_name>.yml (architecture keys only)."""
+  found = {}
+  for family in sorted(os.listdir(MODELS_DIR)):
+    folder = os.path.join(MODELS_DIR, family, "presets")
+    if os.path.isdir(folder):
+      found |= {f[:-4]: os.path.join(folder, f) for f in sorted(os.listdir(folder)) if f.endswith(".yml")}
+  return found
+
+
+def preset_path(model_name: str) -> str:
+  """The preset file of `model_name`; ConfigError with a did-you-mean and the list when there is none."""
+  found = presets()
+  if model_name not in found:
+    names = sorted(found)
     raise ConfigError(f"Unknown model_name {model_name!r}{_suggest(model_name, names)}; presets: {', '.join(names)}")
-  return _read_yaml(path)
+  return found[model_name]
 
 
 def individual_scales(scale: int) -> tuple[int, int, int, int]:

@@ -7,7 +7,8 @@ first; then orbax writes the checkpoint through MaxText/convert/streaming.py, wh
 transforms it and writes it as one chunk (a layer, or one expert of a layer) of its parameter, so peak
 host memory stays near the largest such tensor, not the model (a 405B conversion fits one host).
 FP8 block-scaled checkpoints (DeepSeek V3's) are dequantized tensor by tensor (MaxText/convert/fp8.py), and
-so are gpt-oss's MXFP4 experts (MaxText/convert/mxfp4.py).
+so are gpt-oss's MXFP4 experts (MaxText/convert/mxfp4.py). Which tensor goes where is the family's mapping
+(MaxText/models/<family>/hf.py), found by config.json's model_type.
 """
 
 from __future__ import annotations
@@ -102,8 +103,9 @@ def load_config(hf_path: str, output: str, scan_layers: bool, final: str = "") -
   """OUTPUT/config.yml written and loaded; `final`: where OUTPUT ends up (its tokenizer_path points there).
   DeepSeek's multi-token-prediction modules, when the tensors hold them, set mtp_num_layers."""
   hf = read_hf_config(hf_path)
+  mapping = models.hf_mapping_of(hf)
   try:
-    keys = hf_mapping.maxtext_keys(hf)
+    keys = mapping.maxtext_keys(hf)
   except KeyError as e:
     raise ConfigError(f"{os.path.join(hf_path, 'config.json')!r} lacks the field {e.args[0]!r}") from None
   cfg_path = os.path.join(output, "config.yml")
@@ -112,7 +114,7 @@ def load_config(hf_path: str, output: str, scan_layers: bool, final: str = "") -
   except OSError as e:
     raise ConfigError(f"--output {output!r} cannot be created: {e.strerror}; choose a writable directory") from None
   # Not in maxtext_keys: MTP trains only, and the presets those keys match describe the decoding model.
-  mtp_layers = hf_mapping.mtp_layers(hf, tensor_index(hf_path)) if hf.get("num_nextn_predict_layers") else 0
+  mtp_layers = mapping.mtp_layers(hf, tensor_index(hf_path)) if hf.get("num_nextn_predict_layers") else 0
   if mtp_layers:
     keys = {**keys, "mtp_num_layers": mtp_layers}
   if os.path.exists(os.path.join(hf_path, "tokenizer.json")):  # decode.py then needs no tokenizer flags
@@ -147,7 +149,8 @@ def _convert(hf_path: str, output: str, scan_layers: bool, dtype: str, final: st
   c, _ = load_config(hf_path, output, scan_layers, final)
   state = state_lib.param_spec(c).abstract
   abstract = nnx.to_pure_dict(state)
-  rules = hf_mapping.rules(c, models.family(c).stacks(c), abstract)
+  mapping = models.hf_mapping(c.decoder_block)
+  rules = mapping.rules(c, models.family(c).stacks(c), abstract)
   raw, packed = mxfp4.unpack_index(tensor_index(hf_path))  # MXFP4 blocks+scales pairs as one tensor
   real = {hf_mapping.canonical_name(name): name for name in raw}  # multimodal checkpoints name tensors variously
   index = {hf_mapping.canonical_name(name): v for name, v in raw.items()}
@@ -156,7 +159,7 @@ def _convert(hf_path: str, output: str, scan_layers: bool, dtype: str, final: st
   expected = {r.hf_name for r in rules}
   if block:  # each FP8 weight's block scales travel with it
     expected |= {r.hf_name + fp8.SCALE_SUFFIX for r in rules if r.hf_name + fp8.SCALE_SUFFIX in index}
-  unexpected = sorted(name for name in set(index) - expected if not hf_mapping.ignored(c, name))
+  unexpected = sorted(name for name in set(index) - expected if not mapping.ignored(c, name))
   if unexpected:
     raise ConfigError(f"Tensor {unexpected[0]} (and {len(unexpected) - 1} more) does not fit config.json's model")
   storage = np.dtype(jnp.dtype(dtype))

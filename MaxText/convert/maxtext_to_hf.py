@@ -126,8 +126,9 @@ def _write(c: Config, output: str, dtype: str) -> None:
   reader = streaming.Reader(c.load_parameters_path)
   layout, prefix, abstract = _locate(c, reader)
   block_axes = 1 if layout.scan_layers else 0  # a stacked parameter is read one layer at a time
+  mapping = models.hf_mapping(c.decoder_block)
   by_shard: dict[str, list[hf_mapping.Rule]] = {}
-  for rule in hf_mapping.rules(layout, models.family(layout).stacks(layout), abstract) + hf_mapping.mtp_copies(c):
+  for rule in mapping.rules(layout, models.family(layout).stacks(layout), abstract) + mapping.mtp_copies(c):
     by_shard.setdefault(_shard_of(rule.hf_name), []).append(rule)
   os.makedirs(output, exist_ok=True)
   weight_map = {}
@@ -147,7 +148,7 @@ def _write(c: Config, output: str, dtype: str) -> None:
   with open(os.path.join(output, "model.safetensors.index.json"), "w") as f:
     json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
   with open(os.path.join(output, "config.json"), "w") as f:
-    json.dump(hf_mapping.hf_config(c, dtype), f, indent=1)
+    json.dump(mapping.hf_config(c, dtype), f, indent=1)
 
 
 def main(argv: Sequence[str]) -> None:

@@ -9,8 +9,6 @@ low nibble first), and one E8M0 scale per block (the value is code * 2^(scale - 
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from MaxText.convert import fp8
@@ -19,11 +17,6 @@ BLOCKS, SCALES = "_blocks", "_scales"
 BLOCK = 32  # values per scale
 # FP4 E2M1: sign bit, 2 exponent bits, 1 mantissa bit -> these 16 values, indexed by the 4-bit code.
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
-
-
-def is_mxfp4(hf: dict[str, Any]) -> bool:
-  qc = hf.get("quantization_config")
-  return isinstance(qc, dict) and qc.get("quant_method") == "mxfp4"
 
 
 def unpack_index(

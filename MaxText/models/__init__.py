@@ -1,4 +1,6 @@
-"""Model families: a plain dict from decoder_block to the family's description (layers/decoder.Family)."""
+"""Model families, one folder each (models/<family>/: its description, Hugging Face mapping and presets):
+a plain dict from decoder_block to the family's description (layers/decoder.Family), and one to its
+Hugging Face mapping (convert/hf_mapping.Mapping)."""
 
 from __future__ import annotations
 
@@ -6,14 +8,29 @@ from typing import TYPE_CHECKING, Any
 
 from flax import nnx
 
+from MaxText.convert.hf_mapping import Mapping
+from MaxText.errors import ConfigError
 from MaxText.layers.decoder import Decoder, Family
 from MaxText.layers.model_config import ModelConfig
 from MaxText.models import deepseek, gemma, gemma2, gemma3, gpt3, gpt_oss, llama2, llama4, qwen3next
+from MaxText.models.deepseek import hf as deepseek_hf
+from MaxText.models.gemma import hf as gemma_hf
+from MaxText.models.gemma2 import hf as gemma2_hf
+from MaxText.models.gemma3 import hf as gemma3_hf
+from MaxText.models.gpt3 import hf as gpt3_hf
+from MaxText.models.gpt_oss import hf as gpt_oss_hf
+from MaxText.models.llama2 import hf as llama2_hf
+from MaxText.models.llama4 import hf as llama4_hf
+from MaxText.models.mistral import hf as mistral_hf
+from MaxText.models.mixtral import hf as mixtral_hf
+from MaxText.models.qwen3 import hf as qwen3_hf
+from MaxText.models.qwen3next import hf as qwen3next_hf
 
 if TYPE_CHECKING:
   from MaxText.parallel.plan import Plan
 
-# Llama 3, Mistral, Mixtral and Qwen3 differ from Llama 2 by config keys only (README, "Models").
+# Llama 3, Mistral, Mixtral and Qwen3 differ from Llama 2 by config keys only (README, "Models"): their folders
+# hold their Hugging Face mappings and presets, and reuse Llama 2's description.
 REGISTRY: dict[str, Family] = {
   "default": llama2.FAMILY,
   "llama2": llama2.FAMILY,
@@ -29,11 +46,46 @@ REGISTRY: dict[str, Family] = {
   "gpt_oss": gpt_oss.FAMILY,
   "qwen3next": qwen3next.FAMILY,
 }
+# decoder_block -> its Hugging Face mapping ("default" has none).
+HF: dict[str, Mapping] = {
+  m.decoder_block: m
+  for m in (
+    llama2_hf.MAPPING,
+    mistral_hf.MAPPING,
+    mixtral_hf.MAPPING,
+    qwen3_hf.MAPPING,
+    gemma_hf.MAPPING,
+    gemma2_hf.MAPPING,
+    gemma3_hf.MAPPING,
+    deepseek_hf.MAPPING,
+    llama4_hf.MAPPING,
+    gpt_oss_hf.MAPPING,
+    qwen3next_hf.MAPPING,
+    gpt3_hf.MAPPING,
+  )
+}
 
 
 def family(config: ModelConfig) -> Family:
   """The family of config.decoder_block (checked against REGISTRY when the run plan is built)."""
   return REGISTRY[config.decoder_block]
+
+
+def hf_mapping(decoder_block: str) -> Mapping:
+  """The Hugging Face mapping of `decoder_block`; ConfigError naming the blocks that have one."""
+  if decoder_block not in HF:
+    raise ConfigError(f"decoder_block {decoder_block!r} has no Hugging Face export; supported: {', '.join(HF)}")
+  return HF[decoder_block]
+
+
+def hf_mapping_of(hf: dict[str, Any]) -> Mapping:
+  """The mapping that reads a config.json, by its model_type (a multimodal one, gemma3 or llama4, included)."""
+  model_type = hf.get("model_type")
+  for mapping in HF.values():
+    if model_type and (model_type in mapping.model_types or model_type == mapping.multimodal_type):
+      return mapping
+  supported = ", ".join(t for m in HF.values() for t in m.model_types)
+  raise ConfigError(f"Unsupported architecture model_type={model_type!r}; supported: {supported}")
 
 
 def build(config: Any, rngs: nnx.Rngs, plan: Plan) -> Decoder:

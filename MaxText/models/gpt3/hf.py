@@ -1,12 +1,13 @@
-"""GPT-2 layout (Hugging Face `gpt2`, the architecture of our gpt3 family): Conv1D weights stored
-[in, out] (no transpose), a fused c_attn [D, 3D] split into query/key/value columns, biases
-everywhere, learned positions, tied embeddings."""
+"""GPT-3 <-> GPT2LMHeadModel (Hugging Face `gpt2`, the architecture of our gpt3 family): its own field names,
+Conv1D weights stored [in, out] (no transpose), a fused c_attn [D, 3D] split into query/key/value columns,
+biases everywhere, learned positions, tied embeddings."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from MaxText.config import Config
+from MaxText.convert import hf_mapping
+from MaxText.convert.hf_mapping import Rule
 from MaxText.errors import ConfigError
 
 KEYS = {  # HF field -> MaxText key
@@ -34,7 +35,7 @@ def maxtext_keys(hf: dict[str, Any]) -> dict[str, Any]:
   return out | {"mlp_activations": ["gelu"], "logits_via_embedding": True}
 
 
-def hf_config(c: Config, dtype: str) -> dict[str, Any]:
+def hf_config(c, dtype: str) -> dict[str, Any]:
   out = {key: c[mt] for key, mt in KEYS.items()}
   out |= {"n_embd": c.emb_dim, "n_head": c.num_query_heads, "n_layer": c.num_decoder_layers, "n_inner": c.mlp_dim}
   out |= {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "dtype": dtype}
@@ -45,7 +46,7 @@ def _norm(hf: str, mt: str) -> list[tuple]:
   return [(f"{hf}.weight", (mt, "scale"), None, None), (f"{hf}.bias", (mt, "bias"), None, None)]
 
 
-def layer_rules(c: Config) -> list[tuple]:
+def layer_rules(c) -> list[tuple]:
   """(HF suffix, path in the layer, n_in (Conv1D: input dims of our kernel), columns of the HF tensor)."""
   d = c.num_query_heads * c.head_dim
   out = _norm("ln_1", "pre_self_attention_layer_norm") + _norm("ln_2", "post_self_attention_layer_norm")
@@ -66,3 +67,25 @@ def global_rules() -> list[tuple]:
   out = [("transformer.wte.weight", ("token_embedder", "embedding"), None, None)]
   out.append(("transformer.wpe.weight", ("position_embedder", "embedding"), None, None))
   return out + [(n, p, None, None) for n, p, _, _ in _norm("transformer.ln_f", "decoder_norm")]
+
+
+class Gpt2(hf_mapping.Mapping):
+  decoder_block = "gpt3"
+  model_types = ("gpt2",)
+  arch = ("gpt2", "GPT2LMHeadModel")
+
+  def maxtext_keys(self, hf: dict[str, Any]) -> dict[str, Any]:
+    return maxtext_keys(hf)
+
+  def hf_config(self, c, dtype: str) -> dict[str, Any]:
+    return hf_config(c, dtype)
+
+  def rules(self, c, stacks, params: dict) -> list[Rule]:
+    out = [Rule(name, path, (), n_in, transpose=False, cols=cols) for name, path, n_in, cols in global_rules()]
+    for i, (prefix, index) in enumerate(hf_mapping.layer_locations(c, stacks, params)):
+      for suffix, path, n_in, cols in layer_rules(c):
+        out.append(Rule(f"transformer.h.{i}.{suffix}", prefix + path, index, n_in, transpose=False, cols=cols))
+    return out
+
+
+MAPPING = Gpt2()

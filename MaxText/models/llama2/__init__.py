@@ -5,8 +5,6 @@ num_experts for MoE, use_qk_norm), so they share this family."""
 from __future__ import annotations
 
 from MaxText.layers.decoder import Family
-from MaxText.layers.decoder_layer import DecoderLayer as Llama2DecoderLayer
+from MaxText.layers.decoder_layer import DecoderLayer
 
-FAMILY = Family(mtp_layer=Llama2DecoderLayer)  # multi-token prediction comes for free with the plain layer
-
-__all__ = ["FAMILY", "Llama2DecoderLayer"]
+FAMILY = Family(mtp_layer=DecoderLayer)  # multi-token prediction comes for free with the plain layer

@@ -16,7 +16,7 @@ from MaxText.layers.mlp import MlpBlock
 from MaxText.layers.model_config import ModelConfig
 from MaxText.layers.moe import MoeBlock
 from MaxText.layers.normalizations import UnitRMSNorm
-from MaxText.models import llama4_vision
+from MaxText.models.llama4 import vision
 
 
 def is_nope_layer(config: ModelConfig, index: int) -> bool:
@@ -49,4 +49,4 @@ def stacks(config: ModelConfig) -> tuple[Stack, ...]:
   return alternating_stacks(config, tuple(functools.partial(_layer, index=i) for i in range(period(config))))
 
 
-FAMILY = Family(stacks=stacks, vision=llama4_vision.Llama4VisionEncoder, splice=llama4_vision.splice)
+FAMILY = Family(stacks=stacks, vision=vision.Llama4VisionEncoder, splice=vision.splice)

@@ -1,7 +1,7 @@
 """Llama4ForConditionalGeneration (HF model_type llama4) <-> MaxText llama4 with use_multimodal=true: the
 config.json fields of the vision tower and the places of its tensors (vision_model.*, multi_modal_projector.*)
-in the Decoder's vision_encoder (models/llama4_vision.py). The text decoder's tensors are Llama4ForCausalLM's
-under language_model. (hf_mapping's rules with that prefix). Every tensor moves by transposes and reshapes
+in the Decoder's vision_encoder (vision.py). The text decoder's tensors are Llama4ForCausalLM's under
+language_model. (hf.py's rules with that prefix). Every tensor moves by transposes and reshapes
 only, so the round trip is bit-exact.
 """
 
@@ -10,22 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from MaxText.convert.hf_mapping import TOWER_KEYS, tower_layer
 from MaxText.errors import ConfigError
 
-TEXT_PREFIX = "language_model."
 ARCH = ("llama4", "Llama4ForConditionalGeneration")
-# vision_config field -> MaxText key: the tower's size, as every vision_config gives it (Gemma 3's SigLIP too:
-# hf_mapping.VISION_KEYS adds its own to these)
-TOWER_KEYS = {
-  "image_size": "image_size_for_vit",
-  "patch_size": "patch_size_for_vit",
-  "num_channels": "num_channels_for_vit",
-  "hidden_size": "hidden_size_for_vit",
-  "intermediate_size": "intermediate_size_for_vit",
-  "num_hidden_layers": "num_hidden_layers_for_vit",
-  "num_attention_heads": "num_attention_heads_for_vit",
-}
-VISION_KEYS = {  # Llama 4's: the tower's size and its pixel shuffle and adapter
+VISION_KEYS = {  # vision_config field -> MaxText key: the tower's size and its pixel shuffle and adapter
   **TOWER_KEYS,
   "pixel_shuffle_ratio": "pixel_shuffle_ratio_for_vit",
   "projector_input_dim": "projector_input_dim_for_vit",
@@ -75,12 +64,6 @@ def hf_config(c: Any, text: dict[str, Any], dtype: str) -> dict[str, Any]:
     "eoi_token_index": c.image_end_token_id,
     "tie_word_embeddings": False,
   }
-
-
-def tower_layer(c: Any, root: tuple[str, ...], i: int) -> tuple[tuple[Any, ...], tuple[int, ...]]:
-  """(path, index) of encoder layer i of a vision tower under `root` (both towers, layers/vision.py's
-  encoder_layers): the stacked `layers` module and slice i under scan_layers, else the i-th module."""
-  return ((*root, "layers"), (i,)) if c.scan_layers else ((*root, "layers", i), ())
 
 
 def rules(c: Any) -> Iterator[tuple[str, tuple[Any, ...], tuple[int, ...], int | None]]:

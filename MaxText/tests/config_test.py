@@ -105,9 +105,12 @@ RECIPE_FILES = {
 }
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(config.CONFIG_DIR, "**", "*.yml"), recursive=True)))
+YAMLS = sorted(glob.glob(os.path.join(config.CONFIG_DIR, "**", "*.yml"), recursive=True))
+
+
+@pytest.mark.parametrize("path", YAMLS + sorted(config.presets().values()))
 def test_every_yaml_loads(path, tmp_path):
-  if os.path.dirname(path).endswith("models"):
+  if os.path.dirname(path).endswith("presets"):
     c = load(f"model_name={os.path.basename(path)[:-4]}")
   else:
     files = RECIPE_FILES.get(os.path.relpath(path, config.CONFIG_DIR), {})
@@ -136,8 +139,7 @@ def test_choice_sets_agree_with_the_registries_that_implement_them():
   # dataset_type is declared once, with its backends (config.DATASET_BACKENDS); each module reads its type
   for name, module in config.DATASET_BACKENDS.items():
     assert callable(importlib.import_module(module).make_iterators), name
-  presets = glob.glob(os.path.join(os.path.dirname(config.__file__), "configs", "models", "*.yml"))
-  blocks = {config.load([BASE, f"model_name={os.path.basename(p)[:-4]}"]).decoder_block for p in presets}
+  blocks = {config.load([BASE, f"model_name={name}"]).decoder_block for name in config.presets()}
   assert blocks <= set(models.REGISTRY), blocks - set(models.REGISTRY)
 
 

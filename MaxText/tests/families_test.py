@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from MaxText import checkpointing, config, models, train
-from MaxText.convert import hf_mapping, hf_to_maxtext, maxtext_to_hf
+from MaxText.convert import hf_to_maxtext, maxtext_to_hf
 from MaxText.errors import ConfigError
 from MaxText.layers import attention_mla, embeddings
 from MaxText.parallel import plan as plan_lib
@@ -87,6 +87,16 @@ PUBLISHED = {
 LOADS_AS = {"kimi_k2": "deepseek_v3"}  # Kimi K2's model_type names a remote-code copy of transformers' DeepSeek V3
 GPT2 = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16, n_inner=48)
 T = 12
+
+
+def hf_keys(hf):
+  """config.json -> MaxText keys, through the mapping of its model_type."""
+  return models.hf_mapping_of(hf).maxtext_keys(hf)
+
+
+def hf_config(c, dtype):
+  """MaxText config -> config.json, through the mapping of its decoder_block."""
+  return models.hf_mapping(c.decoder_block).hf_config(c, dtype)
 
 
 def hf_model(family, tmp_path):
@@ -213,7 +223,7 @@ def test_deepseek_mtp_layers_are_skipped_and_quantized_checkpoints_rejected(tmp_
   hf_to_maxtext.convert(hf_path, os.path.join(tmp_path, "mt"), scan_layers=False)
   cfg = json.load(open(os.path.join(hf_path, "config.json")))
   with pytest.raises(ConfigError, match="quantization_config"):
-    hf_mapping.maxtext_keys({**cfg, "quantization_config": {"quant_method": "fp8"}})
+    hf_keys({**cfg, "quantization_config": {"quant_method": "fp8"}})
 
 
 def test_command_lines_and_check_logits(tmp_path):
@@ -256,8 +266,8 @@ def test_bias_export_needs_a_class_with_that_flag():
   base = os.path.join(config.CONFIG_DIR, "base.yml")
   c = config.load([base, "run_name=t", "decoder_block=mistral", "mlp_bias=true"], {})
   with pytest.raises(ConfigError, match="mlp_bias=true has no Hugging Face export for decoder_block=mistral"):
-    hf_mapping.hf_config(c, "float32")
-  exported = hf_mapping.hf_config(c.replace(decoder_block="llama2"), "float32")
+    hf_config(c, "float32")
+  exported = hf_config(c.replace(decoder_block="llama2"), "float32")
   assert exported["mlp_bias"] is True and exported["attention_bias"] is False
 
 
@@ -265,11 +275,11 @@ def test_bias_export_needs_a_class_with_that_flag():
 def test_published_deepseek_configs_map_to_the_presets(preset):
   """config.json -> the preset's keys; RoPE frequencies, cos/sin factor and softmax scale as transformers'."""
   hf = json.load(open(PUBLISHED[preset]))
-  keys = hf_mapping.maxtext_keys(hf)
+  keys = hf_keys(hf)
   c = config.load([os.path.join(config.CONFIG_DIR, "base.yml"), "run_name=t", f"model_name={preset}"], {})
   assert {k: v for k, v in keys.items() if k != "head_dim" and c[k] != v} == {}  # head_dim: unused by MLA
   hf_cfg = transformers.AutoConfig.for_model(**{**hf, "model_type": LOADS_AS.get(hf["model_type"], hf["model_type"])})
-  model = getattr(transformers, hf_mapping.hf_config(c, "bfloat16")["architectures"][0])
+  model = getattr(transformers, hf_config(c, "bfloat16")["architectures"][0])
   assert model.config_class is type(hf_cfg)
   inv_freq, attention_factor = transformers.modeling_rope_utils._compute_yarn_parameters(hf_cfg)
   ours = embeddings.scaled_rope_frequencies(c, c.qk_rope_head_dim, c.rope_max_timescale, c.rope_type)
@@ -309,12 +319,12 @@ def test_llama4_presets_export_their_config_and_read_it_back(preset):
   follow the intervals, and a multimodal model_type without its text/vision configs, are refused with the
   field named (llama4_vision_test converts the multimodal model)."""
   c = config.load([os.path.join(config.CONFIG_DIR, "base.yml"), "run_name=t", f"model_name={preset}"], {})
-  hf = hf_mapping.hf_config(c, "bfloat16")
-  for key, value in hf_mapping.maxtext_keys(hf).items():
+  hf = hf_config(c, "bfloat16")
+  for key, value in hf_keys(hf).items():
     assert c[key] == value, key
   hf_cfg = transformers.Llama4TextConfig(**{k: v for k, v in hf.items() if k not in ("model_type", "architectures")})
-  assert hf_mapping.maxtext_keys(hf_cfg.to_dict()) == hf_mapping.maxtext_keys(hf)  # with the derived lists
+  assert hf_keys(hf_cfg.to_dict()) == hf_keys(hf)  # with the derived lists
   with pytest.raises(ConfigError, match="moe_layers"):
-    hf_mapping.maxtext_keys({**hf, "moe_layers": [0]})
+    hf_keys({**hf, "moe_layers": [0]})
   with pytest.raises(ConfigError, match="text_config and vision_config"):
-    hf_mapping.maxtext_keys({**hf, "model_type": "llama4"})
+    hf_keys({**hf, "model_type": "llama4"})

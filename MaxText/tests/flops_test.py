@@ -185,7 +185,7 @@ def preset(tmp_path, name, length, *overrides):
   )
 
 
-# Per-family counts written out from each preset's numbers (configs/models/*.yml), independently of
+# Per-family counts written out from each preset's numbers (models/<family>/presets/*.yml), independently of
 # flops.py: matmul = 6 x active weights per token, embedding = 6 D V, attention = 3 x forward, where
 # forward QK^T + AV per layer and token = 2 FLOPs x S_eff keys x N heads x (H_qk + H_v), S_eff = T/2
 # for global causal layers and S - S^2/(2T) for a window S < T.

@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from MaxText import config, flops, train
-from MaxText.convert import hf_mapping, hf_to_maxtext, maxtext_to_hf, mxfp4
+from MaxText import config, flops, models, train
+from MaxText.convert import hf_to_maxtext, maxtext_to_hf, mxfp4
 from MaxText.errors import ConfigError
 from MaxText.inference import Engine
 from MaxText.parallel import plan as plan_lib
@@ -30,6 +30,16 @@ TINY = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=3, num_atten
 TINY |= dict(head_dim=8, vocab_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=4)
 TINY |= dict(swiglu_limit=1.5, rope_parameters=YARN, max_position_embeddings=32, tie_word_embeddings=False)
 T = 12
+
+
+def hf_keys(hf):
+  """config.json -> MaxText keys, through the mapping of its model_type."""
+  return models.hf_mapping_of(hf).maxtext_keys(hf)
+
+
+def hf_config(c, dtype):
+  """MaxText config -> config.json, through the mapping of its decoder_block."""
+  return models.hf_mapping(c.decoder_block).hf_config(c, dtype)
 
 
 def hf_model(tmp_path, bf16_exact=False):
@@ -130,7 +140,7 @@ def test_mxfp4_experts_import_as_transformers_dequantizes_and_export_to_bfloat16
     ref = reloaded(torch.tensor(tokens)).logits.numpy()
   np.testing.assert_allclose(families_test.maxtext_logits(out, tokens), ref, rtol=1e-5, atol=5e-5)
   with pytest.raises(ConfigError, match="quantization_config"):
-    hf_mapping.maxtext_keys({**cfg, "quantization_config": {"quant_method": "gptq"}})
+    hf_keys({**cfg, "quantization_config": {"quant_method": "gptq"}})
 
 
 def test_decode_with_the_cache_equals_the_full_forward(monkeypatch):
@@ -164,14 +174,14 @@ def test_presets_are_the_released_configs(preset):
   """The preset -> config.json -> the same keys; transformers' GptOssConfig (its defaults are 120b's) maps
   to the preset; FLOPs count each sliding layer's 128-key window and each full layer's T/2 keys."""
   c = config.load([os.path.join(config.CONFIG_DIR, "base.yml"), "run_name=t", f"model_name={preset}"], {})
-  hf = hf_mapping.hf_config(c, "bfloat16")
-  assert {k: v for k, v in hf_mapping.maxtext_keys(hf).items() if c[k] != v} == {}
+  hf = hf_config(c, "bfloat16")
+  assert {k: v for k, v in hf_keys(hf).items() if c[k] != v} == {}
   layers, experts = (24, 32) if preset == "gpt-oss-20b" else (36, 128)
   released = transformers.GptOssConfig(num_hidden_layers=layers, num_local_experts=experts).to_dict()
-  keys = hf_mapping.maxtext_keys(released)
+  keys = hf_keys(released)
   assert {k: v for k, v in keys.items() if c[k] != v} == {"load_balance_loss_weight": 0.001}
   with pytest.raises(ConfigError, match="layer_types"):
-    hf_mapping.maxtext_keys({**released, "layer_types": ["full_attention"] * layers})
+    hf_keys({**released, "layer_types": ["full_attention"] * layers})
   model = flops.abstract_model(c)
   per_layer = 2.0 * 64 * (64 + 64)  # 2 FLOPs x N heads x (H_qk + H_v) per attended key
   t = c.max_target_length

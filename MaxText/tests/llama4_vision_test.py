@@ -12,9 +12,9 @@ from flax import nnx
 
 from MaxText import checkpointing, config, models
 from MaxText import flops as flops_lib
-from MaxText.convert import hf_mapping, hf_to_maxtext
+from MaxText.convert import hf_to_maxtext
 from MaxText.layers.model_config import ModelConfig
-from MaxText.models import llama4_vision
+from MaxText.models.llama4 import vision as llama4_vision
 from MaxText.parallel import plan as plan_lib
 from MaxText.tests import families_test
 
@@ -33,6 +33,16 @@ VISION |= dict(
   patch_size=4, pixel_shuffle_ratio=0.5, projector_input_dim=24, projector_output_dim=24, vision_output_dim=24
 )
 IMAGE_TOKEN = 63
+
+
+def hf_keys(hf):
+  """config.json -> MaxText keys, through the mapping of its model_type."""
+  return models.hf_mapping_of(hf).maxtext_keys(hf)
+
+
+def hf_config(c, dtype):
+  """MaxText config -> config.json, through the mapping of its decoder_block."""
+  return models.hf_mapping(c.decoder_block).hf_config(c, dtype)
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +105,7 @@ def test_round_trip_to_hugging_face_is_bit_exact(converted, tmp_path):
   assert c.use_multimodal and c.image_token_id == IMAGE_TOKEN and c.num_hidden_layers_for_vit == 2
   families_test.assert_export_is_exact(c, hf_path, back)
   reloaded = transformers.Llama4ForConditionalGeneration.from_pretrained(back)
-  assert hf_mapping.maxtext_keys(reloaded.config.to_dict()) == hf_mapping.maxtext_keys(
-    json.load(open(f"{hf_path}/config.json"))
-  )
+  assert hf_keys(reloaded.config.to_dict()) == hf_keys(json.load(open(f"{hf_path}/config.json")))
 
 
 def test_text_only_use_of_the_multimodal_model(converted):

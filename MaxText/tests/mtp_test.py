@@ -17,7 +17,7 @@ from flax import nnx
 from MaxText import checkpointing, config, flops, models, saved_config, train
 from MaxText import state as state_lib
 from MaxText import train_step as steps
-from MaxText.convert import hf_mapping, hf_to_maxtext, maxtext_to_hf
+from MaxText.convert import hf_to_maxtext, maxtext_to_hf
 from MaxText.errors import ConfigError
 from MaxText.inference import Engine
 from MaxText.layers import mtp
@@ -157,7 +157,8 @@ def test_mtp_needs_a_family_with_an_mtp_layer_and_valid_keys():
     load("mtp_num_layers=-1")
   llama = load("mtp_num_layers=1")
   with pytest.raises(ConfigError, match="decoder_block=deepseek only"):
-    hf_mapping.rules(llama, models.family(llama).stacks(llama), nnx.to_pure_dict(state_lib.param_spec(llama).abstract))
+    abstract = nnx.to_pure_dict(state_lib.param_spec(llama).abstract)
+    models.hf_mapping("llama2").rules(llama, models.family(llama).stacks(llama), abstract)
   assert state_lib.for_inference(llama).mtp_num_layers == 0
 
 

@@ -1,6 +1,7 @@
-"""Every preset in configs/models/ loads, builds abstractly (jax.eval_shape, nothing allocated) and
+"""Every preset (models/<family>/presets/) loads, builds abstractly (jax.eval_shape, nothing allocated) and
 has the published parameter count within 1%."""
 
+import glob
 import os
 
 import jax
@@ -60,8 +61,7 @@ def num_params(name: str) -> int:
 
 
 def test_every_preset_has_a_published_count():
-  names = {f[:-4] for f in os.listdir(os.path.join(config.CONFIG_DIR, "models")) if f.endswith(".yml")}
-  assert names - {"default"} == set(PUBLISHED)
+  assert set(config.presets()) - {"default"} == set(PUBLISHED)
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -95,3 +95,15 @@ def test_parameter_count(name):
 def test_family_options_are_validated(bad):
   with pytest.raises(config.ConfigError):
     config.load([BASE, "run_name=t", "num_experts=2", *bad.split()], {})
+
+
+def test_each_preset_sits_in_the_folder_of_its_family():
+  """models/<decoder_block>/presets/<model_name>.yml, names unique across folders; every folder with a
+  Hugging Face mapping is a registered decoder_block."""
+  files = glob.glob(os.path.join(config.MODELS_DIR, "*", "presets", "*.yml"))
+  assert len(files) == len(config.presets())
+  for name, path in config.presets().items():
+    block = config.load([BASE, "run_name=t", f"model_name={name}"], {}).decoder_block
+    assert os.path.basename(os.path.dirname(os.path.dirname(path))) == block, name
+  assert set(models.HF) == set(models.REGISTRY) - {"default"}
+  assert all(block == mapping.decoder_block for block, mapping in models.HF.items())

@@ -1,4 +1,4 @@
-"""The vision towers at scale (Gemma 3's SigLIP, layers/vision.py; Llama 4's, models/llama4_vision.py): their
+"""The vision towers at scale (Gemma 3's SigLIP, layers/vision.py; Llama 4's, models/llama4/vision.py): their
 weights carry the text layers' logical axes, so base.yml's rules shard them over fsdp / tensor on a real mesh
 (8 host CPU devices: fsdp 4 x tensor 2); under scan_layers the encoder layers are one stacked, scanned module,
 which computes what the unrolled layers compute (values and gradients, remat on), and the Hugging Face
@@ -14,7 +14,6 @@ from flax import nnx
 
 from MaxText import config, models, sharding, state, train_compile
 from MaxText import flops as flops_lib
-from MaxText.convert import hf_mapping
 from MaxText.convert.hf_to_maxtext import get, to_maxtext
 from MaxText.convert.maxtext_to_hf import to_hf
 from MaxText.layers import vision
@@ -129,7 +128,7 @@ def test_hugging_face_mapping_covers_both_layouts(tower):
   def tower_rules(scan: bool):
     c = load(tower, f"scan_layers={str(scan).lower()}")
     abstract = nnx.to_pure_dict(state.param_spec(c).abstract)  # the text stacks' layout, for rules()
-    rules = hf_mapping.rules(c, models.family(c).stacks(c), abstract)
+    rules = models.hf_mapping(c.decoder_block).rules(c, models.family(c).stacks(c), abstract)
     tower_dict = nnx.to_pure_dict(tower_params(tower, scan)[1])
     return [r for r in rules if r.path[0] == "vision_encoder"], {"vision_encoder": tower_dict}
 

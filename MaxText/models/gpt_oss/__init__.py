@@ -1,6 +1,6 @@
 """gpt-oss: layers alternating sliding-window (first) and full causal attention, every layer MoE.
 
-Everything else is config keys (configs/models/gpt-oss-*.yml): attention_sink (a learned softmax logit
+Everything else is config keys (presets/gpt-oss-*.yml): attention_sink (a learned softmax logit
 per head), attention_bias, YaRN RoPE (rope_type=yarn, rope_truncate=false), router_bias (a bias on the
 router logits, softmax over the chosen experts' logits = renormalised top-k of the full softmax), mlp_bias
 (every expert's biases) and the clamped SwiGLU (mlp_activations_limit, swiglu_alpha)."""

@@ -3,7 +3,7 @@
 `Mapping` is the transformers decoder layout of the shared layers (LlamaForCausalLM's config fields and
 tensor names); each family's `models/<family>/hf.py` subclasses it and overrides what its architecture
 changes. The converters find a family's mapping through `models.hf_mapping` (by decoder_block) and
-`models.hf_mapping_of` (by config.json's model_type); nothing here names a family.
+`models.hf_mapping_of` (by config.json's model_type); no family's tables or branches live here.
 
 Tensor rule: HF name -> (MaxText parameter path, index prefix, n_in). A HF linear weight [out, in] is
 the transpose of our kernel reshaped (n_in = how many leading kernel dims are inputs); n_in None means
@@ -187,6 +187,9 @@ class Mapping:
   biases: tuple[str, ...] = ("attention_bias",)  # bias flags (HF field = MaxText key) of its transformers class
   activation_field = "hidden_act"
   qk_norm_weights = True  # q/k norms carry a scale (Llama 4's do not)
+  # config.json fields without which the architecture is unknown (a missing one would silently take base.yml's
+  # default); checked by hf_to_maxtext before anything is read
+  required_fields = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
 
   # config.json -> MaxText keys
 
@@ -240,7 +243,7 @@ class Mapping:
 
   def export_multimodal(self, c: Config, out: dict[str, Any], dtype: str) -> dict[str, Any]:
     """The multimodal config.json around the text model's `out`."""
-    raise ConfigError(f"use_multimodal has a Hugging Face export for decoder_block=gemma3 only, not {c.decoder_block}")
+    raise ConfigError(f"use_multimodal has a Hugging Face export for gemma3 and llama4 only, not {c.decoder_block}")
 
   def hf_config(self, c: Config, dtype: str) -> dict[str, Any]:
     """MaxText config -> config.json for the matching transformers class."""

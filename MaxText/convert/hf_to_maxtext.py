@@ -52,11 +52,8 @@ def to_maxtext(tensor: np.ndarray, shape: tuple[int, ...], rule: hf_mapping.Rule
   return out if rule.perm is None else out[..., rule.perm]
 
 
-# config.json fields without which the architecture is unknown (a missing one would silently take base.yml's
-# default); gpt2's own names are checked by its mapping.
 # Copied next to OUTPUT/config.yml when present: what tokenizer_type=huggingface and use_sft read.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
 
 
 def read_hf_config(hf_path: str) -> dict[str, Any]:
@@ -74,7 +71,7 @@ def read_hf_config(hf_path: str) -> dict[str, Any]:
   if not isinstance(hf, dict):
     raise ConfigError(f"{path!r} must hold a JSON object, got {type(hf).__name__}")
   fields = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf  # multimodal: its text model
-  missing = [k for k in REQUIRED_FIELDS if hf.get("model_type") != "gpt2" and k not in fields]
+  missing = [k for k in models.hf_mapping_of(hf).required_fields if k not in fields]
   if missing:
     raise ConfigError(f"{path!r} lacks {', '.join(missing)}; it must describe the checkpoint's architecture")
   return hf

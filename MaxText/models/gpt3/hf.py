@@ -73,6 +73,7 @@ class Gpt2(hf_mapping.Mapping):
   decoder_block = "gpt3"
   model_types = ("gpt2",)
   arch = ("gpt2", "GPT2LMHeadModel")
+  required_fields = ()  # its own names, checked by maxtext_keys
 
   def maxtext_keys(self, hf: dict[str, Any]) -> dict[str, Any]:
     return maxtext_keys(hf)

@@ -157,14 +157,17 @@ def mlp_rules(c: Config, prefix: str, path: tuple) -> Iterator[tuple]:
       yield f"{prefix}.{hf}.bias", (*path, *mt, "bias"), (), None, None
 
 
-def routed_experts_rules(c: Config) -> Iterator[tuple]:
-  """The router and one gated MLP per expert, as Qwen-MoE and DeepSeek name them (mlp.gate, mlp.experts.E)."""
+def routed_experts_rules(c: Config, shared: str = "mlp.shared_experts") -> Iterator[tuple]:
+  """The router, one gated MLP per expert and the shared experts (at HF `shared`), as Qwen-MoE and DeepSeek
+  name them (mlp.gate, mlp.experts.E)."""
   yield "mlp.gate.weight", ("mlp", "gate", "kernel"), (), 1, None
   if c.routed_bias:
     yield "mlp.gate.e_score_correction_bias", ("mlp", "gate_bias"), (), None, None
   for e in range(c.num_experts):
     for hf, mt in (("gate_proj", "wi_0"), ("up_proj", "wi_1"), ("down_proj", "wo")):
       yield f"mlp.experts.{e}.{hf}.weight", ("mlp", mt), (e,), 1, None
+  if c.shared_experts:
+    yield from mlp_rules(c, shared, ("mlp", "shared_experts"))
 
 
 def as_rules(prefix: str, layer: tuple[Any, ...], index: tuple[int, ...], items) -> Iterator[Rule]:

@@ -111,12 +111,7 @@ class DeepSeek(hf_mapping.Mapping):
     yield "self_attn.kv_b_proj.weight", ("self_attention", "wkv_b", "kernel"), (), 1, None
 
   def feed_forward_rules(self, c, moe: bool) -> Iterator[tuple]:
-    if not moe:
-      yield from hf_mapping.mlp_rules(c, "mlp", ("mlp",))
-      return
-    yield from hf_mapping.routed_experts_rules(c)
-    if c.shared_experts:
-      yield from hf_mapping.mlp_rules(c, "mlp.shared_experts", ("mlp", "shared_experts"))
+    return hf_mapping.routed_experts_rules(c) if moe else hf_mapping.mlp_rules(c, "mlp", ("mlp",))
 
   def mtp_rules(self, c) -> list[Rule]:
     """The MTP modules' tensors (mtp_num_layers of them, the layout DeepSeek V3 publishes)."""

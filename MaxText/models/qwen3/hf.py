@@ -36,12 +36,7 @@ class Qwen3(hf_mapping.Mapping):
     return *self.arch, {}, {}
 
   def feed_forward_rules(self, c, moe: bool) -> Iterator[tuple]:
-    if not moe:
-      yield from hf_mapping.mlp_rules(c, "mlp", ("mlp",))
-      return
-    yield from hf_mapping.routed_experts_rules(c)
-    if c.shared_experts:
-      yield from hf_mapping.mlp_rules(c, "mlp.shared_experts", ("mlp", "shared_experts"))
+    return hf_mapping.routed_experts_rules(c) if moe else hf_mapping.mlp_rules(c, "mlp", ("mlp",))
 
 
 MAPPING = Qwen3()

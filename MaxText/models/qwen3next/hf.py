@@ -85,9 +85,8 @@ class Qwen3Next(hf_mapping.Mapping):
     if not moe:
       yield from hf_mapping.mlp_rules(c, "mlp", ("mlp",))
       return
-    yield from hf_mapping.routed_experts_rules(c)
-    if c.shared_experts:  # one gated shared expert
-      yield from hf_mapping.mlp_rules(c, "mlp.shared_expert", ("mlp", "shared_experts"))
+    yield from hf_mapping.routed_experts_rules(c, shared="mlp.shared_expert")
+    if c.shared_experts:  # one shared expert, gated
       yield "mlp.shared_expert_gate.weight", ("mlp", "shared_expert_gate", "kernel"), (), 1, None
 
 

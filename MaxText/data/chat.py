@@ -242,13 +242,19 @@ def completion_spans(template: ChatTemplate, conv: Conversation, where: str) -> 
   return full, spans
 
 
-def tokenize(template: ChatTemplate, tok: Any, conv: Conversation, completion_only: bool, where: str) -> Example:
+def tokenize(
+  template: ChatTemplate, tok: Any, conv: Conversation, completion_only: bool, where: str, rewrite: Any = None
+) -> Example:
   """The Example of `conv`: tokens of the rendered text (as the tokenizer splits the whole text) and their loss
-  mask; a token belongs to the completion when its first character does."""
+  mask; a token belongs to the completion when its first character does. rewrite(text) -> (text, map of
+  positions), when given, changes the rendered text first (data/images.processor_text)."""
   try:
     text, spans = completion_spans(template, conv, where)
   except DataError as e:  # a template failure names the template; say which example too
     raise (e if str(e).startswith(where) else DataError(f"{where}: {e}")) from None
+  if rewrite is not None:
+    text, move = rewrite(text)
+    spans = [(move(start), move(end)) for start, end in spans]
   ids, offsets = tok.encode_with_offsets(text)
   starts = np.array([o[0] for o in offsets], np.int64)
   mask = np.zeros(len(ids), np.uint8)

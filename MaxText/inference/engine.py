@@ -317,6 +317,9 @@ class Engine:
     eos = [self.tokenizer.eos_id] if self.tokenizer is not None and self.tokenizer.eos_id >= 0 else []
     rows = _Rows(len(prompts), self.tokenizer, set(eos if stop_tokens is None else stop_tokens), stop_strings)
     start = time.perf_counter()
+    if images is not None and len(images) == len(prompts):  # the processor's text around images (data/images.py)
+      prompts = [p if not isinstance(p, str) else images_lib.processor_text(p, len(r), c, self.tokenizer)[0]
+                 for p, r in zip(prompts, images)]  # fmt: skip
     ids = [self.encode(p) for p in prompts]
     tiles = None
     if images is not None:

@@ -419,6 +419,11 @@ def validate(c: dict[str, Any]) -> None:
   for key in ("load_parameters_path", "load_full_state_path"):
     if c[key] and not paths.may_exist(c[key]):
       raise ConfigError(f"{key}={c[key]!r} does not exist")
+    if c[key] and not paths.is_remote(c[key]) and os.path.isfile(c[key]):
+      form = "<run dir>/checkpoints/<step>/state"
+      if key == "load_parameters_path":
+        form += ", or a params-only checkpoint's directory"
+      raise ConfigError(f"{key}={c[key]!r} is a file, not a checkpoint directory; give {form}")
   _validate_tokenizer_path(c)
   _validate_sft(c)
   _validate_images(c)

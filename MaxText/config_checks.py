@@ -167,6 +167,8 @@ def _validate_sft(c: dict[str, Any]) -> None:
 
 def _validate_images(c: dict[str, Any]) -> None:
   """use_multimodal: the image slots and tiles can be used as given."""
+  if c["max_image_pixels"] < 1:
+    raise ConfigError(f"max_image_pixels={c['max_image_pixels']} must be >= 1 (the most pixels of an image)")
   if not c["use_multimodal"]:
     return
   if c["images_per_row"] < 1 or c["image_tiles_per_row"] < 0:

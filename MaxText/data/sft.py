@@ -171,6 +171,8 @@ def encode(config: Config, tok: Any, template: chat.ChatTemplate, records: Itera
   pictures, tile_counts = ([], []) if config.use_multimodal else (None, None)
   for where, record in records:
     row_images = image_records.row_images(record, config.sft_images_column, where)
+    for image in row_images if config.use_multimodal else ():  # each one, before anything compiles
+      image_records.check(image, config.max_image_pixels, where)
     rewrite = functools.partial(images_lib.processor_text, images=len(row_images), config=config, tok=tok)
     ex = chat.tokenize(template, tok, chat.conversation(record, columns, where), only, where, rewrite)
     ids, loss_mask = ex.tokens, ex.loss_mask

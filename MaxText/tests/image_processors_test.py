@@ -48,7 +48,7 @@ def test_resize_equals_torchs_uint8_kernel():
 def gemma3_config(size):
   c = types.SimpleNamespace(decoder_block="gemma3", image_size_for_vit=size, mm_tokens_per_image=4)
   c.image_start_token_id, c.image_end_token_id, c.image_token_id = tiny.BOI, tiny.EOI, tiny.IMAGE
-  c.use_multimodal, c.images_per_row, c.image_tiles_per_row = True, 2, 0
+  c.use_multimodal, c.images_per_row, c.image_tiles_per_row, c.max_image_pixels = True, 2, 0, 89478485
   return c
 
 

@@ -36,7 +36,7 @@ from MaxText import config_checks, paths
 from MaxText import state as state_lib
 from MaxText.config import Config, serving_config
 from MaxText.convert import upstream
-from MaxText.errors import CheckpointError, ConfigError  # CheckpointError: also importable from here
+from MaxText.errors import CheckpointError, ConfigError
 from MaxText.layers import lora
 from MaxText.state import StateSpec, TrainState
 

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from MaxText import config_checks
-from MaxText.errors import ConfigError  # also importable from here, its home before errors.py
+from MaxText.errors import ConfigError
 from MaxText.parallel import kernels, remat
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")

@@ -27,10 +27,7 @@ from typing import Any
 
 from etils import epath
 
-from MaxText.errors import (
-  ConfigError,
-  StorageError,
-)  # StorageError: also importable from here, its home before errors.py
+from MaxText.errors import ConfigError, StorageError
 
 REMOTE_PREFIXES = ("gs://",)  # paths that name objects in a bucket, never a local file
 # Without network or credentials the storage clients retry for minutes; a probe that has no answer in this

@@ -40,7 +40,7 @@ from MaxText import data as data_lib
 from MaxText import state as state_lib
 from MaxText import train_step as steps
 from MaxText.config import Config
-from MaxText.errors import ConfigError
+from MaxText.errors import CheckpointError, ConfigError
 from MaxText.parallel import plan as plan_lib
 
 
@@ -442,7 +442,7 @@ def main(argv: Sequence[str]) -> None:
       sys.exit(preemption.EXIT_STOPPED)
     except NonFiniteLossError as e:  # the message says what to do
       sys.exit(f"{type(e).__name__}: {e}")
-    except checkpointing.CheckpointError as e:
+    except CheckpointError as e:
       # The save failed (e.g. disk full) and the manager is finished; exit without the interpreter's teardown,
       # where orbax's background threads print "Event loop is closed" tracebacks under the one line.
       print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)

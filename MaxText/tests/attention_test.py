@@ -7,6 +7,7 @@ import pytest
 
 from MaxText import config as config_lib
 from MaxText import sharding
+from MaxText.errors import ConfigError
 from MaxText.layers import attention, kv_cache
 from MaxText.parallel import plan as plan_lib
 
@@ -49,7 +50,7 @@ def test_attend_chunks_only_when_the_chunk_divides_a_longer_sequence():
 
 
 def test_attention_query_chunk_must_divide_the_length():
-  with pytest.raises(config_lib.ConfigError, match="attention_query_chunk=300 must be 0"):
+  with pytest.raises(ConfigError, match="attention_query_chunk=300 must be 0"):
     config("attention_query_chunk=300", "max_target_length=2048")
 
 
@@ -68,7 +69,7 @@ def test_autoselected_follows_the_target_platform():
   plan = plan_lib.build(c, sharding.create_mesh(c, devices)).attention
   assert (plan.kernel, plan.platform) == ("flash", "tpu") and "TPU" in plan.reason
   assert plan.kernel_for(200) == "dot_product"  # the kernel tiles by 128
-  with pytest.raises(config_lib.ConfigError, match="needs NVIDIA GPUs"):
+  with pytest.raises(ConfigError, match="needs NVIDIA GPUs"):
     plan_lib.build(config("attention=cudnn_flash_te"), sharding.create_mesh(c, devices))
 
 
@@ -83,9 +84,9 @@ def test_flash_through_attend_equals_dot_product_for_narrower_values():
 
 def test_flash_on_a_gpu_points_to_cudnn(monkeypatch):
   monkeypatch.setattr(plan_lib, "target_platform", lambda mesh: "gpu")
-  with pytest.raises(config_lib.ConfigError, match="cudnn_flash_te"):
+  with pytest.raises(ConfigError, match="cudnn_flash_te"):
     plan_lib.build(config("attention=flash", "max_target_length=128"))
-  with pytest.raises(config_lib.ConfigError, match="soft_cap"):
+  with pytest.raises(ConfigError, match="soft_cap"):
     plan_lib.build(config("attention=cudnn_flash_te", "attn_logits_soft_cap=30"))
   assert plan_lib.build(config("attention=autoselected")).attention.kernel == "cudnn_flash_te"
   assert plan_lib.build(config("attention=autoselected", "attn_logits_soft_cap=30")).attention.kernel == "dot_product"

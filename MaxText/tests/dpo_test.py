@@ -16,7 +16,7 @@ from MaxText.data import chat, preferences, sft
 from MaxText.data import make_iterators as make_data
 from MaxText.errors import ConfigError, DataError
 from MaxText.tests.conftest import BASE, TINY, as_numpy, mesh_of
-from MaxText.tests.sft_test import make_tokenizer
+from MaxText.tests.helpers import make_tokenizer, write_jsonl
 
 LN2 = math.log(2.0)
 CONVERSATION = [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "3"}]
@@ -25,12 +25,6 @@ CONVERSATION = [{"role": "user", "content": "1+2="}, {"role": "assistant", "cont
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
   return make_tokenizer(str(tmp_path_factory.mktemp("tok")), template=None)  # the default template
-
-
-def write_jsonl(path, records):
-  with open(path, "w") as f:
-    f.writelines(json.dumps(r) + "\n" for r in records)
-  return str(path)
 
 
 def sums(wrong=(1,), numbers=range(5)):

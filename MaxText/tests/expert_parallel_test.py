@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from MaxText import config, sharding, state
+from MaxText.errors import ConfigError
 from MaxText.layers import moe
 from MaxText.parallel import plan as plan_lib
 
@@ -138,5 +139,5 @@ def test_per_sequence_capacity_equals_token_loop():
 
 
 def test_unknown_capacity_group_is_a_config_error():
-  with pytest.raises(config.ConfigError, match="capacity_group"):
+  with pytest.raises(ConfigError, match="capacity_group"):
     block(load("capacity_group=batch"))

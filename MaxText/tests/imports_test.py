@@ -179,14 +179,18 @@ def test_errors_is_the_bottom_of_the_graph():
   assert import_graph()["MaxText.errors"] == set()
 
 
-def test_user_errors_keep_their_old_import_paths():
-  from MaxText import checkpointing, config, distributed, errors
-  from MaxText.data import errors as data_errors
-
-  assert config.ConfigError is errors.ConfigError
-  assert data_errors.DataError is errors.DataError
-  assert checkpointing.CheckpointError is errors.CheckpointError
-  assert distributed.DistributedInitError is errors.DistributedInitError
+def test_user_errors_are_imported_from_errors_only():
+  """The error types have one home: no file imports them from another module or reads them off one."""
+  errors = {n.name for n in parse(os.path.join("MaxText", "errors.py")).body if isinstance(n, ast.ClassDef)}
+  found = []
+  for path in python_files(ROOT):
+    for node in ast.walk(parse(path)):
+      if isinstance(node, ast.ImportFrom) and node.module != "MaxText.errors":
+        found += [f"{path}:{node.lineno} {a.name}" for a in node.names if a.name in errors]
+      elif isinstance(node, ast.Attribute) and node.attr in errors:
+        if not (isinstance(node.value, ast.Name) and node.value.id == "errors"):
+          found.append(f"{path}:{node.lineno} {ast.unparse(node)}")
+  assert not found, "import these from MaxText.errors:\n" + "\n".join(found)
 
 
 def sys_path_edits(tree: ast.AST) -> list[int]:

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from MaxText import config, optimizers, sharding, state, train_step
+from MaxText.errors import ConfigError
 from MaxText.layers import moe
 from MaxText.parallel import plan as plan_lib
 from MaxText.tests.conftest import DEEPSEEK3_TINY, cfg
@@ -251,5 +252,5 @@ def test_without_the_load_rule_the_bias_stays_put(tmp_path):
   ],
 )
 def test_bias_update_rate_needs_a_selection_bias_and_no_pipeline_or_lora(tmp_path, overrides, message):
-  with pytest.raises(config.ConfigError, match=message):
+  with pytest.raises(ConfigError, match=message):
     cfg(tmp_path, "bad", *overrides)

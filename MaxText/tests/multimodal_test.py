@@ -19,6 +19,7 @@ from MaxText.errors import DataError
 from MaxText.inference import Engine
 from MaxText.layers import vision
 from MaxText.parallel import plan as plan_lib
+from MaxText.tests.helpers import make_tokenizer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -218,7 +219,6 @@ def test_sft_with_images_trains_and_freezes_the_vision_tower(tmp_path, freeze):
   freeze_vision_encoder keeps the tower and projector exactly; false trains them."""
   from MaxText import train  # noqa: PLC0415
   from MaxText.tests.conftest import BASE, TINY, losses  # noqa: PLC0415
-  from MaxText.tests.sft_test import make_tokenizer  # noqa: PLC0415
 
   tok = make_tokenizer(str(tmp_path / "tok"))
   rng = np.random.default_rng(0)

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from MaxText import config, models, sharding, train, train_step
-from MaxText.config import ConfigError
+from MaxText.errors import ConfigError
 from MaxText.layers.model_config import ModelConfig
 from MaxText.parallel import plan as plan_lib
 from MaxText.tests.conftest import TINY, cfg

@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from MaxText import config, models
+from MaxText.errors import ConfigError
 from MaxText.parallel import plan as plan_lib
 
 BASE = os.path.join(config.CONFIG_DIR, "base.yml")
@@ -93,5 +94,5 @@ def test_parameter_count(name):
   ],
 )
 def test_family_options_are_validated(bad):
-  with pytest.raises(config.ConfigError):
+  with pytest.raises(ConfigError):
     config.load([BASE, "run_name=t", "num_experts=2", *bad.split()], {})

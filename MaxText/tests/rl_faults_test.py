@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from MaxText import checkpointing, config, rl
-from MaxText.tests.faults_test import Process, terminate_after
-from MaxText.tests.rl_test import records, rl_args
+from MaxText.tests.helpers import Process, records, rl_args, terminate_after
 
 RUN = ["per_device_batch_size=4", "enable_checkpointing=true", "checkpoint_period=1000"]  # 2 devices: 2 prompts x 4
 

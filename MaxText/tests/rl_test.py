@@ -1,7 +1,6 @@
 """GRPO (MaxText/rl.py, rl_rewards.py): a tiny byte-level model taught "a+b=c" raises its exact-answer reward,
 sampling and training on an 8-device mesh, resume, and the bad inputs (one line naming the row)."""
 
-import json
 import shutil
 import sys
 
@@ -15,29 +14,8 @@ from MaxText import state as state_lib
 from MaxText import train_step as steps
 from MaxText.errors import ConfigError, DataError
 from MaxText.inference.tokenizer import ByteTokenizer
-from MaxText.tests.conftest import BASE, TINY, cfg
-
-LENGTH = 16  # "<bos>9+9=18<eos>" is 8 tokens
-SUMS = [(a, b) for a in range(10) for b in range(10)]
-
-
-def write_prompts(path, rows=None):
-  rows = [{"prompt": f"{a}+{b}="} for a, b in SUMS] if rows is None else rows
-  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  return path
-
-
-def rl_args(tmp_path, name, *overrides):
-  """The tiny model over UTF-8 bytes (no tokenizer file: inference/tokenizer.ByteTokenizer), sampling 3 tokens."""
-  prompts = tmp_path / "prompts.jsonl"
-  if not prompts.exists():
-    write_prompts(prompts)
-  return [
-    BASE, f"run_name={name}", f"base_output_directory={tmp_path}", *TINY, "vocab_size=264",
-    f"max_target_length={LENGTH}", "max_prefill_predict_length=8",
-    "decode_sampling_strategy=weighted", "decode_max_new_tokens=3", "num_generations=4", "per_device_batch_size=8",
-    "learning_rate=1e-3", f"dataset_path={prompts}", *overrides,
-  ]  # fmt: skip
+from MaxText.tests.conftest import cfg
+from MaxText.tests.helpers import RL_LENGTH, records, rl_args, write_prompts
 
 
 def rl_config(tmp_path, name, *overrides):
@@ -48,8 +26,8 @@ def sft_batch(rng, rows):
   """rows "<bos>a+b=c<eos>" sequences as a train batch: loss on every token."""
   tok = ByteTokenizer()
   keys = ("inputs", "targets", "inputs_segmentation", "targets_segmentation", "inputs_position")
-  batch = {k: np.zeros((rows, LENGTH), np.int32) for k in keys}
-  batch["inputs_position"][:] = np.arange(LENGTH)
+  batch = {k: np.zeros((rows, RL_LENGTH), np.int32) for k in keys}
+  batch["inputs_position"][:] = np.arange(RL_LENGTH)
   for i in range(rows):
     a, b = rng.integers(0, 10, 2)
     seq = [tok.bos_id, *tok.encode(f"{a}+{b}={a + b}"), tok.eos_id]
@@ -61,7 +39,7 @@ def sft_batch(rng, rows):
 
 def sft(tmp_path, num_steps):
   """A brief supervised start on "a+b=c" with train_step.py's own step; returns its params checkpoint path."""
-  c = cfg(tmp_path, "sft", "vocab_size=264", f"max_target_length={LENGTH}", "per_device_batch_size=32")
+  c = cfg(tmp_path, "sft", "vocab_size=264", f"max_target_length={RL_LENGTH}", "per_device_batch_size=32")
   mesh = sharding.create_mesh(c, jax.devices()[:1])
   optimizer = optimizers.build(c)
   rng = np.random.default_rng(0)
@@ -74,11 +52,6 @@ def sft(tmp_path, num_steps):
     path = str(tmp_path / "sft_params")
     checkpointing.save_params(path, state.params)
   return path
-
-
-def records(c):
-  with open(c.metrics_file) as f:
-    return [json.loads(line) for line in f]
 
 
 @pytest.mark.slow
@@ -127,7 +100,7 @@ def test_the_loss_at_the_reference_is_minus_the_mean_advantage_and_clips_as_ppo(
     spec = state_lib.param_spec(c, mesh)
     params = state_lib.init_params(c, spec)
     done = rl.engine_lib.Completion("7", [58, 2], [0.0, 0.0], "eos")
-    batch = rl.build_batch([[1, 54, 46, 55, 64]] * 2, [done, done], np.array([1.0, -0.5]), LENGTH)
+    batch = rl.build_batch([[1, 54, 46, 55, 64]] * 2, [done, done], np.array([1.0, -0.5]), RL_LENGTH)
     logp = jax.jit(lambda p, b: rl.token_logprobs(spec.graphdef, c, p, b))(params, batch)
     mask = batch["targets_segmentation"] != 0
     loss_fn = jax.jit(lambda p, r, b: rl.grpo_loss(spec.graphdef, c, p, r, b))
@@ -255,7 +228,7 @@ def rollout_batch(c, spec, params, rows=8):
   prompts = [[tok.bos_id, *tok.encode(f"{a}+{b}=")] for a, b in rng.integers(0, 10, (rows, 2))]
   done = [rl.engine_lib.Completion("", [int(t) for t in rng.integers(3, 259, 3)], [0.0] * 3, "length")
           for _ in range(rows)]  # fmt: skip
-  batch = rl.build_batch(prompts, done, rng.standard_normal(rows).astype(np.float32), LENGTH)
+  batch = rl.build_batch(prompts, done, rng.standard_normal(rows).astype(np.float32), RL_LENGTH)
   logp = jax.jit(lambda p, b: rl.token_logprobs(spec.graphdef, c, p, b))(params, batch)
   batch["old_logprobs"] = np.where(batch["targets_segmentation"] != 0, np.asarray(logp), 0.0).astype(np.float32)
   return batch

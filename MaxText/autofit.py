@@ -46,6 +46,7 @@ from MaxText import state as state_lib
 from MaxText.config import Config
 from MaxText.errors import ConfigError
 from MaxText.parallel import plan as plan_lib
+from MaxText.parallel import remat as remat_lib
 
 GiB = 2**30
 # Searched remat policies, most memory-frugal first: full keeps layer inputs; the offloaded one keeps
@@ -152,19 +153,21 @@ def dims(config: Config) -> Dims:
   )  # fmt: skip
 
 
+def tag_elements(d: Dims, tags: tuple[str, ...], tensor: int) -> float:
+  """Elements per token of one layer's activations that carry these remat tags (parallel/remat.py: KEEPS,
+  OFFLOADS), tensor-split widths /t. "dots" is every matmul output; q, k and v count together."""
+  qkv, ctx, mlp_in, out = d.qkv / tensor, d.context / tensor, 2 * d.mlp / tensor, d.emb
+  width = {"dots": qkv + out + mlp_in + out, "context": ctx, "out_proj": out, "mlpwo": out}
+  return (qkv if set(remat_lib.QKV) <= set(tags) else 0.0) + sum(width[t] for t in tags if t in width)
+
+
 def saved_per_token(d: Dims, remat: str, tensor: int) -> float:
   """Elements one layer keeps per token for its backward under `remat` (on the chip), tensor-split widths /t.
-  The layer input is always kept (the scanned stack's carry); the policies add the named matmul outputs."""
-  qkv, ctx, mlp_in, out = d.qkv / tensor, d.context / tensor, 2 * d.mlp / tensor, d.emb
-  named = {
-    "full": 0.0, "minimal_offloaded": 0.0, "qkv_proj_offloaded": 0.0, "save_qkv_proj": qkv,
-    "save_out_proj": out, "save_dot_except_mlp": qkv + out, "save_dot_except_mlpwi": qkv + 2 * out,
-    "save_dot_with_context_except_mlp": qkv + ctx + out, "minimal": qkv + out + mlp_in + out,
-    "minimal_with_context": qkv + ctx + out + mlp_in + out, "minimal_flash": qkv + ctx + out + mlp_in + out,
-  }  # fmt: skip
+  The layer input is always kept (the scanned stack's carry); the policies add what they keep (KEEPS)."""
   if remat == "none":  # every intermediate: the matmul outputs, the context, the gated MLP's, norms
+    qkv, ctx, mlp_in, out = d.qkv / tensor, d.context / tensor, 2 * d.mlp / tensor, d.emb
     return d.emb + qkv + ctx + 2 * out + 2 * mlp_in + 4 * d.emb
-  return d.emb + named[remat]
+  return d.emb + tag_elements(d, remat_lib.KEEPS[remat], tensor)
 
 
 # Buffers of one dispatch row live at once in an MoE layer's backward: of width F, the gate and up projections,
@@ -215,14 +218,13 @@ def estimate(d: Dims, f: Facts, remat: str, batch: float, accumulation: int = 1)
 
 
 def recomputed_share(remat: str, share: dict[str, float]) -> float:
-  """Share of the layers' forward matmul FLOPs the backward computes again under `remat`."""
-  kept = {
-    "full": (), "save_qkv_proj": ("qkv",), "save_out_proj": ("out",), "save_dot_except_mlp": ("qkv", "out"),
-    "save_dot_except_mlpwi": ("qkv", "out", "mlp_out"), "save_dot_with_context_except_mlp": ("qkv", "out"),
-  }.get(remat)  # fmt: skip
-  if kept is None:  # minimal*, offloaded, none: every matmul output is kept (or on the host)
+  """Share of the layers' forward matmul FLOPs the backward computes again under `remat`: all but the matmul
+  outputs it keeps on the chip or the host (parallel/remat.py: KEEPS, OFFLOADS)."""
+  kept = set(remat_lib.KEEPS[remat]) | set(remat_lib.OFFLOADS.get(remat, ()))
+  if kept & {"dots", "all"}:
     return 0.0
-  return 1.0 - sum(share[k] for k in kept)
+  groups = {"qkv": set(remat_lib.QKV) <= kept, "out": "out_proj" in kept, "mlp_out": "mlpwo" in kept}
+  return 1.0 - sum(share[g] for g, k in groups.items() if k)
 
 
 def step_time(d: Dims, f: Facts, c: Candidate, peak: float, mfu: float, ici: float) -> float:
@@ -241,8 +243,8 @@ def step_time(d: Dims, f: Facts, c: Candidate, peak: float, mfu: float, ici: flo
   e = f.split.expert
   expert = 4 * d.layers * rows * d.length * d.emb * d.act_bytes * (e - 1) / e / ici if e > 1 else 0.0
   offload = 0.0
-  if c.remat.endswith("_offloaded"):
-    offloaded = saved_per_token(d, "minimal", t) - saved_per_token(d, "full", t)
+  if c.remat in remat_lib.OFFLOADS:
+    offloaded = tag_elements(d, remat_lib.OFFLOADS[c.remat], t)
     offload = 2 * rows * d.length * d.layers * offloaded * d.act_bytes / HOST_BYTES_PER_S
   return max(compute, overlapped) + tensor + expert + offload
 

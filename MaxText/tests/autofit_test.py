@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from MaxText import autofit, config
 from MaxText.layers import moe_dispatch
+from MaxText.parallel import remat as remat_lib
 from MaxText.tests.conftest import BASE, ROOT, SIZES
 
 GiB = 2**30
@@ -242,3 +243,10 @@ def test_the_moe_estimate_lands_near_the_compiled_step(expert, batch, compiled_g
   """Before the dispatch term, fsdp 8 x expert 8 at batch 12 was estimated 29.43 GiB for XLA's 81.12."""
   est = autofit.estimate(MIXTRAL, mixtral_facts(64 // expert, expert), "full", batch).total / GiB
   assert est == pytest.approx(compiled_gib, rel=0.15)
+
+
+def test_every_remat_policy_says_what_it_keeps():
+  """autofit's memory and recompute model reads parallel/remat.py's KEEPS and OFFLOADS: every policy is there."""
+  assert set(remat_lib.KEEPS) == set(remat_lib.POLICIES)
+  assert set(remat_lib.OFFLOADS) <= set(remat_lib.POLICIES)
+  assert all(remat_lib.KEEPS[name] == () for name in remat_lib.OFFLOADS)

@@ -37,7 +37,7 @@ POLICIES = {
 NAMES = tuple(POLICIES)
 # What each policy keeps of a layer's forward for the backward pass: on the chip (KEEPS) and in pinned host
 # memory (OFFLOADS), by tag; "dots" is every matmul output without a batch dimension (q, k, v, out and the
-# MLP's), "all" every activation. Nothing kept is computed again. autofit.py's memory and time model reads this.
+# MLP's), "all" every activation. Nothing kept is computed again. autofit_estimate.py reads this.
 KEEPS: dict[str, tuple[str, ...]] = {
   "full": (),
   "minimal": ("dots",),

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from MaxText import config as config_lib
-from MaxText import launch, paths, plot_metrics, train
+from MaxText import gcs_auth, launch, paths, plot_metrics, train
 from MaxText.errors import StorageError
 from MaxText.tests.conftest import BASE, DOCS, ROOT, TINY, free_port, run_processes
 
@@ -110,8 +110,8 @@ def test_credential_lookup_without_an_answer_is_one_line(monkeypatch):
 
   for key in EMULATOR_VARIABLES:
     monkeypatch.delenv(key, raising=False)
-  monkeypatch.setattr(paths, "_credentials_found", False)
-  monkeypatch.setattr(paths, "CREDENTIALS_TIMEOUT_S", 0.05)
+  monkeypatch.setattr(gcs_auth, "_credentials_found", False)
+  monkeypatch.setattr(gcs_auth, "CREDENTIALS_TIMEOUT_S", 0.05)
   monkeypatch.setattr(google.auth, "default", lambda: time.sleep(1))
   with pytest.raises(StorageError, match=r"^'gs://b/x': no Google Cloud credentials found within 0.05 s; run"):
     paths.with_timeout(lambda: None, "'gs://b/x'")

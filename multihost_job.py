@@ -42,6 +42,14 @@ XLA_RECIPE = os.path.join(ROOT, "end_to_end", "gpu", "a3mega_xla_flags.sh")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+  p = _parser()
+  args = p.parse_args(argv)
+  args.WORKDIR = os.path.join(tempfile.gettempdir(), f"multihost_job_{args.RUN_NAME}")
+  _check(p, args)
+  return args
+
+
+def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
     prog="python3 multihost_job.py",
     epilog="More: docs/multihost.md in the repository.",
@@ -87,8 +95,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   k8s.add_argument("--NAMESPACE", default="", help="Kubernetes namespace (default: kubectl's)")
   k8s.add_argument("--MAX_RESTARTS", type=int, default=0, help="JobSet restarts after a failure (runs resume)")
   slurm.add_arguments(p)
-  args = p.parse_args(argv)
-  args.WORKDIR = os.path.join(tempfile.gettempdir(), f"multihost_job_{args.RUN_NAME}")
+  return p
+
+
+def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """p.error (exit 2, usage) for settings the platform cannot run; BUCKET_NAME without gs:// and slashes."""
   if args.PLATFORM == "jobset" and not args.IMAGE:
     p.error("--PLATFORM=jobset needs --IMAGE (built from the Dockerfile: docs/multihost.md, Container images)")
   if args.PLATFORM == "jobset" and args.BUCKET_NAME:
@@ -102,7 +113,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.error("--PLATFORM=vertex needs --IMAGE (Python and JAX for CUDA: the Dockerfile's gpu target builds one)")
   if min(args.NUM_SLICES, args.NUM_NODES) < 1:
     p.error("--NUM_SLICES and --NUM_NODES must be >= 1")
-  return args
 
 
 def code_object(args: argparse.Namespace) -> str:

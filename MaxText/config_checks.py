@@ -384,15 +384,9 @@ def check_divisibility(c: Any, axis_sizes: Mapping[str, int]) -> None:
 
 def validate(c: dict[str, Any]) -> None:
   """Checks that need no devices; device-dependent ones (mesh, batch) live in sharding.py."""
-
-  def positive(*keys):
-    for k in keys:
-      if c[k] <= 0:
-        raise ConfigError(f"{k} must be > 0, got {c[k]}")
-
-  positive("base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim")
-  positive("base_num_decoder_layers", "head_dim", "vocab_size", "max_target_length", "steps")
-  positive("per_device_batch_size", "log_period", "gradient_accumulation_steps", "checkpoint_period")
+  _positive(c, "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim")
+  _positive(c, "base_num_decoder_layers", "head_dim", "vocab_size", "max_target_length", "steps")
+  _positive(c, "per_device_batch_size", "log_period", "gradient_accumulation_steps", "checkpoint_period")
   if c["num_query_heads"] % c["num_kv_heads"]:
     raise ConfigError(
       f"num_query_heads ({c['num_query_heads']}) must be a multiple of num_kv_heads ({c['num_kv_heads']})"
@@ -423,6 +417,19 @@ def validate(c: dict[str, Any]) -> None:
   _validate_sft(c)
   _validate_images(c)
   _validate_dpo(c)
+  _validate_data_sources(c)
+  _validate_run_settings(c)
+  _validate_pieces(c)
+
+
+def _positive(c: dict[str, Any], *keys: str) -> None:
+  for k in keys:
+    if c[k] <= 0:
+      raise ConfigError(f"{k} must be > 0, got {c[k]}")
+
+
+def _validate_data_sources(c: dict[str, Any]) -> None:
+  """Eval settings and what each dataset_type needs."""
   if c["eval_interval"] > 0 and c["eval_steps"] <= 0 and c["eval_steps"] != -1:
     raise ConfigError(f"eval_steps must be > 0 (or -1: one epoch) when eval_interval is set, got {c['eval_steps']}")
   if c["eval_steps"] == -1 and c["dataset_type"] == "synthetic":
@@ -437,12 +444,21 @@ def validate(c: dict[str, Any]) -> None:
     raise ConfigError("grain_worker_count and target_eval_loss must be >= 0")
   if c["dataset_type"] == "text" and not 0.0 <= c["eval_fraction"] < 1.0:
     raise ConfigError(f"eval_fraction must be in [0, 1), got {c['eval_fraction']}")
+
+
+def _validate_run_settings(c: dict[str, Any]) -> None:
+  """Checkpoints kept, distributed timeouts, spike skipping, the async checkpoint lag."""
   if c["max_num_checkpoints_to_keep"] == 0 or c["max_num_checkpoints_to_keep"] < -1:
     raise ConfigError("max_num_checkpoints_to_keep must be -1 (keep all) or a positive number")
-  positive("compile_topology_num_slices", "jax_distributed_initialization_timeout", "jax_distributed_heartbeat_timeout")
-  positive("skip_step_interval", "skip_step_scaling_factor")
+  _positive(c, "compile_topology_num_slices", "jax_distributed_initialization_timeout")
+  _positive(c, "jax_distributed_heartbeat_timeout")
+  _positive(c, "skip_step_interval", "skip_step_scaling_factor")
   if c["async_checkpoint_max_lag_steps"] < 0:
     raise ConfigError(f"async_checkpoint_max_lag_steps must be >= 0, got {c['async_checkpoint_max_lag_steps']}")
+
+
+def _validate_pieces(c: dict[str, Any]) -> None:
+  """How the loss, flash attention, the MLP and the query are cut into pieces; the HLO dump."""
   tiles = c["num_vocab_tiling"]
   if tiles == 0 or tiles < -1 or (tiles > 0 and c["max_target_length"] % tiles):
     raise ConfigError(

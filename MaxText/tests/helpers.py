@@ -126,12 +126,20 @@ def assert_export_is_exact(c: config.Config, hf_path: str, back: str) -> None:
 
   maxtext_to_hf.convert(c, back)
   original = safetensors_torch.load_file(os.path.join(hf_path, "model.safetensors"))
-  exported = {}
-  for name in set(json.load(open(os.path.join(back, "model.safetensors.index.json")))["weight_map"].values()):
-    exported |= safetensors_torch.load_file(os.path.join(back, name))
+  exported = exported_tensors(back)
   assert sorted(exported) == sorted(original)
   for name, tensor in original.items():
     assert torch.equal(exported[name], tensor), name
+
+
+def exported_tensors(back: str) -> dict:
+  """Every tensor of the Hugging Face export in `back` (all its safetensors shards), by name."""
+  from safetensors import torch as safetensors_torch
+
+  exported = {}
+  for name in set(json.load(open(os.path.join(back, "model.safetensors.index.json")))["weight_map"].values()):
+    exported |= safetensors_torch.load_file(os.path.join(back, name))
+  return exported
 
 
 # Llama 4 with its vision tower (llama4_vision_test, llama4_images_test).

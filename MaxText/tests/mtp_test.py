@@ -23,6 +23,7 @@ from MaxText.inference import Engine
 from MaxText.layers import mtp
 from MaxText.parallel import plan as plan_lib
 from MaxText.tests.conftest import BASE, cfg
+from MaxText.tests.helpers import exported_tensors
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -249,9 +250,7 @@ def test_imported_mtp_matches_a_pytorch_reference_and_exports_back_exactly(conve
 
   back = os.path.join(tmp_path, "back")
   maxtext_to_hf.convert(c, back)
-  exported = {}
-  for name in set(json.load(open(os.path.join(back, "model.safetensors.index.json")))["weight_map"].values()):
-    exported |= safetensors_torch.load_file(os.path.join(back, name))
+  exported = exported_tensors(back)
   assert sorted(exported) == sorted(tensors)
   for name, tensor in tensors.items():
     assert torch.equal(exported[name], tensor), name

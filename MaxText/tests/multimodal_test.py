@@ -13,13 +13,13 @@ import pytest
 from flax import nnx
 
 from MaxText import checkpointing, config, decode, models
-from MaxText.convert import hf_to_maxtext, maxtext_to_hf
+from MaxText.convert import hf_to_maxtext
 from MaxText.data import images as images_lib
 from MaxText.errors import DataError
 from MaxText.inference import Engine
 from MaxText.layers import vision
 from MaxText.parallel import plan as plan_lib
-from MaxText.tests.helpers import make_tokenizer
+from MaxText.tests.helpers import assert_export_is_exact, make_tokenizer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -178,14 +178,7 @@ def test_round_trip_is_exact_and_text_only_use_works(converted, tmp_path):
   model, hf_path, out = converted
   back = str(tmp_path / "back")
   c = config.load([os.path.join(out, "config.yml"), "run_name=t", f"load_parameters_path={out}/params"], {})
-  maxtext_to_hf.convert(c, back)
-  original = safetensors_torch.load_file(os.path.join(hf_path, "model.safetensors"))
-  exported = {}
-  for name in set(json.load(open(os.path.join(back, "model.safetensors.index.json")))["weight_map"].values()):
-    exported |= safetensors_torch.load_file(os.path.join(back, name))
-  assert set(exported) == set(original)
-  for name, tensor in original.items():
-    assert torch.equal(exported[name], tensor), name
+  assert_export_is_exact(c, hf_path, back)
   assert json.load(open(os.path.join(back, "config.json")))["architectures"] == ["Gemma3ForConditionalGeneration"]
   assert transformers.AutoConfig.from_pretrained(back).vision_config.patch_size == 4
 

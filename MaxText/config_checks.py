@@ -14,21 +14,14 @@ from typing import Any
 from MaxText import hlo_dump, paths
 from MaxText.errors import ConfigError
 
-# mesh axis -> the suffix of its ici_/dcn_ keys (MaxText calls the `stage` axis "pipeline").
+# mesh axis -> the suffix of its ici_/dcn_ keys (MaxText calls the `stage` axis "pipeline"). `context` is
+# MaxText's name for the sequence split of attention: both `sequence` and `context` split activation_length and
+# attention treats them alike (parallel/plan.py); `context` exists so MaxText command lines with
+# ici_context_parallelism work, and base.yml also shards params over it.
 AXIS_KEY = {
-  "data": "data",
-  "stage": "pipeline",
-  "fsdp": "fsdp",
-  "fsdp_transpose": "fsdp_transpose",
-  "sequence": "sequence",
-  # MaxText's name for the sequence split of attention. Both `sequence` and `context` split
-  # activation_length and attention treats them alike (parallel/plan.py); `context` exists so
-  # MaxText command lines with ici_context_parallelism work, and base.yml also shards params over it.
-  "context": "context",
-  "tensor": "tensor",
-  "expert": "expert",
-  "autoregressive": "autoregressive",
-}
+  "data": "data", "stage": "pipeline", "fsdp": "fsdp", "fsdp_transpose": "fsdp_transpose", "sequence": "sequence",
+  "context": "context", "tensor": "tensor", "expert": "expert", "autoregressive": "autoregressive",
+}  # fmt: skip
 
 
 def pipeline_stages(c: Any) -> int:

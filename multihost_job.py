@@ -35,6 +35,7 @@ import sys
 import tarfile
 import tempfile
 
+from MaxText import cli
 from MaxText.launchers import slurm, to_yaml
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -50,12 +51,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(
-    prog="python3 multihost_job.py",
-    epilog="More: docs/multihost.md in the repository.",
-    description=__doc__,
-    formatter_class=argparse.RawDescriptionHelpFormatter,
-  )
+  p = cli.parser("python3 multihost_job.py", __doc__, "docs/multihost.md")
   p.add_argument("--RUN_NAME", required=True, help="job name; code and logs go under gs://<BUCKET_NAME>/<RUN_NAME>/")
   p.add_argument("--BUCKET_NAME", default="", help="GCS bucket (with or without gs://); tpu and vertex only")
   p.add_argument("--COMMAND", required=True, help="shell command every host runs from the unpacked code")

@@ -60,12 +60,12 @@ def test_image_text_logits_and_greedy_tokens_match_hugging_face(converted):
 def test_round_trip_to_hugging_face_is_bit_exact(converted, tmp_path):
   _, hf_path, _, out = converted
   back = os.path.join(tmp_path, "back")
-  c = config.load_converted([os.path.join(out, "config.yml"), "run_name=t", f"load_parameters_path={out}/params"], {})
+  c = config.load([os.path.join(out, "config.yml"), "run_name=t", f"load_parameters_path={out}/params"], {})
   assert c.use_multimodal and c.image_token_id == L4V_IMAGE_TOKEN and c.num_hidden_layers_for_vit == 2
   assert_export_is_exact(c, hf_path, back)
   reloaded = transformers.Llama4ForConditionalGeneration.from_pretrained(back)
   assert hf_mapping.maxtext_keys(reloaded.config.to_dict()) == hf_mapping.maxtext_keys(
-    json.load_converted(open(f"{hf_path}/config.json"))
+    json.load(open(f"{hf_path}/config.json"))
   )
 
 
@@ -108,9 +108,9 @@ def test_flops_count_the_vision_tower_per_image():
     "override_model_config=true",
     "num_hidden_layers_for_vit=2",
   ]  # the count is linear in layers
-  text = flops_lib.training_flops_per_token(config.load_converted(base, {}))
-  frozen = flops_lib.training_flops_per_token(config.load_converted([*base, "use_multimodal=true"], {}))
-  trained_c = config.load_converted([*base, "use_multimodal=true", "freeze_vision_encoder=false"], {})
+  text = flops_lib.training_flops_per_token(config.load(base, {}))
+  frozen = flops_lib.training_flops_per_token(config.load([*base, "use_multimodal=true"], {}))
+  trained_c = config.load([*base, "use_multimodal=true", "freeze_vision_encoder=false"], {})
   trained = flops_lib.training_flops_per_token(trained_c)
   assert text.vision == 0 and (frozen.matmul, frozen.attention) == (text.matmul, text.attention)
   d, n, m = 1408, 24 * 24, 144  # width, patches, soft tokens

@@ -472,26 +472,13 @@ def _validate_pieces(c: dict[str, Any]) -> None:
   for key in ("flash_pieces", "mlp_pieces"):
     if c[key] == 0 or c[key] < -1:
       raise ConfigError(f"{key}={c[key]} must be -1 (auto) or a positive number of parts")
-  _validate_hlo_dump(c)
+  hlo_dump.check_keys(c)
   chunk, length = c["attention_query_chunk"], c["max_target_length"]
   if chunk < 0 or (chunk and length > chunk and length % chunk):
     raise ConfigError(
       f"attention_query_chunk={chunk} must be 0 (off) or divide max_target_length={length}; "
       f"e.g. attention_query_chunk={math.gcd(length, 512)}"
     )
-
-
-def _validate_hlo_dump(c: dict[str, Any]) -> None:
-  """The dump_hlo_* keys (hlo_dump.py): XLA writes the dump to a local directory; the module name is a regex."""
-  flags = hlo_dump.parse_flags(c["dump_hlo_xla_flags"])
-  for key, where in (("dump_hlo_local_dir", c["dump_hlo_local_dir"]), ("dump_hlo_xla_flags", flags.get("xla_dump_to"))):
-    if where:
-      advice = f"XLA writes its dump to a local directory; set dump_hlo_gcs_dir={where!r} to have it copied there"
-      paths.check_local(str(where), key, advice)
-  try:
-    re.compile(c["dump_hlo_module_name"])
-  except re.error as e:
-    raise ConfigError(f"dump_hlo_module_name={c['dump_hlo_module_name']!r} is not a regular expression: {e}") from None
 
 
 def check_lora_serving(c: Any) -> None:

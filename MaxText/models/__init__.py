@@ -36,9 +36,26 @@ def family(config: ModelConfig) -> Family:
   return REGISTRY[config.decoder_block]
 
 
+def problem(config: Any) -> str | None:
+  """Why a config cannot build its family, or None: an unknown decoder_block, or a key the family needs or
+  cannot take (family options that need no family: config_checks). The run plan's builder raises the answer
+  as a ConfigError (planner.build)."""
+  name = config.decoder_block
+  if name not in REGISTRY:
+    return f"Unknown decoder_block {name!r}; choose one of {', '.join(sorted(REGISTRY))}"
+  if REGISTRY[name].learned_positions and config.trainable_position_size <= 0:
+    return f"decoder_block={name} needs trainable_position_size > 0"
+  if config.mtp_num_layers and REGISTRY[name].mtp_layer is None:
+    return (
+      f"mtp_num_layers={config.mtp_num_layers} is not available for decoder_block={name} "
+      "(multi-token prediction: deepseek and the llama2 family); set mtp_num_layers=0"
+    )
+  return None
+
+
 def build(config: Any, rngs: nnx.Rngs, plan: Plan) -> Decoder:
   """The model for `config` (the run's Config; the model sees its ModelConfig only), run as `plan` says
-  (parallel.plan.build(config, mesh)). Parameters carry logical axis names; they are placed by the caller."""
+  (planner.build(config, mesh)). Parameters carry logical axis names; they are placed by the caller."""
   model_config = ModelConfig.from_config(config)
   # Sharding is applied by the caller from the logical names (state.py), not eagerly per variable.
   with nnx.use_eager_sharding(False):

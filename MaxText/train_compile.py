@@ -52,7 +52,7 @@ class CompileReport(NamedTuple):
   hbm_bytes: int | None  # per device, from accelerators.DEVICE_SPECS (None on CPU)
   flops: float | None  # per device, from XLA's cost analysis of the compiled program (each loop body once)
   compile_seconds: float
-  plan: tuple[str, ...] = ()  # the run plan's lines (parallel.plan.describe)
+  plan: tuple[str, ...] = ()  # the run plan's lines (planner.describe)
   model_flops: float | None = None  # per device per step, flops.py's count (6·N·T + attention): what MFU counts
   loops: int | None = None  # while loops in the compiled program (scanned layers, pipeline, ...); None: unknown
 

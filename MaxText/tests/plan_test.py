@@ -287,3 +287,33 @@ def test_the_plan_s_types_and_wrappers_import_nothing_above_them():
   assert plan and all(name.startswith("MaxText.parallel.") for name in plan), plan
   ops = _imports(os.path.join(ROOT, "parallel", "ops.py"))
   assert not any(name.startswith(("MaxText.layers", "MaxText.models", "MaxText.planner")) for name in ops), ops
+
+
+def test_the_source_has_no_import_cycle():
+  """No module of MaxText (tests apart) reaches itself through its imports, TYPE_CHECKING imports included."""
+  modules = {}
+  for d, _, names in os.walk(ROOT):
+    for f in names:
+      rel = os.path.relpath(os.path.join(d, f), os.path.dirname(ROOT))
+      if f.endswith(".py") and "tests" not in rel.split(os.sep):
+        modules[rel[:-3].replace(os.sep, ".").removesuffix(".__init__")] = os.path.join(d, f)
+
+  def resolve(name):
+    while name and name not in modules:
+      name = name.rpartition(".")[0]
+    return name
+
+  graph = {m: {resolve(n) for n in _imports(path)} - {m, ""} for m, path in modules.items()}
+  done, cycles = set(), []
+
+  def visit(m, path):
+    if m in path:
+      cycles.append(path[path.index(m) :] + [m])
+    elif m not in done:
+      for n in sorted(graph[m]):
+        visit(n, path + [m])
+      done.add(m)
+
+  for m in sorted(graph):
+    visit(m, [])
+  assert not cycles, "\n".join(" -> ".join(c) for c in cycles[:5])

@@ -84,14 +84,6 @@ def _validate_family_options(c: dict[str, Any]) -> None:
     raise ConfigError("mtp_num_layers and mtp_loss_scaling_factor must be >= 0 (mtp_num_layers=0: no MTP)")
   if c["mtp_num_layers"] >= c["max_target_length"]:
     raise ConfigError(f"mtp_num_layers ({c['mtp_num_layers']}) must be < max_target_length ({c['max_target_length']})")
-  if c["decoder_block"] == "qwen3next":  # the gated DeltaNet (layers/gated_deltanet.py)
-    if c["full_attention_interval"] < 1 or c["linear_num_value_heads"] % max(c["linear_num_key_heads"], 1):
-      raise ConfigError(
-        "qwen3next needs full_attention_interval >= 1 and linear_num_value_heads a multiple of linear_num_key_heads; "
-        f"got {c['full_attention_interval']}, {c['linear_num_value_heads']}, {c['linear_num_key_heads']}"
-      )
-    if c["ici_context_parallelism"] * c["dcn_context_parallelism"] > 1:
-      raise ConfigError("qwen3next: the gated DeltaNet runs over whole sequences; set ici/dcn_context_parallelism=1")
   _validate_llama4_options(c)
 
 

@@ -144,13 +144,14 @@ def test_flops_count_linear_attention_layers_as_such():
 
 
 def test_unsupported_settings_are_config_errors():
+  from MaxText import planner  # noqa: PLC0415
   from MaxText.errors import ConfigError  # noqa: PLC0415
 
   base = [os.path.join(config.CONFIG_DIR, "base.yml"), "run_name=t", "decoder_block=qwen3next"]
   with pytest.raises(ConfigError, match="linear_num_value_heads a multiple of linear_num_key_heads"):
-    config.load([*base, "linear_num_key_heads=3"], {})
+    planner.build(config.load([*base, "linear_num_key_heads=3"], {}))
   with pytest.raises(ConfigError, match="set ici/dcn_context_parallelism=1"):
-    config.load([*base, "ici_context_parallelism=2"], {})
+    planner.build(config.load([*base, "ici_context_parallelism=2"], {}))
 
 
 def test_packed_documents_do_not_see_each_other():

@@ -16,7 +16,7 @@ from MaxText.errors import ConfigError
 
 # mesh axis -> the suffix of its ici_/dcn_ keys (MaxText calls the `stage` axis "pipeline"). `context` is
 # MaxText's name for the sequence split of attention: both `sequence` and `context` split activation_length and
-# attention treats them alike (parallel/plan.py); `context` exists so MaxText command lines with
+# attention treats them alike (planner.py); `context` exists so MaxText command lines with
 # ici_context_parallelism work, and base.yml also shards params over it.
 AXIS_KEY = {
   "data": "data", "stage": "pipeline", "fsdp": "fsdp", "fsdp_transpose": "fsdp_transpose", "sequence": "sequence",
@@ -105,7 +105,7 @@ def _validate_decoding(c: dict[str, Any]) -> None:
 
 def _validate_pipeline(c: dict[str, Any]) -> None:
   """Pipeline keys; whether the layers split into the stages is checked where the stacks are known
-  (parallel/plan.py, when the run plan is built)."""
+  (planner.py, when the run plan is built)."""
   stages = pipeline_stages(c)
   if c["ici_pipeline_parallelism"] < 1 or c["dcn_pipeline_parallelism"] < 1:
     raise ConfigError("ici_pipeline_parallelism and dcn_pipeline_parallelism must be set (>= 1), not -1")

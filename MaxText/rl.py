@@ -31,7 +31,18 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText import checkpointing, launch, optimizers, paths, preemption, rl_rewards, rl_sampling, sharding, train
+from MaxText import (
+  checkpointing,
+  launch,
+  optimizers,
+  paths,
+  planner,
+  preemption,
+  rl_rewards,
+  rl_sampling,
+  sharding,
+  train,
+)
 from MaxText import state as state_lib
 from MaxText import train_step as steps
 from MaxText.config import Config, serving_config
@@ -39,7 +50,6 @@ from MaxText.data import files
 from MaxText.errors import ConfigError, DataError
 from MaxText.inference import engine as engine_lib
 from MaxText.layers import lora
-from MaxText.parallel import plan as plan_lib
 from MaxText.state import TrainState
 
 ADVANTAGE_EPS = 1e-4  # (r - mean) / (std + eps): a group whose rewards are all equal gets advantage 0
@@ -145,7 +155,7 @@ def token_logprobs(graphdef: nnx.GraphDef, config: Config, params: nnx.State, ba
   """log pi(target | prefix) [B, T] under `params` (train_step's logits, vocabulary tiling included)."""
   model = nnx.merge(graphdef, params)
   out = model.forward(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"], None, hidden_only=True)
-  tiles = steps.vocab_tiles(config, *batch["targets"].shape, model.plan.data_shards)
+  tiles = model.plan.loss.tiles_for(*batch["targets"].shape)
   lse, target_logit = steps.token_logits(model, out.logits, batch["targets"], tiles)
   return target_logit - lse
 
@@ -316,7 +326,7 @@ def run(config: Config, devices: Sequence[Any] | None = None) -> dict[str, Any]:
   prompts = read_prompts(config)
   optimizer = optimizers.build(config)
   with sharding.activate(config, mesh), preemption.Watch(mesh) as watch:
-    spec = state_lib.state_spec(config, optimizer.tx, mesh, plan_lib.build(config, mesh))
+    spec = state_lib.state_spec(config, optimizer.tx, mesh, planner.build(config, mesh))
     manager = checkpointing.create_manager(config)
     try:
       restored = checkpointing.restore_or_init(config, optimizer.tx, spec, manager)
@@ -418,8 +428,8 @@ def compile_steps(config: Config) -> dict[str, Any]:
   devices = train_compile.topology_devices(config)
   mesh = sharding.create_mesh(config, devices)
   check(config, sharding.global_batch_size(config, mesh))
-  optimizer, plan = optimizers.build(config), plan_lib.build(config, mesh)
-  lines = tuple(plan_lib.describe(plan, config))
+  optimizer, plan = optimizers.build(config), planner.build(config, mesh)
+  lines = tuple(planner.describe(plan, config))
   reports = {}
   with sharding.activate(config, mesh):
     spec = state_lib.state_spec(config, optimizer.tx, mesh, plan)
@@ -459,7 +469,7 @@ def _compile_sampling(
   engine = rl_sampling.make_engine(config, mesh)
   if lora.enabled(config):
     plain = serving_config(state_lib.for_inference(config))
-    abstract_params = state_lib.param_spec(plain, mesh, plan_lib.build(plain, mesh, decoding=True)).abstract
+    abstract_params = state_lib.param_spec(plain, mesh, planner.build(plain, mesh, decoding=True)).abstract
   prompt = engine_lib.bucket(config.max_prefill_predict_length, config.max_prefill_predict_length)
   cache_len = max(engine_lib.bucket(prompt + config.decode_max_new_tokens, config.max_target_length), prompt)
   vocab = config.vocab_size

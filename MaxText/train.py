@@ -35,6 +35,7 @@ from MaxText import (
   metrics,
   optimizers,
   paths,
+  planner,
   preemption,
   saved_config,
   sharding,
@@ -44,7 +45,6 @@ from MaxText import state as state_lib
 from MaxText import train_step as steps
 from MaxText.config import Config
 from MaxText.errors import CheckpointError, ConfigError
-from MaxText.parallel import plan as plan_lib
 
 
 class NonFiniteLossError(RuntimeError):
@@ -178,7 +178,7 @@ def run(
   # A step compiled for other hardware or settings is refused before any state is built for it.
   compiled = compiled_step.read_checked(config, mesh) if config.compiled_trainstep_file else None
   global_batch = sharding.global_batch_size(config, mesh)  # fails early on a batch that cannot split
-  plan = plan_lib.build(config, mesh)  # every layout decision, and every layout error, before any compile
+  plan = planner.build(config, mesh)  # every layout decision, and every layout error, before any compile
   optimizer = optimizers.build(config)
   peak = accelerators.peak(dtype=config.dtype)  # CPU: a measured matmul, outside the mesh
   with sharding.activate(config, mesh), stack_traces(config), preemption.Watch(mesh) as watch:
@@ -343,7 +343,7 @@ def print_header(config: Config, parts: LoopParts, start: int) -> None:
     source=parts.restored.source,
     peak=parts.peak.describe(),
     platform=parts.mesh.devices.flat[0].platform,
-    plan=plan_lib.describe(parts.spec.plan, config),
+    plan=planner.describe(parts.spec.plan, config),
   )
   print(header, flush=True)
 

@@ -29,13 +29,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText import accelerators, autofit, compiled_step, gpu_aot, hlo_dump, launch, optimizers, sharding
+from MaxText import accelerators, autofit, compiled_step, gpu_aot, hlo_dump, launch, optimizers, planner, sharding
 from MaxText import flops as flops_lib
 from MaxText import state as state_lib
 from MaxText import train_step as steps
 from MaxText.config import Config
 from MaxText.errors import ConfigError
-from MaxText.parallel import plan as plan_lib
 
 GiB = 2**30
 
@@ -56,7 +55,7 @@ class CompileReport(NamedTuple):
   hbm_bytes: int | None  # per device, from accelerators.DEVICE_SPECS (None on CPU)
   flops: float | None  # per device, from XLA's cost analysis of the compiled program (each loop body once)
   compile_seconds: float
-  plan: tuple[str, ...] = ()  # the run plan's lines (parallel.plan.describe)
+  plan: tuple[str, ...] = ()  # the run plan's lines (planner.describe)
   model_flops: float | None = None  # per device per step, flops.py's count (6·N·T + attention): what MFU counts
   loops: int | None = None  # while loops in the compiled program (scanned layers, pipeline, ...); None: unknown
 
@@ -111,7 +110,7 @@ def shaped_inputs(config: Config, mesh: Mesh) -> tuple[dict[str, jax.ShapeDtypeS
 def compile_train_step(config: Config, devices: Sequence[Any]) -> tuple[Any, CompileReport, Mesh]:
   """Lower and compile steps.jit_train_step (train.py's step, shardings and donation) for `devices`."""
   mesh = sharding.create_mesh(config, devices)
-  plan = plan_lib.build(config, mesh)  # the layout, checked before compiling
+  plan = planner.build(config, mesh)  # the layout, checked before compiling
   tx, schedule = optimizers.build(config)
   with sharding.activate(config, mesh):
     spec = state_lib.state_spec(config, tx, mesh, plan)
@@ -123,7 +122,7 @@ def compile_train_step(config: Config, devices: Sequence[Any]) -> tuple[Any, Com
       _raise_if_out_of_memory(config, devices[0].device_kind, str(e))
       raise
     seconds = time.perf_counter() - start
-  report = _report(compiled, devices, mesh, seconds, tuple(plan_lib.describe(plan, config)))
+  report = _report(compiled, devices, mesh, seconds, tuple(planner.describe(plan, config)))
   tokens = sharding.global_batch_size(config, mesh) * config.max_target_length
   per_token = flops_lib.training_flops_per_token(config, flops_lib.abstract_model(config, spec)).total
   return compiled, report._replace(model_flops=per_token * tokens / mesh.size, loops=_while_loops(compiled)), mesh

@@ -17,7 +17,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from MaxText import dpo, hlo_dump, optimizers, sharding
 from MaxText.config import Config
 from MaxText.layers import mtp
-from MaxText.parallel import plan as plan_lib
 from MaxText.parallel.plan import Plan
 from MaxText.state import TRAIN_ALL, Partition, StateSpec, TrainState, for_inference
 
@@ -28,20 +27,6 @@ def _lse_and_target(model: Any, hidden: jax.Array, targets: jax.Array) -> tuple[
   logits = model.logits(hidden).astype(jnp.float32)  # [B, t, V]
   target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
   return jax.nn.logsumexp(logits, axis=-1), target_logit
-
-
-AUTO_TILE_BYTES = 256 * 2**20  # num_vocab_tiling=-1: float32 logits per device per piece, at most
-
-
-def vocab_tiles(config: Config, batch: int, length: int, shards: int = 1) -> int:
-  """num_vocab_tiling, or for -1 the fewest sequence pieces (dividing `length`) whose float32 logits
-  take at most AUTO_TILE_BYTES per device, the batch split over `shards` devices (the run plan's
-  data_shards): 1 for small models, where the extra matmul would cost more than the memory is worth, 4 for
-  llama2-7b at batch 4 x 2048, 16 for llama3.1-70b at 2 x 4096."""
-  if config.num_vocab_tiling > 0:
-    return config.num_vocab_tiling
-  per_device = max(batch // shards, 1) * length * config.vocab_size * 4
-  return plan_lib.fewest_parts(length, per_device, AUTO_TILE_BYTES)
 
 
 def token_logits(model: Any, hidden: jax.Array, targets: jax.Array, tiles: int) -> tuple[jax.Array, jax.Array]:
@@ -75,7 +60,7 @@ def loss_sums(graphdef: nnx.GraphDef, config: Config, params: nnx.State, batch: 
   with_mtp = config.mtp_num_layers > 0
   inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"], rng)
   out = model.forward(*inputs, hidden_only=True, mtp=with_mtp, images=batch.get("images"))
-  tiles = vocab_tiles(config, *batch["targets"].shape, model.plan.data_shards)
+  tiles = model.plan.loss.tiles_for(*batch["targets"].shape)
   lse, target_logit = token_logits(model, out.logits, batch["targets"], tiles)
   mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
   nll = (lse - target_logit) * mask
@@ -109,7 +94,7 @@ def _mtp_sums(model: Any, hidden: tuple[jax.Array, ...], batch: Batch, tiles: in
 def _pair_logps(graphdef: nnx.GraphDef, config: Config, params: nnx.State, batch: Batch, rng: jax.Array | None):
   model = nnx.merge(graphdef, params)
   out = model.forward(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"], rng, hidden_only=True)
-  tiles = vocab_tiles(config, *batch["targets"].shape, model.plan.data_shards)
+  tiles = model.plan.loss.tiles_for(*batch["targets"].shape)
   lse, target_logit = token_logits(model, out.logits, batch["targets"], tiles)
   return dpo.pair_logps(target_logit - lse, batch["targets_segmentation"])
 

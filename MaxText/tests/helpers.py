@@ -19,12 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from MaxText import checkpointing, config, models, preemption, sharding
+from MaxText import checkpointing, config, models, planner, preemption, sharding
 from MaxText.convert import hf_to_maxtext, maxtext_to_hf
 from MaxText.data import make_iterators
 from MaxText.data import tokenizer as tokenizers
 from MaxText.inference import engine
-from MaxText.parallel import plan as plan_lib
 from MaxText.tests.conftest import BASE, ROOT, TINY
 
 # Hugging Face parity: tiny random models of each family (families_test, decode_parity_test, ...).
@@ -178,7 +177,7 @@ def convert_llama4_vision(tmp):
 
 def load_converted(out_dir, *overrides):
   c = config.load([os.path.join(out_dir, "config.yml"), "run_name=t", "dtype=float32", *overrides], {})
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0), plan_lib.build(c))), nnx.Param)
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0), planner.build(c))), nnx.Param)
   return nnx.merge(graphdef, checkpointing.load_params(os.path.join(out_dir, "params"), abstract))
 
 
@@ -228,7 +227,7 @@ def assert_cache_equals_forward(*overrides):
   c = config.load([BASE, *DECODE_TINY, *overrides], {})
   # Random parameters from the shapes: compiling the initialisers costs more than the test (deepseek).
   graphdef, abstract = nnx.split(
-    nnx.eval_shape(lambda: models.build(c, nnx.Rngs(params=0), plan_lib.build(c))), nnx.Param
+    nnx.eval_shape(lambda: models.build(c, nnx.Rngs(params=0), planner.build(c))), nnx.Param
   )
   rng = np.random.default_rng(0)
   params = jax.tree.map(lambda a: jnp.asarray(rng.normal(0.0, 0.3, a.shape), a.dtype), abstract)

@@ -28,7 +28,8 @@ import flax.linen as nn
 import jax
 
 from MaxText import config_checks, models, sharding
-from MaxText.config import Config, ConfigError
+from MaxText.config import Config
+from MaxText.errors import ConfigError
 from MaxText.layers import lora, vision
 from MaxText.layers.axes import EXPERT_EMBED_AXES, HEAD_AXES, KV_HEAD_AXES, MLP_AXES
 from MaxText.layers.model_config import ModelConfig

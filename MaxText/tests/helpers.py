@@ -470,3 +470,14 @@ def two_process_overrides(dataset_type: str, out: str) -> list[str]:
   model = os.path.join(out, "t", "tokenizer", "tokenizer.model")
   grain = ["dataset_type=grain", f"grain_train_files={out}/records/*", f"tokenizer_path={model}", "packing=false"]
   return [*grain, "grain_worker_count=0"]
+
+
+def end_to_end_script(name: str):
+  """The module of end_to_end/cpu/<name>.py (the fixture makers), loaded from its file without touching sys.path."""
+  import importlib.util  # noqa: PLC0415
+
+  path = os.path.join(os.path.dirname(__file__), "..", "..", "end_to_end", "cpu", f"{name}.py")
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module

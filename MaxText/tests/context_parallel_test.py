@@ -11,9 +11,9 @@ import pytest
 from flax import nnx
 
 from MaxText import config, models, sharding
-from MaxText import train_step as steps
 from MaxText.errors import ConfigError
 from MaxText.layers import context_parallel
+from MaxText.objectives import lm
 from MaxText.parallel import plan as plan_lib
 
 BASE = os.path.join(config.CONFIG_DIR, "base.yml")
@@ -55,7 +55,7 @@ def loss_and_grads(*overrides, rows: int = 8):
     placed = jax.device_put(
       params, sharding.logical_to_mesh(nnx.get_partition_spec(params), mesh, sharding.axis_rules(c))
     )
-    grad_fn = jax.jit(jax.grad(functools.partial(steps.loss_sums, graphdef, c), has_aux=True))
+    grad_fn = jax.jit(jax.grad(functools.partial(lm.loss_sums, graphdef, c), has_aux=True))
     grads, aux = grad_fn(placed, batch, None)
   per_token = lambda x: np.asarray(x) / float(aux["tokens"])  # noqa: E731
   return float(aux["nll"]) / float(aux["tokens"]), jax.tree.map(per_token, grads)

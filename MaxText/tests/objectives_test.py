@@ -105,3 +105,15 @@ def test_a_data_iterator_is_a_batch_source():
   assert source.next(None) == ({"inputs": 1}, {}) and source.get_state() == {"n": 1}
   source.set_state({"n": 5})
   assert source.next(object()).batch == {"inputs": 6} and source.describe() == []
+
+
+@pytest.mark.slow  # three compiles: the step, the sampler's prefill and its decode step
+def test_python_m_maxtext_rl_compiles_the_step_and_the_sampler_ahead_of_time(tmp_path, capsys):
+  (tmp_path / "prompts.jsonl").write_text('{"prompt": "1+1="}\n')
+  args = [BASE, *TINY, f"base_output_directory={tmp_path}", "run_name=aot", "vocab_size=264", "max_target_length=16",
+          "max_prefill_predict_length=8", "decode_sampling_strategy=weighted", "decode_max_new_tokens=3",
+          "per_device_batch_size=1", f"dataset_path={tmp_path}/prompts.jsonl", "compile_topology=cpu"]  # fmt: skip
+  rl.main(["rl.py", *args])
+  out = capsys.readouterr().out
+  assert out.startswith("compiled for 8 x cpu") and "\nsample_prefill: compiled for 8 x cpu" in out
+  assert "\nsample_step: compiled for" in out and "the reference params: 0.00 GiB per device" in out

@@ -23,8 +23,9 @@ from MaxText.state import TRAIN_ALL, Partition, StateSpec, TrainState
 
 
 def reference_params(partition: Partition, params: nnx.State, reference: nnx.State | None) -> nnx.State:
-  """The DPO reference model's params: TrainState.reference (the frozen starting params), or under LoRA, which
-  keeps none, `params` with every adapter zeroed: the frozen base alone, with no second copy of it."""
+  """The reference model's params of an objective with one (DPO, GRPO): TrainState.reference (the frozen starting
+  params), or under LoRA, which keeps none, `params` with every adapter zeroed: the frozen base alone, with no
+  second copy of it."""
   if reference is not None:
     return reference
   trainable, frozen = partition.split(params)

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import MaxText  # noqa: F401 (first: a signal during the imports below exits in one line, preemption.py)
+
+# isort: split
 import sys
 from collections.abc import Sequence
 

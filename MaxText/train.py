@@ -6,6 +6,9 @@ python3 MaxText/train.py MaxText/configs/base.yml run_name=NAME key=value ...
 
 from __future__ import annotations
 
+import MaxText  # noqa: F401 (first: a signal during the imports below exits in one line, preemption.py)
+
+# isort: split
 import contextlib
 import dataclasses
 import math
@@ -422,7 +425,8 @@ def at_boundary(config, parts: LoopParts, state, done: int, eval_fn, reader: Ste
   if manager is not None and (saving or reached):
     saved = parts.spec.partition.checkpointed(state)  # LoRA: the adapters
     with clock.phase("checkpoint_save"):
-      checkpointing.save(manager, done, saved, parts.data.train.get_state(), elastic.layout(config, parts.mesh))
+      metadata = elastic.layout(config, parts.mesh) | clock.checkpoint_metadata()  # goodput.py: its copy
+      checkpointing.save(manager, done, saved, parts.data.train.get_state(), metadata)
     logger.log_checkpoint(done, checkpoint_path(config, done))
   if reached:
     if jax.process_index() == 0:

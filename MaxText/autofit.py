@@ -39,13 +39,12 @@ from typing import Any, NamedTuple
 import jax
 import yaml
 
-from MaxText import accelerators, optimizers, sharding
+from MaxText import accelerators, optimizers, planner, sharding
 from MaxText import config as config_lib
 from MaxText import flops as flops_lib
 from MaxText import state as state_lib
 from MaxText.config import Config
 from MaxText.errors import ConfigError
-from MaxText.parallel import plan as plan_lib
 
 GiB = 2**30
 # Searched remat policies, most memory-frugal first: full keeps layer inputs; the offloaded one keeps
@@ -270,7 +269,7 @@ def facts(config: Config, split: Split, devices: Sequence[Any]) -> Facts:
   """The state's per-device bytes on `split` (abstract: nothing allocated) and the FLOP count."""
   config = config.replace(**split.overrides())
   mesh = sharding.create_mesh(config, devices)
-  plan = plan_lib.build(config, mesh)
+  plan = planner.build(config, mesh)
   tx, _ = optimizers.build(config)
   with sharding.activate(config, mesh):
     spec = state_lib.state_spec(config, tx, mesh, plan)

@@ -22,7 +22,7 @@ AXIS_KEY = {
   "fsdp_transpose": "fsdp_transpose",
   "sequence": "sequence",
   # MaxText's name for the sequence split of attention. Both `sequence` and `context` split
-  # activation_length and attention treats them alike (parallel/plan.py); `context` exists so
+  # activation_length and attention treats them alike (planner.py); `context` exists so
   # MaxText command lines with ici_context_parallelism work, and base.yml also shards params over it.
   "context": "context",
   "tensor": "tensor",
@@ -112,7 +112,7 @@ def _validate_decoding(c: dict[str, Any]) -> None:
 
 def _validate_pipeline(c: dict[str, Any]) -> None:
   """Pipeline keys; whether the layers split into the stages is checked where the stacks are known
-  (parallel/plan.py, when the run plan is built)."""
+  (planner.py, when the run plan is built)."""
   stages = pipeline_stages(c)
   if c["ici_pipeline_parallelism"] < 1 or c["dcn_pipeline_parallelism"] < 1:
     raise ConfigError("ici_pipeline_parallelism and dcn_pipeline_parallelism must be set (>= 1), not -1")

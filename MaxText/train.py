@@ -36,6 +36,7 @@ from MaxText import (
   objectives,
   optimizers,
   paths,
+  planner,
   preemption,
   saved_config,
   sharding,
@@ -46,7 +47,6 @@ from MaxText.config import Config
 from MaxText.errors import ConfigError
 from MaxText.objectives import rewards
 from MaxText.objectives.base import Sources
-from MaxText.parallel import plan as plan_lib
 
 
 class NonFiniteLossError(RuntimeError):
@@ -181,7 +181,7 @@ def run(
   global_batch = sharding.global_batch_size(config, mesh)  # fails early on a batch that cannot split
   objective = objectives.get(config)
   objective.check(config, global_batch)  # its settings, before anything is built or compiled
-  plan = plan_lib.build(config, mesh)  # every layout decision, and every layout error, before any compile
+  plan = planner.build(config, mesh)  # every layout decision, and every layout error, before any compile
   optimizer = optimizers.build(config)
   peak = accelerators.peak(dtype=config.dtype)  # CPU: a measured matmul, outside the mesh
   with sharding.activate(config, mesh), stack_traces(config), preemption.Watch(mesh) as watch:
@@ -348,7 +348,7 @@ def print_header(config: Config, parts: LoopParts, start: int) -> None:
     source=parts.restored.source,
     peak=parts.peak.describe(),
     platform=parts.mesh.devices.flat[0].platform,
-    plan=plan_lib.describe(parts.spec.plan, config),
+    plan=planner.describe(parts.spec.plan, config),
   )
   print("\n".join([header, *parts.data.train.describe()]), flush=True)
 

@@ -29,13 +29,23 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText import accelerators, autofit, compiled_step, gpu_aot, hlo_dump, launch, objectives, optimizers, sharding
+from MaxText import (
+  accelerators,
+  autofit,
+  compiled_step,
+  gpu_aot,
+  hlo_dump,
+  launch,
+  objectives,
+  optimizers,
+  planner,
+  sharding,
+)
 from MaxText import flops as flops_lib
 from MaxText import state as state_lib
 from MaxText import train_step as steps
 from MaxText.config import Config
 from MaxText.errors import ConfigError
-from MaxText.parallel import plan as plan_lib
 
 GiB = 2**30
 
@@ -56,7 +66,7 @@ class CompileReport(NamedTuple):
   hbm_bytes: int | None  # per device, from accelerators.DEVICE_SPECS (None on CPU)
   flops: float | None  # per device, from XLA's cost analysis of the compiled program (each loop body once)
   compile_seconds: float
-  plan: tuple[str, ...] = ()  # the run plan's lines (parallel.plan.describe)
+  plan: tuple[str, ...] = ()  # the run plan's lines (planner.describe)
   model_flops: float | None = None  # per device per step, flops.py's count (6·N·T + attention): what MFU counts
   loops: int | None = None  # while loops in the compiled program (scanned layers, pipeline, ...); None: unknown
 
@@ -115,7 +125,7 @@ def compile_train_step(config: Config, devices: Sequence[Any]) -> tuple[Any, Com
   """Lower and compile steps.jit_train_step (train.py's step, shardings and donation) for `devices`."""
   mesh = sharding.create_mesh(config, devices)
   objectives.get(config).check(config, sharding.global_batch_size(config, mesh))
-  plan = plan_lib.build(config, mesh)  # the layout, checked before compiling
+  plan = planner.build(config, mesh)  # the layout, checked before compiling
   tx, schedule = optimizers.build(config)
   with sharding.activate(config, mesh):
     spec = state_lib.state_spec(config, tx, mesh, plan)
@@ -127,7 +137,7 @@ def compile_train_step(config: Config, devices: Sequence[Any]) -> tuple[Any, Com
       _raise_if_out_of_memory(config, devices[0].device_kind, str(e))
       raise
     seconds = time.perf_counter() - start
-  report = compile_report(compiled, devices, mesh, seconds, tuple(plan_lib.describe(plan, config)))
+  report = compile_report(compiled, devices, mesh, seconds, tuple(planner.describe(plan, config)))
   tokens = sharding.global_batch_size(config, mesh) * config.max_target_length
   per_token = flops_lib.training_flops_per_token(config, flops_lib.abstract_model(config, spec)).total
   return compiled, report._replace(model_flops=per_token * tokens / mesh.size, loops=_while_loops(compiled)), mesh
@@ -265,7 +275,7 @@ def print_other_programs(config: Config, devices: Sequence[Any], mesh: Mesh) -> 
   if not hasattr(objective, "aot_programs"):
     return
   with sharding.activate(config, mesh):
-    spec = state_lib.param_spec(config, mesh, plan_lib.build(config, mesh))
+    spec = state_lib.param_spec(config, mesh, planner.build(config, mesh))
     rows = sharding.global_batch_size(config, mesh)
     for name, (compiled, seconds) in objective.aot_programs(config, mesh, spec.abstract, rows).items():
       print(f"{name}: {format_report(compile_report(compiled, devices, mesh, seconds))}", flush=True)

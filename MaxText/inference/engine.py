@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from MaxText import checkpointing, config_checks, sharding
+from MaxText import checkpointing, config_checks, planner, sharding
 from MaxText import state as state_lib
 from MaxText.config import Config, serving_config
 from MaxText.data import images as images_lib
@@ -30,7 +30,6 @@ from MaxText.errors import ConfigError
 from MaxText.inference import quantize, sampling
 from MaxText.inference import tokenizer as tokenizer_lib
 from MaxText.layers import lora
-from MaxText.parallel import plan as plan_lib
 
 log = logging.getLogger(__name__)
 MIN_BUCKET = 8  # shortest prefill length compiled
@@ -126,7 +125,7 @@ def load_params(config: Config, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State, st
   with sharding.activate(config, mesh):
     # int8w serves int8 params (below) through plain matmuls: no training-time (QAT) wrapper on the model.
     plain = model_config.replace(quantization="")
-    spec = state_lib.param_spec(plain, mesh, plan_lib.build(plain, mesh, decoding=True))
+    spec = state_lib.param_spec(plain, mesh, planner.build(plain, mesh, decoding=True))
     source = path or "random weights (no load_parameters_path)"
     if path and quantize.is_quantized_checkpoint(path):
       if lora.enabled(config):

@@ -18,7 +18,6 @@ import numpy as np
 from flax import nnx
 
 from MaxText.config import Config
-from MaxText.parallel import plan as plan_lib
 
 Batch = dict[str, jax.Array]  # the fields Objective.fields names, global arrays sharded over the data axes
 Sums = dict[str, jax.Array]  # float32 scalars (and MoE expert loads) that add up over micro-batches
@@ -117,23 +116,10 @@ def token_logits(model: Any, hidden: jax.Array, targets: jax.Array, tiles: int) 
   return lse.swapaxes(0, 1).reshape(b, t), target_logit.swapaxes(0, 1).reshape(b, t)
 
 
-AUTO_TILE_BYTES = 256 * 2**20  # num_vocab_tiling=-1: float32 logits per device per piece, at most
-
-
-def vocab_tiles(config: Config, batch: int, length: int, shards: int = 1) -> int:
-  """num_vocab_tiling, or for -1 the fewest sequence pieces (dividing `length`) whose float32 logits
-  take at most AUTO_TILE_BYTES per device, the batch split over `shards` devices (the run plan's
-  data_shards): 1 for small models, where the extra matmul would cost more than the memory is worth, 4 for
-  llama2-7b at batch 4 x 2048, 16 for llama3.1-70b at 2 x 4096."""
-  if config.num_vocab_tiling > 0:
-    return config.num_vocab_tiling
-  per_device = max(batch // shards, 1) * length * config.vocab_size * 4
-  return plan_lib.fewest_parts(length, per_device, AUTO_TILE_BYTES)
-
-
 def loss_tiles(config: Config, model: Any, targets: jax.Array) -> int:
-  """The vocabulary tiles of every objective's loss over `targets` [B, T]: the one place that decides them."""
-  return vocab_tiles(config, *targets.shape, model.plan.data_shards)
+  """The vocabulary tiles of every objective's loss over `targets` [B, T] (the run plan decides them)."""
+  del config
+  return model.plan.loss.tiles_for(*targets.shape)
 
 
 def target_logps(graphdef: nnx.GraphDef, config: Config, params: nnx.State, batch: Batch, rng: Any) -> jax.Array:

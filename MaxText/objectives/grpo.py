@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText import sharding
+from MaxText import planner, sharding
 from MaxText import state as state_lib
 from MaxText.config import Config, serving_config
 from MaxText.errors import ConfigError
@@ -28,7 +28,6 @@ from MaxText.inference import engine as engine_lib
 from MaxText.layers import lora
 from MaxText.objectives import lm, rollouts
 from MaxText.objectives.base import Batch, Field, Sources, Sums, target_logps
-from MaxText.parallel import plan as plan_lib
 
 SUM_KEYS = ("loss", "rows", "tokens", "kl", "clipped")  # what grpo_sums adds up, over micro-batches too
 
@@ -163,7 +162,7 @@ def sampling_programs(config: Config, mesh: Mesh, abstract_params: Any, b: int) 
   engine = rollouts.make_engine(config, mesh)
   if lora.enabled(config):
     plain = serving_config(state_lib.for_inference(config))
-    abstract_params = state_lib.param_spec(plain, mesh, plan_lib.build(plain, mesh, decoding=True)).abstract
+    abstract_params = state_lib.param_spec(plain, mesh, planner.build(plain, mesh, decoding=True)).abstract
   prompt = engine_lib.bucket(config.max_prefill_predict_length, config.max_prefill_predict_length)
   cache_len = max(engine_lib.bucket(prompt + config.decode_max_new_tokens, config.max_target_length), prompt)
   strategy, vocab = config.decode_sampling_strategy, config.vocab_size

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from MaxText import paths, sharding
+from MaxText import paths, planner, sharding
 from MaxText import state as state_lib
 from MaxText.config import Config, serving_config
 from MaxText.data import files
@@ -30,7 +30,6 @@ from MaxText.inference import tokenizer as tokenizer_lib
 from MaxText.layers import lora
 from MaxText.objectives import rewards
 from MaxText.objectives.base import Fetched
-from MaxText.parallel import plan as plan_lib
 
 ADVANTAGE_EPS = 1e-4  # (r - mean) / (std + eps): a group whose rewards are all equal gets advantage 0
 
@@ -44,7 +43,7 @@ def make_engine(config: Config, mesh: Mesh) -> engine_lib.Engine:
   """The inference engine over the decoding plan's graphdef of the plain model (under LoRA the adapters are
   folded in first: policy_for_sampling), with no parameters of its own: each step hands it the policy's."""
   decode_config = serving_config(state_lib.for_inference(config))
-  graphdef = state_lib.param_spec(decode_config, mesh, plan_lib.build(decode_config, mesh, decoding=True)).graphdef
+  graphdef = state_lib.param_spec(decode_config, mesh, planner.build(decode_config, mesh, decoding=True)).graphdef
   tokenizer = tokenizer_lib.for_decoding(config)
   return engine_lib.Engine(config, mesh, graphdef, None, tokenizer, "the GRPO policy")
 
@@ -55,7 +54,7 @@ def policy_for_sampling(config: Config, mesh: Mesh) -> Callable[[nnx.State], nnx
   if not lora.enabled(config):
     return lambda params: params
   plain = serving_config(state_lib.for_inference(config))
-  shardings = state_lib.param_spec(plain, mesh, plan_lib.build(plain, mesh, decoding=True)).shardings
+  shardings = state_lib.param_spec(plain, mesh, planner.build(plain, mesh, decoding=True)).shardings
   return jax.jit(functools.partial(lora.merged, config), out_shardings=shardings)
 
 

@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import checkpointing, config, decode, models
+from MaxText import checkpointing, config, decode, models, planner
 from MaxText.errors import ConfigError
 from MaxText.inference import Engine, engine, sampling
-from MaxText.parallel import plan as plan_lib
 from MaxText.tests.conftest import ROOT, run_processes
 
 BASE = os.path.join(config.CONFIG_DIR, "base.yml")
@@ -51,7 +50,7 @@ def test_forward_equals_prefill_equals_step_by_step(family):
   c = load(*FAMILIES[family])
   # Random parameters from the shapes: compiling the initialisers costs more than the test (deepseek).
   graphdef, abstract = nnx.split(
-    nnx.eval_shape(lambda: models.build(c, nnx.Rngs(params=0), plan_lib.build(c))), nnx.Param
+    nnx.eval_shape(lambda: models.build(c, nnx.Rngs(params=0), planner.build(c))), nnx.Param
   )
   rng = np.random.default_rng(0)
   params = jax.tree.map(lambda a: jnp.asarray(rng.normal(0.0, 0.3, a.shape), a.dtype), abstract)

@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import checkpointing, config, models, train
+from MaxText import checkpointing, config, models, planner, train
 from MaxText.convert import hf_mapping, hf_to_maxtext, maxtext_to_hf
 from MaxText.errors import ConfigError
 from MaxText.layers import attention_mla, embeddings
-from MaxText.parallel import plan as plan_lib
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -112,7 +111,7 @@ def hf_model(family, tmp_path):
 
 def maxtext_logits(out_dir, tokens, *overrides):
   c = config.load([os.path.join(out_dir, "config.yml"), "run_name=t", "dtype=float32", *overrides], {})
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0), plan_lib.build(c))), nnx.Param)
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0), planner.build(c))), nnx.Param)
   model = nnx.merge(graphdef, checkpointing.load_params(os.path.join(out_dir, "params"), abstract))
   b, t = tokens.shape
   return np.asarray(model(jnp.asarray(tokens), jnp.broadcast_to(jnp.arange(t), (b, t)), jnp.ones((b, t), jnp.int32)))
@@ -278,7 +277,7 @@ def test_published_deepseek_configs_map_to_the_presets(preset):
   module = importlib.import_module(model.__module__)
   softmax_scale = module.yarn_apply_mscale(hf_cfg.rope_parameters, (c.qk_nope_head_dim + c.qk_rope_head_dim) ** -0.5)
   with nnx.use_eager_sharding(False):
-    mla = nnx.eval_shape(lambda: attention_mla.MLAttention(c, rngs=nnx.Rngs(0), plan=plan_lib.build(c)))
+    mla = nnx.eval_shape(lambda: attention_mla.MLAttention(c, rngs=nnx.Rngs(0), plan=planner.build(c)))
   assert mla.query_scale == pytest.approx(softmax_scale, rel=1e-12)
 
 
@@ -291,7 +290,7 @@ def test_bfloat16_storage_restores_as_rounded_float32(tmp_path):
 
   def params(out, *overrides):
     c = config.load([os.path.join(out, "config.yml"), "run_name=t", "dtype=float32", *overrides], {})
-    abstract = nnx.state(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0), plan_lib.build(c))), nnx.Param)
+    abstract = nnx.state(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0), planner.build(c))), nnx.Param)
     return nnx.to_pure_dict(checkpointing.load_params(os.path.join(out, "params"), abstract))
 
   want = params(full)

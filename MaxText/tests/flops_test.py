@@ -310,11 +310,10 @@ def xla_training_flops(cfg, batch_size):
   import jax.numpy as jnp
   from flax import nnx
 
-  from MaxText import models
+  from MaxText import models, planner
   from MaxText.objectives import lm
-  from MaxText.parallel import plan as plan_lib
 
-  plan = plan_lib.build(cfg)
+  plan = planner.build(cfg)
   graphdef, params = nnx.split(nnx.eval_shape(lambda: models.build(cfg, nnx.Rngs(params=0), plan)), nnx.Param)
   tokens = jax.ShapeDtypeStruct((batch_size, cfg.max_target_length), jnp.int32)
   batch = {k: tokens for k in ("inputs", "targets", "inputs_segmentation", "targets_segmentation", "inputs_position")}

@@ -8,11 +8,10 @@ import os
 import numpy as np
 import pytest
 
-from MaxText import config, flops, train
+from MaxText import config, flops, planner, train
 from MaxText.convert import hf_mapping, hf_to_maxtext, maxtext_to_hf, mxfp4
 from MaxText.errors import ConfigError
 from MaxText.inference import Engine
-from MaxText.parallel import plan as plan_lib
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -183,5 +182,5 @@ def test_presets_are_the_released_configs(preset):
 def test_sinks_need_dot_product_attention():
   base = [os.path.join(config.CONFIG_DIR, "base.yml"), "run_name=t", "model_name=gpt-oss-20b"]
   with pytest.raises(ConfigError, match="attention_sink=true runs with attention=dot_product"):
-    plan_lib.build(config.load([*base, "attention=flash"], {}))
-  assert plan_lib.build(config.load(base, {})).attention.kernel_for(4096) == "dot_product"
+    planner.build(config.load([*base, "attention=flash"], {}))
+  assert planner.build(config.load(base, {})).attention.kernel_for(4096) == "dot_product"

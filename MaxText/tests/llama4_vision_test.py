@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import checkpointing, config, models
+from MaxText import checkpointing, config, models, planner
 from MaxText import flops as flops_lib
 from MaxText.convert import hf_mapping, hf_to_maxtext
 from MaxText.layers.model_config import ModelConfig
 from MaxText.models import llama4_vision
-from MaxText.parallel import plan as plan_lib
 from MaxText.tests import families_test
 
 torch = pytest.importorskip("torch")
@@ -54,7 +53,7 @@ def converted(tmp_path_factory):
 
 def load(out_dir, *overrides):
   c = config.load([os.path.join(out_dir, "config.yml"), "run_name=t", "dtype=float32", *overrides], {})
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0), plan_lib.build(c))), nnx.Param)
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0), planner.build(c))), nnx.Param)
   return nnx.merge(graphdef, checkpointing.load_params(os.path.join(out_dir, "params"), abstract))
 
 

@@ -14,14 +14,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import checkpointing, config, flops, models, saved_config, train
+from MaxText import checkpointing, config, flops, models, planner, saved_config, train
 from MaxText import state as state_lib
 from MaxText.convert import hf_mapping, hf_to_maxtext, maxtext_to_hf
 from MaxText.errors import ConfigError
 from MaxText.inference import Engine
 from MaxText.layers import mtp
 from MaxText.objectives import lm
-from MaxText.parallel import plan as plan_lib
 from MaxText.tests.conftest import BASE, cfg
 
 torch = pytest.importorskip("torch")
@@ -50,7 +49,7 @@ def load(*overrides):
 def random_params(c):
   """Random parameters from the shapes (compiling the initialisers would cost more than these tests)."""
   graphdef, abstract = nnx.split(
-    nnx.eval_shape(lambda: models.build(c, nnx.Rngs(params=0), plan_lib.build(c))), nnx.Param
+    nnx.eval_shape(lambda: models.build(c, nnx.Rngs(params=0), planner.build(c))), nnx.Param
   )
   rng = np.random.default_rng(0)
   return graphdef, jax.tree.map(lambda a: jnp.asarray(rng.normal(0.0, 0.3, a.shape), a.dtype), abstract)
@@ -89,7 +88,7 @@ def test_mtp_trains_and_reports_its_loss(tmp_path):
 
 def init(c):
   """Initialised parameters (pure dict); optimisation level 1 compiles the initialisers ~3x faster (state.py)."""
-  build = lambda: nnx.to_pure_dict(nnx.state(models.build(c, nnx.Rngs(params=0), plan_lib.build(c)), nnx.Param))  # noqa: E731
+  build = lambda: nnx.to_pure_dict(nnx.state(models.build(c, nnx.Rngs(params=0), planner.build(c)), nnx.Param))  # noqa: E731
   return jax.jit(build, compiler_options=state_lib.INIT_COMPILER_OPTIONS["cpu"])()
 
 
@@ -110,7 +109,7 @@ def test_without_mtp_the_loss_is_unchanged():
   off, on = load(*DEEPSEEK), load(*DEEPSEEK, "mtp_num_layers=2", "mtp_loss_scaling_factor=0.3")
   graphdef_on, params_on = random_params(on)
   graphdef_off, params_off = nnx.split(
-    nnx.eval_shape(lambda: models.build(off, nnx.Rngs(params=0), plan_lib.build(off))), nnx.Param
+    nnx.eval_shape(lambda: models.build(off, nnx.Rngs(params=0), planner.build(off))), nnx.Param
   )
   pure = nnx.to_pure_dict(params_on)
   del pure["mtp_modules"]
@@ -152,7 +151,7 @@ def test_a_packed_row_gives_the_mtp_loss_of_its_segments_alone(scan):
 def test_mtp_needs_a_family_with_an_mtp_layer_and_valid_keys():
   c = load("decoder_block=gemma", "mtp_num_layers=1")
   with pytest.raises(ConfigError, match="mtp_num_layers=1 is not available for decoder_block=gemma"):
-    nnx.eval_shape(lambda: models.build(c, nnx.Rngs(params=0), plan_lib.build(c)))
+    nnx.eval_shape(lambda: models.build(c, nnx.Rngs(params=0), planner.build(c)))
   with pytest.raises(ConfigError, match="mtp_num_layers and mtp_loss_scaling_factor must be >= 0"):
     load("mtp_num_layers=-1")
   llama = load("mtp_num_layers=1")

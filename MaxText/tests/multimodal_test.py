@@ -12,13 +12,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import checkpointing, config, decode, models
+from MaxText import checkpointing, config, decode, models, planner
 from MaxText.convert import hf_to_maxtext, maxtext_to_hf
 from MaxText.data import images as images_lib
 from MaxText.errors import DataError
 from MaxText.inference import Engine
 from MaxText.layers import vision
-from MaxText.parallel import plan as plan_lib
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -55,7 +54,7 @@ def converted(tmp_path_factory):
 
 def load(out_dir, *overrides):
   c = config.load([os.path.join(out_dir, "config.yml"), "run_name=t", "dtype=float32", *overrides], {})
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0), plan_lib.build(c))), nnx.Param)
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0), planner.build(c))), nnx.Param)
   return c, nnx.merge(graphdef, checkpointing.load_params(os.path.join(out_dir, "params"), abstract))
 
 
@@ -206,7 +205,7 @@ def vision_params(c, step):
   from MaxText import train  # noqa: PLC0415
 
   reader_path = train.checkpoint_path(c, step)
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0), plan_lib.build(c))), nnx.Param)
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0), planner.build(c))), nnx.Param)
   params = nnx.to_pure_dict(checkpointing.load_params(reader_path, abstract))
   return params["vision_encoder"], params["decoder_norm"]
 

@@ -144,26 +144,26 @@ def test_flops_count_linear_attention_layers_as_such():
 
 
 def test_unsupported_settings_are_config_errors():
+  from MaxText import planner  # noqa: PLC0415
   from MaxText.errors import ConfigError  # noqa: PLC0415
-  from MaxText.parallel import plan as plan_lib  # noqa: PLC0415
 
   base = [os.path.join(config.CONFIG_DIR, "base.yml"), "run_name=t", "decoder_block=qwen3next"]
   with pytest.raises(ConfigError, match="linear_num_value_heads a multiple of linear_num_key_heads"):
-    plan_lib.build(config.load([*base, "linear_num_key_heads=3"], {}))
+    planner.build(config.load([*base, "linear_num_key_heads=3"], {}))
   with pytest.raises(ConfigError, match="set ici/dcn_context_parallelism=1"):
-    plan_lib.build(config.load([*base, "ici_context_parallelism=2"], {}))
+    planner.build(config.load([*base, "ici_context_parallelism=2"], {}))
 
 
 def test_packed_documents_do_not_see_each_other():
   """A row packing documents of 4 and 6 tokens: the second's DeltaNet output equals that document alone."""
   from flax import nnx  # noqa: PLC0415
 
+  from MaxText import planner  # noqa: PLC0415
   from MaxText.layers.model_config import ModelConfig  # noqa: PLC0415
-  from MaxText.parallel import plan as plan_lib  # noqa: PLC0415
 
   c = config.load([os.path.join(config.CONFIG_DIR, "base.yml"), "run_name=t", "dtype=float32", *TRAIN_KEYS], {})
   with nnx.use_eager_sharding(False):
-    layer = gated_deltanet.GatedDeltaNet(ModelConfig.from_config(c), rngs=nnx.Rngs(0), plan=plan_lib.build(c))
+    layer = gated_deltanet.GatedDeltaNet(ModelConfig.from_config(c), rngs=nnx.Rngs(0), plan=planner.build(c))
   x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 10, 32)), jnp.float32)
   segments = jnp.asarray([[1] * 4 + [2] * 6])
   positions = jnp.asarray([list(range(4)) + list(range(6))])

@@ -139,19 +139,20 @@ def _validate_tokenizer_path(c: dict[str, Any]) -> None:
 
 
 def _validate_sft(c: dict[str, Any]) -> None:
-  """use_sft (and use_dpo) read chat examples from text files or a Hugging Face dataset, through a Hugging Face
-  tokenizer."""
-  if not (c["use_sft"] or c["use_dpo"]):
+  """use_sft (and objective=dpo) read chat examples from text files or a Hugging Face dataset, through a Hugging
+  Face tokenizer."""
+  dpo = c["objective"] == "dpo"
+  if not (c["use_sft"] or dpo):
     return
-  key = "use_dpo" if c["use_dpo"] else "use_sft"
+  key = "objective=dpo" if dpo else "use_sft=true"
   if c["dataset_type"] not in ("text", "hf") or (c["dataset_type"] == "text" and not c["dataset_path"]):
     raise ConfigError(
-      f"{key}=true reads dataset_type=text with dataset_path (a glob of .jsonl/.parquet files) or dataset_type=hf; "
+      f"{key} reads dataset_type=text with dataset_path (a glob of .jsonl/.parquet files) or dataset_type=hf; "
       f"got dataset_type={c['dataset_type']} dataset_path={c['dataset_path']!r}"
     )
   if c["tokenizer_type"] != "huggingface" or not c["tokenizer_path"]:
     raise ConfigError(
-      f"{key}=true needs tokenizer_type=huggingface and tokenizer_path (a tokenizer.json; its chat template "
+      f"{key} needs tokenizer_type=huggingface and tokenizer_path (a tokenizer.json; its chat template "
       "comes from tokenizer_config.json beside it); a converted checkpoint's config.yml sets both"
     )
   if c["sft_chat_template"] and not os.path.isfile(os.path.expanduser(c["sft_chat_template"])):
@@ -188,17 +189,17 @@ def _validate_images(c: dict[str, Any]) -> None:
 
 
 def _validate_dpo(c: dict[str, Any]) -> None:
-  """The DPO keys make sense (checked whether or not use_dpo is on, like every key)."""
+  """The DPO keys make sense (checked whatever the objective, like every key)."""
   if c["dpo_beta"] <= 0:
     raise ConfigError(f"dpo_beta={c['dpo_beta']} must be > 0 (e.g. dpo_beta=0.1)")
   if not 0.0 <= c["dpo_label_smoothing"] < 0.5:
     raise ConfigError(f"dpo_label_smoothing={c['dpo_label_smoothing']} must be in [0, 0.5)")
-  if not c["use_dpo"]:
+  if c["objective"] != "dpo":
     return
   if c["use_sft"]:
-    raise ConfigError("use_dpo=true and use_sft=true: a run trains one objective; set one of them to false")
+    raise ConfigError("objective=dpo and use_sft=true: a run trains one objective; set use_sft=false")
   if c["mtp_num_layers"] > 0:
-    raise ConfigError("use_dpo=true does not train multi-token prediction: set mtp_num_layers=0")
+    raise ConfigError("objective=dpo does not train multi-token prediction: set mtp_num_layers=0")
 
 
 def _validate_optimizer(c: dict[str, Any]) -> None:

@@ -29,8 +29,8 @@ class TrainState:
   step: jax.Array  # int32 scalar: optimizer steps taken
   params: nnx.State  # model parameters (nnx.Param variables, logical axis names in their metadata)
   opt_state: optax.OptState  # of the trainable params: all of them, or under LoRA the adapters (Partition)
-  # use_dpo (without LoRA): the reference model, the run's starting params, sharded like params and never
-  # updated; not saved in checkpoints (a resume re-reads them: checkpointing.with_reference). Else None.
+  # An objective with a reference (DPO, GRPO; without LoRA): the run's starting params, sharded like params and
+  # never updated; not saved in checkpoints (a resume re-reads them: checkpointing.with_reference). Else None.
   reference: nnx.State | None = None
 
 
@@ -133,10 +133,15 @@ def _fit(named: NamedSharding, leaf: Any) -> Any:
   return sharding.fit(named, leaf.shape)
 
 
+# The objectives whose Objective.reference is true (objectives.REGISTRY; objectives_test checks the two agree).
+REFERENCE_OBJECTIVES = ("dpo", "grpo")
+
+
 def keeps_reference(config: Config) -> bool:
-  """Whether the train state holds a DPO reference copy of the params: use_dpo, except under LoRA, whose
-  reference is the frozen base with the adapters off (train_step.reference_params)."""
-  return config.use_dpo and not lora.enabled(config)
+  """Whether the train state holds a reference copy of the params (the objective compares the policy with its
+  starting params), except under LoRA, whose reference is the frozen base with the adapters off
+  (train_step.reference_params)."""
+  return config.objective in REFERENCE_OBJECTIVES and not lora.enabled(config)
 
 
 def for_inference(config: Config) -> Config:

@@ -24,7 +24,7 @@ def make_iterators(config: Config, mesh: Mesh) -> Iterators:
   """Train iterator (endless), eval factory (fresh iterator per call; None without eval data), tokenizer."""
   if config.dataset_type not in DATASET_BACKENDS:
     raise DataError(f"dataset_type={config.dataset_type!r} is not one of {', '.join(sorted(DATASET_BACKENDS))}")
-  if config.use_dpo:  # preference pairs, rendered as use_sft renders chats (data/preferences.py)
+  if config.objective == "dpo":  # preference pairs, rendered as use_sft renders chats (data/preferences.py)
     return preferences.make_iterators(config, mesh)
   if config.use_sft:  # chat/instruction examples, loss on the completion (data/sft.py reads text or hf sources)
     return sft.make_iterators(config, mesh)

@@ -1,6 +1,7 @@
-"""Direct preference optimisation (use_dpo=true): pairs become rows of chosen/rejected segments, the first step's
-loss is ln 2, 8 devices (fsdp, tensor) and gradient accumulation give the 1-device losses, a resume is exact,
-LoRA holds no reference copy, a tiny model learns to prefer correct sums, and bad pairs fail with one line."""
+"""Direct preference optimisation (objective=dpo; use_dpo=true is its alias): pairs become rows of chosen/rejected
+segments, the first step's loss is ln 2, 8 devices (fsdp, tensor) and gradient accumulation give the 1-device
+losses, a resume is exact, LoRA holds no reference copy, a tiny model learns to prefer correct sums, and bad pairs
+fail with one line."""
 
 import json
 import math
@@ -10,11 +11,12 @@ import numpy as np
 import optax
 import pytest
 
-from MaxText import config, dpo, train
+from MaxText import config, train
 from MaxText import state as state_lib
 from MaxText.data import chat, preferences, sft
 from MaxText.data import make_iterators as make_data
 from MaxText.errors import ConfigError, DataError
+from MaxText.objectives import dpo
 from MaxText.tests.conftest import BASE, TINY, as_numpy, mesh_of
 from MaxText.tests.helpers import make_tokenizer, write_jsonl
 
@@ -207,9 +209,9 @@ def test_bad_settings_fail_at_load(tmp_path, tok):
     dpo_config(tmp_path, tok, data, "dpo_label_smoothing=0.5")
   with pytest.raises(ConfigError, match="dpo_loss='kto' is not one of"):
     dpo_config(tmp_path, tok, data, "dpo_loss=kto")
-  with pytest.raises(ConfigError, match="use_dpo=true and use_sft=true"):
+  with pytest.raises(ConfigError, match="objective=dpo and use_sft=true"):
     dpo_config(tmp_path, tok, data, "use_sft=true")
-  with pytest.raises(ConfigError, match="use_dpo=true reads dataset_type=text"):
+  with pytest.raises(ConfigError, match="objective=dpo reads dataset_type=text"):
     dpo_config(tmp_path, tok, data, "dataset_type=synthetic")
 
 

@@ -425,6 +425,10 @@ def rl_args(tmp_path, name, *overrides):
   ]  # fmt: skip
 
 
+def rl_config(tmp_path, name, *overrides):
+  return config.load([*rl_args(tmp_path, name, *overrides), "objective=grpo"], {})
+
+
 def records(c):
   with open(c.metrics_file) as f:
     return [json.loads(line) for line in f]

@@ -13,6 +13,7 @@ from flax import nnx
 from MaxText import config, optimizers, planner, sharding, state, train_step
 from MaxText.errors import ConfigError
 from MaxText.layers import moe
+from MaxText.objectives import lm
 from MaxText.tests.conftest import DEEPSEEK3_TINY, cfg
 
 BASE = os.path.join(config.CONFIG_DIR, "base.yml")
@@ -179,7 +180,7 @@ def test_balance_router_bias_moves_each_bias_one_step_towards_the_mean_load():
   out = train_step.balance_router_bias(params, loads, 0.5)
   np.testing.assert_array_equal(out["moe_layers"]["mlp"]["gate_bias"], [[-0.5, 0.5, 0, 0], [0, 0, 0, 0]])
   np.testing.assert_array_equal(out["moe_layers"]["mlp"]["wo"], params["moe_layers"]["mlp"]["wo"])
-  assert float(train_step.max_load_ratio(loads)) == 2.0
+  assert float(lm.max_load_ratio(loads)) == 2.0
 
 
 def _is_bias(path) -> bool:

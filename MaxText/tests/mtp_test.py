@@ -16,11 +16,11 @@ from flax import nnx
 
 from MaxText import checkpointing, config, flops, models, planner, saved_config, train
 from MaxText import state as state_lib
-from MaxText import train_step as steps
 from MaxText.convert import hf_mapping, hf_to_maxtext, maxtext_to_hf
 from MaxText.errors import ConfigError
 from MaxText.inference import Engine
 from MaxText.layers import mtp
+from MaxText.objectives import lm
 from MaxText.tests.conftest import BASE, cfg
 from MaxText.tests.helpers import exported_tensors
 
@@ -94,7 +94,7 @@ def init(c):
 
 
 def loss_sums(c, graphdef, params, batch):
-  return jax.jit(functools.partial(steps.loss_sums, graphdef, c))(params, batch, None)
+  return jax.jit(functools.partial(lm.loss_sums, graphdef, c))(params, batch, None)
 
 
 def test_mtp_modules_leave_the_main_initialisation_unchanged():
@@ -122,7 +122,7 @@ def test_without_mtp_the_loss_is_unchanged():
   assert aux_on["nll"] == aux_off["nll"] and objective_off == aux_off["nll"]
   assert aux_on["mtp_tokens"] == (15 + 14) + (8 + 4 + 7 + 3)  # per depth k, each segment loses its last k
   np.testing.assert_allclose(objective_on, aux_on["nll"] + 0.3 / 2 * aux_on["mtp_nll"], rtol=1e-6)
-  assert set(steps.aux_zeros(off)) == set(aux_off) and set(steps.aux_zeros(on)) == set(aux_on)
+  assert set(lm.sum_keys(off)) == set(aux_off) and set(lm.sum_keys(on)) == set(aux_on)
 
 
 def test_shifted_targets_stop_at_row_ends_padding_and_segment_boundaries():

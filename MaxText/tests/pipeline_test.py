@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from MaxText import config, planner, sharding, state, train
-from MaxText import train_step as steps
 from MaxText.errors import ConfigError
+from MaxText.objectives import lm
 from MaxText.parallel import plan as plan_lib
 from MaxText.tests.conftest import cfg, free_port, losses
 
@@ -57,7 +57,7 @@ def loss_and_grads(c, params, data):
   spec = state.param_spec(c, mesh)
   with sharding.activate(c, mesh):
     placed = jax.device_put(params, spec.shardings)
-    fn = jax.jit(jax.value_and_grad(lambda p, b: steps.loss_sums(spec.graphdef, c, p, b, None)[0]))
+    fn = jax.jit(jax.value_and_grad(lambda p, b: lm.loss_sums(spec.graphdef, c, p, b, None)[0]))
     return fn(placed, data)
 
 

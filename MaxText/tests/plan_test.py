@@ -10,9 +10,10 @@ import jax
 import pytest
 from flax import nnx
 
-from MaxText import config, models, planner, sharding, train, train_step
+from MaxText import config, models, planner, sharding, train
 from MaxText.errors import ConfigError
 from MaxText.layers.model_config import ModelConfig
+from MaxText.objectives import lm
 from MaxText.parallel.plan import AttentionPlan, LossPlan
 from MaxText.tests.conftest import TINY, cfg
 
@@ -204,8 +205,8 @@ def loss_and_grads(c):
   positions = jax.numpy.broadcast_to(jax.numpy.arange(t), (b, t))
   batch = dict(inputs=tokens[:, :-1], targets=tokens[:, 1:], inputs_position=positions)
   batch |= dict(inputs_segmentation=ones, targets_segmentation=ones)
-  grad = jax.grad(lambda p: train_step.loss_sums(graphdef, c, p, batch, None)[0], has_aux=False)
-  value = train_step.loss_sums(graphdef, c, params, batch, None)[0]
+  grad = jax.grad(lambda p: lm.loss_sums(graphdef, c, p, batch, None)[0], has_aux=False)
+  value = lm.loss_sums(graphdef, c, params, batch, None)[0]
   return value, grad(params)
 
 

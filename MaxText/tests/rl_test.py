@@ -2,7 +2,6 @@
 model taught "a+b=c" raises its exact-answer reward, sampling and training on an 8-device mesh, resume, and the bad
 inputs (one line naming the row)."""
 
-import json
 import shutil
 import sys
 
@@ -11,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import checkpointing, config, optimizers, rl, sharding, train
+from MaxText import checkpointing, optimizers, rl, sharding, train
 from MaxText import state as state_lib
 from MaxText import train_step as steps
 from MaxText.errors import ConfigError, DataError
@@ -20,6 +19,7 @@ from MaxText.inference.tokenizer import ByteTokenizer
 from MaxText.objectives import grpo, rewards, rollouts
 from MaxText.tests.conftest import cfg
 from MaxText.tests.helpers import RL_LENGTH, records, rl_args, rl_config, write_prompts
+
 
 def sft_batch(rng, rows):
   """rows "<bos>a+b=c<eos>" sequences as a train batch: loss on every token."""

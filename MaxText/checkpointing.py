@@ -31,7 +31,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from MaxText import checkpoint_layouts, config_checks, paths
+from MaxText import checkpoint_layouts, checksums, config_checks, paths
 from MaxText import state as state_lib
 from MaxText.config import Config, serving_config
 from MaxText.convert import upstream
@@ -39,6 +39,7 @@ from MaxText.errors import CheckpointError, ConfigError
 from MaxText.layers import lora
 from MaxText.state import StateSpec, TrainState
 
+ITEMS = ("state", "data", "checksums")  # a step's items; `checksums`: checksums.digests of `state` (none before)
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax names a step directory being written <step>TMP_SUFFIX[...]
 UNREADABLE_DIR = "checkpoints_unreadable"  # next to checkpoints/: where unreadable steps are moved
 NONFINITE_DIR = "checkpoints_nonfinite"  # next to checkpoints/: steps whose own loss is not finite
@@ -111,7 +112,7 @@ def create_manager(config: Config) -> ocp.CheckpointManager | None:
     create=True,
     cleanup_tmp_directories=True,
   )
-  return ocp.CheckpointManager(paths.absolute(config.checkpoint_dir), options=options, item_names=("state", "data"))
+  return ocp.CheckpointManager(paths.absolute(config.checkpoint_dir), options=options, item_names=ITEMS)
 
 
 def save(
@@ -120,7 +121,10 @@ def save(
   """Save `state` after `step` completed steps with the iterator state that follows it, and `metadata` (JSON:
   elastic.layout's) in the step's orbax metadata. With async saves this returns once the arrays are copied to
   host memory; an earlier save's write error surfaces here."""
-  args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state))
+  table = checksums.digests(state)  # verified when restored: a flipped bit is damage, not a state to train on
+  args = ocp.args.Composite(
+    state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state), checksums=ocp.args.JsonSave(table)
+  )
   with _save_errors(manager):
     manager.save(step, args=args, force=True, custom_metadata=metadata)
 
@@ -364,6 +368,7 @@ def _restore_latest_good(config: Config, manager: ocp.CheckpointManager, abstrac
   for step in sorted(manager.all_steps(), reverse=True):
     try:
       restored = manager.restore(step, args=args)
+      checksums.verify(paths.join(config.checkpoint_dir, str(step)), restored.state, f"checkpoint step {step}")
     except Exception as e:  # orbax/tensorstore raise ValueError, KeyError, JSONDecodeError, OSError, ...
       failed.append((step, _one_line(e)))
       _say(f"checkpoint step {step} cannot be restored: {failed[-1][1]}")
@@ -417,9 +422,19 @@ def _restore_tree(path: str, abstract: Any, fresh: Callable[[], TrainState]) -> 
   if upstream.layout(tree) is not None:
     return checkpoint_layouts.restore_upstream_state(path, tree, abstract, fresh)
   try:
-    return ocp.StandardCheckpointer().restore(path, abstract)
+    state = ocp.StandardCheckpointer().restore(path, abstract)
   except (ValueError, KeyError, FileNotFoundError) as e:
     raise ConfigError(f"Checkpoint {path!r} does not match this model's state: {e}") from e
+  _verify_item(path, state, "")
+  return state
+
+
+def _verify_item(path: str, tree: Any, prefix: str) -> None:
+  """A training checkpoint's `state` item given by path is checked against its step's digests (checksums.py);
+  a params-only checkpoint (the converters') has none to check."""
+  step_dir = paths.dirname(path)
+  if paths.Path(path).name == "state" and paths.isdir(paths.join(step_dir, "data")):
+    checksums.verify(step_dir, tree, f"checkpoint {path}", prefix)
 
 
 def saved_tree(path: str) -> Any:
@@ -453,6 +468,7 @@ def load_params(path: str, abstract_params: Any) -> Any:
       raise ConfigError(f"load_parameters_path {path!r} does not match this model's parameters: {e}") from e
     return relaid
   restored = restored["params"] if item is not abstract_params else restored
+  _verify_item(path, restored, "params/" if item is not abstract_params else "")
   missing = [jax.tree_util.keystr(k) for k, v in jax.tree_util.tree_leaves_with_path(restored) if _is_abstract(v)]
   if missing:  # partial_restore leaves parameters the checkpoint lacks unrestored
     relaid = checkpoint_layouts.restore_other_layout(path, tree, abstract_params)

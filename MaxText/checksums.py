@@ -16,11 +16,15 @@ mesh gives the same digest.
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from MaxText import paths
+from MaxText.errors import CheckpointError
 
 _MIX = np.uint32(0x5BD1E995)
 _GOLDEN = np.uint32(0x9E3779B1)
@@ -74,3 +78,25 @@ def mismatches(expected: dict[str, str], tree: Any, prefix: str = "") -> list[st
   """The names of `tree`'s arrays whose digest differs from `expected` (arrays `expected` lacks are not checked)."""
   actual = digests(tree, prefix)
   return sorted(name for name, value in actual.items() if name in expected and expected[name] != value)
+
+
+def saved(step_dir: str) -> dict[str, str] | None:
+  """The digest table saved with the checkpoint step at `step_dir` (its `checksums` item), or None for a step
+  written without one (before this module existed)."""
+  path = paths.join(step_dir, "checksums", "metadata")
+  return json.loads(paths.Path(path).read_text()) if paths.isfile(path) else None
+
+
+def verify(step_dir: str, tree: Any, what: str, prefix: str = "") -> None:
+  """CheckpointError naming the first array of `tree` (restored from the step at `step_dir`; `prefix`: its path in
+  the saved state, e.g. "params/") whose digest differs from the one saved with it. A step without digests is
+  restored unverified, and `what` (the step, as messages name it) says so in one line."""
+  table = saved(step_dir)
+  if table is None:
+    if jax.process_index() == 0:
+      print(f"{what} carries no checksums (written before they were recorded): restored unverified", flush=True)
+    return
+  bad = mismatches(table, tree, prefix)
+  if bad:
+    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+    raise CheckpointError(f"{what}: array {bad[0]}{more} does not match the checksum saved with it (damaged data)")

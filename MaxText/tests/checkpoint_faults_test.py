@@ -17,7 +17,7 @@ import pytest
 
 from MaxText import checkpointing, optimizers, sharding, train
 from MaxText import state as state_lib
-from MaxText.errors import ConfigError
+from MaxText.errors import CheckpointError, ConfigError
 from MaxText.tests.conftest import BASE, ROOT, TINY, cfg
 
 COMMON = ["per_device_batch_size=1", "enable_checkpointing=true", "checkpoint_period=2", "steps=4"]
@@ -115,7 +115,7 @@ def test_empty_newer_step_directory_is_moved_aside(trained, tmp_path, capsys):
 def test_changed_model_fails_in_one_line_and_moves_nothing(trained, tmp_path):
   _copy(trained, tmp_path)
   c = cfg(tmp_path, "r", *COMMON, "base_mlp_dim=96")
-  with pytest.raises(checkpointing.CheckpointError, match=r"newest, step 4: .*use a new run_name") as e:
+  with pytest.raises(CheckpointError, match=r"newest, step 4: .*use a new run_name") as e:
     _restore(c)
   assert "\n" not in str(e.value)
   assert sorted(os.listdir(c.checkpoint_dir)) == ["2", "4"]
@@ -157,7 +157,7 @@ def test_disk_full_removes_the_partial_save_and_says_so(trained, tmp_path, monke
     return real_save(step, *args, **kwargs)
 
   monkeypatch.setattr(manager, "save", full_disk)
-  with pytest.raises(checkpointing.CheckpointError, match="no space left on .*step 4 is the last complete") as e:
+  with pytest.raises(CheckpointError, match="no space left on .*step 4 is the last complete") as e:
     checkpointing.save(manager, 6, {"x": 1}, {})
   manager.close()
   assert f"6{checkpointing.TMP_SUFFIX}" in str(e.value)
@@ -210,3 +210,59 @@ def test_kill_after_an_async_save_loses_at_most_period_plus_lag(tmp_path):
   # Step `logged` was read after its loop iteration, which waited for the save `lag` steps before it.
   committed = checkpointing.committed_steps(os.path.join(tmp_path, "k", "checkpoints"))
   assert committed and committed[-1] >= period * ((logged + 1 - lag) // period), (logged, committed)
+
+
+def _flip_bit(path, fraction):
+  """Flip one bit of the file at `path`, `fraction` of the way through it."""
+  with open(path, "r+b") as f:
+    data = bytearray(f.read())
+    at = min(int(len(data) * fraction), len(data) - 1)
+    data[at] ^= 0x10
+    f.seek(0)
+    f.write(data)
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.35, 0.6, 0.9])
+def test_a_flipped_bit_in_the_array_data_falls_back_to_the_previous_step(trained, tmp_path, capsys, fraction):
+  c = _copy(trained, tmp_path)
+  largest = max(_array_files(os.path.join(c.checkpoint_dir, "4")), key=os.path.getsize)
+  _flip_bit(largest, fraction)
+  restored = _restore(c)
+  assert restored.source == "resume from step 2" and int(restored.state.step) == 2
+  out = capsys.readouterr().out
+  assert "checkpoint step 4 cannot be restored: " in out  # a checksum mismatch, or the store's own error
+  assert os.listdir(os.path.join(c.run_dir, checkpointing.UNREADABLE_DIR)) == ["4"]
+
+
+def test_after_a_flipped_bit_the_run_resumes_with_an_undamaged_runs_losses(trained, tmp_path, capsys):
+  c = _copy(trained, tmp_path)
+  step_dir = os.path.join(c.checkpoint_dir, "4")
+  _flip_bit(max(_array_files(step_dir), key=os.path.getsize), 0.5)
+  with open(os.path.join(trained, "r", "metrics.jsonl")) as f:
+    undamaged = {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+  os.remove(c.metrics_file)
+  train.run(cfg(tmp_path, "r", *COMMON))
+  with open(c.metrics_file) as f:
+    resumed = {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+  assert sorted(resumed) == [3, 4] and all(resumed[s] == undamaged[s] for s in resumed)
+  assert "does not match the checksum saved with it" in capsys.readouterr().out
+
+
+def test_a_checkpoint_without_checksums_restores_and_says_so(trained, tmp_path, capsys):
+  c = _copy(trained, tmp_path)
+  shutil.rmtree(os.path.join(c.checkpoint_dir, "4", "checksums"))  # as written before they were recorded
+  restored = _restore(c)
+  assert restored.source == "resume from step 4"
+  assert "checkpoint step 4 carries no checksums (written before they were recorded)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("key", ["load_parameters_path", "load_full_state_path"])
+def test_a_damaged_checkpoint_given_by_path_is_one_error_naming_the_array(trained, tmp_path, key):
+  c = _copy(trained, tmp_path)
+  step_dir = os.path.join(c.checkpoint_dir, "4")
+  before = checkpointing.checksums.saved(step_dir)
+  assert before and all(len(v) == 16 for v in before.values())
+  _flip_bit(max(_array_files(step_dir), key=os.path.getsize), 0.5)
+  fresh = cfg(tmp_path, "fresh", *COMMON, f"{key}={step_dir}/state")
+  with pytest.raises((CheckpointError, ConfigError), match=r"damaged|cannot|checkpoint"):
+    _restore(fresh)

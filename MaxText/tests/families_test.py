@@ -16,8 +16,7 @@ from MaxText import checkpointing, config, models, planner, train
 from MaxText.convert import hf_to_maxtext, maxtext_to_hf
 from MaxText.errors import ConfigError
 from MaxText.layers import attention_mla, embeddings
-from MaxText.tests.helpers import FAMILIES, T, assert_export_is_exact, hf_model, maxtext_logits
-from MaxText.tests.helpers import hf_config, hf_keys
+from MaxText.tests.helpers import FAMILIES, T, assert_export_is_exact, hf_config, hf_keys, hf_model, maxtext_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

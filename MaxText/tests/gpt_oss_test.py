@@ -12,8 +12,7 @@ from MaxText import config, flops, planner, train
 from MaxText.convert import hf_to_maxtext, maxtext_to_hf, mxfp4
 from MaxText.errors import ConfigError
 from MaxText.inference import Engine
-from MaxText.tests.helpers import PROMPTS, assert_cache_equals_forward, hf_greedy, maxtext_logits
-from MaxText.tests.helpers import hf_config, hf_keys
+from MaxText.tests.helpers import PROMPTS, assert_cache_equals_forward, hf_config, hf_greedy, hf_keys, maxtext_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

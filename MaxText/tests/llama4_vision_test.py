@@ -13,8 +13,13 @@ from MaxText import config
 from MaxText import flops as flops_lib
 from MaxText.layers.model_config import ModelConfig
 from MaxText.models.llama4 import vision as llama4_vision
-from MaxText.tests.helpers import L4V_IMAGE_TOKEN, assert_export_is_exact, convert_llama4_vision, load_converted
-from MaxText.tests.helpers import hf_config, hf_keys
+from MaxText.tests.helpers import (
+  L4V_IMAGE_TOKEN,
+  assert_export_is_exact,
+  convert_llama4_vision,
+  hf_keys,
+  load_converted,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

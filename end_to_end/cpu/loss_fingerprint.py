@@ -105,6 +105,8 @@ OBJECTIVES = {
   "resume": ("MaxText/train.py", ["MaxText/configs/base.yml", *[t for t in TINY if not t.startswith(("steps=",
              "enable_checkpointing"))], "checkpoint_period=2", "steps=2", "&&", "steps=4"]),
 }  # fmt: skip
+# The objective cases' fixtures: one fixed place, since the DPO case's eval split hashes the data's path.
+DEFAULT_FIXTURES = "/tmp/loss_fingerprint_fixtures"
 RECORDED = ("loss", "eval_loss", "dpo_accuracy", "eval_dpo_accuracy", "reward_mean", "kl")
 
 
@@ -170,7 +172,7 @@ def main(argv):
   p.add_argument("--out", help="write {case: [loss reprs]} here")
   p.add_argument("--only", default="", help="comma-separated case-name prefixes")
   p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
-  p.add_argument("--fixtures", default="/tmp/loss_fingerprint_fixtures", help="the objective cases' tiny models")
+  p.add_argument("--fixtures", default=DEFAULT_FIXTURES, help="the objective cases' tiny models")
   args = p.parse_args(argv[1:])
   if args.compare:
     before, after = (json.load(open(f)) for f in args.compare)

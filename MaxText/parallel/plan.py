@@ -124,6 +124,8 @@ class Plan:
   keep_lanes: bool  # TPU: weights and gradients keep their larger dim minor (sharding.lane_layout)
   decoding: bool = False  # built for decode.py: no training kernel, schedule or loss
   mlp_pieces: int = 1  # dense MLPs in this many sequence pieces (Pieces)
+  dropout_rate: float = 0.0  # training: dropout after attention and MLP blocks (dropout_rate; 0 without enable_dropout)
+  kv_cache_quant: str = ""  # decoding: the KV cache's storage (kv_quant_dtype under quantize_kvcache); "": dtype
 
   @property
   def platform(self) -> str:
@@ -309,7 +311,7 @@ def _check_lora_targets(config: Config, stacks: Sequence[Any], plan: Plan) -> No
         f"lora_target_modules={config.lora_target_modules!r} matches no projection of a decoder layer; "
         f"their paths are: {', '.join(paths)}"
       )
-  if model_config.use_multimodal and not model_config.freeze_vision_encoder:  # the tower gets adapters too
+  if model_config.vision is not None and not config.freeze_vision_encoder:  # the tower gets adapters too
     family = models.family(model_config)
     with nnx.use_eager_sharding(False):
       tower = nnx.eval_shape(lambda: (family.vision or vision.VisionEncoder)(model_config, rngs=nnx.Rngs(0)))
@@ -351,6 +353,8 @@ def build(
     keep_lanes=platform == "tpu" and abstract is not None,
     decoding=decoding,
     mlp_pieces=pieces.mlp,
+    dropout_rate=config.dropout_rate if config.enable_dropout else 0.0,
+    kv_cache_quant=config.kv_quant_dtype if config.quantize_kvcache else "",
   )
   _check_lora_targets(config, stacks, plan)
   return plan

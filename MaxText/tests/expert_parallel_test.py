@@ -13,6 +13,7 @@ from flax import nnx
 
 from MaxText import config, sharding, state
 from MaxText.layers import moe
+from MaxText.layers.model_config import ModelConfig
 from MaxText.parallel import plan as plan_lib
 
 BASE = os.path.join(config.CONFIG_DIR, "base.yml")
@@ -26,7 +27,7 @@ def load(*overrides):
 def block(c, mesh=None):
   """The layer for config `c`, run as the plan for `mesh` says (None: one device)."""
   with nnx.use_eager_sharding(False):
-    return moe.MoeBlock(c, rngs=nnx.Rngs(params=0), plan=plan_lib.build(c, mesh))
+    return moe.MoeBlock(ModelConfig.from_config(c), rngs=nnx.Rngs(params=0), plan=plan_lib.build(c, mesh))
 
 
 def loss_fn(graphdef):

@@ -12,6 +12,7 @@ from flax import nnx
 
 from MaxText import config, optimizers, sharding, state, train_step
 from MaxText.layers import moe
+from MaxText.layers.model_config import ModelConfig
 from MaxText.parallel import plan as plan_lib
 from MaxText.tests.conftest import DEEPSEEK3_TINY, cfg
 
@@ -23,7 +24,7 @@ def block(*overrides, mesh=None):
   """The layer, run as the plan for `mesh` says (None: one device)."""
   c = config.load([BASE, "run_name=t", *TINY, *overrides], {})
   with nnx.use_eager_sharding(False):
-    return moe.MoeBlock(c, rngs=nnx.Rngs(params=0), plan=plan_lib.build(c, mesh))
+    return moe.MoeBlock(ModelConfig.from_config(c), rngs=nnx.Rngs(params=0), plan=plan_lib.build(c, mesh))
 
 
 def reference(layer, x):

@@ -21,6 +21,7 @@ from MaxText.convert import hf_mapping, hf_to_maxtext, maxtext_to_hf
 from MaxText.errors import ConfigError
 from MaxText.inference import Engine
 from MaxText.layers import mtp
+from MaxText.layers.model_config import ModelConfig
 from MaxText.parallel import plan as plan_lib
 from MaxText.tests.conftest import BASE, cfg
 
@@ -156,8 +157,13 @@ def test_mtp_needs_a_family_with_an_mtp_layer_and_valid_keys():
   with pytest.raises(ConfigError, match="mtp_num_layers and mtp_loss_scaling_factor must be >= 0"):
     load("mtp_num_layers=-1")
   llama = load("mtp_num_layers=1")
+  model = ModelConfig.from_config(llama)
   with pytest.raises(ConfigError, match="decoder_block=deepseek only"):
-    hf_mapping.rules(llama, models.family(llama).stacks(llama), nnx.to_pure_dict(state_lib.param_spec(llama).abstract))
+    hf_mapping.rules(
+      llama,
+      models.family(model).stacks(model),
+      nnx.to_pure_dict(state_lib.param_spec(llama).abstract),
+    )
   assert state_lib.for_inference(llama).mtp_num_layers == 0
 
 

@@ -11,7 +11,6 @@ from flax import nnx
 
 from MaxText import config, models, sharding, train, train_step
 from MaxText.config import ConfigError
-from MaxText.layers.model_config import ModelConfig
 from MaxText.parallel import plan as plan_lib
 from MaxText.tests.conftest import TINY, cfg
 
@@ -133,28 +132,6 @@ def test_decoding_plans_no_training_kernel():
   lines = plan_lib.describe(plan, load())
   assert lines[0] == "attention: dot_product, because decoding attends over the KV cache"
   assert not any("remat" in line or "pipeline" in line for line in lines)
-
-
-def test_layers_read_only_the_model_config():
-  """Every config key a layer or family reads (config.X, c.X, self.config.X) is a ModelConfig field, and the
-  built model holds a ModelConfig, not the run's Config. quantization.py and lora.py transform the built
-  model with the run's Config."""
-  fields = {f.name for f in dataclasses.fields(ModelConfig)}
-  read = set()
-  for d in ("layers", "models"):
-    for f in sorted(os.listdir(os.path.join(ROOT, d))):
-      if not f.endswith(".py") or f in ("quantization.py", "lora.py"):
-        continue
-      for node in ast.walk(ast.parse(open(os.path.join(ROOT, d, f)).read())):
-        owner = node.value if isinstance(node, ast.Attribute) else None
-        is_config = isinstance(owner, ast.Name) and owner.id in ("config", "c", "unit_config")
-        is_config |= isinstance(owner, ast.Attribute) and owner.attr == "config"
-        if is_config and not node.attr.startswith("_") and node.attr not in ("from_config",):
-          read.add(node.attr)
-  assert read and read <= fields, sorted(read - fields)
-  c = load()
-  model = nnx.eval_shape(lambda: models.build(c, nnx.Rngs(params=0), plan_lib.build(c)))
-  assert type(model.config) is ModelConfig and model.config == ModelConfig.from_config(c)
 
 
 def test_base_yml_documents_every_kernel_and_remat_policy():

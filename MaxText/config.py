@@ -306,7 +306,7 @@ def _finalize(values: dict[str, Any]) -> dict[str, Any]:
   """Validate and add derived values. Deterministic except for an empty run_name, which becomes the
   load time; reads no files and changes nothing outside the returned dict."""
   for key, choices in CHOICES.items():
-    model_config.check_choice(key, values[key], choices)
+    config_checks.check_choice(key, values[key], choices)
   emb, heads, mlp, layers = individual_scales(values["global_parameter_scale"])
   out = dict(values)
   out["emb_dim"] = values["base_emb_dim"] * 2**emb

@@ -5,7 +5,8 @@ of the run (data, optimizer, checkpoints, mesh, outputs). How the model runs (at
 split, pipeline, MoE dispatch, remat, dropout, the KV cache's storage) is the run plan's (parallel/plan.py);
 LoRA adapters are layers/lora.LoraConfig's. Each leaf field is a key of configs/base.yml's model sections
 (`# ---- model ...`), with its comment there; model_config_test checks the two lists against each other.
-Choice fields are `Literal`s, checked when a section is made (config.py checks the same choices at load).
+Choice fields are `Literal`s, checked when a section is made (config_checks.check_choice, which config.py
+also runs on them at load).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import functools
 import typing
 from typing import Any, ClassVar, Literal
 
-from MaxText.errors import ConfigError
+from MaxText.config_checks import check_choice
 
 DecoderBlock = Literal[
   "default", "llama2", "mistral", "mixtral", "qwen3", "gemma", "gemma2", "gemma3", "deepseek", "llama4", "gpt3",
@@ -28,12 +29,6 @@ Activation = Literal["silu", "gelu", "gelu_exact", "relu", "linear"]  # layers/m
 CapacityGroup = Literal["global", "sequence", "shard"]
 ScoreFunc = Literal["softmax", "sigmoid"]
 GroupScore = Literal["top2_sum", "max"]
-
-
-def check_choice(key: str, value: Any, choices: tuple[Any, ...]) -> None:
-  """ConfigError naming the key and its choices when `value` is not one of them (config.py's load check too)."""
-  if value not in choices:
-    raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(repr, choices))}")
 
 
 class Section:

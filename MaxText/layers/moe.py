@@ -69,18 +69,16 @@ def group_limit(choice: jax.Array, groups: int, top_groups: int, score: str = "t
 def route(logits: jax.Array, config: ModelConfig, bias: jax.Array | None = None) -> Routing:
   """logits [X, E] -> scores (routed_score_func, float32); experts chosen by scores + bias within the
   allowed groups; combine weights = their scores, renormalised (norm_topk_prob) and scaled."""
-  logits = logits.astype(jnp.float32)
-  scores = jax.nn.sigmoid(logits) if config.moe.routed_score_func == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+  m, logits = config.moe, logits.astype(jnp.float32)
+  scores = jax.nn.sigmoid(logits) if m.routed_score_func == "sigmoid" else jax.nn.softmax(logits, axis=-1)
   choice = scores if bias is None else scores + bias.astype(jnp.float32)
-  choice = group_limit(
-    choice, config.moe.n_routing_groups, config.moe.topk_routing_group, config.moe.routed_group_score
-  )
-  experts = jax.lax.top_k(choice, config.moe.num_experts_per_tok)[1]
+  choice = group_limit(choice, m.n_routing_groups, m.topk_routing_group, m.routed_group_score)
+  experts = jax.lax.top_k(choice, m.num_experts_per_tok)[1]
   weights = jnp.take_along_axis(scores, experts, axis=-1)
-  if config.moe.norm_topk_prob:
+  if m.norm_topk_prob:
     weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
   probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
-  return Routing(experts.astype(jnp.int32), weights * config.moe.routed_scaling_factor, probs)
+  return Routing(experts.astype(jnp.int32), weights * m.routed_scaling_factor, probs)
 
 
 class ExpertLoad(nnx.Intermediate):

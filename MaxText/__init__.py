@@ -44,3 +44,14 @@ def _cpu_only_when_no_accelerator() -> None:
 
 
 _cpu_only_when_no_accelerator()
+
+
+def _signals_from_the_start() -> None:
+  """Run as one of MaxText's programs (train.py, decode.py, ...), a SIGINT/SIGTERM/SIGHUP exits in one line from
+  here on, also during the imports before its start-up (preemption.install_for_entry_point)."""
+  from MaxText import preemption  # noqa: PLC0415 (light: it imports jax only where it uses it)
+
+  preemption.install_for_entry_point()
+
+
+_signals_from_the_start()

@@ -10,6 +10,9 @@ atol + rtol * |golden|. Runs in float32.
 
 from __future__ import annotations
 
+import MaxText  # noqa: F401 (first: a signal during the imports below exits in one line, preemption.py)
+
+# isort: split
 import json
 import sys
 from collections.abc import Sequence

@@ -172,8 +172,22 @@ def _validate_sft(c: dict[str, Any]) -> None:
     raise ConfigError(f"sft_chat_template={c['sft_chat_template']!r} does not exist; give a Jinja2 template file")
 
 
+def _validate_load_paths(c: dict[str, Any]) -> None:
+  """load_parameters_path / load_full_state_path name a checkpoint directory that may exist."""
+  for key in ("load_parameters_path", "load_full_state_path"):
+    if c[key] and not paths.may_exist(c[key]):
+      raise ConfigError(f"{key}={c[key]!r} does not exist")
+    if c[key] and not paths.is_remote(c[key]) and os.path.isfile(c[key]):
+      form = "<run dir>/checkpoints/<step>/state"
+      if key == "load_parameters_path":
+        form += ", or a params-only checkpoint's directory"
+      raise ConfigError(f"{key}={c[key]!r} is a file, not a checkpoint directory; give {form}")
+
+
 def _validate_images(c: dict[str, Any]) -> None:
   """use_multimodal: the image slots and tiles can be used as given."""
+  if c["max_image_pixels"] < 1:
+    raise ConfigError(f"max_image_pixels={c['max_image_pixels']} must be >= 1 (the most pixels of an image)")
   if not c["use_multimodal"]:
     return
   if c["images_per_row"] < 1 or c["image_tiles_per_row"] < 0:
@@ -423,9 +437,7 @@ def validate(c: dict[str, Any]) -> None:
     raise ConfigError(f"warmup_steps_fraction must be in [0, 1], got {c['warmup_steps_fraction']}")
   if c["load_parameters_path"] and c["load_full_state_path"]:
     raise ConfigError("Set at most one of load_parameters_path and load_full_state_path")
-  for key in ("load_parameters_path", "load_full_state_path"):
-    if c[key] and not paths.may_exist(c[key]):
-      raise ConfigError(f"{key}={c[key]!r} does not exist")
+  _validate_load_paths(c)
   _validate_tokenizer_path(c)
   _validate_sft(c)
   _validate_images(c)

@@ -15,6 +15,9 @@ cached in its run directory, else UTF-8 bytes (MaxText/inference/tokenizer.py)."
 
 from __future__ import annotations
 
+import MaxText  # noqa: F401 (first: a signal during the imports below exits in one line, preemption.py)
+
+# isort: split
 import logging
 import os
 import sys

@@ -23,7 +23,10 @@ input pipeline). Time not inside any of these (the last few host operations befo
 
 The figures accumulate over the attempts of a run in <run dir>/goodput.json, rewritten atomically at every
 log record and at exit (so a kill -9 loses at most the time since the last record). It also holds the
-highest step any attempt reached, which is how a resumed attempt knows which steps are redone.
+highest step any attempt reached, which is how a resumed attempt knows which steps are redone. Each
+checkpoint keeps a copy of the record as it was when saved (its orbax step metadata, "goodput"): a damaged
+goodput.json is said in one line and the history continues from the newest checkpoint's copy (else it
+starts again); a directory in its place stops the run at start in one line.
 
 Why not ml-goodput-measurement (upstream MaxText's recorder): in its 0.2.3 source, GoodputRecorder writes every
 event to Cloud Logging through google.cloud.logging.Client() and GoodputCalculator reads them back from there;
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import threading
 import time
@@ -48,8 +52,13 @@ import jax
 from MaxText import paths
 from MaxText.config import Config
 from MaxText.console import format_duration
+from MaxText.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 RECORD_FILE = "goodput.json"  # in the run directory
+METADATA_KEY = "goodput"  # the record's copy in each checkpoint's step metadata (custom_metadata)
+STEP_METADATA_FILE = "_CHECKPOINT_METADATA"  # orbax's per-step metadata (JSON) in <checkpoints>/<step>/
 VERSION = 1
 KINDS = (
   "startup",
@@ -119,15 +128,47 @@ def empty_record() -> dict[str, Any]:
   }
 
 
-def read_record(path: str) -> dict[str, Any]:
-  """The record an earlier attempt left at `path`; an empty one if there is none (or it cannot be read: the
-  figures then start again rather than stopping the run)."""
-  record = empty_record()
+def _load(path: str) -> tuple[dict[str, Any], str]:
+  """(the record saved at `path` ({} when there is none), what is wrong with it ("" when nothing))."""
+  if not path or not paths.isfile(path):
+    return {}, ""
   try:
-    saved = json.loads(paths.Path(path).read_text()) if paths.isfile(path) else {}
-  except (OSError, ValueError):
-    saved = {}
+    saved = json.loads(paths.Path(path).read_text())
+  except (OSError, ValueError) as e:
+    return {}, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
   if not isinstance(saved, dict) or saved.get("version") != VERSION:
+    return {}, f"it is not a version {VERSION} goodput record"
+  return saved, ""
+
+
+def checkpoint_copy(checkpoint_dir: str) -> tuple[dict[str, Any], int]:
+  """(the record kept by the newest checkpoint under `checkpoint_dir` that has a whole one, its step); ({}, 0)
+  when none has (a fresh run, checkpoints written before copies were kept)."""
+  steps = sorted((int(p) for p in paths.listdir(checkpoint_dir) if p.isdigit()), reverse=True) if checkpoint_dir else []
+  for step in steps:
+    try:
+      meta = json.loads(paths.Path(paths.join(checkpoint_dir, str(step), STEP_METADATA_FILE)).read_text())
+      saved = (meta.get("custom_metadata") or {}).get(METADATA_KEY)
+    except (OSError, ValueError, AttributeError):
+      continue
+    if isinstance(saved, dict) and saved.get("version") == VERSION:
+      return saved, step
+  return {}, 0
+
+
+def read_record(path: str, checkpoint_dir: str = "") -> dict[str, Any]:
+  """The record an earlier attempt left at `path`; an empty one if there is none. A damaged one is said in one
+  line and replaced by the newest checkpoint's copy (checkpoint_copy) when there is one, else the figures start
+  again (goodput never stops a run); a directory at `path` is a ConfigError."""
+  if paths.is_local_dir(path):
+    raise ConfigError(f"{path!r} is a directory where the run's goodput record (a file) goes; remove it")
+  saved, damage = _load(path)
+  if damage:
+    saved, step = checkpoint_copy(checkpoint_dir)
+    kept = f"the history continues from checkpoint {step}'s copy" if saved else "the goodput figures start again"
+    log.warning("%s is damaged (%s); %s", path, damage, kept)
+  record = empty_record()
+  if not saved:
     return record
   record.update({k: saved[k] for k in ("attempts", "total_s", "max_step") if k in saved})
   record["seconds"].update({k: float(v) for k, v in saved.get("seconds", {}).items() if k in KINDS})
@@ -144,7 +185,8 @@ class Recorder:
     self.enabled = enabled and config is not None and config.enable_goodput_recording
     self.is_writer = is_writer
     self.path = paths.join(config.run_dir, RECORD_FILE) if config is not None else ""
-    self.prior = read_record(self.path) if self.enabled else empty_record()
+    checkpoints = config.checkpoint_dir if config is not None and config.enable_checkpointing else ""
+    self.prior = read_record(self.path, checkpoints) if self.enabled else empty_record()
     self.prior_max = int(self.prior["max_step"])
     self.seconds = dict.fromkeys(KINDS, 0.0)
     self.steps = {"productive": 0, "redone": 0}
@@ -214,6 +256,10 @@ class Recorder:
       paths.makedirs(paths.dirname(self.path))
       paths.write_atomic(self.path, json.dumps(record, indent=1, sort_keys=True) + "\n")
     return record
+
+  def checkpoint_metadata(self) -> dict[str, Any]:
+    """What a checkpoint saved now keeps of the record (its step metadata): the run's record so far."""
+    return {METADATA_KEY: self.record()} if self.enabled else {}
 
   def figures(self) -> dict[str, Any]:
     """Flat fields for a metrics record and the summary (fractions of the total wall time); charges the open

@@ -31,11 +31,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
-import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+if TYPE_CHECKING:  # jax and numpy are imported where used: entry points import this module before them
+  import jax
+  from jax.sharding import Mesh
 
 EXIT_STOPPED = 75
 EXIT_PROCESS_LOST = 76
@@ -139,11 +139,41 @@ def install_startup_handlers() -> None:
   listener()
 
 
+# The programs launch.start starts: as this process's program, they get the start-up handling when the MaxText
+# package is first imported, before the seconds of imports (jax, flax, orbax...) that precede launch.start.
+ENTRY_POINTS = ("MaxText.train", "MaxText.decode", "MaxText.train_compile", "MaxText.check_logits", "MaxText.rl")
+ENTRY_POINTS += ("MaxText.data.inspect",)
+
+
+def program() -> str:
+  """The module this process runs as its program ("MaxText.train" for `python3 MaxText/train.py` or
+  `python3 -m MaxText.train`); "" for a script outside the package, -c or an interactive session."""
+  first = sys.argv[0] if sys.argv else ""
+  if first == "-m":  # python3 -m X: while X's packages import, sys.argv[0] is "-m"
+    argv = list(getattr(sys, "orig_argv", ()))
+    return argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
+  package = os.path.dirname(os.path.abspath(__file__))
+  path = os.path.abspath(first) if first.endswith(".py") else ""
+  if not path.startswith(package + os.sep):
+    return ""
+  return "MaxText." + os.path.relpath(path, package)[: -len(".py")].replace(os.sep, ".")
+
+
+def install_for_entry_point() -> None:
+  """install_startup_handlers() when this process runs one of ENTRY_POINTS (MaxText/__init__.py calls it)."""
+  if program() in ENTRY_POINTS:
+    install_startup_handlers()
+
+
 class Watch:
   """Context manager for the training loop: the first SIGTERM/SIGINT/SIGHUP asks for a stop at the next
   step boundary (`stop_signal`), a second one exits at once. On exit the previous behaviour returns."""
 
   def __init__(self, mesh: Mesh):
+    import jax  # noqa: PLC0415 (see the imports)
+    import numpy as np  # noqa: PLC0415
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: PLC0415
+
     self.signum = 0  # the first signal this process received; 0: none
     self.multi = jax.process_count() > 1
     self._pending: jax.Array | None = None  # the reduction dispatched at the previous boundary
@@ -181,6 +211,9 @@ class Watch:
     every boundary on every process (multi-process: it takes part in a collective)."""
     if not self.multi:
       return self.signum
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
     local = np.full((self._local,), self.signum, np.int32)
     flags = jax.make_array_from_process_local_data(self._sharding, local, (self._sharding.mesh.size,))
     previous, self._pending = self._pending, self._max(flags)
@@ -361,7 +394,9 @@ def lost_processes(checkpoint_dir: str | None) -> Iterator[None]:
   the dead process and then abort with a C++ stack."""
   try:
     yield
-  except (jax.errors.JaxRuntimeError, ValueError) as e:
-    if _job()[1] <= 1 or not _peer_lost(e):
+  except Exception as e:
+    import jax  # noqa: PLC0415 (loaded by now: whatever raised ran on it)
+
+    if not isinstance(e, (jax.errors.JaxRuntimeError, ValueError)) or _job()[1] <= 1 or not _peer_lost(e):
       raise
     _exit_lost(_first_line(e), checkpoint_dir)

@@ -13,6 +13,9 @@ handling (a checkpoint and exit 75 on SIGTERM) are train.py's.
 
 from __future__ import annotations
 
+import MaxText  # noqa: F401 (first: a signal during the imports below exits in one line, preemption.py)
+
+# isort: split
 import dataclasses
 import functools
 import json

@@ -5,6 +5,9 @@ python3 MaxText/train.py MaxText/configs/base.yml run_name=NAME key=value ...
 
 from __future__ import annotations
 
+import MaxText  # noqa: F401 (first: a signal during the imports below exits in one line, preemption.py)
+
+# isort: split
 import contextlib
 import dataclasses
 import math
@@ -393,7 +396,8 @@ def train_loop(config: Config, parts: LoopParts) -> dict[str, Any]:
         if manager is not None and (saving or reached):
           saved = parts.spec.partition.checkpointed(state)  # LoRA: the adapters
           with clock.phase("checkpoint_save"):
-            checkpointing.save(manager, done, saved, data.train.get_state(), elastic.layout(config, parts.mesh))
+            metadata = elastic.layout(config, parts.mesh) | clock.checkpoint_metadata()  # goodput.py: its copy
+            checkpointing.save(manager, done, saved, data.train.get_state(), metadata)
           logger.log_checkpoint(done, checkpoint_path(config, done))
         if reached:
           if is_writer:

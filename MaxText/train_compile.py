@@ -15,6 +15,9 @@ runs it instead of compiling.
 
 from __future__ import annotations
 
+import MaxText  # noqa: F401 (first: a signal during the imports below exits in one line, preemption.py)
+
+# isort: split
 import os
 import re
 import sys

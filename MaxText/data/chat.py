@@ -191,22 +191,27 @@ def conversation(record: Any, columns: Columns, where: str) -> Conversation:
 
 def _turns(value: Any, role: str, column: str, where: str) -> list[dict[str, Any]]:
   """A prompt/completion column: a string (one `role` message) or a list of messages."""
-  return [{"role": role, "content": value}] if isinstance(value, str) else _messages(value, column, where)
+  if isinstance(value, str):
+    return [{"role": role, "content": value}]
+  return _messages(value, column, where, "a string or a non-empty list of {'role', 'content'} messages")
 
 
-def _messages(value: Any, column: str, where: str) -> list[dict[str, Any]]:
+def _messages(
+  value: Any, column: str, where: str, expected: str = "a non-empty list of {'role', 'content'} messages"
+) -> list[dict[str, Any]]:
   if isinstance(value, str):  # a JSON-encoded list, as some exports store it
     try:
       value = json.loads(value)
     except json.JSONDecodeError:
       pass
   if not isinstance(value, (list, tuple)) or not value:
-    raise DataError(f"{where}: {column!r} must be a non-empty list of {{'role', 'content'}} messages")
+    raise DataError(f"{where}: {column!r} must be {expected}")
   out = []
   for i, m in enumerate(value):
-    if not isinstance(m, dict) or m.get("role") not in ROLES:
-      got = m.get("role") if isinstance(m, dict) else type(m).__name__
-      raise DataError(f"{where}: {column!r} message {i} has role {got!r}; roles are {', '.join(ROLES)}")
+    if not isinstance(m, dict):
+      raise DataError(f"{where}: {column!r} must be {expected}; its item {i} is {m!r:.40}, not a message")
+    if m.get("role") not in ROLES:
+      raise DataError(f"{where}: {column!r} message {i} has role {m.get('role')!r}; roles are {', '.join(ROLES)}")
     content = "" if m.get("content") is None else m["content"]
     if not isinstance(content, str):
       raise DataError(f"{where}: {column!r} message {i} has a {type(content).__name__} content; it must be a string")
@@ -242,13 +247,19 @@ def completion_spans(template: ChatTemplate, conv: Conversation, where: str) -> 
   return full, spans
 
 
-def tokenize(template: ChatTemplate, tok: Any, conv: Conversation, completion_only: bool, where: str) -> Example:
+def tokenize(
+  template: ChatTemplate, tok: Any, conv: Conversation, completion_only: bool, where: str, rewrite: Any = None
+) -> Example:
   """The Example of `conv`: tokens of the rendered text (as the tokenizer splits the whole text) and their loss
-  mask; a token belongs to the completion when its first character does."""
+  mask; a token belongs to the completion when its first character does. rewrite(text) -> (text, map of
+  positions), when given, changes the rendered text first (data/images.processor_text)."""
   try:
     text, spans = completion_spans(template, conv, where)
   except DataError as e:  # a template failure names the template; say which example too
     raise (e if str(e).startswith(where) else DataError(f"{where}: {e}")) from None
+  if rewrite is not None:
+    text, move = rewrite(text)
+    spans = [(move(start), move(end)) for start, end in spans]
   ids, offsets = tok.encode_with_offsets(text)
   starts = np.array([o[0] for o in offsets], np.int64)
   mask = np.zeros(len(ids), np.uint8)

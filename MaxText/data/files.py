@@ -95,6 +95,9 @@ def jsonl_column(path: str, column: str, hint: str) -> list[tuple[int, str]]:
       record = json.loads(line)
     except json.JSONDecodeError as e:
       raise DataError(f"{path}:{number} is not a JSON object: {e}") from None
+    if isinstance(record, dict) and column in record and not isinstance(record[column], str):
+      value = "null" if record[column] is None else f"{record[column]!r:.40} (of type {type(record[column]).__name__})"
+      raise DataError(f"{path}:{number}: its text field {column!r} is {value}, not a string")
     if not isinstance(record, dict) or not isinstance(record.get(column), str):
       keys = sorted(record) if isinstance(record, dict) else type(record).__name__
       raise DataError(f"{path}:{number} has no text field {column!r} (it has {keys}); {hint}")

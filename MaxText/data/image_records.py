@@ -116,6 +116,21 @@ def resolved(image: Any, where: str) -> Any:
   return image
 
 
+def check(image: Any, limit: int, where: str) -> None:
+  """One image of `row_images` checked cheaply before the run compiles (images.check): it can be read and
+  opened, its data is whole, it has at most `limit` pixels. An HfImage's bytes are read from the Arrow table."""
+  if isinstance(image, HfImage):
+    image = image.value()
+    if not image or not (image.get("bytes") or image.get("path")):
+      raise DataError(f"{where}: one of its images is null (no bytes, no path)")
+  if isinstance(image, dict):
+    if not image.get("bytes"):
+      return images_lib.check(image["path"], limit, where)
+    name = repr(image["path"]) if image.get("path") else f"<{len(image['bytes'])} bytes>"
+    return images_lib.check(image["bytes"], limit, where, name)
+  images_lib.check(image, limit, where)
+
+
 def pixels(image: Any, size: int, where: str) -> np.ndarray:
   """One image of `row_images` -> float32 [size, size, 3] in [-1, 1] (images.pixels: resized, scaled)."""
   return images_lib.pixels(resolved(image, where), size, where)

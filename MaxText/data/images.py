@@ -3,9 +3,10 @@ tokens that stand for an image in the text (shared by every model with a vision 
 
 Each family has a Scheme (SCHEMES, keyed by decoder_block; the square one for the others):
 - square (Gemma 3): an image becomes one tile, float32 pixels [S, S, C] in [-1, 1] (S = image_size_for_vit;
-  bilinear resize of the RGB image, then (x - 127.5) / 127.5, Gemma 3's processor: rescale by 1/255, normalise
-  with mean 0.5, std 0.5). In the tokens it is one block: image_start_token_id, mm_tokens_per_image copies of
-  image_token_id, image_end_token_id; image_start_token_id marks where an image goes in a prompt.
+  antialiased bilinear resize of the RGB image, then (x - 127.5) / 127.5, Gemma 3's processor: rescale by 1/255,
+  normalise with mean 0.5, std 0.5). In the tokens it is one block: image_start_token_id, mm_tokens_per_image
+  copies of image_token_id, image_end_token_id; image_start_token_id marks where an image goes in a prompt, and
+  the prompt's text gets "\n\n" before and after it (processor_text), as Gemma3Processor writes it.
 - tiled (Llama 4): the image is resized, keeping its aspect ratio, onto the best-fitting canvas of h x w tiles
   (h * w <= max_image_tiles), padded with black on the right and bottom, and cut into h * w tiles of S x S, plus
   a global tile (the whole image squashed to S x S) when h * w > 1; pixels rescaled and normalised as above, in
@@ -14,7 +15,8 @@ Each family has a Scheme (SCHEMES, keyed by decoder_block; the square one for th
   image_global_token_id (<|image|>, also the prompt's marker) and the global (or only) tile's placeholders;
   image_end_token_id. Each tile has (image_size_for_vit / patch_size_for_vit * pixel_shuffle_ratio_for_vit)^2
   placeholders (image_token_id).
-Images are made RGB with any transparency composited onto white, as transformers does. Paths may be gs://
+Images are made RGB with any transparency composited onto white, as transformers does, and resized as its
+processors' default (torchvision) path resizes them on a CPU (data/resize.py: the same uint8 values). Paths may be gs://
 (read through MaxText/paths.py).
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import io
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -29,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from MaxText import paths
+from MaxText.data import resize as resize_lib
 from MaxText.errors import ConfigError, DataError
 
 
@@ -41,22 +45,60 @@ def _pil():
 def to_pixels(image: Any, size: int) -> np.ndarray:
   """A PIL image or an array [H, W, C] (uint8 0-255, or float already in [-1, 1] at the right size) ->
   float32 [size, size, 3] in [-1, 1]."""
-  image_cls = _pil()
   if isinstance(image, np.ndarray) and image.dtype != np.uint8:
     if image.shape != (size, size, 3):
       raise DataError(f"a float image must be [{size}, {size}, 3] in [-1, 1], got shape {image.shape}")
     return image.astype(np.float32)
-  rgb = to_rgb(image).resize((size, size), image_cls.Resampling.BILINEAR)
-  return (np.asarray(rgb, np.float32) - 127.5) / 127.5  # transformers' fused rescale + normalise
+  rgb = resize_lib.resize(np.asarray(to_rgb(image)), size, size)
+  return (rgb.astype(np.float32) - 127.5) / 127.5  # transformers' fused rescale + normalise
+
+
+def _read(path: str, where: str) -> bytes:
+  try:
+    return paths.Path(path).read_bytes()
+  except (OSError, ValueError) as e:
+    at = f" ({where})" if where else ""
+    raise DataError(f"image {path!r}{at} cannot be read: {type(e).__name__}: {e}") from None
+
+
+def check(image: Any, limit: int, where: str = "", name: str = "") -> None:
+  """An image file's path (local or gs://), its bytes (named `name`), or a PIL image/uint8 array: a DataError
+  naming it and `where` when it cannot be read or opened, its data is damaged, or it has more than `limit`
+  pixels. Cheap, for every image before a run compiles: the header gives the size; a PNG's chunk checksums
+  are verified and a JPEG is decoded at 1/8 scale (so a truncated file is caught too); no full decode."""
+  at = f" ({where})" if where else ""
+  if isinstance(image, str):
+    image, name = _read(image, where), repr(image)
+  if not isinstance(image, (bytes, bytearray)):
+    height, width = image.shape[:2] if isinstance(image, np.ndarray) else (image.height, image.width)
+    if height * width > limit:
+      raise DataError(f"an image{at} has {width}x{height} pixels, more than max_image_pixels={limit}")
+    return
+  image_cls = _pil()
+  try:
+    with warnings.catch_warnings():  # our limit, not Pillow's warning, decides (Pillow raises above twice its own)
+      warnings.simplefilter("ignore", image_cls.DecompressionBombWarning)
+      with image_cls.open(io.BytesIO(image)) as opened:
+        width, height = opened.size
+        if width * height > limit:
+          raise DataError(f"image {name}{at} has {width}x{height} pixels, more than max_image_pixels={limit}")
+        if opened.format == "JPEG":
+          opened.draft("RGB", (max(width // 8, 1), max(height // 8, 1)))
+          opened.load()
+        else:
+          opened.verify()
+  except DataError:
+    raise
+  except image_cls.DecompressionBombError as e:
+    raise DataError(f"image {name}{at} has more pixels than max_image_pixels={limit}: {e}") from None
+  except Exception as e:  # Pillow raises UnidentifiedImageError, OSError, SyntaxError... for damaged files
+    raise DataError(f"image {name}{at} is not a readable image: {type(e).__name__}: {e}") from None
 
 
 def _open(path: str, where: str, use: Callable[[Any], Any]) -> Any:
   """use(the decoded PIL image of the file at `path`); a missing or undecodable file is a DataError."""
   at = f" ({where})" if where else ""
-  try:
-    data = paths.Path(path).read_bytes()
-  except (OSError, ValueError) as e:
-    raise DataError(f"image {path!r}{at} cannot be read: {type(e).__name__}: {e}") from None
+  data = _read(path, where)
   try:
     with _pil().open(io.BytesIO(data)) as image:
       return use(image)
@@ -103,6 +145,7 @@ class Scheme(NamedTuple):
   grid: Callable[[Any, tuple[int, int]], tuple[int, int]]  # config, (height, width) -> tile grid (rows, cols)
   tiles: Callable[[Any, Any], np.ndarray]  # RGB PIL image, config -> float32 [n, S, S, 3]
   tokens: Callable[[Any, tuple[int, int]], list[int]]  # config, grid -> the image's block
+  around: str = ""  # text the family's processor writes before and after each image's block (Gemma 3: "\n\n")
 
 
 def num_tiles(grid: tuple[int, int]) -> int:
@@ -166,14 +209,14 @@ def _normalise_bf16(rgb: np.ndarray) -> np.ndarray:
 
 
 def _llama4_tiles(image: Any, config: Any) -> np.ndarray:
-  image_cls, size = _pil(), config.image_size_for_vit
+  size, rgb = config.image_size_for_vit, np.asarray(image)
   grid = best_grid(image.height, image.width, config.max_image_tiles, size)
   canvas = np.zeros((grid[0] * size, grid[1] * size, 3), np.uint8)  # black padding right and bottom
   new_h, new_w = fit_size(image.height, image.width, (grid[0] * size, grid[1] * size), size)
-  canvas[:new_h, :new_w] = np.asarray(image.resize((new_w, new_h), image_cls.Resampling.BILINEAR))
+  canvas[:new_h, :new_w] = resize_lib.resize(rgb, new_h, new_w)
   tiles = canvas.reshape(grid[0], size, grid[1], size, 3).swapaxes(1, 2).reshape(-1, size, size, 3)
   if grid[0] * grid[1] > 1:
-    whole = np.asarray(image.resize((size, size), image_cls.Resampling.BILINEAR))
+    whole = resize_lib.resize(rgb, size, size)
     tiles = np.concatenate([tiles, whole[None]])
   return _normalise_bf16(tiles)
 
@@ -194,6 +237,7 @@ SQUARE = Scheme(
   grid=lambda config, hw: (1, 1),
   tiles=lambda image, config: to_pixels(image, config.image_size_for_vit)[None],
   tokens=lambda config, grid: block(config),
+  around="\n\n",  # Gemma3Processor: "\n\n" + block + "\n\n"
 )
 LLAMA4 = Scheme(
   marker=lambda config: config.image_global_token_id,
@@ -237,6 +281,39 @@ def layout(image: Any, config: Any, where: str = "") -> tuple[list[int], int]:
   else:
     grid = s.grid(config, (image.height, image.width))
   return s.tokens(config, grid), num_tiles(grid)
+
+
+def processor_text(text: str, images: int, config: Any, tok: Any) -> tuple[str, Callable[[int], int]]:
+  """(`text` of a prompt or example with `images` images as the family's processor writes it before tokenizing,
+  a map of character positions of `text` to the new text). Each image marker (scheme(config).marker as the
+  tokenizer writes it) gets the scheme's `around` text on both sides; a text without a marker gets one per image
+  first (after a leading BOS). Tokenized, then expand()-ed, that gives the processor's ids exactly (the special
+  tokens split the text the same way). Unchanged when the tokenizer cannot write the marker as its one token."""
+  writer = getattr(tok, "token_text", None)
+  marker_id = scheme(config).marker(config) if images and getattr(config, "use_multimodal", False) else -1
+  marker = writer(marker_id) if writer is not None and marker_id >= 0 else ""
+  if not marker or tok.encode(marker) != [marker_id]:
+    return text, lambda p: p
+  inserts: list[tuple[int, str]] = []  # (position in text, inserted text), in order
+  if marker not in text:
+    bos = writer(tok.bos_id) if tok.bos_id >= 0 else ""
+    first = len(bos) if bos and text.startswith(bos) else 0
+    inserts.append((first, marker * images))
+    text = text[:first] + marker * images + text[first:]
+  around = scheme(config).around
+  out, at, moved = [], 0, []  # moved: (position in the text with its markers, characters inserted there)
+  k = text.find(marker) if around else -1
+  while k >= 0:
+    out += [text[at:k], around, marker, around]
+    at = k + len(marker)
+    moved += [(k, len(around)), (at, len(around))]
+    k = text.find(marker, at)
+
+  def move(p: int) -> int:
+    p += sum(len(t) for q, t in inserts if q < p)
+    return p + sum(n for q, n in moved if q < p)
+
+  return "".join(out) + text[at:], move
 
 
 def block(config: Any) -> list[int]:

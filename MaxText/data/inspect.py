@@ -9,6 +9,9 @@ then the padding. Extra arguments num_batches, rows and eval are this command's 
 
 from __future__ import annotations
 
+import MaxText  # noqa: F401 (first: a signal during the imports below exits in one line, preemption.py)
+
+# isort: split
 import sys
 from collections.abc import Sequence
 

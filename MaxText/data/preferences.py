@@ -36,6 +36,12 @@ REJECTED = 2
 
 def sides(record: Any, where: str) -> tuple[chat.Conversation, chat.Conversation]:
   """The chosen and rejected Conversations of one record; DataError naming `where` when it is not a pair."""
+  nulls = [side for side in SIDES if isinstance(record, dict) and side in record and record[side] is None]
+  if nulls:
+    raise DataError(
+      f"{where}: {nulls[0]!r} is null; a pair needs a reply in both 'chosen' and 'rejected' (a string with 'prompt', "
+      "or a list of {'role', 'content'} messages)"
+    )
   if not isinstance(record, dict) or any(record.get(side) is None for side in SIDES):
     has = ", ".join(map(repr, record)) if isinstance(record, dict) else f"a {type(record).__name__}"
     raise DataError(

@@ -170,9 +170,12 @@ def encode(config: Config, tok: Any, template: chat.ChatTemplate, records: Itera
   tokens, masks, dropped, start = [], [], 0, time.perf_counter()
   pictures, tile_counts = ([], []) if config.use_multimodal else (None, None)
   for where, record in records:
-    ex = chat.tokenize(template, tok, chat.conversation(record, columns, where), only, where)
-    ids, loss_mask = ex.tokens, ex.loss_mask
     row_images = image_records.row_images(record, config.sft_images_column, where)
+    for image in row_images if config.use_multimodal else ():  # each one, before anything compiles
+      image_records.check(image, config.max_image_pixels, where)
+    rewrite = functools.partial(images_lib.processor_text, images=len(row_images), config=config, tok=tok)
+    ex = chat.tokenize(template, tok, chat.conversation(record, columns, where), only, where, rewrite)
+    ids, loss_mask = ex.tokens, ex.loss_mask
     if row_images or config.use_multimodal:
       blocks, n_tiles = _image_blocks(config, row_images, where)
       ids, loss_mask = images_lib.expand_with_mask(ids, loss_mask, blocks, config, where)

@@ -61,6 +61,10 @@ class Tokenizer:
     """Text of `ids`; control ids (pad, bos, eos) decode to nothing."""
     return self._sp.decode([int(i) for i in ids])
 
+  def token_text(self, token_id: int) -> str:
+    """The piece of `token_id` ("" for -1): how a prompt writes a special token."""
+    return self._sp.id_to_piece(token_id) if 0 <= token_id < self.vocab_size else ""
+
 
 def load_tokenizer(path: str, tokenizer_type: str = "sentencepiece") -> Tokenizer:
   """The tokenizer at `path`; DataError naming the path when it is missing or not of `tokenizer_type`.

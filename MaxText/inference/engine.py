@@ -206,12 +206,14 @@ class Engine:
       self._compiled[key] = fn
     return self._compiled[key]
 
-  def encode(self, prompt: str | Sequence[int]) -> list[int]:
-    """Token ids of a prompt (BOS first when add_bos); a list of ids is taken as is."""
+  def encode(self, prompt: str | Sequence[int], images: Sequence[Any] = ()) -> list[int]:
+    """Token ids of a prompt (BOS first when add_bos); a list of ids is taken as is. A text with `images` is
+    written as the family's processor writes it first (data/images.processor_text: Gemma 3's blank lines)."""
     if not isinstance(prompt, str):
       return [int(i) for i in prompt]
     if self.tokenizer is None:
       raise ConfigError("This Engine has no tokenizer: give prompts as lists of token ids")
+    prompt = images_lib.processor_text(prompt, len(images), self.config, self.tokenizer)[0] if images else prompt
     bos = [self.tokenizer.bos_id] if self.config.add_bos and self.tokenizer.bos_id >= 0 else []
     return bos + self.tokenizer.encode(prompt)
 
@@ -317,7 +319,7 @@ class Engine:
     eos = [self.tokenizer.eos_id] if self.tokenizer is not None and self.tokenizer.eos_id >= 0 else []
     rows = _Rows(len(prompts), self.tokenizer, set(eos if stop_tokens is None else stop_tokens), stop_strings)
     start = time.perf_counter()
-    ids = [self.encode(p) for p in prompts]
+    ids = [self.encode(p, images[i] if images is not None and i < len(images) else ()) for i, p in enumerate(prompts)]
     tiles = None
     if images is not None:
       ids, tiles = self._with_images(ids, images)

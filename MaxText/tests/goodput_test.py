@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from MaxText import goodput, train
+from MaxText.errors import ConfigError
 from MaxText.tests.conftest import cfg
 from MaxText.tests.faults_test import checkpoints, start
 
@@ -83,6 +84,39 @@ def test_unreadable_record_starts_again_and_disabled_writes_nothing(tmp_path):
   assert not os.path.exists(os.path.join(off.run_dir, goodput.RECORD_FILE))
 
 
+def test_a_damaged_record_continues_from_the_newest_checkpoints_copy(tmp_path, caplog):
+  c = cfg(tmp_path, "copy", *CKPT)
+  kept = goodput.empty_record() | {"attempts": 2, "total_s": 30.0, "max_step": 4}
+  for step, rec in ((2, goodput.empty_record()), (4, kept), (6, None)):  # 6: written before copies were kept
+    os.makedirs(os.path.join(c.checkpoint_dir, str(step)))
+    meta = {"custom_metadata": {"layout": {}} | ({goodput.METADATA_KEY: rec} if rec else {})}
+    with open(os.path.join(c.checkpoint_dir, str(step), goodput.STEP_METADATA_FILE), "w") as f:
+      json.dump(meta, f)
+  path = os.path.join(c.run_dir, goodput.RECORD_FILE)
+  for damage in ("{not json", '["a list"]'):
+    with open(path, "w") as f:
+      f.write(damage)
+    caplog.clear()
+    prior = goodput.Recorder(c, time.perf_counter(), is_writer=True).prior
+    assert (prior["attempts"], prior["total_s"], prior["max_step"]) == (2, 30.0, 4)
+    [line] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert line.startswith(f"{path} is damaged (") and line.endswith("the history continues from checkpoint 4's copy")
+  without = cfg(tmp_path, "nocopy", "enable_checkpointing=false")
+  os.makedirs(without.run_dir)
+  with open(os.path.join(without.run_dir, goodput.RECORD_FILE), "w") as f:
+    f.write("\x00\x00")
+  caplog.clear()
+  assert goodput.Recorder(without, time.perf_counter(), is_writer=True).prior == goodput.empty_record()
+  assert [r.getMessage() for r in caplog.records][-1].endswith("the goodput figures start again")
+
+
+def test_a_directory_in_place_of_the_record_is_one_line(tmp_path):
+  c = cfg(tmp_path, "dir")
+  os.makedirs(os.path.join(c.run_dir, goodput.RECORD_FILE))
+  with pytest.raises(ConfigError, match=r"goodput.json' is a directory where the run's goodput record .* remove it$"):
+    goodput.Recorder(c, time.perf_counter(), is_writer=True)
+
+
 def test_process_start_is_before_now():
   assert 0 <= time.perf_counter() - goodput.process_start() < 24 * 3600
 
@@ -95,6 +129,8 @@ def test_run_records_every_kind_and_a_resume_past_a_lost_checkpoint_counts_redon
   s = rec["seconds"]
   assert s["productive"] > 0 and s["compile"] > 0 and s["startup"] > 0 and s["checkpoint_save"] > 0
   assert rec["steps"] == {"productive": 6, "redone": 0} and rec["max_step"] == 6 and rec["attempts"] == 1
+  copy, step = goodput.checkpoint_copy(c.checkpoint_dir)  # each checkpoint keeps the record as it was then
+  assert step == 6 and copy["steps"]["productive"] == 6 and copy["total_s"] <= rec["total_s"]
   assert 0 < summary["goodput"] <= 1 and summary["badput_redone"] == 0
   last = train_records(c)[-1]
   assert {"goodput", *(f"badput_{k}" for k in goodput.BADPUT)} <= set(last) and 0 < last["goodput"] <= 1

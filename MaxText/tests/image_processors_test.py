@@ -1,0 +1,170 @@
+"""Images and prompts exactly as transformers' processors make them: data/resize.py against torch's uint8 kernel
+(the processors' default torchvision path), Gemma 3 and Llama 4 pixels of odd-sized images against
+Gemma3ImageProcessor / Llama4ImageProcessor, and the ids of prompts and SFT rows with one and two images against
+Gemma3Processor (its "\\n\\n" around each image block) and Llama4Processor."""
+
+import json
+import os
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from MaxText.data import chat, images, sft
+from MaxText.data import resize as resize_lib
+from MaxText.data.tokenizer import HuggingFaceTokenizer
+
+torch = pytest.importorskip("torch")
+tvF = pytest.importorskip("torchvision.transforms.v2.functional")
+transformers = pytest.importorskip("transformers")
+Image = pytest.importorskip("PIL.Image")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "end_to_end", "cpu"))
+import make_tiny_vision_model as tiny  # noqa: E402
+
+ODD = [(37, 53), (300, 201), (53, 37), (7, 30)]
+
+
+def picture(height, width, seed=0):
+  return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+
+
+def torch_resize(image, height, width):
+  t = torch.from_numpy(image).permute(2, 0, 1).contiguous()
+  out = tvF.resize(t, [height, width], interpolation=tvF.InterpolationMode.BILINEAR, antialias=True)
+  return out.permute(1, 2, 0).numpy()
+
+
+def test_resize_equals_torchs_uint8_kernel():
+  if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") and os.uname().machine not in ("aarch64",):
+    pytest.skip("torchvision resizes uint8 in float32 on this CPU (no native uint8 kernel)")
+  rng = np.random.default_rng(1)
+  sizes = [(h, w, *rng.integers(1, 300, 2)) for h, w in rng.integers(1, 300, (40, 2))]
+  for h, w, out_h, out_w in sizes + [(3000, 40, 896, 896), (1, 1, 5, 3), (37, 53, 37, 20)]:
+    image = picture(h, w, int(out_h))
+    np.testing.assert_array_equal(resize_lib.resize(image, out_h, out_w), torch_resize(image, out_h, out_w))
+
+
+def gemma3_config(size):
+  c = types.SimpleNamespace(decoder_block="gemma3", image_size_for_vit=size, mm_tokens_per_image=4)
+  c.image_start_token_id, c.image_end_token_id, c.image_token_id = tiny.BOI, tiny.EOI, tiny.IMAGE
+  c.use_multimodal, c.images_per_row, c.image_tiles_per_row, c.max_image_pixels = True, 2, 0, 89478485
+  return c
+
+
+@pytest.mark.parametrize("size", [16, 896])
+@pytest.mark.parametrize("shape", ODD)
+def test_gemma3_pixels_equal_the_default_processor(size, shape):
+  image = Image.fromarray(picture(*shape))
+  kwargs = dict(size={"height": size, "width": size}, do_pan_and_scan=False)
+  want = transformers.Gemma3ImageProcessor(**kwargs)(image, return_tensors="pt")["pixel_values"][0].numpy()
+  np.testing.assert_array_equal(images.prepare(image, gemma3_config(size)).tiles[0], want.transpose(1, 2, 0))
+
+
+@pytest.mark.parametrize("size, max_tiles", [(16, 4), (336, 16)])
+@pytest.mark.parametrize("shape", ODD)
+def test_llama4_tiles_equal_the_processor(size, max_tiles, shape):
+  image = Image.fromarray(picture(*shape, seed=2))
+  processor = transformers.Llama4ImageProcessor(size={"height": size, "width": size}, max_patches=max_tiles)
+  want = processor(image, return_tensors="pt")["pixel_values"].float().numpy().transpose(0, 2, 3, 1)
+  c = types.SimpleNamespace(decoder_block="llama4", image_size_for_vit=size, max_image_tiles=max_tiles)
+  c.patch_size_for_vit, c.pixel_shuffle_ratio_for_vit, c.image_token_id = 4, 0.5, 1
+  c.image_start_token_id = c.image_end_token_id = c.tile_x_separator_token_id = c.tile_y_separator_token_id = 2
+  c.image_global_token_id = 3
+  np.testing.assert_array_equal(images.prepare(image, c).tiles, want)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+  """(our tokenizer, Gemma3Processor) over the tiny vision model's tokenizer, trained on runs of newlines so
+  that "\\n" + "\\n\\n" merge into one token (as in Gemma's vocabulary)."""
+  directory = str(tmp_path_factory.mktemp("gemma3tok"))
+  texts = ["What colour is this?\n\nIt is red.\n\n\nA cat\n\n\n\n", "user\nassistant\n\n"] * 16
+  tiny.write_tokenizer(directory, texts)
+  special = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+  fast = transformers.PreTrainedTokenizerFast(
+    tokenizer_file=os.path.join(directory, "tokenizer.json"), bos_token="<s>", eos_token="<|im_end|>",
+    pad_token="<pad>", extra_special_tokens=special,
+  )  # fmt: skip
+  image_processor = transformers.Gemma3ImageProcessor(size={"height": 16, "width": 16}, do_pan_and_scan=False)
+  processor = transformers.Gemma3Processor(image_processor, fast, image_seq_length=4, chat_template=tiny.CHATML)
+  return HuggingFaceTokenizer(directory), processor
+
+
+def ours(text, n, c, tok):
+  return images.expand(tok.encode(images.processor_text(text, n, c, tok)[0]), n, c, "prompt 0")
+
+
+@pytest.mark.parametrize(
+  "text, n",
+  [
+    ("<s>user\n<start_of_image>What colour is this?", 1),
+    ("What colour is this?\n<start_of_image>\n", 1),
+    ("<start_of_image><start_of_image>A cat\n\n<start_of_image>", 3),
+    ("user\n\n<start_of_image>It is red.\n<start_of_image>What colour is this?", 2),
+  ],
+)
+def test_gemma3_prompt_ids_equal_the_processors(gemma3, text, n):
+  tok, processor = gemma3
+  pictures = [Image.fromarray(picture(37, 53, i)) for i in range(n)]
+  want = processor(text=[text], images=[pictures], add_special_tokens=False)["input_ids"][0]
+  got = ours(text, n, gemma3_config(16), tok)
+  assert got == list(want)
+  assert got.count(tiny.BOI) == n and got != images.expand(tok.encode(text), n, gemma3_config(16))  # "\n\n" added
+
+
+def test_a_gemma3_prompt_without_a_marker_gets_the_images_first(gemma3):
+  tok, processor = gemma3
+  text = "<s>What colour is this?"
+  c = gemma3_config(16)
+  assert images.processor_text(text, 2, c, tok)[0] == "<s>" + "\n\n<start_of_image>\n\n" * 2 + "What colour is this?"
+  want = processor(text=["<s><start_of_image><start_of_image>What colour is this?"], images=[[picture(5, 5)] * 2])
+  assert ours(text, 2, c, tok) == list(want["input_ids"][0])
+  assert images.processor_text(text, 0, c, tok)[0] == text  # no image: the text as it is
+
+
+def test_gemma3_sft_rows_equal_the_processors_ids_and_mask_the_reply(gemma3, tmp_path):
+  tok, processor = gemma3
+  files = []
+  for i in range(2):
+    files.append(str(tmp_path / f"{i}.png"))
+    Image.fromarray(picture(37, 53, i)).save(files[-1])
+  user = {"role": "user", "content": "<start_of_image>What colour is this?\n<start_of_image>"}
+  messages = [user, {"role": "assistant", "content": "It is red."}]
+  c = gemma3_config(16)
+  c.sft_messages_column, c.sft_prompt_column, c.sft_completion_column = "messages", "prompt", "completion"
+  c.sft_train_on_completion_only, c.max_target_length, c.sft_images_column = True, 128, "images"
+  template = chat.load_template(tok)  # the tokenizer_config.json chat template (ChatML)
+  examples = sft.encode(c, tok, template, iter([("row 0", {"messages": messages, "images": files})]), "rows")
+  text = template.render(messages)
+  want = processor(text=[text], images=[[Image.open(f) for f in files]], add_special_tokens=False)["input_ids"][0]
+  np.testing.assert_array_equal(examples.tokens, want)
+  reply = examples.tokens[examples.loss_mask.astype(bool)]  # the reply and the template's end of turn
+  assert tok.decode(reply) == "It is red.\n" and tok.token_text(int(reply[-2])) == "<|im_end|>"
+
+
+def test_llama4_prompts_are_unchanged_and_equal_the_processors(tmp_path):
+  from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: PLC0415
+
+  vocab = {"[UNK]": 0, "describe": 5, "this": 6, "and": 7}
+  special = {"<|image_start|>": 50, "<|image_end|>": 51, "<|tile_x_separator|>": 52, "<|tile_y_separator|>": 53}
+  special |= {"<|image|>": 54, "<|patch|>": 63}
+  hf = Tokenizer(models.WordLevel(vocab | special, unk_token="[UNK]"))
+  hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  hf.add_special_tokens(list(special))
+  hf.save(str(tmp_path / "tokenizer.json"))
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({}))
+  tok = HuggingFaceTokenizer(str(tmp_path))
+  fast = transformers.PreTrainedTokenizerFast(tokenizer_object=hf, unk_token="[UNK]")
+  image_processor = transformers.Llama4ImageProcessor(size={"height": 16, "width": 16}, max_patches=4)
+  processor = transformers.Llama4Processor(image_processor, fast, patch_size=4, pixel_shuffle_ratio=0.5)
+  c = types.SimpleNamespace(decoder_block="llama4", image_size_for_vit=16, max_image_tiles=4, use_multimodal=True)
+  c.patch_size_for_vit, c.pixel_shuffle_ratio_for_vit, c.image_token_id, c.image_global_token_id = 4, 0.5, 63, 54
+  c.image_start_token_id, c.image_end_token_id = 50, 51
+  c.tile_x_separator_token_id, c.tile_y_separator_token_id = 52, 53
+  pictures = [Image.fromarray(picture(37, 53)), Image.fromarray(picture(16, 16))]
+  text = "describe <|image|> and <|image|> this"
+  assert images.processor_text(text, 2, c, tok)[0] == text
+  want = processor(text=text, images=pictures, return_tensors="pt")["input_ids"][0].tolist()
+  blocks = [images.prepare(p, c).tokens for p in pictures]
+  assert images.expand(tok.encode(text), blocks, c, "prompt 0") == want

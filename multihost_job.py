@@ -35,6 +35,7 @@ import sys
 import tarfile
 import tempfile
 
+from MaxText import cli
 from MaxText.launchers import slurm, to_yaml
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -42,12 +43,15 @@ XLA_RECIPE = os.path.join(ROOT, "end_to_end", "gpu", "a3mega_xla_flags.sh")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-  p = argparse.ArgumentParser(
-    prog="python3 multihost_job.py",
-    epilog="More: docs/multihost.md in the repository.",
-    description=__doc__,
-    formatter_class=argparse.RawDescriptionHelpFormatter,
-  )
+  p = _parser()
+  args = p.parse_args(argv)
+  args.WORKDIR = os.path.join(tempfile.gettempdir(), f"multihost_job_{args.RUN_NAME}")
+  _check(p, args)
+  return args
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = cli.parser("python3 multihost_job.py", __doc__, "docs/multihost.md")
   p.add_argument("--RUN_NAME", required=True, help="job name; code and logs go under gs://<BUCKET_NAME>/<RUN_NAME>/")
   p.add_argument("--BUCKET_NAME", default="", help="GCS bucket (with or without gs://); tpu and vertex only")
   p.add_argument("--COMMAND", required=True, help="shell command every host runs from the unpacked code")
@@ -87,8 +91,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   k8s.add_argument("--NAMESPACE", default="", help="Kubernetes namespace (default: kubectl's)")
   k8s.add_argument("--MAX_RESTARTS", type=int, default=0, help="JobSet restarts after a failure (runs resume)")
   slurm.add_arguments(p)
-  args = p.parse_args(argv)
-  args.WORKDIR = os.path.join(tempfile.gettempdir(), f"multihost_job_{args.RUN_NAME}")
+  return p
+
+
+def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """p.error (exit 2, usage) for settings the platform cannot run; BUCKET_NAME without gs:// and slashes."""
   if args.PLATFORM == "jobset" and not args.IMAGE:
     p.error("--PLATFORM=jobset needs --IMAGE (built from the Dockerfile: docs/multihost.md, Container images)")
   if args.PLATFORM == "jobset" and args.BUCKET_NAME:
@@ -102,7 +109,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.error("--PLATFORM=vertex needs --IMAGE (Python and JAX for CUDA: the Dockerfile's gpu target builds one)")
   if min(args.NUM_SLICES, args.NUM_NODES) < 1:
     p.error("--NUM_SLICES and --NUM_NODES must be >= 1")
-  return args
 
 
 def code_object(args: argparse.Namespace) -> str:

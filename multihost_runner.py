@@ -28,6 +28,8 @@ import threading
 import time
 from typing import NamedTuple
 
+from MaxText import cli
+
 MEGASCALE_PORT = 8080  # the port TPU multi-slice (DCN) coordination listens on
 
 
@@ -40,12 +42,7 @@ class Host(NamedTuple):
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-  p = argparse.ArgumentParser(
-    prog="python3 multihost_runner.py",
-    epilog="More: docs/multihost.md in the repository.",
-    description=__doc__,
-    formatter_class=argparse.RawDescriptionHelpFormatter,
-  )
+  p = cli.parser("python3 multihost_runner.py", __doc__, "docs/multihost.md")
   p.add_argument("--COMMAND", required=True, help="shell command to run on every host, from the copied folder")
   p.add_argument("--HOSTS", default="", help="comma-separated [user@]host[:port] reachable over ssh")
   p.add_argument("--TPU_PREFIX", default="", help="TPU VM name (prefix): every slice whose name starts with it")

@@ -24,7 +24,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from etils import epath
@@ -32,11 +31,11 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from MaxText import config_checks, paths
+from MaxText import checkpoint_layouts, config_checks, paths
 from MaxText import state as state_lib
 from MaxText.config import Config, serving_config
 from MaxText.convert import upstream
-from MaxText.errors import CheckpointError, ConfigError  # CheckpointError: also importable from here
+from MaxText.errors import CheckpointError, ConfigError
 from MaxText.layers import lora
 from MaxText.state import StateSpec, TrainState
 
@@ -416,7 +415,7 @@ def _restore_tree(path: str, abstract: Any, fresh: Callable[[], TrainState]) -> 
   _check_not_step_dir("load_full_state_path", path)
   tree = saved_tree(path)
   if upstream.layout(tree) is not None:
-    return _restore_upstream_state(path, tree, abstract, fresh)
+    return checkpoint_layouts.restore_upstream_state(path, tree, abstract, fresh)
   try:
     return ocp.StandardCheckpointer().restore(path, abstract)
   except (ValueError, KeyError, FileNotFoundError) as e:
@@ -440,8 +439,8 @@ def load_params(path: str, abstract_params: Any) -> Any:
   tree = saved_tree(path)
   kind = upstream.layout(tree)
   if kind is not None:
-    saved = upstream.to_ours(_restore_numpy(path, upstream.params_of(tree, kind), kind))
-    return _placed(path, "load_parameters_path", saved, abstract_params)
+    saved = upstream.to_ours(checkpoint_layouts.restore_numpy(path, upstream.params_of(tree, kind), kind))
+    return checkpoint_layouts.placed(path, "load_parameters_path", saved, abstract_params)
   item = {"params": abstract_params} if isinstance(tree, dict) and "params" in tree else abstract_params
   restore_args = ocp.checkpoint_utils.construct_restore_args(item)
   try:
@@ -449,14 +448,14 @@ def load_params(path: str, abstract_params: Any) -> Any:
       path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
     )
   except (ValueError, KeyError, FileNotFoundError) as e:
-    relaid = _restore_other_layout(path, tree, abstract_params)
+    relaid = checkpoint_layouts.restore_other_layout(path, tree, abstract_params)
     if relaid is None:
       raise ConfigError(f"load_parameters_path {path!r} does not match this model's parameters: {e}") from e
     return relaid
   restored = restored["params"] if item is not abstract_params else restored
   missing = [jax.tree_util.keystr(k) for k, v in jax.tree_util.tree_leaves_with_path(restored) if _is_abstract(v)]
   if missing:  # partial_restore leaves parameters the checkpoint lacks unrestored
-    relaid = _restore_other_layout(path, tree, abstract_params)
+    relaid = checkpoint_layouts.restore_other_layout(path, tree, abstract_params)
     if relaid is None:
       raise ConfigError(f"load_parameters_path {path!r} lacks {missing[0]} (and {len(missing) - 1} more)")
     return relaid
@@ -465,122 +464,6 @@ def load_params(path: str, abstract_params: Any) -> Any:
 
 def _is_abstract(x: Any) -> bool:
   return isinstance(x, jax.ShapeDtypeStruct)
-
-
-def _restore_other_layout(path: str, tree: Any, abstract_params: Any) -> Any | None:
-  """A checkpoint written with the other scan_layers setting, restacked or unstacked to
-  `abstract_params` (via host memory: the whole params once); None when it is not that."""
-  numpy_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-  saved = ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(restore_args=numpy_args))
-  saved = saved.get("params", saved)
-  target = nnx.to_pure_dict(abstract_params)
-  try:
-    pure = _relayout(target, saved)
-  except (KeyError, ValueError, TypeError):
-    return None
-  placed = jax.tree.map(lambda a, t: jax.device_put(a.astype(t.dtype), t.sharding), pure, target)
-  out = jax.tree.map(lambda x: x, abstract_params)
-  nnx.replace_by_pure_dict(out, placed)
-  return out
-
-
-def _relayout(target: Any, saved: Any) -> Any:
-  """saved (str keys, {'value': array} leaves, or plain arrays as in a quantized params checkpoint) in the
-  shape of target (a pure dict of abstract arrays): a stacked target subtree takes saved layers '0'..'n-1'
-  stacked; an unrolled one slices saved stacks."""
-  if not isinstance(target, dict):
-    array = saved["value"] if isinstance(saved, dict) and set(saved) == {"value"} else saved
-    if isinstance(array, dict) or tuple(array.shape) != tuple(target.shape):
-      raise ValueError(f"shape {getattr(array, 'shape', None)} != {target.shape}")
-    return array
-  if not isinstance(saved, dict):
-    raise ValueError(f"an array where the model has {sorted(target)}")
-  digits = all(k.isdigit() for k in saved)
-  target_list = all(isinstance(k, int) for k in target)
-  if digits and not target_list:  # target stacked, saved unrolled
-    layers = [saved[str(i)] for i in range(len(saved))]
-    return jax.tree.map(lambda *xs: np.stack(xs), *[_relayout(_unstacked(target), layer) for layer in layers])
-  if target_list and not digits:  # target unrolled, saved stacked
-    return {i: _relayout(target[i], jax.tree.map(lambda x, i=i: x[i], saved)) for i in target}
-  return {k: _relayout_child(target[k], saved, str(k)) for k in target}
-
-
-class _Mismatch(ValueError):
-  """Where (the parameter's path) and why a saved tree does not fit the model's."""
-
-  def __init__(self, path: list[str], why: str):
-    self.path, self.why = path, why
-    super().__init__(f"{'/'.join(path)}: {why}")
-
-
-def _relayout_child(target: Any, saved: dict, key: str) -> Any:
-  if key not in saved:
-    raise _Mismatch([key], "not in the checkpoint")
-  try:
-    return _relayout(target, saved[key])
-  except _Mismatch as e:
-    raise _Mismatch([key, *e.path], e.why) from None
-  except (KeyError, ValueError, TypeError) as e:
-    raise _Mismatch([key], str(e)) from None
-
-
-def _unstacked(target: Any) -> Any:
-  """Abstract arrays without their leading (layers) axis."""
-  return jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape[1:], t.dtype), target)
-
-
-def _restore_numpy(path: str, params_tree: Any, kind: str, **more: Any) -> Any:
-  """An upstream MaxText checkpoint's parameters (plus the top-level items `more` names, as metadata
-  subtrees) as host numpy arrays; nothing else is read (a train state's optimizer stays on disk)."""
-  item = {"params": {"params": params_tree}} if kind == "linen" else dict(params_tree)
-  item.update(more)
-  abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), item)
-  args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
-  restored = ocp.PyTreeCheckpointer().restore(
-    path, args=ocp.args.PyTreeRestore(item=abstract, restore_args=args, partial_restore=True)
-  )
-  return restored if more else upstream.params_of(restored, kind)
-
-
-def _placed(path: str, key: str, saved: Any, abstract: Any) -> Any:
-  """Host arrays in our names (upstream.to_ours) fitted to `abstract` (nnx.State of abstract arrays, scanned
-  or not) and placed on its shardings in its dtypes."""
-  target = nnx.to_pure_dict(abstract)
-  try:
-    pure = _relayout(target, saved)
-  except (KeyError, ValueError, TypeError) as e:
-    raise ConfigError(
-      f"{key} {path!r} is an upstream MaxText checkpoint that does not map onto this model: {e}; "
-      "set the model keys (model_name, base_emb_dim, num_experts, ...) it was trained with (docs/checkpoints.md)"
-    ) from e
-  placed = jax.tree.map(lambda a, t: jax.device_put(np.asarray(a).astype(t.dtype), t.sharding), pure, target)
-  out = jax.tree.map(lambda x: x, abstract)
-  nnx.replace_by_pure_dict(out, placed)
-  return out
-
-
-def _restore_upstream_state(path: str, tree: dict, abstract: TrainState, fresh: Callable[[], TrainState]) -> TrainState:
-  """An upstream MaxText train state (its Linen tree) as ours: params, step, and its AdamW moments and counts
-  into our optimizer state (the rest of ours, e.g. skip_spikes' history, starts fresh)."""
-  key = "load_full_state_path"
-  if upstream.layout(tree) != "linen" or "opt_state" not in tree:
-    raise ConfigError(f"{key} {path!r} is an upstream MaxText params-only checkpoint; pass it as load_parameters_path")
-  adam = upstream.adam_of(tree["opt_state"])
-  if adam is None:
-    raise ConfigError(
-      f"{key} {path!r}: its optimizer state has no AdamW moments (upstream opt_type other than adamw); "
-      "load its parameters with load_parameters_path instead"
-    )
-  saved = _restore_numpy(path, tree["params"]["params"], "linen", step=tree["step"], opt_state=tree["opt_state"])
-  count, mu, nu = upstream.adam_of(saved["opt_state"])
-  params = _placed(path, key, upstream.to_ours(saved["params"]["params"]), abstract.params)
-  fit = lambda moment, like: _placed(path, key, upstream.to_ours(moment.get("params", moment)), like)  # noqa: E731
-  opt_state = upstream.with_adam(fresh().opt_state, count, mu, nu, fit)
-  if opt_state is None:
-    raise ConfigError(f"{key} {path!r}: this run's optimizer has no AdamW state to take the checkpoint's moments")
-  opt_state = jax.device_put(opt_state, jax.tree.map(lambda a: a.sharding, abstract.opt_state))
-  step = jax.device_put(np.asarray(saved["step"], np.int32), abstract.step.sharding)
-  return TrainState(step=step, params=params, opt_state=opt_state)
 
 
 def save_params(path: str, params: Any) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from MaxText import config_checks
-from MaxText.errors import ConfigError  # also importable from here, its home before errors.py
+from MaxText.errors import ConfigError
 from MaxText.layers import model_config
 from MaxText.parallel import kernels, remat
 
@@ -48,7 +48,8 @@ CHOICES = {
   "decode_sampling_strategy": ("greedy", "weighted", "nucleus", "topk", "composite"),
   "opt_type": ("adamw", "adam_pax", "sgd", "adafactor", "muon"),  # optimizers.OPTIMIZERS
   "auto_fit_objective": ("tokens_per_step", "tokens_per_second"),  # autofit.rank
-  "dpo_loss": ("sigmoid", "ipo"),  # dpo.py
+  "dpo_loss": ("sigmoid", "ipo"),  # objectives/dpo.py
+  "objective": ("lm", "dpo", "grpo"),  # objectives.REGISTRY
 }
 
 # Keys derived at load time; users may not set them.
@@ -302,11 +303,21 @@ def individual_scales(scale: int) -> tuple[int, int, int, int]:
   return base + int(rem > 1), heads, heads, base
 
 
+def _objective_alias(values: dict[str, Any]) -> dict[str, Any]:
+  """use_dpo=true, the older key, is objective=dpo: the one place it is read."""
+  if not values["use_dpo"] or values["objective"] == "dpo":
+    return values
+  if values["objective"] != "lm":
+    raise ConfigError(f"use_dpo=true (an alias of objective=dpo) and objective={values['objective']}: set one of them")
+  return {**values, "objective": "dpo"}
+
+
 def _finalize(values: dict[str, Any]) -> dict[str, Any]:
   """Validate and add derived values. Deterministic except for an empty run_name, which becomes the
   load time; reads no files and changes nothing outside the returned dict."""
   for key, choices in CHOICES.items():
     config_checks.check_choice(key, values[key], choices)
+  values = _objective_alias(values)
   emb, heads, mlp, layers = individual_scales(values["global_parameter_scale"])
   out = dict(values)
   out["emb_dim"] = values["base_emb_dim"] * 2**emb

@@ -14,21 +14,14 @@ from typing import Any
 from MaxText import hlo_dump, paths
 from MaxText.errors import ConfigError
 
-# mesh axis -> the suffix of its ici_/dcn_ keys (MaxText calls the `stage` axis "pipeline").
+# mesh axis -> the suffix of its ici_/dcn_ keys (MaxText calls the `stage` axis "pipeline"). `context` is
+# MaxText's name for the sequence split of attention: both `sequence` and `context` split activation_length and
+# attention treats them alike (planner.py); `context` exists so MaxText command lines with
+# ici_context_parallelism work, and base.yml also shards params over it.
 AXIS_KEY = {
-  "data": "data",
-  "stage": "pipeline",
-  "fsdp": "fsdp",
-  "fsdp_transpose": "fsdp_transpose",
-  "sequence": "sequence",
-  # MaxText's name for the sequence split of attention. Both `sequence` and `context` split
-  # activation_length and attention treats them alike (parallel/plan.py); `context` exists so
-  # MaxText command lines with ici_context_parallelism work, and base.yml also shards params over it.
-  "context": "context",
-  "tensor": "tensor",
-  "expert": "expert",
-  "autoregressive": "autoregressive",
-}
+  "data": "data", "stage": "pipeline", "fsdp": "fsdp", "fsdp_transpose": "fsdp_transpose", "sequence": "sequence",
+  "context": "context", "tensor": "tensor", "expert": "expert", "autoregressive": "autoregressive",
+}  # fmt: skip
 
 
 def check_choice(key: str, value: Any, choices: tuple[Any, ...]) -> None:
@@ -119,7 +112,7 @@ def _validate_decoding(c: dict[str, Any]) -> None:
 
 def _validate_pipeline(c: dict[str, Any]) -> None:
   """Pipeline keys; whether the layers split into the stages is checked where the stacks are known
-  (parallel/plan.py, when the run plan is built)."""
+  (planner.py, when the run plan is built)."""
   stages = pipeline_stages(c)
   if c["ici_pipeline_parallelism"] < 1 or c["dcn_pipeline_parallelism"] < 1:
     raise ConfigError("ici_pipeline_parallelism and dcn_pipeline_parallelism must be set (>= 1), not -1")
@@ -153,19 +146,20 @@ def _validate_tokenizer_path(c: dict[str, Any]) -> None:
 
 
 def _validate_sft(c: dict[str, Any]) -> None:
-  """use_sft (and use_dpo) read chat examples from text files or a Hugging Face dataset, through a Hugging Face
-  tokenizer."""
-  if not (c["use_sft"] or c["use_dpo"]):
+  """use_sft (and objective=dpo) read chat examples from text files or a Hugging Face dataset, through a Hugging
+  Face tokenizer."""
+  dpo = c["objective"] == "dpo"
+  if not (c["use_sft"] or dpo):
     return
-  key = "use_dpo" if c["use_dpo"] else "use_sft"
+  key = "objective=dpo" if dpo else "use_sft=true"
   if c["dataset_type"] not in ("text", "hf") or (c["dataset_type"] == "text" and not c["dataset_path"]):
     raise ConfigError(
-      f"{key}=true reads dataset_type=text with dataset_path (a glob of .jsonl/.parquet files) or dataset_type=hf; "
+      f"{key} reads dataset_type=text with dataset_path (a glob of .jsonl/.parquet files) or dataset_type=hf; "
       f"got dataset_type={c['dataset_type']} dataset_path={c['dataset_path']!r}"
     )
   if c["tokenizer_type"] != "huggingface" or not c["tokenizer_path"]:
     raise ConfigError(
-      f"{key}=true needs tokenizer_type=huggingface and tokenizer_path (a tokenizer.json; its chat template "
+      f"{key} needs tokenizer_type=huggingface and tokenizer_path (a tokenizer.json; its chat template "
       "comes from tokenizer_config.json beside it); a converted checkpoint's config.yml sets both"
     )
   if c["sft_chat_template"] and not os.path.isfile(os.path.expanduser(c["sft_chat_template"])):
@@ -202,17 +196,17 @@ def _validate_images(c: dict[str, Any]) -> None:
 
 
 def _validate_dpo(c: dict[str, Any]) -> None:
-  """The DPO keys make sense (checked whether or not use_dpo is on, like every key)."""
+  """The DPO keys make sense (checked whatever the objective, like every key)."""
   if c["dpo_beta"] <= 0:
     raise ConfigError(f"dpo_beta={c['dpo_beta']} must be > 0 (e.g. dpo_beta=0.1)")
   if not 0.0 <= c["dpo_label_smoothing"] < 0.5:
     raise ConfigError(f"dpo_label_smoothing={c['dpo_label_smoothing']} must be in [0, 0.5)")
-  if not c["use_dpo"]:
+  if c["objective"] != "dpo":
     return
   if c["use_sft"]:
-    raise ConfigError("use_dpo=true and use_sft=true: a run trains one objective; set one of them to false")
+    raise ConfigError("objective=dpo and use_sft=true: a run trains one objective; set use_sft=false")
   if c["mtp_num_layers"] > 0:
-    raise ConfigError("use_dpo=true does not train multi-token prediction: set mtp_num_layers=0")
+    raise ConfigError("objective=dpo does not train multi-token prediction: set mtp_num_layers=0")
 
 
 def _validate_optimizer(c: dict[str, Any]) -> None:
@@ -405,15 +399,9 @@ def check_divisibility(c: Any, axis_sizes: Mapping[str, int]) -> None:
 
 def validate(c: dict[str, Any]) -> None:
   """Checks that need no devices; device-dependent ones (mesh, batch) live in sharding.py."""
-
-  def positive(*keys):
-    for k in keys:
-      if c[k] <= 0:
-        raise ConfigError(f"{k} must be > 0, got {c[k]}")
-
-  positive("base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim")
-  positive("base_num_decoder_layers", "head_dim", "vocab_size", "max_target_length", "steps")
-  positive("per_device_batch_size", "log_period", "gradient_accumulation_steps", "checkpoint_period")
+  _positive(c, "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim")
+  _positive(c, "base_num_decoder_layers", "head_dim", "vocab_size", "max_target_length", "steps")
+  _positive(c, "per_device_batch_size", "log_period", "gradient_accumulation_steps", "checkpoint_period")
   if c["num_query_heads"] % c["num_kv_heads"]:
     raise ConfigError(
       f"num_query_heads ({c['num_query_heads']}) must be a multiple of num_kv_heads ({c['num_kv_heads']})"
@@ -442,6 +430,19 @@ def validate(c: dict[str, Any]) -> None:
   _validate_sft(c)
   _validate_images(c)
   _validate_dpo(c)
+  _validate_data_sources(c)
+  _validate_run_settings(c)
+  _validate_pieces(c)
+
+
+def _positive(c: dict[str, Any], *keys: str) -> None:
+  for k in keys:
+    if c[k] <= 0:
+      raise ConfigError(f"{k} must be > 0, got {c[k]}")
+
+
+def _validate_data_sources(c: dict[str, Any]) -> None:
+  """Eval settings and what each dataset_type needs."""
   if c["eval_interval"] > 0 and c["eval_steps"] <= 0 and c["eval_steps"] != -1:
     raise ConfigError(f"eval_steps must be > 0 (or -1: one epoch) when eval_interval is set, got {c['eval_steps']}")
   if c["eval_steps"] == -1 and c["dataset_type"] == "synthetic":
@@ -456,12 +457,21 @@ def validate(c: dict[str, Any]) -> None:
     raise ConfigError("grain_worker_count and target_eval_loss must be >= 0")
   if c["dataset_type"] == "text" and not 0.0 <= c["eval_fraction"] < 1.0:
     raise ConfigError(f"eval_fraction must be in [0, 1), got {c['eval_fraction']}")
+
+
+def _validate_run_settings(c: dict[str, Any]) -> None:
+  """Checkpoints kept, distributed timeouts, spike skipping, the async checkpoint lag."""
   if c["max_num_checkpoints_to_keep"] == 0 or c["max_num_checkpoints_to_keep"] < -1:
     raise ConfigError("max_num_checkpoints_to_keep must be -1 (keep all) or a positive number")
-  positive("compile_topology_num_slices", "jax_distributed_initialization_timeout", "jax_distributed_heartbeat_timeout")
-  positive("skip_step_interval", "skip_step_scaling_factor")
+  _positive(c, "compile_topology_num_slices", "jax_distributed_initialization_timeout")
+  _positive(c, "jax_distributed_heartbeat_timeout")
+  _positive(c, "skip_step_interval", "skip_step_scaling_factor")
   if c["async_checkpoint_max_lag_steps"] < 0:
     raise ConfigError(f"async_checkpoint_max_lag_steps must be >= 0, got {c['async_checkpoint_max_lag_steps']}")
+
+
+def _validate_pieces(c: dict[str, Any]) -> None:
+  """How the loss, flash attention, the MLP and the query are cut into pieces; the HLO dump."""
   tiles = c["num_vocab_tiling"]
   if tiles == 0 or tiles < -1 or (tiles > 0 and c["max_target_length"] % tiles):
     raise ConfigError(
@@ -470,26 +480,13 @@ def validate(c: dict[str, Any]) -> None:
   for key in ("flash_pieces", "mlp_pieces"):
     if c[key] == 0 or c[key] < -1:
       raise ConfigError(f"{key}={c[key]} must be -1 (auto) or a positive number of parts")
-  _validate_hlo_dump(c)
+  hlo_dump.check_keys(c)
   chunk, length = c["attention_query_chunk"], c["max_target_length"]
   if chunk < 0 or (chunk and length > chunk and length % chunk):
     raise ConfigError(
       f"attention_query_chunk={chunk} must be 0 (off) or divide max_target_length={length}; "
       f"e.g. attention_query_chunk={math.gcd(length, 512)}"
     )
-
-
-def _validate_hlo_dump(c: dict[str, Any]) -> None:
-  """The dump_hlo_* keys (hlo_dump.py): XLA writes the dump to a local directory; the module name is a regex."""
-  flags = hlo_dump.parse_flags(c["dump_hlo_xla_flags"])
-  for key, where in (("dump_hlo_local_dir", c["dump_hlo_local_dir"]), ("dump_hlo_xla_flags", flags.get("xla_dump_to"))):
-    if where:
-      advice = f"XLA writes its dump to a local directory; set dump_hlo_gcs_dir={where!r} to have it copied there"
-      paths.check_local(str(where), key, advice)
-  try:
-    re.compile(c["dump_hlo_module_name"])
-  except re.error as e:
-    raise ConfigError(f"dump_hlo_module_name={c['dump_hlo_module_name']!r} is not a regular expression: {e}") from None
 
 
 def check_lora_serving(c: Any) -> None:

@@ -61,7 +61,7 @@ def run_header(
   """The few lines a run prints before its first step (the whole config is in <run dir>/config.yml;
   log_config=true prints it too). `source` is where the state came from, `peak` Peak.describe(), `platform`
   the devices' platform (cpu, gpu, tpu); `num_trainable`, under LoRA, the adapters' parameter count; `plan`
-  the run plan's lines (parallel.plan.describe)."""
+  the run plan's lines (planner.describe)."""
   axes = {k: v for k, v in mesh_shape.items() if v > 1} or {"data": 1}
   devices = math.prod(mesh_shape.values())
   plural = "device" if devices == 1 else "devices"

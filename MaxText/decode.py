@@ -25,17 +25,16 @@ from collections.abc import Sequence
 
 import jax
 
-from MaxText import launch, saved_config, sharding
+from MaxText import launch, planner, saved_config, sharding
 from MaxText.config import Config
 from MaxText.inference import Engine, Generation, quantize
-from MaxText.parallel import plan as plan_lib
 
 SHOWN_ROWS = 4  # rows printed when they differ (sampling)
 
 
 def report(config: Config, engine: Engine, result: Generation) -> str:
   lines = [f"Parameters: {engine.source}", f"Tokenizer: {engine.tokenizer.path}"]
-  lines += [f"Plan: {line}" for line in plan_lib.describe(engine.plan, config)]
+  lines += [f"Plan: {line}" for line in planner.describe(engine.plan, config)]
   lines.append(f"Prompt: {config.prompt!r}" + (f" with image(s) {config.image_path}" if config.image_path else ""))
   texts = result.texts
   shown = texts[:1] if len(set(texts)) == 1 else texts[:SHOWN_ROWS]

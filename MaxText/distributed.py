@@ -37,7 +37,7 @@ import jax
 
 from MaxText import preemption
 from MaxText.config import Config
-from MaxText.errors import DistributedInitError  # also importable from here
+from MaxText.errors import DistributedInitError
 
 DEFAULT_PORT = 8476  # JAX's usual coordinator port when JAX_COORDINATOR_PORT is not set
 JOB_SIZE_KEY = "maxtext/job_size"  # key-value store directory: each process's number of processes, by rank

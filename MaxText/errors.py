@@ -3,9 +3,8 @@
 The bottom of the import graph: it imports nothing from MaxText, so any module can raise these without
 importing the module that defines the concept (config_checks raises ConfigError without importing config).
 launch.py turns ConfigError and DataError into one line on stderr ("Config error: ...", "Data error: ...");
-train.py does the same for CheckpointError, launch.py for DistributedInitError. The old homes re-export them
-(config.ConfigError, data.errors.DataError, checkpointing.CheckpointError, distributed.DistributedInitError,
-paths.StorageError).
+train.py does the same for CheckpointError, launch.py for DistributedInitError. Import them from here only
+(imports_test checks it).
 """
 
 

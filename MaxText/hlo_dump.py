@@ -18,6 +18,7 @@ directory to dump_hlo_gcs_dir (local or gs://; default <run dir>/hlo) once the s
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from typing import Any
 
@@ -42,6 +43,20 @@ def parse_flags(text: str) -> dict[str, Any]:
       )
     options[name[2:]] = _typed(value) if has_value else True
   return options
+
+
+def check_keys(c: dict[str, Any]) -> None:
+  """The dump_hlo_* keys of a config being loaded (config_checks.validate runs this): XLA writes the dump to a
+  local directory; the module name is a regex."""
+  flags = parse_flags(c["dump_hlo_xla_flags"])
+  for key, where in (("dump_hlo_local_dir", c["dump_hlo_local_dir"]), ("dump_hlo_xla_flags", flags.get("xla_dump_to"))):
+    if where:
+      advice = f"XLA writes its dump to a local directory; set dump_hlo_gcs_dir={where!r} to have it copied there"
+      paths.check_local(str(where), key, advice)
+  try:
+    re.compile(c["dump_hlo_module_name"])
+  except re.error as e:
+    raise ConfigError(f"dump_hlo_module_name={c['dump_hlo_module_name']!r} is not a regular expression: {e}") from None
 
 
 def _typed(value: str) -> Any:

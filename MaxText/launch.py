@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from MaxText import config as config_lib
 from MaxText import distributed, paths, preemption
 from MaxText.config import Config
-from MaxText.errors import ConfigError, DataError, ListedConfigError
+from MaxText.errors import ConfigError, DataError, DistributedInitError, ListedConfigError, StorageError
 
 HELP_FLAGS = ("-h", "--help")
 BASE_YML = os.path.join(config_lib.CONFIG_DIR, "base.yml")
@@ -35,7 +35,7 @@ LOG_HANDLER = "maxtext-launch"  # names our handler on the MaxText logger, so it
 USER_ERRORS: tuple[tuple[type[Exception], str], ...] = (
   (ConfigError, "Config error"),
   (DataError, "Data error"),
-  (paths.StorageError, "Storage error"),
+  (StorageError, "Storage error"),
 )
 MAX_MESSAGE_CHARS = 600  # a library's message quoted in ours can run to hundreds of lines
 
@@ -174,7 +174,7 @@ def export_main(
     export(config_lib.load([*args.config, "dtype=float32"]), args.output, args.dtype)
   except ConfigError as e:
     sys.exit(one_line("Conversion error", e))
-  except paths.StorageError as e:
+  except StorageError as e:
     sys.exit(one_line("Storage error", e))
   return args.output
 
@@ -213,6 +213,6 @@ def start(argv: Sequence[str], usage: Usage, *, overrides: Sequence[str] = (), j
       sys.exit("Config error: hardware=tpu but this machine has no TPU chips; set hardware=auto or run on a TPU VM")
     try:
       distributed.initialize(config)  # before anything touches a device
-    except distributed.DistributedInitError as e:
+    except DistributedInitError as e:
       sys.exit(f"Distributed initialisation failed: {e}")
   return config

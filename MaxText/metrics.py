@@ -34,8 +34,10 @@ COMPILE_STEPS = 2  # the first steps after start include jit compilation; timed 
 # jax.monitoring event recorded when an XLA compilation ends (jax._src.dispatch.BACKEND_COMPILE_EVENT).
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 MAX_EXP_ARG = 709.0  # math.exp overflows a float64 just above this
-TOKEN_MEANS = ("loss", "z_loss", "moe_load_balance_loss", "mtp_loss")  # per-token losses: token-weighted over a window
-PLAIN_MEANS = ("grad_norm",)  # per-step values: plain mean over a window
+# per-token losses (GRPO: kl, clip_fraction): token-weighted over a window
+TOKEN_MEANS = ("loss", "z_loss", "moe_load_balance_loss", "mtp_loss", "kl", "clip_fraction")
+# per-step values (GRPO: its batches' rewards and lengths): plain mean over a window
+PLAIN_MEANS = ("grad_norm", "reward_mean", "reward_std", "completion_length", "decode_steps", "sample_time_s")
 # Per-step 0/1 flags from the train step: counted into `skipped_steps`, not written per step.
 STEP_FLAGS = ("update_finite", "step_skipped")
 
@@ -105,13 +107,16 @@ class MetricLogger:
     started: float | None = None,
     progress: bool = False,
     goodput_figures: Callable[[], dict[str, Any]] | None = None,
+    perplexity: bool = True,
   ):
     """tokens_per_step and flops_per_step are global (all devices); peak_flops_per_device in FLOP/s.
     peak_is_measured: the peak is a measured matmul (CPU), a lower bound that a window beating it
     raises, so MFU never exceeds 100%. started: perf_counter() when the run began (default: now), the
     origin of elapsed_s and total_time_s. progress: show console.Progress between records. goodput_figures:
-    the run's goodput fields so far (goodput.Recorder.figures), added to every train record and the summary."""
+    the run's goodput fields so far (goodput.Recorder.figures), added to every train record and the summary.
+    perplexity: the loss is a language-model nll (Objective.perplexity): records show exp(loss) too."""
     self.config = config
+    self.perplexity = perplexity
     self.num_devices = num_devices
     self.tokens_per_step = tokens_per_step
     self.flops_per_step = flops_per_step
@@ -204,7 +209,7 @@ class MetricLogger:
     record: dict[str, Any] = {"step": int(step)}
     for key, value in scalars.items():
       record[key if key.startswith("eval_") else f"eval_{key}"] = float(value)
-    if "eval_loss" in record and not self.config.use_dpo:  # a DPO loss is no language-model nll
+    if "eval_loss" in record and self.perplexity:
       record["eval_perplexity"] = perplexity(record["eval_loss"])
     record["elapsed_s"] = time.perf_counter() - self._start_time
     self._last_eval = {k: v for k, v in record.items() if k.startswith("eval_")}
@@ -220,7 +225,7 @@ class MetricLogger:
     self, step: int, step_time_s: float, values: Mapping[str, float], compiling: bool
   ) -> dict[str, Any]:
     record: dict[str, Any] = {"step": int(step), **values}
-    if "loss" in record and not self.config.use_dpo:
+    if "loss" in record and self.perplexity:
       record["perplexity"] = perplexity(record["loss"])
     if not compiling:
       self._raise_measured_peak(step_time_s)

@@ -27,23 +27,14 @@ from typing import Any
 
 from etils import epath
 
-from MaxText.errors import (
-  ConfigError,
-  StorageError,
-)  # StorageError: also importable from here, its home before errors.py
+from MaxText import gcs_auth
+from MaxText.errors import ConfigError, StorageError
 
 REMOTE_PREFIXES = ("gs://",)  # paths that name objects in a bucket, never a local file
 # Without network or credentials the storage clients retry for minutes; a probe that has no answer in this
 # long fails with one line naming the path instead.
 PROBE_TIMEOUT_S = 30.0
 MIRROR_SYNC_S = 30.0  # a remote append-only file (metrics.jsonl) is re-uploaded at most this often, and at close
-# The credential lookup (a key file, gcloud's file, then the GCE metadata server) answers in about a second;
-# past this long the metadata server is unreachable and there are no credentials to find.
-CREDENTIALS_TIMEOUT_S = 10.0
-CREDENTIALS_HELP = (
-  "run `gcloud auth application-default login`, or set GOOGLE_APPLICATION_CREDENTIALS to a service-account key "
-  "file (FSSPEC_GCS_TOKEN=anon reads public buckets without credentials)"
-)
 
 
 # gcsfs asks each bucket for its (hierarchical namespace) type through a client that wants default
@@ -118,49 +109,14 @@ def bucket_of(path: str) -> str:
   return "/".join(path.split("/")[:3])
 
 
-_credentials_found = False  # once Application Default Credentials were found, a process does not look again
-
-
-def check_credentials(what: str) -> None:
-  """StorageError naming `what` and what to set unless Google Cloud credentials can be found, within
-  CREDENTIALS_TIMEOUT_S. Without this check gcsfs falls back to anonymous access and each storage call
-  retries for up to PROBE_TIMEOUT_S. Skipped for an emulator (STORAGE_EMULATOR_HOST) and for anonymous
-  access asked for (FSSPEC_GCS_TOKEN=anon, read by gcsfs)."""
-  global _credentials_found
-  if _credentials_found or os.environ.get("STORAGE_EMULATOR_HOST") or os.environ.get("FSSPEC_GCS_TOKEN") == "anon":
-    return
-  import google.auth  # noqa: PLC0415 (gcsfs's dependency; only gs:// paths need it)
-
-  answer: list[BaseException | None] = []
-
-  def lookup() -> None:
-    try:
-      google.auth.default()
-      answer.append(None)
-    except Exception as e:  # DefaultCredentialsError, or a malformed key file's ValueError / TransportError
-      answer.append(e)
-
-  thread = threading.Thread(target=lookup, daemon=True)
-  thread.start()
-  thread.join(CREDENTIALS_TIMEOUT_S)
-  if not answer:
-    raise StorageError(
-      f"{what}: no Google Cloud credentials found within {CREDENTIALS_TIMEOUT_S:g} s; {CREDENTIALS_HELP}"
-    )
-  if answer[0] is not None:
-    reason = (str(answer[0]).strip().splitlines() or [type(answer[0]).__name__])[0][:200]
-    raise StorageError(f"{what}: no usable Google Cloud credentials ({reason}); {CREDENTIALS_HELP}")
-  _credentials_found = True
-
-
 def with_timeout[T](fn: Callable[[], T], what: str, timeout_s: float | None = None) -> T:
   """fn() run in a daemon thread; StorageError naming `what` when it raises or has no answer in timeout_s
   (PROBE_TIMEOUT_S). For the first touch of a path, where a missing network or credentials would otherwise
   retry for minutes. `what` names the path; when that is a gs:// one, credentials are checked first
-  (check_credentials), since their absence otherwise shows only as the timeout."""
+  (gcs_auth.check_credentials), since their absence otherwise shows only as the timeout."""
   timeout_s = PROBE_TIMEOUT_S if timeout_s is None else timeout_s
   if any(prefix in what for prefix in REMOTE_PREFIXES):
-    check_credentials(what)
+    gcs_auth.check_credentials(what)
   answer: list[Any] = []
 
   def call() -> None:

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from MaxText import paths
+from MaxText.errors import StorageError
 
 DEFAULT_SMOOTHING = 0.6  # weight of the running average per record, as TensorBoard's slider
 MAX_PPL_LOSS = 30.0  # no perplexity axis past this loss: exp() of it is not readable
@@ -130,7 +131,7 @@ def main(argv: Sequence[str]) -> None:
   output = args.output or os.path.splitext(args.metrics_file)[0] + ".png"
   try:
     print(f"wrote {plot(args.metrics_file, output, args.smoothing)}")
-  except paths.StorageError as e:
+  except StorageError as e:
     sys.exit(f"Storage error: {e}")
 
 

@@ -18,10 +18,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText import models, sharding
+from MaxText import models, planner, sharding
 from MaxText.config import Config
 from MaxText.layers import lora, quantization
-from MaxText.parallel import plan as plan_lib
+from MaxText.parallel.plan import Plan
 
 
 @flax.struct.dataclass
@@ -29,8 +29,8 @@ class TrainState:
   step: jax.Array  # int32 scalar: optimizer steps taken
   params: nnx.State  # model parameters (nnx.Param variables, logical axis names in their metadata)
   opt_state: optax.OptState  # of the trainable params: all of them, or under LoRA the adapters (Partition)
-  # use_dpo (without LoRA): the reference model, the run's starting params, sharded like params and never
-  # updated; not saved in checkpoints (a resume re-reads them: checkpointing.with_reference). Else None.
+  # An objective with a reference (DPO, GRPO; without LoRA): the run's starting params, sharded like params and
+  # never updated; not saved in checkpoints (a resume re-reads them: checkpointing.with_reference). Else None.
   reference: nnx.State | None = None
 
 
@@ -80,7 +80,7 @@ class ParamSpec(NamedTuple):
   graphdef: nnx.GraphDef  # the model's structure; nnx.merge(graphdef, params) gives a callable model
   abstract: nnx.State  # nnx.Param variables of jax.ShapeDtypeStruct (with their NamedSharding given a mesh)
   shardings: nnx.State | None  # NamedSharding per parameter; None when built without a mesh
-  plan: plan_lib.Plan  # how the model runs (the graphdef holds it too)
+  plan: Plan  # how the model runs (the graphdef holds it too)
   partition: Partition  # which parameters train (all, or under LoRA the adapters)
 
 
@@ -90,11 +90,11 @@ class StateSpec(NamedTuple):
   shardings: TrainState  # NamedSharding leaves
   num_params: int  # every parameter (base + adapters under LoRA)
   num_trainable: int  # the parameters the optimizer updates: num_params, or under LoRA the adapters'
-  plan: plan_lib.Plan  # how the model runs (the graphdef holds it too)
+  plan: Plan  # how the model runs (the graphdef holds it too)
   partition: Partition  # which parameters train: split, combine, what a checkpoint holds
 
 
-def build_model(config: Config, seed: int, plan: plan_lib.Plan) -> nnx.Module:
+def build_model(config: Config, seed: int, plan: Plan) -> nnx.Module:
   """models.build, then what the config layers over the model for training: quantized matmuls
   (layers/quantization.py; the model itself when quantization is off). Every graphdef and parameter tree
   here comes from this one function, so train, train_compile, decode and checkpoints agree."""
@@ -102,7 +102,7 @@ def build_model(config: Config, seed: int, plan: plan_lib.Plan) -> nnx.Module:
   return quantization.quantize(model, config)
 
 
-def _model_params(config: Config, seed: int, plan: plan_lib.Plan) -> nnx.State:
+def _model_params(config: Config, seed: int, plan: Plan) -> nnx.State:
   return nnx.split(build_model(config, seed, plan), nnx.Param)[1]
 
 
@@ -133,10 +133,15 @@ def _fit(named: NamedSharding, leaf: Any) -> Any:
   return sharding.fit(named, leaf.shape)
 
 
+# The objectives whose Objective.reference is true (objectives.REGISTRY; objectives_test checks the two agree).
+REFERENCE_OBJECTIVES = ("dpo", "grpo")
+
+
 def keeps_reference(config: Config) -> bool:
-  """Whether the train state holds a DPO reference copy of the params: use_dpo, except under LoRA, whose
-  reference is the frozen base with the adapters off (train_step.reference_params)."""
-  return config.use_dpo and not lora.enabled(config)
+  """Whether the train state holds a reference copy of the params (the objective compares the policy with its
+  starting params), except under LoRA, whose reference is the frozen base with the adapters off
+  (train_step.reference_params)."""
+  return config.objective in REFERENCE_OBJECTIVES and not lora.enabled(config)
 
 
 def for_inference(config: Config) -> Config:
@@ -145,13 +150,13 @@ def for_inference(config: Config) -> Config:
   return config.replace(mtp_num_layers=0) if config.mtp_num_layers else config
 
 
-def param_spec(config: Config, mesh: Mesh | None = None, plan: plan_lib.Plan | None = None) -> ParamSpec:
+def param_spec(config: Config, mesh: Mesh | None = None, plan: Plan | None = None) -> ParamSpec:
   """The model's graphdef and abstract parameters; with a mesh, also where each parameter lives. `plan`:
-  the run plan the model is built with (default: parallel.plan.build(config, mesh)).
+  the run plan the model is built with (default: planner.build(config, mesh)).
 
   The model is only traced (nnx.eval_shape): no parameter is allocated, so this is cheap for any size.
   """
-  plan = plan_lib.build(config, mesh) if plan is None else plan
+  plan = planner.build(config, mesh) if plan is None else plan
   model = nnx.eval_shape(lambda: build_model(config, 0, plan))
   graphdef, abstract = nnx.split(model, nnx.Param)
   partition = Partition(lora.trainable_filter(config))
@@ -181,9 +186,7 @@ def init_params(config: Config, spec: ParamSpec) -> nnx.State:
   return _jit_init(lambda: _model_params(config, config.init_weights_seed, spec.plan), spec.shardings)()
 
 
-def state_spec(
-  config: Config, tx: optax.GradientTransformation, mesh: Mesh, plan: plan_lib.Plan | None = None
-) -> StateSpec:
+def state_spec(config: Config, tx: optax.GradientTransformation, mesh: Mesh, plan: Plan | None = None) -> StateSpec:
   """Shapes, dtypes and shardings of the whole train state (param_spec + the optimizer's state)."""
   params = param_spec(config, mesh, plan)
   trainable = params.partition.trainable(params.abstract)  # LoRA: adapters only

@@ -1,4 +1,5 @@
-"""Train a decoder-only LM: config -> mesh -> state -> loop (metrics, eval, checkpoints).
+"""Train a decoder-only LM: config -> mesh -> state -> loop (metrics, eval, checkpoints), the one trainer of
+every objective (objective=lm | dpo | grpo: MaxText/objectives/).
 
 python3 MaxText/train.py MaxText/configs/base.yml run_name=NAME key=value ...
 """
@@ -26,25 +27,26 @@ from MaxText import (
   checkpointing,
   compiled_step,
   console,
-  dpo,
   elastic,
   flops,
   goodput,
   hlo_dump,
   launch,
   metrics,
+  objectives,
   optimizers,
   paths,
+  planner,
   preemption,
   saved_config,
   sharding,
 )
-from MaxText import data as data_lib
 from MaxText import state as state_lib
 from MaxText import train_step as steps
 from MaxText.config import Config
-from MaxText.errors import ConfigError
-from MaxText.parallel import plan as plan_lib
+from MaxText.errors import CheckpointError, ConfigError
+from MaxText.objectives import rewards
+from MaxText.objectives.base import Sources
 
 
 class NonFiniteLossError(RuntimeError):
@@ -84,18 +86,17 @@ def write_config(config: Config) -> None:
 
 
 def evaluate(config: Config, eval_fn: Any, params: Any, eval_factory: Any, reference: Any = None) -> dict[str, float]:
-  """eval_steps batches of the eval split (-1: one epoch, padding rows not counted): token-weighted mean loss;
-  use_dpo: the mean loss per pair and the dpo_* metrics of the held-out pairs, against `reference`."""
+  """eval_steps batches of the eval split (-1: one epoch, padding rows not counted): the objective's eval metrics
+  of the sums added over them (lm: the token-weighted mean loss; dpo: the mean loss per pair and the dpo_*
+  metrics of the held-out pairs, against `reference`)."""
+  objective = objectives.get(config)
   totals: dict[str, float] = {}
   for done, batch in enumerate(eval_factory(), 1):  # with eval_steps=-1 the iterator ends after one epoch
-    sums = jax.device_get(eval_fn(params, batch, reference) if config.use_dpo else eval_fn(params, batch))
-    totals = {k: totals.get(k, 0.0) + float(v) for k, v in sums.items() if k in ("nll", "tokens", *dpo.AUX_KEYS)}
+    sums = jax.device_get(eval_fn(params, batch, reference) if objective.reference else eval_fn(params, batch))
+    totals = {k: totals.get(k, 0.0) + float(v) for k, v in sums.items()}
     if done == config.eval_steps:
       break
-  if config.use_dpo:
-    return {"eval_loss": totals.get("nll", 0.0) / max(totals.get("pairs", 0.0), 1.0), **dpo.metrics(totals)}
-  nll, tokens = totals.get("nll", 0.0), totals.get("tokens", 0.0)
-  return {"eval_loss": nll / max(tokens, 1.0), "eval_tokens": tokens}
+  return objective.eval_metrics(config, totals)
 
 
 class Profiler:
@@ -148,7 +149,7 @@ class LoopParts:
   mesh: Mesh
   spec: state_lib.StateSpec
   restored: checkpointing.Restored  # the starting state and where it came from
-  data: data_lib.Iterators
+  data: Sources  # the objective's train batches (data or rollouts) and eval iterators
   manager: Any  # orbax CheckpointManager, or None without checkpointing
   step_fn: Any  # jitted (state, batch, rng) -> (state, metrics)
   global_batch: int  # sequences per step
@@ -178,12 +179,14 @@ def run(
   # A step compiled for other hardware or settings is refused before any state is built for it.
   compiled = compiled_step.read_checked(config, mesh) if config.compiled_trainstep_file else None
   global_batch = sharding.global_batch_size(config, mesh)  # fails early on a batch that cannot split
-  plan = plan_lib.build(config, mesh)  # every layout decision, and every layout error, before any compile
+  objective = objectives.get(config)
+  objective.check(config, global_batch)  # its settings, before anything is built or compiled
+  plan = planner.build(config, mesh)  # every layout decision, and every layout error, before any compile
   optimizer = optimizers.build(config)
   peak = accelerators.peak(dtype=config.dtype)  # CPU: a measured matmul, outside the mesh
   with sharding.activate(config, mesh), stack_traces(config), preemption.Watch(mesh) as watch:
     spec = state_lib.state_spec(config, optimizer.tx, mesh, plan)
-    data = data_lib.make_iterators(config, mesh)
+    data = objective.sources(config, mesh)
     manager = checkpointing.create_manager(config)
     clock.charge()
     restored = checkpointing.restore_or_init(config, optimizer.tx, spec, manager)
@@ -270,6 +273,7 @@ class Pending(NamedTuple):
   step: int
   metrics: dict[str, jax.Array]  # device scalars from the step function
   dispatch: tuple[float, float]  # perf_counter() before and after the step function call (compiles happen here)
+  host: Any = None  # host metrics that came with the step's batch (Fetched.metrics: GRPO's rewards, ...)
 
 
 class StepReader:
@@ -302,7 +306,7 @@ class StepReader:
     if self.pending is None:
       return
     done, self.pending = self.pending, None
-    scalars = {k: float(v) for k, v in jax.device_get(done.metrics).items()}
+    scalars = {k: float(v) for k, v in jax.device_get(done.metrics).items()} | dict(done.host or {})
     now = time.perf_counter()
     completed = done.step + 1  # logs, evals and checkpoints count steps completed
     self.logger.log(completed, scalars, now - self.mark, dispatch=done.dispatch)
@@ -326,6 +330,7 @@ def make_logger(config: Config, parts: LoopParts, start: int, is_writer: bool) -
     started=parts.started,
     progress=config.progress_bar,
     goodput_figures=parts.goodput.figures if parts.goodput.enabled else None,
+    perplexity=objectives.get(config).perplexity,
   )
 
 
@@ -343,9 +348,9 @@ def print_header(config: Config, parts: LoopParts, start: int) -> None:
     source=parts.restored.source,
     peak=parts.peak.describe(),
     platform=parts.mesh.devices.flat[0].platform,
-    plan=plan_lib.describe(parts.spec.plan, config),
+    plan=planner.describe(parts.spec.plan, config),
   )
-  print(header, flush=True)
+  print("\n".join([header, *parts.data.train.describe()]), flush=True)
 
 
 def checkpoint_path(config: Config, step: int) -> str:
@@ -360,61 +365,78 @@ def train_loop(config: Config, parts: LoopParts) -> dict[str, Any]:
   fetched while step N runs. Steps that evaluate or checkpoint, and the last step, are read at once, so
   a checkpoint only ever holds a state whose loss was checked, and the data iterator state saved with
   the checkpoint after step N is the one after exactly N batches (the next batch is fetched after it).
+  A batch source that samples (GRPO) reads the params step N left, so its fetch waits for step N.
   """
   state, start = parts.restored.state, int(parts.restored.state.step)
-  data, manager = parts.data, parts.manager
-  is_writer = jax.process_index() == 0
   print_header(config, parts, start)
   eval_fn = None
-  if data.eval_factory and config.eval_interval > 0:
+  if parts.data.eval_factory and config.eval_interval > 0:
     eval_fn = steps.jit_eval_step(config, parts.mesh, parts.spec)
   dropout_key = jax.random.key(config.dropout_seed)
   profiler = Profiler(config, start)
-  clock = parts.goodput  # charges the time between the phases below (goodput.py)
-  with make_logger(config, parts, start, is_writer) as logger:
+  with make_logger(config, parts, start, jax.process_index() == 0) as logger:
     reader = StepReader(config, logger, profiler)
-    with clock.phase("data_wait"):
-      batch = next(data.train) if start < config.steps else None
+    fetched = fetch(parts, state, reader) if start < config.steps else None
     for step in range(start, config.steps):
       profiler.dispatching(step)
       t0 = time.perf_counter()
-      state, step_metrics = parts.step_fn(state, batch, jax.random.fold_in(dropout_key, step))
-      reader.push(Pending(step, step_metrics, (t0, time.perf_counter())))
+      state, step_metrics = parts.step_fn(state, fetched.batch, jax.random.fold_in(dropout_key, step))
+      reader.push(Pending(step, step_metrics, (t0, time.perf_counter()), fetched.metrics))
       done = step + 1
-      clock.step(done)
-      stop = parts.watch.stop_signal() if parts.watch else 0  # the same on every process
-      evaluating = eval_fn is not None and (done % config.eval_interval == 0 or done == config.steps) and not stop
-      saving = manager is not None and (done % config.checkpoint_period == 0 or done == config.steps or stop)
-      if evaluating or saving or done == config.steps or stop:
-        reader.flush()  # this step's loss is checked before anything of it is saved
-        reached = False  # target_eval_loss reached: checkpoint and stop early
-        if evaluating:
-          with clock.phase("eval"):
-            result = evaluate(config, eval_fn, state.params, data.eval_factory, state.reference)
-          logger.log_eval(done, result)
-          reached = 0 < config.target_eval_loss and result["eval_loss"] <= config.target_eval_loss
-        if manager is not None and (saving or reached):
-          saved = parts.spec.partition.checkpointed(state)  # LoRA: the adapters
-          with clock.phase("checkpoint_save"):
-            metadata = elastic.layout(config, parts.mesh) | clock.checkpoint_metadata()  # goodput.py: its copy
-            checkpointing.save(manager, done, saved, data.train.get_state(), metadata)
-          logger.log_checkpoint(done, checkpoint_path(config, done))
-        if reached:
-          if is_writer:
-            print(f"eval_loss {result['eval_loss']:.4f} <= target_eval_loss: stopping at step {done}", flush=True)
-          break
-        if stop and done < config.steps:  # run() waits for the save before the exception leaves it
-          path = paths.join(config.checkpoint_dir, str(done)) if manager is not None else None
-          raise preemption.Stopped(done, parts.watch.signum or stop, path, here=bool(parts.watch.signum))
-        reader.restart_clock()
-      if manager is not None and done % config.checkpoint_period == config.async_checkpoint_max_lag_steps:
-        with clock.phase("checkpoint_save"):
-          checkpointing.wait_for_saves(manager)  # bounds what a kill loses: docs/failures.md
+      parts.goodput.step(done)
+      if not at_boundary(config, parts, state, done, eval_fn, reader, logger):
+        break
+      if parts.manager is not None and done % config.checkpoint_period == config.async_checkpoint_max_lag_steps:
+        with parts.goodput.phase("checkpoint_save"):
+          checkpointing.wait_for_saves(parts.manager)  # bounds what a kill loses: docs/failures.md
       if done < config.steps:  # fetched while this step runs on the device
-        with clock.phase("data_wait"):
-          batch = next(data.train)
+        fetched = fetch(parts, state, reader)
     reader.flush()
   return logger.summary()
+
+
+def fetch(parts: LoopParts, state: Any, reader: StepReader) -> Any:
+  """The next step's batch (objectives.base.Fetched), as goodput's data_wait. On an error (data, a reward),
+  the step already run is logged first."""
+  with parts.goodput.phase("data_wait"):
+    try:
+      return parts.data.train.next(state)
+    except Exception:
+      reader.flush()
+      raise
+
+
+def at_boundary(config, parts: LoopParts, state, done: int, eval_fn, reader: StepReader, logger) -> bool:
+  """After step `done`: evaluate, checkpoint, stop on a signal (raises preemption.Stopped) as due; False when
+  target_eval_loss is reached (the loop stops there)."""
+  stop = parts.watch.stop_signal() if parts.watch else 0  # the same on every process
+  manager, clock = parts.manager, parts.goodput
+  evaluating = eval_fn is not None and (done % config.eval_interval == 0 or done == config.steps) and not stop
+  saving = manager is not None and (done % config.checkpoint_period == 0 or done == config.steps or stop)
+  if not (evaluating or saving or done == config.steps or stop):
+    return True
+  reader.flush()  # this step's loss is checked before anything of it is saved
+  reached = False  # target_eval_loss reached: checkpoint and stop early
+  if evaluating:
+    with clock.phase("eval"):
+      result = evaluate(config, eval_fn, state.params, parts.data.eval_factory, state.reference)
+    logger.log_eval(done, result)
+    reached = 0 < config.target_eval_loss and result["eval_loss"] <= config.target_eval_loss
+  if manager is not None and (saving or reached):
+    saved = parts.spec.partition.checkpointed(state)  # LoRA: the adapters
+    with clock.phase("checkpoint_save"):
+      metadata = elastic.layout(config, parts.mesh) | clock.checkpoint_metadata()  # goodput.py: its copy
+      checkpointing.save(manager, done, saved, parts.data.train.get_state(), metadata)
+    logger.log_checkpoint(done, checkpoint_path(config, done))
+  if reached:
+    if jax.process_index() == 0:
+      print(f"eval_loss {result['eval_loss']:.4f} <= target_eval_loss: stopping at step {done}", flush=True)
+    return False
+  if stop and done < config.steps:  # run() waits for the save before the exception leaves it
+    path = paths.join(config.checkpoint_dir, str(done)) if manager is not None else None
+    raise preemption.Stopped(done, parts.watch.signum or stop, path, here=bool(parts.watch.signum))
+  reader.restart_clock()
+  return True
 
 
 USAGE = launch.Usage(
@@ -429,11 +451,11 @@ USAGE = launch.Usage(
 )  # fmt: skip
 
 
-def main(argv: Sequence[str]) -> None:
-  """argv: sys.argv (the program name first)."""
+def main(argv: Sequence[str], usage: launch.Usage = USAGE, overrides: Sequence[str] = ()) -> None:
+  """argv: sys.argv (the program name first); `overrides` go after it (python3 -m MaxText.rl: objective=grpo)."""
   started = time.perf_counter()  # the summary's total time counts everything from here (tokenizer training too)
   process_started = goodput.process_start()  # goodput's total counts the imports too
-  config = launch.start(argv[1:], USAGE)
+  config = launch.start(argv[1:], usage, overrides=overrides)
   if config.log_config and jax.process_index() == 0:
     print(config, flush=True)
   with launch.user_errors(), preemption.lost_processes(config.checkpoint_dir if config.enable_checkpointing else None):
@@ -446,7 +468,9 @@ def main(argv: Sequence[str]) -> None:
       sys.exit(preemption.EXIT_STOPPED)
     except NonFiniteLossError as e:  # the message says what to do
       sys.exit(f"{type(e).__name__}: {e}")
-    except checkpointing.CheckpointError as e:
+    except rewards.RewardError as e:  # objective=grpo: the user's reward function failed on a row
+      sys.exit(f"Reward error: {e} (checkpoints saved before this step are kept)")
+    except CheckpointError as e:
       # The save failed (e.g. disk full) and the manager is finished; exit without the interpreter's teardown,
       # where orbax's background threads print "Event loop is closed" tracebacks under the one line.
       print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)

@@ -29,13 +29,23 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText import accelerators, autofit, compiled_step, gpu_aot, hlo_dump, launch, optimizers, sharding
+from MaxText import (
+  accelerators,
+  autofit,
+  compiled_step,
+  gpu_aot,
+  hlo_dump,
+  launch,
+  objectives,
+  optimizers,
+  planner,
+  sharding,
+)
 from MaxText import flops as flops_lib
 from MaxText import state as state_lib
 from MaxText import train_step as steps
 from MaxText.config import Config
 from MaxText.errors import ConfigError
-from MaxText.parallel import plan as plan_lib
 
 GiB = 2**30
 
@@ -56,7 +66,7 @@ class CompileReport(NamedTuple):
   hbm_bytes: int | None  # per device, from accelerators.DEVICE_SPECS (None on CPU)
   flops: float | None  # per device, from XLA's cost analysis of the compiled program (each loop body once)
   compile_seconds: float
-  plan: tuple[str, ...] = ()  # the run plan's lines (parallel.plan.describe)
+  plan: tuple[str, ...] = ()  # the run plan's lines (planner.describe)
   model_flops: float | None = None  # per device per step, flops.py's count (6·N·T + attention): what MFU counts
   loops: int | None = None  # while loops in the compiled program (scanned layers, pipeline, ...); None: unknown
 
@@ -95,10 +105,13 @@ def topology_devices(config: Config) -> list[Any]:
 
 
 def shaped_inputs(config: Config, mesh: Mesh) -> tuple[dict[str, jax.ShapeDtypeStruct], jax.ShapeDtypeStruct]:
-  """The batch and the dropout key as train.py passes them, as shapes with shardings."""
+  """The batch (the objective's fields) and the dropout key as train.py passes them, as shapes with shardings."""
   shape = (sharding.global_batch_size(config, mesh), config.max_target_length)
   shardings = steps.batch_shardings(config, mesh)
-  batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=s) for k, s in shardings.items() if k != "images"}
+  fields = objectives.get(config).fields(config)
+  batch = {
+    k: jax.ShapeDtypeStruct(shape[: f.rank], f.dtype, sharding=shardings[k]) for k, f in fields.items() if k != "images"
+  }
   if "images" in shardings:  # use_multimodal: tile slots per row (data/images.slots_per_row)
     size = (config.image_size_for_vit, config.image_size_for_vit, config.num_channels_for_vit)
     image_shape = (shape[0], config.image_tiles_per_row or config.images_per_row, *size)
@@ -111,7 +124,8 @@ def shaped_inputs(config: Config, mesh: Mesh) -> tuple[dict[str, jax.ShapeDtypeS
 def compile_train_step(config: Config, devices: Sequence[Any]) -> tuple[Any, CompileReport, Mesh]:
   """Lower and compile steps.jit_train_step (train.py's step, shardings and donation) for `devices`."""
   mesh = sharding.create_mesh(config, devices)
-  plan = plan_lib.build(config, mesh)  # the layout, checked before compiling
+  objectives.get(config).check(config, sharding.global_batch_size(config, mesh))
+  plan = planner.build(config, mesh)  # the layout, checked before compiling
   tx, schedule = optimizers.build(config)
   with sharding.activate(config, mesh):
     spec = state_lib.state_spec(config, tx, mesh, plan)
@@ -123,7 +137,7 @@ def compile_train_step(config: Config, devices: Sequence[Any]) -> tuple[Any, Com
       _raise_if_out_of_memory(config, devices[0].device_kind, str(e))
       raise
     seconds = time.perf_counter() - start
-  report = _report(compiled, devices, mesh, seconds, tuple(plan_lib.describe(plan, config)))
+  report = compile_report(compiled, devices, mesh, seconds, tuple(planner.describe(plan, config)))
   tokens = sharding.global_batch_size(config, mesh) * config.max_target_length
   per_token = flops_lib.training_flops_per_token(config, flops_lib.abstract_model(config, spec)).total
   return compiled, report._replace(model_flops=per_token * tokens / mesh.size, loops=_while_loops(compiled)), mesh
@@ -137,7 +151,10 @@ def _while_loops(compiled: Any) -> int | None:
     return None
 
 
-def _report(compiled: Any, devices: Sequence[Any], mesh: Mesh, seconds: float, plan: tuple[str, ...]) -> CompileReport:
+def compile_report(
+  compiled: Any, devices: Sequence[Any], mesh: Mesh, seconds: float, plan: tuple[str, ...] = ()
+) -> CompileReport:
+  """The memory per device, FLOPs and compile time of a compiled program (`seconds` to compile it)."""
   memory = compiled.memory_analysis()
   args, out = memory.argument_size_in_bytes, memory.output_size_in_bytes
   alias, temp = memory.alias_size_in_bytes, memory.temp_size_in_bytes
@@ -251,6 +268,21 @@ def _total_or_none(config: Config, devices: Sequence[Any]) -> float | None:
     return None
 
 
+def print_other_programs(config: Config, devices: Sequence[Any], mesh: Mesh) -> None:
+  """An objective's programs besides the train step (its optional aot_programs hook: GRPO's sampler), one report
+  each, then its notes (aot_notes)."""
+  objective = objectives.get(config)
+  if not hasattr(objective, "aot_programs"):
+    return
+  with sharding.activate(config, mesh):
+    spec = state_lib.param_spec(config, mesh, planner.build(config, mesh))
+    rows = sharding.global_batch_size(config, mesh)
+    for name, (compiled, seconds) in objective.aot_programs(config, mesh, spec.abstract, rows).items():
+      print(f"{name}: {format_report(compile_report(compiled, devices, mesh, seconds))}", flush=True)
+  for line in objective.aot_notes(config, devices):
+    print(line, flush=True)
+
+
 USAGE = launch.Usage(
   command="python3 MaxText/train_compile.py MaxText/configs/base.yml compile_topology=v5e-256 "
   "[compile_topology_num_slices=2] [compiled_trainstep_file=step.pickle] [key=value ...]",
@@ -263,10 +295,10 @@ USAGE = launch.Usage(
 )  # fmt: skip
 
 
-def main(argv: Sequence[str]) -> None:
-  """argv: sys.argv (the program name first)."""
+def main(argv: Sequence[str], usage: launch.Usage = USAGE, overrides: Sequence[str] = ()) -> None:
+  """argv: sys.argv (the program name first); `overrides` go after it (python3 -m MaxText.rl: objective=grpo)."""
   # One process compiles for the whole topology: it joins no job (and so claims no TPU chips).
-  config = launch.start(argv[1:], USAGE, join_job=False)
+  config = launch.start(argv[1:], usage, overrides=overrides, join_job=False)
   # A config, storage (compiled_trainstep_file on gs://) or data mistake exits with launch's one line.
   with launch.user_errors():
     launch.check_output_file("compiled_trainstep_file", config.compiled_trainstep_file, "train_step.pkl")  # pre-compile
@@ -282,6 +314,7 @@ def main(argv: Sequence[str]) -> None:
       sys.exit(f"Out of memory: {e}")
     if note:
       print(note, flush=True)
+    print_other_programs(config, devices, mesh)
     hlo_dump.publish(config, is_writer=True)
     if config.compiled_trainstep_file:
       compiled_step.save_compiled(config.compiled_trainstep_file, compiled, config, mesh)

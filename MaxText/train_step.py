@@ -1,5 +1,6 @@
-"""The jitted steps: pure, module-level `(state, batch, rng) -> (state, metrics)` once their static
-arguments (graphdef, optimizer, learning-rate schedule, config) are bound with functools.partial.
+"""The jitted steps of every objective: pure, module-level `(state, batch, rng) -> (state, metrics)` once their
+static arguments (graphdef, optimizer, learning-rate schedule, config) are bound with functools.partial. The
+objective (objectives.get(config): its loss sums, denominator and metrics) is the only thing that differs.
 train.py, train_compile.py, tests and benchmarks all use these same functions.
 """
 
@@ -14,151 +15,46 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText import dpo, hlo_dump, optimizers, sharding
+from MaxText import hlo_dump, objectives, optimizers, sharding
 from MaxText.config import Config
-from MaxText.layers import mtp
-from MaxText.parallel import plan as plan_lib
+from MaxText.objectives.base import Batch, Objective
 from MaxText.parallel.plan import Plan
-from MaxText.state import TRAIN_ALL, Partition, StateSpec, TrainState, for_inference
-
-Batch = dict[str, jax.Array]  # int32 [B, T]: inputs, targets, *_segmentation, inputs_position
-
-
-def _lse_and_target(model: Any, hidden: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
-  logits = model.logits(hidden).astype(jnp.float32)  # [B, t, V]
-  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-  return jax.nn.logsumexp(logits, axis=-1), target_logit
-
-
-AUTO_TILE_BYTES = 256 * 2**20  # num_vocab_tiling=-1: float32 logits per device per piece, at most
-
-
-def vocab_tiles(config: Config, batch: int, length: int, shards: int = 1) -> int:
-  """num_vocab_tiling, or for -1 the fewest sequence pieces (dividing `length`) whose float32 logits
-  take at most AUTO_TILE_BYTES per device, the batch split over `shards` devices (the run plan's
-  data_shards): 1 for small models, where the extra matmul would cost more than the memory is worth, 4 for
-  llama2-7b at batch 4 x 2048, 16 for llama3.1-70b at 2 x 4096."""
-  if config.num_vocab_tiling > 0:
-    return config.num_vocab_tiling
-  per_device = max(batch // shards, 1) * length * config.vocab_size * 4
-  return plan_lib.fewest_parts(length, per_device, AUTO_TILE_BYTES)
-
-
-def token_logits(model: Any, hidden: jax.Array, targets: jax.Array, tiles: int) -> tuple[jax.Array, jax.Array]:
-  """hidden [B, T, D], targets [B, T] -> (logsumexp over the vocabulary, the target's logit), [B, T] each.
-
-  With tiles > 1 the sequence is cut into `tiles` pieces whose float32 logits [B, T/tiles, V] are made,
-  reduced and (in the backward pass) remade one piece at a time, so the whole [B, T, V] never exists:
-  at a 32K-256K vocabulary those logits are often a step's largest buffer.
-  """
-  if tiles == 1:
-    return _lse_and_target(model, hidden, targets)
-  b, t, d = hidden.shape
-  pieces = (hidden.reshape(b, tiles, t // tiles, d).swapaxes(0, 1), targets.reshape(b, tiles, -1).swapaxes(0, 1))
-  piece = jax.checkpoint(lambda args: _lse_and_target(model, *args))
-  lse, target_logit = jax.lax.map(piece, pieces)  # [tiles, B, T/tiles] each
-  return lse.swapaxes(0, 1).reshape(b, t), target_logit.swapaxes(0, 1).reshape(b, t)
-
-
-def loss_sums(graphdef: nnx.GraphDef, config: Config, params: nnx.State, batch: Batch, rng: jax.Array | None):
-  """Summed (not averaged) losses over the non-padding target tokens of `batch`.
-
-  Returns (objective, aux): objective = sum(nll + z_loss) over tokens whose targets_segmentation is
-  not 0, plus load_balance_loss_weight * the MoE load-balancing loss per token, plus with mtp_num_layers
-  mtp_loss_scaling_factor * the mean over depths of the MTP nll sums; aux = {nll, z_loss,
-  load_balance_loss, tokens} sums, {mtp_nll, mtp_tokens} (over all depths) with MTP, and with
-  routed_bias_update_rate > 0 the routers' expert_load counts (DecoderOutput.expert_load, also additive). Averaging
-  happens once over the whole global batch, so gradient accumulation and sharding give the same loss as one big
-  batch.
-  """
-  model = nnx.merge(graphdef, params)
-  with_mtp = config.mtp_num_layers > 0
-  inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"], rng)
-  out = model.forward(*inputs, hidden_only=True, mtp=with_mtp, images=batch.get("images"))
-  tiles = vocab_tiles(config, *batch["targets"].shape, model.plan.data_shards)
-  lse, target_logit = token_logits(model, out.logits, batch["targets"], tiles)
-  mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
-  nll = (lse - target_logit) * mask
-  z_loss = config.z_loss_multiplier * jnp.square(lse) * mask
-  balance = out.aux_loss * mask.sum()
-  aux = {"nll": nll.sum(), "z_loss": z_loss.sum(), "load_balance_loss": balance, "tokens": mask.sum()}
-  objective = nll.sum() + z_loss.sum() + config.load_balance_loss_weight * balance
-  if with_mtp:
-    aux |= _mtp_sums(model, out.mtp, batch, tiles)
-    objective = objective + config.mtp_loss_scaling_factor / config.mtp_num_layers * aux["mtp_nll"]
-  if config.routed_bias_update_rate > 0:
-    aux["expert_load"] = out.expert_load
-  return objective, aux
-
-
-def _mtp_sums(model: Any, hidden: tuple[jax.Array, ...], batch: Batch, tiles: int) -> dict[str, jax.Array]:
-  """MTP depth k's hidden states [B, T, D] (k = 1, 2, ...) -> {mtp_nll, mtp_tokens}, summed over the depths
-  and the positions whose target k tokens further on exists in their own segment (mtp.shifted_targets).
-
-  The sums join the main loss's, so the objective divides them by the main token count: per depth the
-  mean is over N tokens where DeepSeek's is over the N_k < N that have a target (each row or packed
-  segment loses its last k), a factor N_k / N close to 1 that keeps the sums additive across micro-batches."""
-  nll_sum, tokens = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
-  for k, h in enumerate(hidden, 1):
-    shifted = mtp.shifted_targets(batch["targets"], batch["targets_segmentation"], k)
-    lse, target_logit = token_logits(model, h, shifted.targets, tiles)
-    nll_sum, tokens = nll_sum + ((lse - target_logit) * shifted.mask).sum(), tokens + shifted.mask.sum()
-  return {"mtp_nll": nll_sum, "mtp_tokens": tokens}
-
-
-def _pair_logps(graphdef: nnx.GraphDef, config: Config, params: nnx.State, batch: Batch, rng: jax.Array | None):
-  model = nnx.merge(graphdef, params)
-  out = model.forward(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"], rng, hidden_only=True)
-  tiles = vocab_tiles(config, *batch["targets"].shape, model.plan.data_shards)
-  lse, target_logit = token_logits(model, out.logits, batch["targets"], tiles)
-  return dpo.pair_logps(target_logit - lse, batch["targets_segmentation"])
-
-
-def preference_sums(
-  graphdef: nnx.GraphDef, config: Config, params: nnx.State, reference: nnx.State, batch: Batch, rng: jax.Array | None
-):
-  """use_dpo: (objective, aux) as loss_sums returns them, for a batch of preference pairs (dpo.py): the policy
-  `params` against the `reference` params (reference_params), which get no gradient and no dropout."""
-  policy = _pair_logps(graphdef, config, params, batch, rng)
-  ref = jax.tree.map(jax.lax.stop_gradient, _pair_logps(graphdef, config, reference, batch, None))
-  return dpo.loss_sums(config, policy, ref)
+from MaxText.state import TRAIN_ALL, Partition, StateSpec, TrainState
 
 
 def reference_params(partition: Partition, params: nnx.State, reference: nnx.State | None) -> nnx.State:
-  """The DPO reference model's params: TrainState.reference (the frozen starting params), or under LoRA, which
-  keeps none, `params` with every adapter zeroed: the frozen base alone, with no second copy of it."""
+  """The reference model's params of an objective with one (DPO, GRPO): TrainState.reference (the frozen starting
+  params), or under LoRA, which keeps none, `params` with every adapter zeroed: the frozen base alone, with no
+  second copy of it."""
   if reference is not None:
     return reference
   trainable, frozen = partition.split(params)
   return partition.combine(jax.tree.map(jnp.zeros_like, trainable), frozen)
 
 
-def aux_zeros(config: Config) -> dict[str, jax.Array]:
-  """Zero sums with the keys loss_sums' aux has for `config`: the start of gradient accumulation."""
-  keys = ("nll", "z_loss", "load_balance_loss", "tokens") + (("mtp_nll", "mtp_tokens") if config.mtp_num_layers else ())
-  keys = dpo.AUX_KEYS if config.use_dpo else keys
-  return {k: jnp.zeros((), jnp.float32) for k in keys}
+def sum_zeros(config: Config, objective: Objective) -> dict[str, jax.Array]:
+  """Zero sums with the keys the objective's loss_sums add up for `config`: the start of gradient accumulation."""
+  return {k: jnp.zeros((), jnp.float32) for k in objective.sum_keys(config)}
 
 
 def _grads(graphdef, config, partition, params, frozen, batch, rng, data_axes, reference=None):
   """Summed gradients with respect to `params` (the trainable part of `partition`; `frozen`, the rest or
-  None, gets none) and loss sums, over gradient_accumulation_steps micro-batches. use_dpo: preference_sums
-  against the `reference` params."""
+  None, gets none) and the objective's loss sums, over gradient_accumulation_steps micro-batches; `reference`:
+  the frozen reference params of an objective that has one (reference_params)."""
+  objective = objectives.get(config)
 
-  def objective(trainable, batch, rng):
-    if config.use_dpo:
-      return preference_sums(graphdef, config, partition.combine(trainable, frozen), reference, batch, rng)
-    return loss_sums(graphdef, config, partition.combine(trainable, frozen), batch, rng)
+  def loss(trainable, batch, rng):
+    return objective.loss_sums(graphdef, config, partition.combine(trainable, frozen), batch, rng, reference)
 
-  grad_fn = jax.grad(objective, has_aux=True)
+  grad_fn = jax.grad(loss, has_aux=True)
   micro = config.gradient_accumulation_steps
   if micro == 1:
     return grad_fn(params, batch, rng)
 
   # Micro-batch i takes rows i, i+micro, ... so that every device holds a share of each micro-batch.
   def split(x):
-    x = x.reshape(-1, micro, *x.shape[1:]).swapaxes(0, 1)  # [micro, B/micro, T]
-    return jax.lax.with_sharding_constraint(x, PartitionSpec(None, data_axes, None))
+    x = x.reshape(-1, micro, *x.shape[1:]).swapaxes(0, 1)  # [micro, B/micro, ...]
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(None, data_axes, *[None] * (x.ndim - 2)))
 
   def body(acc, inputs):
     micro_batch, index = inputs
@@ -167,7 +63,7 @@ def _grads(graphdef, config, partition, params, frozen, batch, rng, data_axes, r
     return jax.tree.map(jnp.add, acc, (grads, aux)), None
 
   micro_batches = jax.tree.map(split, batch)
-  aux = aux_zeros(config)
+  aux = sum_zeros(config, objective)
   if config.routed_bias_update_rate > 0:  # the expert loads' shapes, from the model traced on one micro-batch
     first = jax.tree.map(lambda x: x[0], micro_batches)
     loads = jax.eval_shape(grad_fn, params, first, rng)[1]["expert_load"]
@@ -192,16 +88,6 @@ def balance_router_bias(params: nnx.State, loads: dict[str, Any], rate: float) -
     return value + (rate * jnp.sign(mean - load)).astype(value.dtype)
 
   return jax.tree_util.tree_map_with_path(update, params)
-
-
-def max_load_ratio(loads: dict[str, Any]) -> jax.Array:
-  """float32 scalar: over the routers in `loads` (int32 [..., E] counts), the largest busiest-expert load over
-  the mean load; 1 when every router spreads its tokens evenly."""
-  ratios = []
-  for load in jax.tree.leaves(loads):
-    load = load.astype(jnp.float32)
-    ratios.append(jnp.max(jnp.max(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-9)))
-  return jnp.max(jnp.stack(ratios))
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -236,8 +122,8 @@ def train_step(
   plan: Plan | None = None,
   partition: Partition = TRAIN_ALL,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-  """One optimizer step on the global batch; metrics are device scalars. `schedule` is the one that
-  drives `tx` (optimizers.build), evaluated here only to log this step's learning rate.
+  """One optimizer step of config.objective on the global batch; metrics are device scalars. `schedule` is the
+  one that drives `tx` (optimizers.build), evaluated here only to log this step's learning rate.
 
   An update is applied only when the loss, the gradients and the new parameters and optimizer state are
   all finite: otherwise params and opt_state stay as they were (step still advances, so the data order
@@ -245,49 +131,44 @@ def train_step(
   Checking the result, not just the loss, catches an overflow one step before it reaches the loss.
   `abstract_params` (StateSpec.abstract.params: shapes and shardings) and the run `plan` let TPU gradients take
   sharding.lane_layout. `partition` (StateSpec.partition) says which parameters train: by default all."""
-  data_axes = sharding.data_axes(config)
+  objective = objectives.get(config)
   # Under LoRA only the adapters are differentiated and updated; the frozen base passes through untouched.
   trainable, frozen = partition.split(state.params)
-  reference = reference_params(partition, state.params, state.reference) if config.use_dpo else None
-  grads, aux = _grads(graphdef, config, partition, trainable, frozen, batch, rng, data_axes, reference)
+  reference = reference_params(partition, state.params, state.reference) if objective.reference else None
+  data_axes = sharding.data_axes(config)
+  grads, sums = _grads(graphdef, config, partition, trainable, frozen, batch, rng, data_axes, reference)
   if abstract_params is not None and plan is not None:
     grads = lane_friendly(grads, partition.trainable(abstract_params), plan)
-  tokens = jnp.maximum(aux["pairs"] if config.use_dpo else aux["tokens"], 1.0)  # DPO: the mean over pairs
-  grads = jax.tree.map(lambda g: g / tokens, grads)
-  loss, grad_norm = aux["nll"] / tokens, optax.global_norm(grads)
+  denominator = jnp.maximum(sums[objective.denominator], 1.0)  # tokens, pairs or completions of the global batch
+  grads = jax.tree.map(lambda g: g / denominator, grads)
+  metrics = objective.step_metrics(config, sums, denominator)
+  loss, grad_norm = metrics["loss"], optax.global_norm(grads)
+  params, opt_state, finite = _update(config, tx, state, trainable, grads, sums, loss, grad_norm)
+  params = partition.combine(params, frozen)
+  spiked = opt_state.skipped if config.skip_step_on_spikes else jnp.array(False)
+  metrics |= {
+    "grad_norm": grad_norm,
+    "param_norm": optax.global_norm(params),
+    "learning_rate": schedule(state.step),
+    "update_finite": finite.astype(jnp.float32),
+    "step_skipped": (~finite | spiked).astype(jnp.float32),
+  }
+  return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def _update(config: Config, tx, state: TrainState, trainable, grads, sums, loss, grad_norm):
+  """(params, opt_state, finite): the optimizer's update of `trainable`, kept only where everything is finite."""
   extra = {"loss": loss, "grad_norm": grad_norm} if config.skip_step_on_spikes else {}
   updates, opt_state = tx.update(grads, state.opt_state, trainable, **extra)
   params = optax.apply_updates(trainable, updates)
   if config.routed_bias_update_rate > 0:  # after the optimizer, outside it; kept or dropped with its update
-    params = balance_router_bias(params, aux["expert_load"], config.routed_bias_update_rate)
+    params = balance_router_bias(params, sums["expert_load"], config.routed_bias_update_rate)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite((params, opt_state))
   # Select, not branch: no host round trip, and both states are live at this point anyway.
   params, opt_state = jax.tree.map(
     lambda new, old: jnp.where(finite, new, old), (params, opt_state), (trainable, state.opt_state)
   )
-  params = partition.combine(params, frozen)
-  spiked = opt_state.skipped if config.skip_step_on_spikes else jnp.array(False)
-  metrics = {
-    "loss": loss,
-    "grad_norm": grad_norm,
-    "param_norm": optax.global_norm(params),
-    "learning_rate": schedule(state.step),
-    "tokens": aux["tokens"],
-    "update_finite": finite.astype(jnp.float32),
-    "step_skipped": (~finite | spiked).astype(jnp.float32),
-  }
-  # Only the losses this model has: a dense run's log line stays readable.
-  if config.z_loss_multiplier > 0:
-    metrics["z_loss"] = aux["z_loss"] / tokens
-  if config.num_experts > 1:
-    metrics["moe_load_balance_loss"] = aux["load_balance_loss"] / tokens
-  if config.routed_bias_update_rate > 0:
-    metrics["moe_max_load_ratio"] = max_load_ratio(aux["expert_load"])
-  if config.mtp_num_layers:  # unscaled: the mean nll per predicted token over all depths, comparable to loss
-    metrics["mtp_loss"] = aux["mtp_nll"] / jnp.maximum(aux["mtp_tokens"], 1.0)
-  if config.use_dpo:
-    metrics |= dpo.metrics(aux)
-  return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+  return params, opt_state, finite
 
 
 def eval_step(
@@ -298,23 +179,18 @@ def eval_step(
   reference: nnx.State | None = None,
   partition: Partition = TRAIN_ALL,
 ) -> dict[str, jax.Array]:
-  """Loss sums on one eval batch (no dropout); the caller averages over all eval batches. The MTP modules,
-  if any, do not run: evaluation measures the model that decodes. use_dpo: the preference sums against
-  `reference` (TrainState.reference; None under LoRA, see reference_params)."""
-  if config.use_dpo:
-    return preference_sums(graphdef, config, params, reference_params(partition, params, reference), batch, None)[1]
-  _, aux = loss_sums(graphdef, for_inference(config), params, batch, None)
-  aux.pop("expert_load", None)  # what the train step balances the routers with: nothing to evaluate
-  return aux
+  """The objective's loss sums on one eval batch (no dropout); the caller adds them over all eval batches.
+  `reference`: TrainState.reference for an objective with one (None under LoRA: see reference_params)."""
+  objective = objectives.get(config)
+  if objective.reference:
+    reference = reference_params(partition, params, reference)
+  return objective.eval_sums(graphdef, config, params, batch, reference)
 
 
 def batch_shardings(config: Config, mesh: Mesh) -> dict[str, NamedSharding]:
-  data = sharding.input_sharding(config, mesh)
-  keys = ("inputs", "targets", "inputs_segmentation", "targets_segmentation", "inputs_position")
-  out = {k: data for k in keys}
-  if config.use_multimodal:  # float32 pixels [B, images_per_row, S, S, C] (data/images.py)
-    out["images"] = sharding.input_sharding(config, mesh, rank=5)
-  return out
+  """The objective's batch fields, each split over the data axes."""
+  fields = objectives.get(config).fields(config)
+  return {k: sharding.input_sharding(config, mesh, rank=f.rank) for k, f in fields.items()}
 
 
 # XLA:CPU (jax 0.11+) hands bfloat16 dots, and the elementwise work fused around them, to YNNPACK. In
@@ -359,12 +235,13 @@ def jit_train_step(
 
 
 def jit_eval_step(config: Config, mesh: Mesh, spec: StateSpec) -> Any:
-  """eval_step jitted: (params, batch[, reference]) -> sums; the reference (TrainState.reference) with use_dpo."""
+  """eval_step jitted: (params, batch[, reference]) -> sums; the reference (TrainState.reference) for an
+  objective that has one."""
   replicated = NamedSharding(mesh, PartitionSpec())
   shardings = (spec.shardings.params, batch_shardings(config, mesh))
   return jax.jit(
     functools.partial(eval_step, spec.graphdef, config, partition=spec.partition),
-    in_shardings=shardings + ((spec.shardings.reference,) if config.use_dpo else ()),
+    in_shardings=shardings + ((spec.shardings.reference,) if objectives.get(config).reference else ()),
     out_shardings=replicated,
     compiler_options=step_compiler_options(config, mesh),
   )

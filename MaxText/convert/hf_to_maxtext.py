@@ -33,7 +33,7 @@ from MaxText import launch, models, paths
 from MaxText import state as state_lib
 from MaxText.config import Config
 from MaxText.convert import fp8, hf_mapping, mxfp4, streaming
-from MaxText.errors import ConfigError
+from MaxText.errors import ConfigError, StorageError
 from MaxText.layers.model_config import ModelConfig
 
 
@@ -241,7 +241,7 @@ def main(argv: Sequence[str]) -> None:
     path = convert(args.hf_path, args.output, args.scan_layers == "true", args.dtype)
   except ConfigError as e:
     sys.exit(launch.one_line("Conversion error", e))
-  except paths.StorageError as e:
+  except StorageError as e:
     sys.exit(launch.one_line("Storage error", e))
   print(f"Wrote {path} and {paths.join(args.output, 'config.yml')}")
 

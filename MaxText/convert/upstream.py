@@ -11,7 +11,7 @@ stack on axis 1 (its param_scan_axis), ours on axis 0; a gated dense MLP names i
 attention computes q . k with no 1/sqrt(head_dim) (ours applies it), so its query kernels are ours / sqrt(H).
 
 to_ours gives our names with string keys, unrolled layers as layers/'<i>' and stacked ones with the layer
-axis first: the form checkpointing._relayout fits to a model either way (scan_layers on or off).
+axis first: the form checkpoint_layouts.relayout fits to a model either way (scan_layers on or off).
 """
 
 from __future__ import annotations

@@ -17,18 +17,15 @@ from MaxText.data.batches import FIELDS, BatchIterator, BatchSource, Iterators
 from MaxText.data.tokenizer import Tokenizer
 from MaxText.errors import DataError
 
-__all__ = ["FIELDS", "BACKENDS", "BatchIterator", "BatchSource", "Iterators", "Tokenizer", "make_iterators"]
-
-# dataset_type -> the backend module; its make_iterators takes (config, mesh) and returns Iterators.
-BACKENDS = DATASET_BACKENDS
+__all__ = ["FIELDS", "BatchIterator", "BatchSource", "Iterators", "Tokenizer", "make_iterators"]
 
 
 def make_iterators(config: Config, mesh: Mesh) -> Iterators:
   """Train iterator (endless), eval factory (fresh iterator per call; None without eval data), tokenizer."""
-  if config.dataset_type not in BACKENDS:
-    raise DataError(f"dataset_type={config.dataset_type!r} is not one of {', '.join(sorted(BACKENDS))}")
-  if config.use_dpo:  # preference pairs, rendered as use_sft renders chats (data/preferences.py)
+  if config.dataset_type not in DATASET_BACKENDS:
+    raise DataError(f"dataset_type={config.dataset_type!r} is not one of {', '.join(sorted(DATASET_BACKENDS))}")
+  if config.objective == "dpo":  # preference pairs, rendered as use_sft renders chats (data/preferences.py)
     return preferences.make_iterators(config, mesh)
   if config.use_sft:  # chat/instruction examples, loss on the completion (data/sft.py reads text or hf sources)
     return sft.make_iterators(config, mesh)
-  return importlib.import_module(BACKENDS[config.dataset_type]).make_iterators(config, mesh)
+  return importlib.import_module(DATASET_BACKENDS[config.dataset_type]).make_iterators(config, mesh)

@@ -18,7 +18,7 @@ from typing import Any
 from etils import epath
 
 from MaxText import paths
-from MaxText.errors import DataError
+from MaxText.errors import DataError, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def matching(pattern: str) -> list[str]:
   naming it when storage does not answer within REMOTE_CHECK_TIMEOUT_S."""
   try:
     return paths.glob(pattern, REMOTE_CHECK_TIMEOUT_S)
-  except paths.StorageError as e:
+  except StorageError as e:
     raise DataError(str(e)) from None
 
 

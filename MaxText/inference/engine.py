@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from MaxText import checkpointing, config_checks, sharding
+from MaxText import checkpointing, config_checks, planner, sharding
 from MaxText import state as state_lib
 from MaxText.config import Config, serving_config
 from MaxText.data import images as images_lib
@@ -30,7 +30,6 @@ from MaxText.errors import ConfigError
 from MaxText.inference import quantize, sampling
 from MaxText.inference import tokenizer as tokenizer_lib
 from MaxText.layers import lora
-from MaxText.parallel import plan as plan_lib
 
 log = logging.getLogger(__name__)
 MIN_BUCKET = 8  # shortest prefill length compiled
@@ -126,7 +125,7 @@ def load_params(config: Config, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State, st
   with sharding.activate(config, mesh):
     # int8w serves int8 params (below) through plain matmuls: no training-time (QAT) wrapper on the model.
     plain = served.replace(quantization="")
-    spec = state_lib.param_spec(plain, mesh, plan_lib.build(plain, mesh, decoding=True))
+    spec = state_lib.param_spec(plain, mesh, planner.build(plain, mesh, decoding=True))
     source = path or "random weights (no load_parameters_path)"
     if path and quantize.is_quantized_checkpoint(path):
       if lora.enabled(config):
@@ -196,7 +195,9 @@ class Engine:
   def batch_shards(self) -> int:
     return math.prod(self.mesh.shape[a] for a in sharding.data_axes(self.config))
 
-  def _jitted(self, kind: str, *static) -> Callable:
+  def program(self, kind: str, *static) -> Callable:
+    """The jitted "prefill" (prefill_and_sample; static: cache length, strategy, vocab) or "step"
+    (step_and_sample; static: strategy, vocab) program, compiled once per static arguments."""
     key = (kind, *static)
     if key not in self._compiled:
       if kind == "prefill":
@@ -217,7 +218,7 @@ class Engine:
     bos = [self.tokenizer.bos_id] if self.config.add_bos and self.tokenizer.bos_id >= 0 else []
     return bos + self.tokenizer.encode(prompt)
 
-  def _plan(self, ids: list[list[int]], max_new_tokens: int) -> tuple[int, int, int]:
+  def lengths(self, ids: list[list[int]], max_new_tokens: int) -> tuple[int, int, int]:
     """(prefill length, cache length, new tokens) for these prompts; errors say what to change."""
     c = self.config
     longest = max(len(x) for x in ids)
@@ -270,7 +271,7 @@ class Engine:
       out[i, : len(row)] = row
     return jax.device_put(out, sharding.input_sharding(self.config, self.mesh, rank=5))
 
-  def _batch(self, ids: list[list[int]], prefill_len: int) -> tuple[jax.Array, jax.Array]:
+  def place(self, ids: list[list[int]], prefill_len: int) -> tuple[jax.Array, jax.Array]:
     """Right-padded tokens [B', P] and lengths [B'], B' a multiple of the batch shards, on the mesh."""
     rows = -(-len(ids) // self.batch_shards) * self.batch_shards
     tokens = np.zeros((rows, prefill_len), np.int32)
@@ -280,6 +281,17 @@ class Engine:
     return (
       jax.device_put(tokens, sharding.input_sharding(self.config, self.mesh)),
       jax.device_put(lengths, sharding.input_sharding(self.config, self.mesh, rank=1)),
+    )
+
+  def sampling_params(
+    self, temperature: float | None = None, top_k: int | None = None, nucleus_p: float | None = None
+  ) -> sampling.SamplingParams:
+    """The sampling options as the programs take them; unset ones from decode_sampling_*."""
+    c = self.config
+    return sampling.SamplingParams(
+      jnp.float32(c.decode_sampling_temperature if temperature is None else temperature),
+      jnp.int32(c.decode_sampling_top_k if top_k is None else top_k),
+      jnp.float32(c.decode_sampling_nucleus_p if nucleus_p is None else nucleus_p),
     )
 
   def generate(
@@ -310,11 +322,7 @@ class Engine:
     """
     c = self.config
     strategy = strategy or c.decode_sampling_strategy
-    params = sampling.SamplingParams(
-      jnp.float32(c.decode_sampling_temperature if temperature is None else temperature),
-      jnp.int32(c.decode_sampling_top_k if top_k is None else top_k),
-      jnp.float32(c.decode_sampling_nucleus_p if nucleus_p is None else nucleus_p),
-    )
+    params = self.sampling_params(temperature, top_k, nucleus_p)
     rng = jax.random.key(c.decode_seed if seed is None else seed)
     eos = [self.tokenizer.eos_id] if self.tokenizer is not None and self.tokenizer.eos_id >= 0 else []
     rows = _Rows(len(prompts), self.tokenizer, set(eos if stop_tokens is None else stop_tokens), stop_strings)
@@ -323,13 +331,14 @@ class Engine:
     tiles = None
     if images is not None:
       ids, tiles = self._with_images(ids, images)
-    prefill_len, cache_len, new = self._plan(ids, c.decode_max_new_tokens if max_new_tokens is None else max_new_tokens)
+    new_tokens = c.decode_max_new_tokens if max_new_tokens is None else max_new_tokens
+    prefill_len, cache_len, new = self.lengths(ids, new_tokens)
     with sharding.activate(c, self.mesh):
-      tokens, lengths = self._batch(ids, prefill_len)
+      tokens, lengths = self.place(ids, prefill_len)
       vocab = c.vocab_size if self.tokenizer is None else min(c.vocab_size, self.tokenizer.vocab_size)
       pixels = None if tiles is None else self._pixels(tiles, tokens.shape[0])
-      out = self._jitted("prefill", cache_len, strategy, vocab)(self.params, tokens, lengths, rng, params, pixels)
-      step_fn = self._jitted("step", strategy, vocab)
+      out = self.program("prefill", cache_len, strategy, vocab)(self.params, tokens, lengths, rng, params, pixels)
+      step_fn = self.program("step", strategy, vocab)
       ttft, steps = None, 0
       for i in range(new):
         pending = None

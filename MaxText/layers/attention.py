@@ -299,13 +299,13 @@ class Attention(nnx.Module):
       segment_ids, blocks = segment_ids
     if cache is None and blocks is None:
       out = attend(self.plan, q, k, v, segment_ids, self.sliding_window, self.chunk_window, sinks)
-    elif cache is None and 0 < (chunk := self.plan.attention.query_chunk) < q.shape[1] and q.shape[1] % chunk == 0:
-      # images: their bidirectional blocks over the causal mask, dot-product attention in query blocks
+    elif cache is None and (chunk := self.plan.attention.image_chunk_for(q.shape[1])):
+      # images: their bidirectional blocks over the causal mask, dot-product attention in query blocks (the plan's)
       cap, window = self.config.attention.attn_logits_soft_cap, self.sliding_window
       out = chunked_dot_product_attention(
         q, k, v, segment_ids, window, cap, chunk, chunk_window=self.chunk_window, sinks=sinks, blocks=blocks
       )
-    elif cache is None:  # the same over the whole sequence at once (attention_query_chunk=0 or not dividing T)
+    elif cache is None:  # the same over the whole sequence at once
       mask = attention_mask(segment_ids, self.sliding_window, chunk_window=self.chunk_window)
       index = jnp.arange(segment_ids.shape[1])
       same_doc = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None, None]

@@ -20,12 +20,11 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 from MaxText.parallel import ops
+from MaxText.parallel.kernels import LANES
 
 if TYPE_CHECKING:
   from MaxText.parallel.plan import Plan
 
-# TPU vector lanes: the kernel tiles the sequence in blocks that are multiples of this.
-LANES = 128
 # Largest block first: bigger tiles amortise the per-block overhead; 512 is MaxText's default.
 BLOCK_CHOICES = (512, 256, 128)
 

@@ -242,33 +242,14 @@ class Decoder(nnx.Module):
     c = self.config
     # MTP depth k reads token i + k at position i: shifted here, in the natural order of the sequence.
     ahead = [mtp_lib.shift_left(tokens, k) for k in range(1, c.mtp_num_layers + 1)] if mtp else []
-    # Context parallelism with load balancing: the layers run on the balanced layout, undone at the end.
+    # Context parallelism with load balancing: the layers run on the balanced layout, undone at the end (the
+    # plan refuses it with images).
     run = self.plan.attention
     shards = run.context_shards if cache is None and run.load_balanced else 1
     if shards > 1:
       tokens, positions, segment_ids = (context_parallel.balance(a, shards) for a in (tokens, positions, segment_ids))
       ahead = [context_parallel.balance(a, shards) for a in ahead]
-    x = self.token_embedder(jnp.where(tokens < c.vocab_size, tokens, 0))  # placeholders may lie past the vocab
-    if self.position_embedder is not None:
-      x = x + self.position_embedder(positions)
-    if self.family.scale_embeddings:
-      x = x * jnp.asarray(c.emb_dim**0.5, x.dtype)
-    if images is not None:
-      if shards > 1:
-        raise ValueError(
-          "images with load-balanced context parallelism are not supported; set context_parallel_load_balance=false"
-        )
-      if self.vision_encoder is None:
-        raise ValueError("images given to a text-only model (use_multimodal=false)")
-      soft = self.vision_encoder(images)
-      if self.freeze_vision_encoder:  # the tower and projector get no gradient (the optimizer also keeps them)
-        soft = jax.lax.stop_gradient(soft)
-      if self.family.splice is not None:  # the family's own placement (Llama 4: causal over the image tokens)
-        x = self.family.splice(x, tokens, soft, c.vision.image_token_id)
-      else:  # Gemma 3: each image's tokens attend to each other both ways
-        x = vision.splice(x, tokens, soft, c.vision.image_token_id)
-        segment_ids = ImageSegments(segment_ids, vision.image_blocks(tokens, c.vision.image_token_id))
-    x = nn.with_logical_constraint(x, ACTIVATION_AXES)
+    x, segment_ids = self._embed(tokens, positions, segment_ids, images)
     if not self.plan.dropout_rate > 0:
       dropout_rng = None
     aux, first, new_cache, loads = jnp.zeros((), jnp.float32), 0, {}, {}
@@ -290,6 +271,28 @@ class Decoder(nnx.Module):
       mtp_hidden = tuple(context_parallel.unbalance(m, shards) for m in mtp_hidden)
     aux = (aux + mtp_aux) / (c.num_decoder_layers + len(mtp_hidden))
     return DecoderOutput(out, aux, None if cache is None else new_cache, mtp_hidden, loads)
+
+  def _embed(self, tokens, positions, segment_ids, images):
+    """Token (and learned position) embeddings [B, T, D], with the images' soft tokens in place of their
+    placeholders; returns them and the segment ids the layers take (ImageSegments for Gemma 3's image blocks)."""
+    c = self.config
+    x = self.token_embedder(jnp.where(tokens < c.vocab_size, tokens, 0))  # placeholders may lie past the vocab
+    if self.position_embedder is not None:
+      x = x + self.position_embedder(positions)
+    if self.family.scale_embeddings:
+      x = x * jnp.asarray(c.emb_dim**0.5, x.dtype)
+    if images is not None:
+      if self.vision_encoder is None:
+        raise ValueError("images given to a text-only model (use_multimodal=false)")
+      soft = self.vision_encoder(images)
+      if self.freeze_vision_encoder:  # the tower and projector get no gradient (the optimizer also keeps them)
+        soft = jax.lax.stop_gradient(soft)
+      if self.family.splice is not None:  # the family's own placement (Llama 4: causal over the image tokens)
+        x = self.family.splice(x, tokens, soft, c.vision.image_token_id)
+      else:  # Gemma 3: each image's tokens attend to each other both ways
+        x = vision.splice(x, tokens, soft, c.vision.image_token_id)
+        segment_ids = ImageSegments(segment_ids, vision.image_blocks(tokens, c.vision.image_token_id))
+    return nn.with_logical_constraint(x, ACTIVATION_AXES), segment_ids
 
   def _apply_mtp(self, h, ahead, positions, segment_ids, dropout_rng, first_index):
     """The MTP depths in turn: h^0 (the last layer's output, before the final norm) [B, T, D] and per depth

@@ -232,3 +232,29 @@ def merged(config: Config, params: nnx.State) -> nnx.State:
   base = jax.tree.map(lambda x: x, frozen)  # a copy: replace_by_pure_dict is in place
   nnx.replace_by_pure_dict(base, _merge_tree(nnx.to_pure_dict(params), config.lora_alpha / config.lora_rank))
   return base
+
+
+def target_problem(config: Config, model_config: Any, stacks: Any, tower: Callable[..., nnx.Module], plan: Any):
+  """Why lora_target_modules or lora_vision_target_modules cannot run, or None. lora_target_modules must match
+  a projection of every layer kind (Qwix matches module paths with re.fullmatch), lora_vision_target_modules
+  one of a trained vision tower (built by `tower`); checked on abstract layers, so nothing is allocated. The
+  run plan's builder raises the answer as a ConfigError (planner.build)."""
+  if not enabled(config):
+    return None
+  for stack in stacks:
+    with nnx.use_eager_sharding(False):  # as models.build: shapes only, no placement
+      unit = nnx.eval_shape(lambda s=stack: s.make(model_config, rngs=nnx.Rngs(0), plan=plan))
+    paths = kernel_paths(unit)
+    if not any(re.fullmatch(config.lora_target_modules, p) for p in paths):
+      return (
+        f"lora_target_modules={config.lora_target_modules!r} matches no projection of a decoder layer; "
+        f"their paths are: {', '.join(paths)}"
+      )
+  if model_config.vision is not None and not config.freeze_vision_encoder:  # the tower gets adapters too
+    with nnx.use_eager_sharding(False):
+      abstract = nnx.eval_shape(lambda: tower(model_config, rngs=nnx.Rngs(0)))
+    try:
+      tower_targets(abstract, config.lora_vision_target_modules)
+    except ValueError as e:
+      return f"{e} (or set freeze_vision_encoder=true)"
+  return None

@@ -45,7 +45,7 @@ class MlpBlock(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """x [B, T, D] -> [B, T, D]; hidden [B, T, F]. With the plan's mlp_pieces > 1 the sequence goes through
-    in that many parts under lax.map, each part rematerialised on its own (parallel/plan.py, Pieces): the
+    in that many parts under lax.map, each part rematerialised on its own (planner.Pieces): the
     backward pass then holds one part's hidden activations at a time, and every token's result is the same."""
     b, t, d = x.shape
     n = self.pieces

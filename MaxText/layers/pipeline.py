@@ -21,7 +21,7 @@ the weights `layers`; base.yml's rules map both to the stage mesh axis.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -30,6 +30,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.layers.axes import ACTIVATION_AXES
+from MaxText.parallel.plan import Schedule
 
 STAGE_AXES = ("activation_stage", *ACTIVATION_AXES)  # [S, B/M, T, D]: one microbatch per stage
 BUFFER_AXES = (None, *ACTIVATION_AXES)  # [M, B/M, T, D]: every microbatch, replicated over stages
@@ -37,23 +38,6 @@ BUFFER_AXES = (None, *ACTIVATION_AXES)  # [M, B/M, T, D]: every microbatch, repl
 # StageFn(params [n, ...], x [b, T, D], positions [b, T], segment_ids [b, T], first_unit, microbatch)
 #   -> (x [b, T, D], aux float32 scalar): n consecutive units of a stack applied to one microbatch.
 StageFn = Callable[..., tuple[jax.Array, jax.Array]]
-
-
-class Schedule(NamedTuple):
-  """How a pipelined stack runs: S stages, M microbatches, R repeats (circular)."""
-
-  stages: int
-  microbatches: int
-  repeats: int
-
-  @property
-  def iterations(self) -> int:
-    return self.microbatches * self.repeats + self.stages - 1
-
-  @property
-  def bubble(self) -> float:
-    """The fraction of stage-iterations that compute nothing useful: (S - 1) / (M*R + S - 1)."""
-    return (self.stages - 1) / self.iterations
 
 
 def _constrain(var: nnx.Variable, value: jax.Array, extra: int) -> nnx.Variable:
@@ -90,40 +74,15 @@ def _select_repeat(weights: nnx.State, repeat: jax.Array, sched: Schedule) -> nn
   return jax.tree.map(pick, weights, is_leaf=_is_var)
 
 
-def run(
-  stage_fn: StageFn,
-  params: nnx.State,
-  x: jax.Array,
-  positions: jax.Array,
-  segment_ids: jax.Array,
-  sched: Schedule,
-  first_unit: int,
-  stage_axes: tuple[str, ...] = (),
-) -> tuple[jax.Array, jax.Array]:
-  """Apply the stacked units `params` [U, ...] to x [B, T, D] as a pipeline; returns (x [B, T, D], aux),
-  aux being the stack's auxiliary loss summed over units and averaged over microbatches.
-
-  Microbatch m takes rows m, m+M, ... so that every data shard holds a share of each microbatch.
-  `stage_axes`: the mesh axes of `activation_stage` (the run plan's), over which the stages' work splits.
-  """
+def _iterate(
+  stage_fn: StageFn, weights: nnx.State, positions: jax.Array, segment_ids: jax.Array, sched: Schedule,
+  first_unit: int, stage_axes: tuple[str, ...],
+) -> Callable:  # fmt: skip
+  """One pipeline iteration t as a scan body over (state [S, B/M, T, D], buffer [M, B/M, T, D], aux)."""
   s_, m_, r_ = sched
-  b = x.shape[0]
-  if b % m_:  # the plan and sharding.global_batch_size check the training batch; this is a caller's mistake
-    raise ValueError(f"a batch of {b} rows does not split into {m_} pipeline microbatches")
-  units = jax.tree.leaves(params)[0].shape[0]
-  per_stage = units // (s_ * r_)
-
-  def split(a):  # [B, ...] -> [M, B/M, ...]
-    return a.reshape(b // m_, m_, *a.shape[1:]).swapaxes(0, 1)
-
-  buffer = nn.with_logical_constraint(split(x), BUFFER_AXES)
-  positions, segment_ids = split(positions), split(segment_ids)
-  # Constrained to their own sharding, so that their gradient (the constraint's transpose) is too.
-  params = jax.tree.map(lambda var: _constrain(var, var[...], 0), params, is_leaf=_is_var)
-  weights = _view(params, sched)
+  per_stage = jax.tree.leaves(weights)[0].shape[2]
   stage_ids = jnp.arange(s_)
   body = jax.vmap(stage_fn, spmd_axis_name=stage_axes or None)
-
   # Queue layout: at the start of iteration t, buffer slot j holds microbatch (t + j) % M, so stage 0 reads
   # slot 0 and the last stage's finished microbatch goes to the fixed slot (1 - S) % M; the buffer then
   # rolls one slot. Static slots keep every buffer access local to a device (a dynamic index made XLA
@@ -147,12 +106,43 @@ def run(
     aux = aux + jnp.sum(jnp.where(valid, stage_aux, 0.0))
     return (out, buffer, aux), None
 
-  state = jnp.zeros((s_, *buffer.shape[1:]), x.dtype)
-  carry = (nn.with_logical_constraint(state, STAGE_AXES), buffer, jnp.zeros((), jnp.float32))
   # The backward pass keeps only each iteration's stage inputs and runs the stages again (under their own
   # remat_policy); otherwise an iteration's residuals would include the weights it selected, with
   # num_pipeline_repeats > 1 a copy of every stage's weights per iteration.
-  iteration = jax.checkpoint(iteration, policy=jax.checkpoint_policies.save_only_these_names("pipeline_stage_inputs"))
+  return jax.checkpoint(iteration, policy=jax.checkpoint_policies.save_only_these_names("pipeline_stage_inputs"))
+
+
+def run(
+  stage_fn: StageFn,
+  params: nnx.State,
+  x: jax.Array,
+  positions: jax.Array,
+  segment_ids: jax.Array,
+  sched: Schedule,
+  first_unit: int,
+  stage_axes: tuple[str, ...] = (),
+) -> tuple[jax.Array, jax.Array]:
+  """Apply the stacked units `params` [U, ...] to x [B, T, D] as a pipeline; returns (x [B, T, D], aux),
+  aux being the stack's auxiliary loss summed over units and averaged over microbatches.
+
+  Microbatch m takes rows m, m+M, ... so that every data shard holds a share of each microbatch.
+  `stage_axes`: the mesh axes of `activation_stage` (the run plan's), over which the stages' work splits.
+  """
+  s_, m_, _ = sched
+  b = x.shape[0]
+  if b % m_:  # the plan and sharding.global_batch_size check the training batch; this is a caller's mistake
+    raise ValueError(f"a batch of {b} rows does not split into {m_} pipeline microbatches")
+
+  def split(a):  # [B, ...] -> [M, B/M, ...]
+    return a.reshape(b // m_, m_, *a.shape[1:]).swapaxes(0, 1)
+
+  buffer = nn.with_logical_constraint(split(x), BUFFER_AXES)
+  positions, segment_ids = split(positions), split(segment_ids)
+  # Constrained to their own sharding, so that their gradient (the constraint's transpose) is too.
+  params = jax.tree.map(lambda var: _constrain(var, var[...], 0), params, is_leaf=_is_var)
+  iteration = _iterate(stage_fn, _view(params, sched), positions, segment_ids, sched, first_unit, stage_axes)
+  state = jnp.zeros((s_, *buffer.shape[1:]), x.dtype)
+  carry = (nn.with_logical_constraint(state, STAGE_AXES), buffer, jnp.zeros((), jnp.float32))
   (_, buffer, aux), _ = jax.lax.scan(iteration, carry, jnp.arange(sched.iterations))
   buffer = jnp.roll(buffer, sched.iterations, axis=0)  # slot m: microbatch m
   return nn.with_logical_constraint(buffer.swapaxes(0, 1).reshape(x.shape), ACTIVATION_AXES), aux / m_

@@ -37,10 +37,34 @@ def family(config: ModelConfig) -> Family:
   return REGISTRY[config.decoder_block]
 
 
+def problem(config: Any) -> str | None:
+  """Why the run's Config cannot build its family, or None: an unknown decoder_block, or a key the family needs
+  or cannot take. The run plan's builder raises the answer as a ConfigError (planner.build)."""
+  name = config.decoder_block
+  if name not in REGISTRY:
+    return f"Unknown decoder_block {name!r}; choose one of {', '.join(sorted(REGISTRY))}"
+  if REGISTRY[name].learned_positions and config.trainable_position_size <= 0:
+    return f"decoder_block={name} needs trainable_position_size > 0"
+  if name == "qwen3next":  # the gated DeltaNet (layers/gated_deltanet.py)
+    if config.full_attention_interval < 1 or config.linear_num_value_heads % max(config.linear_num_key_heads, 1):
+      return (
+        "qwen3next needs full_attention_interval >= 1 and linear_num_value_heads a multiple of linear_num_key_heads; "
+        f"got {config.full_attention_interval}, {config.linear_num_value_heads}, {config.linear_num_key_heads}"
+      )
+    if config.ici_context_parallelism * config.dcn_context_parallelism > 1:
+      return "qwen3next: the gated DeltaNet runs over whole sequences; set ici/dcn_context_parallelism=1"
+  if config.mtp_num_layers and REGISTRY[name].mtp_layer is None:
+    return (
+      f"mtp_num_layers={config.mtp_num_layers} is not available for decoder_block={name} "
+      "(multi-token prediction: deepseek and the llama2 family); set mtp_num_layers=0"
+    )
+  return None
+
+
 def build(config: Any, rngs: nnx.Rngs, plan: Plan) -> Decoder:
   """The model for `config` (the run's Config: the model sees its ModelConfig, LoraConfig and whether the
-  vision tower trains), run as `plan` says
-  (parallel.plan.build(config, mesh)). Parameters carry logical axis names; they are placed by the caller."""
+  vision tower trains), run as `plan` says (planner.build(config, mesh)). Parameters carry logical axis names;
+  they are placed by the caller."""
   model_config = ModelConfig.from_config(config)
   adapters = lora.LoraConfig.from_config(config)
   # Sharding is applied by the caller from the logical names (state.py), not eagerly per variable.

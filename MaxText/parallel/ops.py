@@ -66,7 +66,7 @@ def _repeat_kv(split: HeadSplit, q, k, v):
 
 def flash(plan: Plan, kernel: Callable, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
   """kernel(q, k, v, segment_ids) on local arrays (the whole sequence), per batch/head shard; on the plan's
-  attention.batch_pieces parts of each shard's batch in turn (flash_pieces: parallel/plan.py, Pieces)."""
+  attention.batch_pieces parts of each shard's batch in turn (flash_pieces: planner.Pieces)."""
   kernel = _in_batch_pieces(kernel, plan.attention.batch_pieces)
   if plan.mesh is None:
     return kernel(q, k, v, segment_ids)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import jax
 
 _cp = jax.checkpoint_policies
-_QKV = ("query_proj", "key_proj", "value_proj")
+QKV = ("query_proj", "key_proj", "value_proj")
 _MINIMAL_WITH_CONTEXT = _cp.save_from_both_policies(
   _cp.checkpoint_dots_with_no_batch_dims, _cp.save_only_these_names("context")
 )
@@ -22,19 +22,37 @@ POLICIES = {
   "minimal": _cp.checkpoint_dots_with_no_batch_dims,
   "minimal_with_context": _MINIMAL_WITH_CONTEXT,
   "minimal_flash": _MINIMAL_WITH_CONTEXT,  # MaxText's second name for the same policy
-  "save_dot_with_context_except_mlp": _cp.save_only_these_names(*_QKV, "context", "out_proj"),
-  "save_dot_except_mlpwi": _cp.save_only_these_names(*_QKV, "out_proj", "mlpwo"),
-  "save_dot_except_mlp": _cp.save_only_these_names(*_QKV, "out_proj"),
-  "save_qkv_proj": _cp.save_only_these_names(*_QKV),
+  "save_dot_with_context_except_mlp": _cp.save_only_these_names(*QKV, "context", "out_proj"),
+  "save_dot_except_mlpwi": _cp.save_only_these_names(*QKV, "out_proj", "mlpwo"),
+  "save_dot_except_mlp": _cp.save_only_these_names(*QKV, "out_proj"),
+  "save_qkv_proj": _cp.save_only_these_names(*QKV),
   "save_out_proj": _cp.save_only_these_names("out_proj"),
   "qkv_proj_offloaded": _cp.save_and_offload_only_these_names(
-    names_which_can_be_saved=[], names_which_can_be_offloaded=list(_QKV), offload_src="device",
+    names_which_can_be_saved=[], names_which_can_be_offloaded=list(QKV), offload_src="device",
     offload_dst="pinned_host",
   ),
   "minimal_offloaded": _cp.offload_dot_with_no_batch_dims(offload_src="device", offload_dst="pinned_host"),
   "none": None,  # store every activation: no jax.checkpoint at all
 }  # fmt: skip
 NAMES = tuple(POLICIES)
+# What each policy keeps of a layer's forward for the backward pass: on the chip (KEEPS) and in pinned host
+# memory (OFFLOADS), by tag; "dots" is every matmul output without a batch dimension (q, k, v, out and the
+# MLP's), "all" every activation. Nothing kept is computed again. autofit_estimate.py reads this.
+KEEPS: dict[str, tuple[str, ...]] = {
+  "full": (),
+  "minimal": ("dots",),
+  "minimal_with_context": ("dots", "context"),
+  "minimal_flash": ("dots", "context"),
+  "save_dot_with_context_except_mlp": (*QKV, "context", "out_proj"),
+  "save_dot_except_mlpwi": (*QKV, "out_proj", "mlpwo"),
+  "save_dot_except_mlp": (*QKV, "out_proj"),
+  "save_qkv_proj": QKV,
+  "save_out_proj": ("out_proj",),
+  "qkv_proj_offloaded": (),
+  "minimal_offloaded": (),
+  "none": ("all",),
+}
+OFFLOADS: dict[str, tuple[str, ...]] = {"qkv_proj_offloaded": QKV, "minimal_offloaded": ("dots",)}
 
 
 def remat(fn: Callable, policy: str, prevent_cse: bool) -> Callable:

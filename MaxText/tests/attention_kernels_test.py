@@ -8,11 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import config, sharding
+from MaxText import config, planner, sharding
 from MaxText.layers import attention_kernels
 from MaxText.layers.attention import attention_mask, dot_product_attention
 from MaxText.parallel import ops
-from MaxText.parallel import plan as plan_lib
 
 BASE = os.path.join(config.CONFIG_DIR, "base.yml")
 
@@ -100,7 +99,7 @@ def test_sharded_equals_unsharded(mesh_args, kv_heads, repeat_kv):
   same values."""
   c = mesh_config(*mesh_args)
   mesh = sharding.create_mesh(c)
-  plan = plan_lib.build(c, mesh)
+  plan = planner.build(c, mesh)
   q, k, v, segment_ids, key = inputs(b=8, t=128, k=kv_heads, h=128)
   cotangent = jax.random.normal(key, q.shape)
   want = value_and_grads(reference, q, k, v, segment_ids, cotangent, sliding_window=64)
@@ -133,7 +132,7 @@ def test_compiles_to_a_mosaic_kernel_for_tpu(head_dim):
   Pallas kernels), run per shard as the run plan says."""
   c = mesh_config("ici_data_parallelism=2", "ici_tensor_parallelism=2", "ici_fsdp_parallelism=1")
   mesh = sharding.create_mesh(c, tpu_devices("2x2"))
-  plan = plan_lib.build(c, mesh)
+  plan = planner.build(c, mesh)
   assert plan.platform == "tpu" and not plan.attention.interpret
   q = jax.ShapeDtypeStruct((4, 1024, 8, head_dim), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((4, 1024, 2, head_dim), jnp.bfloat16)

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from MaxText import config as config_lib
-from MaxText import sharding
+from MaxText import planner, sharding
+from MaxText.errors import ConfigError
 from MaxText.layers import attention, kv_cache
-from MaxText.parallel import plan as plan_lib
 
 
 def config(*overrides):
@@ -45,19 +45,19 @@ def test_attend_chunks_only_when_the_chunk_divides_a_longer_sequence():
   want = attention.dot_product_attention(q, k, v, attention.attention_mask(segments), 0.0)
   for chunk in (0, 64, 256):
     c = config(f"attention_query_chunk={chunk}", "max_target_length=256", "attention=dot_product")
-    np.testing.assert_allclose(attention.attend(plan_lib.build(c), q, k, v, segments), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(attention.attend(planner.build(c), q, k, v, segments), want, rtol=1e-5, atol=1e-6)
 
 
 def test_attention_query_chunk_must_divide_the_length():
-  with pytest.raises(config_lib.ConfigError, match="attention_query_chunk=300 must be 0"):
+  with pytest.raises(ConfigError, match="attention_query_chunk=300 must be 0"):
     config("attention_query_chunk=300", "max_target_length=2048")
 
 
 def test_autoselected_follows_the_target_platform():
   c = config("attention=autoselected", "max_target_length=256")
-  plan = plan_lib.build(c).attention  # CPU, no mesh
+  plan = planner.build(c).attention  # CPU, no mesh
   assert (plan.kernel, plan.platform) == ("dot_product", "cpu") and "no fused kernel on cpu" in plan.reason
-  assert plan_lib.build(config("attention=flash", "max_target_length=256")).attention.kernel == "flash"  # explicit wins
+  assert planner.build(config("attention=flash", "max_target_length=256")).attention.kernel == "flash"  # explicit wins
   pytest.importorskip("libtpu")
   from jax.experimental import topologies
 
@@ -65,11 +65,11 @@ def test_autoselected_follows_the_target_platform():
     devices = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu").devices
   except Exception as e:  # noqa: BLE001 (libtpu present but cannot describe topologies here)
     pytest.skip(f"no TPU topology description: {e}")
-  plan = plan_lib.build(c, sharding.create_mesh(c, devices)).attention
+  plan = planner.build(c, sharding.create_mesh(c, devices)).attention
   assert (plan.kernel, plan.platform) == ("flash", "tpu") and "TPU" in plan.reason
   assert plan.kernel_for(200) == "dot_product"  # the kernel tiles by 128
-  with pytest.raises(config_lib.ConfigError, match="needs NVIDIA GPUs"):
-    plan_lib.build(config("attention=cudnn_flash_te"), sharding.create_mesh(c, devices))
+  with pytest.raises(ConfigError, match="needs NVIDIA GPUs"):
+    planner.build(config("attention=cudnn_flash_te"), sharding.create_mesh(c, devices))
 
 
 def test_flash_through_attend_equals_dot_product_for_narrower_values():
@@ -78,17 +78,17 @@ def test_flash_through_attend_equals_dot_product_for_narrower_values():
   v = v[..., :32]
   c = config("attention=flash", "max_target_length=128")
   want = attention.dot_product_attention(q, k, v, attention.attention_mask(segments), 0.0)
-  np.testing.assert_allclose(attention.attend(plan_lib.build(c), q, k, v, segments), want, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(attention.attend(planner.build(c), q, k, v, segments), want, rtol=1e-4, atol=1e-5)
 
 
 def test_flash_on_a_gpu_points_to_cudnn(monkeypatch):
-  monkeypatch.setattr(plan_lib, "target_platform", lambda mesh: "gpu")
-  with pytest.raises(config_lib.ConfigError, match="cudnn_flash_te"):
-    plan_lib.build(config("attention=flash", "max_target_length=128"))
-  with pytest.raises(config_lib.ConfigError, match="soft_cap"):
-    plan_lib.build(config("attention=cudnn_flash_te", "attn_logits_soft_cap=30"))
-  assert plan_lib.build(config("attention=autoselected")).attention.kernel == "cudnn_flash_te"
-  assert plan_lib.build(config("attention=autoselected", "attn_logits_soft_cap=30")).attention.kernel == "dot_product"
+  monkeypatch.setattr(planner, "target_platform", lambda mesh: "gpu")
+  with pytest.raises(ConfigError, match="cudnn_flash_te"):
+    planner.build(config("attention=flash", "max_target_length=128"))
+  with pytest.raises(ConfigError, match="soft_cap"):
+    planner.build(config("attention=cudnn_flash_te", "attn_logits_soft_cap=30"))
+  assert planner.build(config("attention=autoselected")).attention.kernel == "cudnn_flash_te"
+  assert planner.build(config("attention=autoselected", "attn_logits_soft_cap=30")).attention.kernel == "dot_product"
 
 
 def test_chunked_mask_keeps_each_query_in_its_own_chunk():

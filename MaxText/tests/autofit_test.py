@@ -19,7 +19,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from MaxText import autofit, config
+from MaxText import autofit_estimate as estimates
 from MaxText.layers import moe_dispatch
+from MaxText.parallel import remat as remat_lib
 from MaxText.tests.conftest import BASE, ROOT, SIZES
 
 GiB = 2**30
@@ -32,49 +34,49 @@ def load(tmp_path, *overrides):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
   c = load(tmp_path_factory.mktemp("af"), "dtype=bfloat16")
-  split = autofit.Split(8, 1, 1)
+  split = estimates.Split(8, 1, 1)
   return c, autofit.facts(c, split, jax.devices()[:8])
 
 
 def test_the_estimate_grows_with_the_batch_and_the_kept_activations(tiny):
   c, f = tiny
-  d = autofit.dims(c)
-  totals = [autofit.estimate(d, f, "full", b).total for b in (1, 2, 4, 8)]
+  d = estimates.dims(c)
+  totals = [estimates.estimate(d, f, "full", b).total for b in (1, 2, 4, 8)]
   assert totals == sorted(totals) and len(set(totals)) == 4
-  per_policy = [autofit.estimate(d, f, r, 8).activations for r in ("full", "save_qkv_proj", "minimal", "none")]
+  per_policy = [estimates.estimate(d, f, r, 8).activations for r in ("full", "save_qkv_proj", "minimal", "none")]
   assert per_policy == sorted(per_policy) and len(set(per_policy)) == 4
   # Accumulation: the same step's activations in micro-batches, plus an accumulator of the gradients.
-  whole, split = autofit.estimate(d, f, "full", 8, 1), autofit.estimate(d, f, "full", 8, 4)
+  whole, split = estimates.estimate(d, f, "full", 8, 1), estimates.estimate(d, f, "full", 8, 4)
   assert split.activations < whole.activations and split.fixed == whole.fixed + f.param_bytes
 
 
 def test_sharding_over_more_chips_divides_the_state(tmp_path):
   c = load(tmp_path, "base_emb_dim=256", "base_mlp_dim=512", "vocab_size=1024")
-  on8 = autofit.facts(c, autofit.Split(8, 1, 1), jax.devices()[:8])
-  on4 = autofit.facts(c, autofit.Split(4, 1, 1), jax.devices()[:4])
+  on8 = autofit.facts(c, estimates.Split(8, 1, 1), jax.devices()[:8])
+  on4 = autofit.facts(c, estimates.Split(4, 1, 1), jax.devices()[:4])
   assert on4.state_bytes / on8.state_bytes == pytest.approx(2, rel=0.05)
-  tensor = autofit.facts(c, autofit.Split(4, 2, 1), jax.devices()[:8])
+  tensor = autofit.facts(c, estimates.Split(4, 2, 1), jax.devices()[:8])
   assert tensor.state_bytes == pytest.approx(on8.state_bytes, rel=0.05)  # 8 chips either way
   assert tensor.batch_shards == 4 and on8.batch_shards == 8  # the tensor pair holds the same rows
 
 
 def test_remat_recompute_costs_time_and_tensor_parallelism_costs_activations(tiny):
   c, f = tiny
-  d = autofit.dims(c)
-  cand = lambda remat: autofit.Candidate(f.split, remat, 1, 4)  # noqa: E731
-  full, minimal = (autofit.step_time(d, f, cand(r), 197e12, 0.5, 200e9) for r in ("full", "minimal"))
+  d = estimates.dims(c)
+  cand = lambda remat: estimates.Candidate(f.split, remat, 1, 4)  # noqa: E731
+  full, minimal = (estimates.step_time(d, f, cand(r), 197e12, 0.5, 200e9) for r in ("full", "minimal"))
   assert full > minimal
-  assert autofit.recomputed_share("full", f.matmul_share) == 1.0
-  assert autofit.recomputed_share("minimal", f.matmul_share) == 0.0
-  wide = f._replace(split=autofit.Split(4, 2, 1), batch_shards=4)
-  assert autofit.estimate(d, wide, "full", 4).activations > autofit.estimate(d, f, "full", 4).activations
+  assert estimates.recomputed_share("full", f.matmul_share) == 1.0
+  assert estimates.recomputed_share("minimal", f.matmul_share) == 0.0
+  wide = f._replace(split=estimates.Split(4, 2, 1), batch_shards=4)
+  assert estimates.estimate(d, wide, "full", 4).activations > estimates.estimate(d, f, "full", 4).activations
 
 
 def test_splits_follow_the_heads_and_experts(tmp_path):
   dense = load(tmp_path)  # 4 query heads, 2 kv heads
-  assert autofit.splits(dense, 8) == [autofit.Split(8, 1, 1), autofit.Split(4, 2, 1)]
+  assert autofit.splits(dense, 8) == [estimates.Split(8, 1, 1), estimates.Split(4, 2, 1)]
   moe = load(tmp_path, "num_experts=4", "num_experts_per_tok=2")
-  assert autofit.Split(2, 1, 4) in autofit.splits(moe, 8) and autofit.Split(1, 2, 4) in autofit.splits(moe, 8)
+  assert estimates.Split(2, 1, 4) in autofit.splits(moe, 8) and estimates.Split(1, 2, 4) in autofit.splits(moe, 8)
 
 
 def test_the_search_bisects_to_the_largest_fitting_batch_and_writes_a_recipe(tmp_path, capsys):
@@ -92,7 +94,7 @@ def test_the_search_bisects_to_the_largest_fitting_batch_and_writes_a_recipe(tmp
 
   argv = [BASE, *SIZES, "dtype=bfloat16", "auto_fit=true", f"auto_fit_output={out}"]
   winner = autofit.run(c, argv, jax.devices()[:8], fake_compile)
-  assert winner.batch == 19 and winner.split == autofit.Split(8, 1, 1)
+  assert winner.batch == 19 and winner.split == estimates.Split(8, 1, 1)
   assert (20.0, winner.remat, 1) in calls and len(calls) <= 6
   printed = capsys.readouterr().out
   assert "the next batch was compiled and does not fit" in printed and f"wrote {out}" in printed
@@ -165,14 +167,14 @@ def test_auto_fit_on_v5e_8_fits_and_the_next_batch_does_not(tmp_path):
   assert over is None or over > budget
 
 
-# MoE: the dispatch buffers' rows (autofit.dispatch_rows) against the traced dispatch, and the estimate against
+# MoE: the dispatch buffers' rows (estimates.dispatch_rows) against the traced dispatch, and the estimate against
 # mixtral-8x7b's compiles on v5p-128 (benchmarks/README.md, "Auto-fit"), from the facts autofit.facts gave there.
-MIXTRAL = autofit.Dims(4096, 6144, 4096, 28672, 32, 32000, 4096, 2, autofit.Moe(8, 2, 14336, 0, 0.0))
+MIXTRAL = estimates.Dims(4096, 6144, 4096, 28672, 32, 32000, 4096, 2, estimates.Moe(8, 2, 14336, 0, 0.0))
 
 
 def mixtral_facts(fsdp, expert):
   layer = {1: 2902540544.0, 8: 362817568.0}[expert]  # one layer's weights over tensor x expert, bf16
-  return autofit.Facts(autofit.Split(fsdp, 1, expert), 64, 8759918604, 2919972864, layer, 64, 7.97e10, {})
+  return estimates.Facts(estimates.Split(fsdp, 1, expert), 64, 8759918604, 2919972864, layer, 64, 7.97e10, {})
 
 
 def expert_rows(moe, ep, x):
@@ -213,24 +215,24 @@ def expert_rows(moe, ep, x):
 @pytest.mark.parametrize(
   "moe, ep",
   [
-    (autofit.Moe(8, 2, 48, 0, 0.0), 1),  # dropless on one shard: the k assignments per token
-    (autofit.Moe(8, 2, 48, 0, 0.0), 4),  # over 4 shards of 2 experts: 4 x min(2, 2) rows per token
-    (autofit.Moe(8, 2, 48, 0, 0.0), 8),  # mixtral's expert=8: 8 x min(2, 1), 4x the assignments
-    (autofit.Moe(4, 1, 48, 0, 0.0), 2),  # k=1: 2 x 1
-    (autofit.Moe(8, 2, 48, 0, 1.25), 4),  # capacity: 1.25 x k slots per token wherever the experts live
+    (estimates.Moe(8, 2, 48, 0, 0.0), 1),  # dropless on one shard: the k assignments per token
+    (estimates.Moe(8, 2, 48, 0, 0.0), 4),  # over 4 shards of 2 experts: 4 x min(2, 2) rows per token
+    (estimates.Moe(8, 2, 48, 0, 0.0), 8),  # mixtral's expert=8: 8 x min(2, 1), 4x the assignments
+    (estimates.Moe(4, 1, 48, 0, 0.0), 2),  # k=1: 2 x 1
+    (estimates.Moe(8, 2, 48, 0, 1.25), 4),  # capacity: 1.25 x k slots per token wherever the experts live
   ],
 )
 def test_dispatch_rows_are_the_buffers_the_dispatch_traces(moe, ep):
   x = 32  # tokens per shard
-  assert expert_rows(moe, ep, x) == autofit.dispatch_rows(moe, ep) * x
+  assert expert_rows(moe, ep, x) == estimates.dispatch_rows(moe, ep) * x
 
 
 def test_dense_estimate_is_unchanged_and_moe_adds_the_dispatch_buffers(tiny):
   c, f = tiny
-  d = autofit.dims(c)
+  d = estimates.dims(c)
   assert d.moe is None
-  assert autofit.workspace_per_token(d, f.split) == 0.4 * autofit.saved_per_token(d, "none", 1)
-  ep1, ep8 = (autofit.estimate(MIXTRAL, mixtral_facts(64 // e, e), "full", 4).activations for e in (1, 8))
+  assert estimates.workspace_per_token(d, f.split) == 0.4 * estimates.saved_per_token(d, "none", 1)
+  ep1, ep8 = (estimates.estimate(MIXTRAL, mixtral_facts(64 // e, e), "full", 4).activations for e in (1, 8))
   assert ep8 > 2 * ep1  # the expert axis's worst-case receive buffers, 8 rows per token against 2
 
 
@@ -240,5 +242,12 @@ def test_dense_estimate_is_unchanged_and_moe_adds_the_dispatch_buffers(tiny):
 )
 def test_the_moe_estimate_lands_near_the_compiled_step(expert, batch, compiled_gib):
   """Before the dispatch term, fsdp 8 x expert 8 at batch 12 was estimated 29.43 GiB for XLA's 81.12."""
-  est = autofit.estimate(MIXTRAL, mixtral_facts(64 // expert, expert), "full", batch).total / GiB
+  est = estimates.estimate(MIXTRAL, mixtral_facts(64 // expert, expert), "full", batch).total / GiB
   assert est == pytest.approx(compiled_gib, rel=0.15)
+
+
+def test_every_remat_policy_says_what_it_keeps():
+  """autofit's memory and recompute model reads parallel/remat.py's KEEPS and OFFLOADS: every policy is there."""
+  assert set(remat_lib.KEEPS) == set(remat_lib.POLICIES)
+  assert set(remat_lib.OFFLOADS) <= set(remat_lib.POLICIES)
+  assert all(remat_lib.KEEPS[name] == () for name in remat_lib.OFFLOADS)

@@ -17,7 +17,7 @@ import pytest
 
 from MaxText import checkpointing, optimizers, sharding, train
 from MaxText import state as state_lib
-from MaxText.errors import ConfigError
+from MaxText.errors import CheckpointError, ConfigError
 from MaxText.tests.conftest import BASE, ROOT, TINY, cfg
 
 COMMON = ["per_device_batch_size=1", "enable_checkpointing=true", "checkpoint_period=2", "steps=4"]
@@ -115,7 +115,7 @@ def test_empty_newer_step_directory_is_moved_aside(trained, tmp_path, capsys):
 def test_changed_model_fails_in_one_line_and_moves_nothing(trained, tmp_path):
   _copy(trained, tmp_path)
   c = cfg(tmp_path, "r", *COMMON, "base_mlp_dim=96")
-  with pytest.raises(checkpointing.CheckpointError, match=r"newest, step 4: .*use a new run_name") as e:
+  with pytest.raises(CheckpointError, match=r"newest, step 4: .*use a new run_name") as e:
     _restore(c)
   assert "\n" not in str(e.value)
   assert sorted(os.listdir(c.checkpoint_dir)) == ["2", "4"]
@@ -157,7 +157,7 @@ def test_disk_full_removes_the_partial_save_and_says_so(trained, tmp_path, monke
     return real_save(step, *args, **kwargs)
 
   monkeypatch.setattr(manager, "save", full_disk)
-  with pytest.raises(checkpointing.CheckpointError, match="no space left on .*step 4 is the last complete") as e:
+  with pytest.raises(CheckpointError, match="no space left on .*step 4 is the last complete") as e:
     checkpointing.save(manager, 6, {"x": 1}, {})
   manager.close()
   assert f"6{checkpointing.TMP_SUFFIX}" in str(e.value)

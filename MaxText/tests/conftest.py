@@ -1,8 +1,8 @@
 """Tests run on 8 fake CPU devices; XLA_FLAGS must be set before jax is imported. Also what several test
 modules share: the tiny training config (TINY, cfg, losses), the data fixtures (a small corpus and its
 tokenizer, batch checks, meshes over the first N devices), and the helpers that run an entry point as
-several cooperating processes on 127.0.0.1 (multihost_test, decode_test). Test modules import from here,
-never from each other."""
+several cooperating processes on 127.0.0.1 (multihost_test, decode_test). Plain helpers that fewer modules
+share live in helpers.py. Test modules import from these two, never from each other (structure_test checks)."""
 
 import json
 import os

@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import config, models, sharding
-from MaxText import train_step as steps
+from MaxText import config, models, planner, sharding
 from MaxText.errors import ConfigError
 from MaxText.layers import context_parallel
-from MaxText.parallel import plan as plan_lib
+from MaxText.objectives import lm
 
 BASE = os.path.join(config.CONFIG_DIR, "base.yml")
 # Tiny, float32; GQA (4 query heads over 2 kv heads); 64 tokens so 4 shards x 2 chunks x 8 tokens.
@@ -49,13 +48,13 @@ def loss_and_grads(*overrides, rows: int = 8):
   """(loss per token, gradients) of one packed batch under the mesh the overrides give."""
   c = load(*overrides)
   mesh = sharding.create_mesh(c)
-  graphdef, params = nnx.split(models.build(c, nnx.Rngs(params=0), plan_lib.build(c, mesh)), nnx.Param)
+  graphdef, params = nnx.split(models.build(c, nnx.Rngs(params=0), planner.build(c, mesh)), nnx.Param)
   batch = packed_batch(rows, c.max_target_length)
   with sharding.activate(c, mesh):
     placed = jax.device_put(
       params, sharding.logical_to_mesh(nnx.get_partition_spec(params), mesh, sharding.axis_rules(c))
     )
-    grad_fn = jax.jit(jax.grad(functools.partial(steps.loss_sums, graphdef, c), has_aux=True))
+    grad_fn = jax.jit(jax.grad(functools.partial(lm.loss_sums, graphdef, c), has_aux=True))
     grads, aux = grad_fn(placed, batch, None)
   per_token = lambda x: np.asarray(x) / float(aux["tokens"])  # noqa: E731
   return float(aux["nll"]) / float(aux["tokens"]), jax.tree.map(per_token, grads)

@@ -11,7 +11,7 @@ import pytest
 
 from MaxText.convert import fp8, hf_to_maxtext
 from MaxText.errors import ConfigError
-from MaxText.tests.families_test import T, hf_model, maxtext_logits
+from MaxText.tests.helpers import T, hf_model, maxtext_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

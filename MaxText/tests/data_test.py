@@ -3,18 +3,17 @@
 import json
 import logging
 import os
-from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 
-from MaxText import config, sharding
+from MaxText import config
 from MaxText import data as data_package
 from MaxText.data import files, make_iterators, text
 from MaxText.data import tokenizer as tokenizers
 from MaxText.data.batches import process_rows
 from MaxText.data.packing import DocumentRows
+from MaxText.errors import ConfigError
 from MaxText.tests.conftest import (
   DOCS,
   as_numpy,
@@ -27,6 +26,7 @@ from MaxText.tests.conftest import (
   take_batches,
   text_config,
 )
+from MaxText.tests.helpers import two_process_overrides
 
 
 @pytest.mark.parametrize("devices", [1, 8])
@@ -210,7 +210,7 @@ def test_text_jsonl_and_parquet_documents(tmp_path, corpus):
 
 
 def test_tokenizer_path_must_exist(tmp_path, corpus):
-  with pytest.raises(config.ConfigError, match="tokenizer_path=.*missing.model.* does not exist"):
+  with pytest.raises(ConfigError, match="tokenizer_path=.*missing.model.* does not exist"):
     text_config(tmp_path, corpus, f"tokenizer_path={tmp_path}/missing.model")
 
 
@@ -220,47 +220,6 @@ def test_process_rows_follow_the_sharding():
       return {"d0": (slice(4, 6), slice(None)), "d1": (slice(0, 2), slice(None))}
 
   assert list(process_rows(Sharding(), (8, 16))) == [0, 1, 4, 5]
-
-
-def _process_main(process_id: int, port: int, out: str, *argv: str) -> None:
-  """One of two processes (4 CPU devices each): save the shards of a few text, synthetic and grain batches."""
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
-  assert jax.process_count() == 2 and jax.local_device_count() == 4
-  shards = {}
-
-  def record(name, train, steps):
-    for step in steps:
-      for shard in next(train).get("inputs").addressable_shards:
-        shards[f"{name}/{step}/{shard.index[0].start}"] = np.asarray(shard.data)
-
-  for dataset_type in ("text", "synthetic", "grain"):
-    cfg = config.load([*argv, *_two_process_overrides(dataset_type, out)], environ={})
-    train = make_iterators(cfg, sharding.create_mesh(cfg)).train
-    fresh = train.get_state()
-    record(dataset_type, train, range(3))
-    state = train.get_state()  # a collective for grain: every shard's state reaches every process
-    if dataset_type == "grain":
-      assert len(state["shards"]) == 2 and state["num_shards"] == 2
-      if process_id == 0:  # resumed by one process in the test
-        (Path(out) / "grain_state.json").write_text(json.dumps(state))
-      record("grain", train, range(3, 5))
-      # A one-shard state (as one process saves it) resumed by two processes: each reads the one shard.
-      assert fresh["shards"][0] == fresh["shards"][1]  # a fresh shard's state does not name the shard
-      one = make_iterators(cfg, sharding.create_mesh(cfg)).train
-      one.set_state({"num_shards": 1, "shards": fresh["shards"][:1]})
-      record("grain1", one, range(3))
-  np.savez(os.path.join(out, f"{process_id}.npz"), **shards)
-  jax.distributed.shutdown()
-
-
-def _two_process_overrides(dataset_type: str, out: str) -> list[str]:
-  """grain reads DOCS from ArrayRecord files with the tokenizer the text run trained, one document per row."""
-  if dataset_type != "grain":
-    return [f"dataset_type={dataset_type}"]
-  model = os.path.join(out, "t", "tokenizer", "tokenizer.model")
-  grain = ["dataset_type=grain", f"grain_train_files={out}/records/*", f"tokenizer_path={model}", "packing=false"]
-  return [*grain, "grain_worker_count=0"]
 
 
 def test_two_processes_build_the_single_process_batches(tmp_path, corpus):
@@ -279,7 +238,7 @@ def test_two_processes_build_the_single_process_batches(tmp_path, corpus):
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-  code = "import sys; from MaxText.tests.data_test import _process_main as m; m(int(sys.argv[1]), *sys.argv[2:])"
+  code = "import sys; from MaxText.tests.helpers import data_process_main as m; m(int(sys.argv[1]), *sys.argv[2:])"
   procs = [
     subprocess.Popen([sys.executable, "-c", code, str(p), str(port), str(tmp_path), *argv], env=env, cwd=root)
     for p in range(2)
@@ -293,7 +252,7 @@ def test_two_processes_build_the_single_process_batches(tmp_path, corpus):
   model = os.path.join(tmp_path, "t", "tokenizer", "tokenizer.model")
   got = lambda name, step: np.concatenate([shards[f"{name}/{step}/{row}"] for row in range(8)])  # noqa: E731
   for dataset_type in ("text", "synthetic", "grain"):
-    cfg = config.load([*argv, *_two_process_overrides(dataset_type, str(tmp_path)), f"tokenizer_path={model}"], {})
+    cfg = config.load([*argv, *two_process_overrides(dataset_type, str(tmp_path)), f"tokenizer_path={model}"], {})
     expected = take_batches(make_iterators(cfg, mesh_of(cfg, 8)).train, 3)
     if dataset_type == "grain":  # elastic resume: the same global batches on another number of processes
       one = make_iterators(cfg, mesh_of(cfg, 8)).train

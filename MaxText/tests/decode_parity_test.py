@@ -10,12 +10,10 @@ import pytest
 from MaxText import config
 from MaxText.convert import hf_to_maxtext
 from MaxText.inference import Engine
+from MaxText.tests.helpers import GPT2, LLAMA4, PARITY_NEW, PROMPTS, hf_greedy, hf_model
 
 torch = pytest.importorskip("torch")
-families_test = pytest.importorskip("MaxText.tests.families_test")
 
-PROMPTS = [[5, 9, 17], [3, 1, 4, 1, 5, 9, 2, 6, 53], [40, 41, 42, 43, 44, 45]]
-NEW = 16
 # One per attention/layer variant: GQA, projection biases, sliding window, MoE, q/k norms, gemma norms,
 # soft-caps with local/global layers, 5:1 local/global, multi-head latent attention (V3; V2 with YaRN; Kimi K2's
 # YaRN with beta_fast = beta_slow), learned positions, chunked local / NoPE global layers with input-weighted
@@ -24,23 +22,13 @@ FAMILIES = ["llama2", "llama-bias", "mistral", "mixtral", "qwen3", "gemma", "gem
 FAMILIES += ["deepseek2", "kimi-k2", "gpt3", "llama4"]
 
 
-def hf_greedy(model, prompts):
-  width = max(len(p) for p in prompts)
-  ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-  mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-  model.generation_config.eos_token_id = None
-  with torch.no_grad():
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
-  return out[:, width:].numpy()
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_tokens_equal_hugging_face_generate(family, tmp_path, monkeypatch):
-  monkeypatch.setitem(families_test.GPT2, "n_positions", 32)  # room for prompt + 16 new tokens
+  monkeypatch.setitem(GPT2, "n_positions", 32)  # room for prompt + 16 new tokens
   # transformers counts llama4's temperature-tuning positions from the left padding (the prompt alone would
   # differ), so here its steps start beyond the 32 positions; families_test checks the scaling itself.
-  monkeypatch.setitem(families_test.LLAMA4, "floor_scale", 64)
-  model, hf_path = families_test.hf_model(family, tmp_path)
+  monkeypatch.setitem(LLAMA4, "floor_scale", 64)
+  model, hf_path = hf_model(family, tmp_path)
   out = os.path.join(tmp_path, "mt")
   hf_to_maxtext.convert(hf_path, out)
   c = config.load(
@@ -48,7 +36,7 @@ def test_greedy_tokens_equal_hugging_face_generate(family, tmp_path, monkeypatch
     + ["max_target_length=32", "max_prefill_predict_length=16", "ici_fsdp_parallelism=1", "ici_data_parallelism=-1"],
     {},
   )
-  got = Engine.load(c).generate(PROMPTS, NEW, strategy="greedy", stop_tokens=[])
+  got = Engine.load(c).generate(PROMPTS, PARITY_NEW, strategy="greedy", stop_tokens=[])
   want = hf_greedy(model, PROMPTS)
   for row, completion in enumerate(got.completions):
     np.testing.assert_array_equal(completion.tokens, want[row], err_msg=f"prompt {row}")

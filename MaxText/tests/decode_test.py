@@ -12,63 +12,20 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import checkpointing, config, decode, models
+from MaxText import checkpointing, config, decode
 from MaxText.errors import ConfigError
 from MaxText.inference import Engine, engine, sampling
-from MaxText.parallel import plan as plan_lib
-from MaxText.tests.conftest import ROOT, run_processes
-
-BASE = os.path.join(config.CONFIG_DIR, "base.yml")
-TINY = ["base_emb_dim=32", "base_num_query_heads=4", "base_num_kv_heads=2", "base_mlp_dim=48", "head_dim=8"]
-TINY += ["base_num_decoder_layers=2", "vocab_size=64", "max_target_length=32", "dtype=float32", "run_name=t"]
-TINY += ["max_prefill_predict_length=16", "enable_checkpointing=false"]
-GEMMA = ["logits_via_embedding=true", "mlp_activations=[gelu,linear]"]
-SOFT_CAPS = ["attn_logits_soft_cap=5.0", "final_logits_soft_cap=3.0", "query_pre_attn_scalar=6"]
-FAMILIES = {
-  "llama2": [],
-  "llama-bias": ["attention_bias=true", "mlp_bias=true"],
-  "mistral": ["decoder_block=mistral", "sliding_window_size=3"],
-  "mixtral": ["decoder_block=mixtral", "num_experts=4", "num_experts_per_tok=2"],
-  "qwen3": ["decoder_block=qwen3", "use_qk_norm=true"],
-  "gemma": ["decoder_block=gemma", *GEMMA],
-  "gemma2": ["decoder_block=gemma2", "base_num_decoder_layers=3", "sliding_window_size=3", *GEMMA, *SOFT_CAPS],
-  "gemma3": ["decoder_block=gemma3", "base_num_decoder_layers=7", "sliding_window_size=3", "use_qk_norm=true"]
-  + ["rope_type=linear", *GEMMA, "use_post_attn_norm=true", "use_post_ffw_norm=true"],
-  "deepseek": ["decoder_block=deepseek", "base_num_decoder_layers=3", "first_num_dense_layers=1", "num_experts=4"]
-  + ["num_experts_per_tok=2", "shared_experts=1", "q_lora_rank=12", "kv_lora_rank=8", "qk_nope_head_dim=6"]
-  + ["qk_rope_head_dim=4", "v_head_dim=6", "routed_score_func=sigmoid", "n_routing_groups=2", "routed_bias=true"],
-  "gpt3": ["decoder_block=gpt3", "mlp_activations=[gelu]", "logits_via_embedding=true", "use_iota_embed=true"]
-  + ["trainable_position_size=32"],
-}
+from MaxText.tests.conftest import BASE, ROOT, run_processes
+from MaxText.tests.helpers import DECODE_FAMILIES, DECODE_TINY, assert_cache_equals_forward
 
 
 def load(*overrides):
-  return config.load([BASE, *TINY, *overrides], {})
+  return config.load([BASE, *DECODE_TINY, *overrides], {})
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(DECODE_FAMILIES))
 def test_forward_equals_prefill_equals_step_by_step(family):
-  c = load(*FAMILIES[family])
-  # Random parameters from the shapes: compiling the initialisers costs more than the test (deepseek).
-  graphdef, abstract = nnx.split(
-    nnx.eval_shape(lambda: models.build(c, nnx.Rngs(params=0), plan_lib.build(c))), nnx.Param
-  )
-  rng = np.random.default_rng(0)
-  params = jax.tree.map(lambda a: jnp.asarray(rng.normal(0.0, 0.3, a.shape), a.dtype), abstract)
-  tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (2, 12)), jnp.int32)
-  forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t, jnp.broadcast_to(jnp.arange(12), (2, 12)), jnp.ones_like(t)))
-  full = forward(params, tokens)
-  lengths = jnp.asarray([5, 8])  # rows of different lengths, right-padded
-  padded = jnp.where(jnp.arange(8) < lengths[:, None], tokens[:, :8], 0)
-  logits, cache = jax.jit(engine.prefill, static_argnums=(0, 1))(graphdef, 16, params, padded, lengths)
-  for row, n in enumerate([5, 8]):
-    np.testing.assert_allclose(logits[row, :n], full[row, :n], atol=1e-5, rtol=1e-5)
-  step = jax.jit(engine.step, static_argnums=0)
-  positions = lengths
-  for _ in range(4):
-    logits, cache = step(graphdef, params, cache, tokens[jnp.arange(2), positions], positions)
-    np.testing.assert_allclose(logits, full[jnp.arange(2), positions], atol=1e-5, rtol=1e-5)
-    positions = positions + 1
+  assert_cache_equals_forward(*DECODE_FAMILIES[family])
 
 
 def draws(logits, strategy, n=400, **kw):
@@ -191,7 +148,7 @@ def test_a_relative_params_path_reads_its_metadata_without_a_warning(tiny_engine
 
 
 def test_decode_command_line(capsys):
-  argv = ["decode.py", BASE, *TINY, "vocab_size=320", "prompt=I love to", "decode_max_new_tokens=4"]
+  argv = ["decode.py", BASE, *DECODE_TINY, "vocab_size=320", "prompt=I love to", "decode_max_new_tokens=4"]
   decode.main([*argv, "per_device_batch_size=1"])
   out = capsys.readouterr().out
   assert "random weights" in out and "Prompt: 'I love to'" in out and "Time to first token" in out
@@ -199,7 +156,7 @@ def test_decode_command_line(capsys):
 
 
 def test_decode_command_line_decodes_one_row_unless_a_batch_is_asked_for(capsys):
-  decode.main(["decode.py", BASE, *TINY, "vocab_size=320", "prompt=I love to", "decode_max_new_tokens=4"])
+  decode.main(["decode.py", BASE, *DECODE_TINY, "vocab_size=320", "prompt=I love to", "decode_max_new_tokens=4"])
   assert "(1 row x 3 steps)" in capsys.readouterr().out  # not base.yml's per_device_batch_size x 8 devices
 
 
@@ -207,8 +164,8 @@ def test_decode_command_line_decodes_one_row_unless_a_batch_is_asked_for(capsys)
 def test_two_processes_decode_like_one(tmp_path):
   """decode.py as 2 processes x 4 CPU devices (jax.distributed, one global 8-device mesh) prints the
   same greedy text as one process with 8 devices."""
-  args = [BASE, *TINY, "vocab_size=320", "prompt=I love to", "per_device_batch_size=1", "decode_max_new_tokens=6"]
-  args += ["hardware=cpu", "log_config=false"]
+  args = [BASE, *DECODE_TINY, "vocab_size=320", "prompt=I love to", "per_device_batch_size=1"]
+  args += ["decode_max_new_tokens=6", "hardware=cpu", "log_config=false"]
   results = run_processes([sys.executable, "MaxText/decode.py", *args], ROOT, tmp_path, "decode", 2, 4)
   for rc, log in results:
     assert rc == 0, log[-3000:]

@@ -1,6 +1,7 @@
-"""Direct preference optimisation (use_dpo=true): pairs become rows of chosen/rejected segments, the first step's
-loss is ln 2, 8 devices (fsdp, tensor) and gradient accumulation give the 1-device losses, a resume is exact,
-LoRA holds no reference copy, a tiny model learns to prefer correct sums, and bad pairs fail with one line."""
+"""Direct preference optimisation (objective=dpo; use_dpo=true is its alias): pairs become rows of chosen/rejected
+segments, the first step's loss is ln 2, 8 devices (fsdp, tensor) and gradient accumulation give the 1-device
+losses, a resume is exact, LoRA holds no reference copy, a tiny model learns to prefer correct sums, and bad pairs
+fail with one line."""
 
 import json
 import math
@@ -10,13 +11,14 @@ import numpy as np
 import optax
 import pytest
 
-from MaxText import config, dpo, train
+from MaxText import config, train
 from MaxText import state as state_lib
 from MaxText.data import chat, preferences, sft
 from MaxText.data import make_iterators as make_data
 from MaxText.errors import ConfigError, DataError
+from MaxText.objectives import dpo
 from MaxText.tests.conftest import BASE, TINY, as_numpy, mesh_of
-from MaxText.tests.sft_test import make_tokenizer
+from MaxText.tests.helpers import make_tokenizer, write_jsonl
 
 LN2 = math.log(2.0)
 CONVERSATION = [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "3"}]
@@ -25,12 +27,6 @@ CONVERSATION = [{"role": "user", "content": "1+2="}, {"role": "assistant", "cont
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
   return make_tokenizer(str(tmp_path_factory.mktemp("tok")), template=None)  # the default template
-
-
-def write_jsonl(path, records):
-  with open(path, "w") as f:
-    f.writelines(json.dumps(r) + "\n" for r in records)
-  return str(path)
 
 
 def sums(wrong=(1,), numbers=range(5)):
@@ -213,9 +209,9 @@ def test_bad_settings_fail_at_load(tmp_path, tok):
     dpo_config(tmp_path, tok, data, "dpo_label_smoothing=0.5")
   with pytest.raises(ConfigError, match="dpo_loss='kto' is not one of"):
     dpo_config(tmp_path, tok, data, "dpo_loss=kto")
-  with pytest.raises(ConfigError, match="use_dpo=true and use_sft=true"):
+  with pytest.raises(ConfigError, match="objective=dpo and use_sft=true"):
     dpo_config(tmp_path, tok, data, "use_sft=true")
-  with pytest.raises(ConfigError, match="use_dpo=true reads dataset_type=text"):
+  with pytest.raises(ConfigError, match="objective=dpo reads dataset_type=text"):
     dpo_config(tmp_path, tok, data, "dataset_type=synthetic")
 
 

@@ -12,73 +12,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import checkpointing, config, models, train
+from MaxText import checkpointing, config, models, planner, train
 from MaxText.convert import hf_mapping, hf_to_maxtext, maxtext_to_hf
 from MaxText.errors import ConfigError
 from MaxText.layers import attention_mla, embeddings
 from MaxText.layers.model_config import ModelConfig
-from MaxText.parallel import plan as plan_lib
+from MaxText.tests.helpers import FAMILIES, T, assert_export_is_exact, hf_model, maxtext_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-SMALL = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-SMALL |= dict(vocab_size=64, head_dim=8, tie_word_embeddings=False)
-LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
-LLAMA31_ROPE |= {"original_max_position_embeddings": 8, "rope_theta": 500000.0}
-GEMMA3_ROPE = {
-  "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
-  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-}
-DEEPSEEK = dict(num_hidden_layers=3, first_k_dense_replace=1, num_key_value_heads=4, moe_intermediate_size=16)
-DEEPSEEK |= dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1)
-DEEPSEEK |= dict(q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=6, head_dim=4)
-# YaRN over 8 rope dims: with these lengths the 4 frequencies are scaled by 1, 0.625, 0.25, 0.25 (truncate) or
-# 1, 0.256, 0.25, 0.25; mscale != mscale_all_dim scales cos/sin, mscale_all_dim the MLA softmax.
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
-DEEPSEEK_YARN = dict(DEEPSEEK, qk_rope_head_dim=8, head_dim=8, max_position_embeddings=256)
-DEEPSEEK2 = dict(DEEPSEEK_YARN, topk_method="group_limited_greedy", rope_parameters={**YARN, "mscale": 0.9})
-DEEPSEEK2["rope_parameters"] |= {"mscale_all_dim": 0.7}
-DEEPSEEK2_LITE = dict(DEEPSEEK2, q_lora_rank=None, topk_method="greedy", n_group=1, topk_group=1)
-DEEPSEEK2_LITE["rope_parameters"] = {**YARN, "mscale": 0.707, "mscale_all_dim": 0.707, "truncate": False}
-DEEPSEEK3_YARN = dict(DEEPSEEK_YARN, rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 16})
-# Kimi K2's YaRN: beta_fast = beta_slow = 1, mscale = mscale_all_dim = 1. Over these 8 rope dims the equal betas
-# keep frequencies 0-1 and divide 2-3 by factor (the default betas ramp frequency 1 to 0.625); one expert group.
-KIMI_ROPE = {**YARN, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
-KIMI_K2 = dict(DEEPSEEK_YARN, n_group=1, topk_group=1, routed_scaling_factor=2.827, rope_parameters=KIMI_ROPE)
-# Llama 4: 6 layers = one scanned block of 4 (layer 3 NoPE; layers 1, 3 MoE) and a remainder of 2; chunks of 4
-# and temperature steps every 4 positions, so both act within T tokens; llama3 RoPE scaling as Scout's.
-LLAMA4 = dict(num_hidden_layers=6, intermediate_size=16, intermediate_size_mlp=48, num_local_experts=4)
-LLAMA4 |= dict(interleave_moe_layer_step=2, attention_chunk_size=4, floor_scale=4, attn_scale=1.0)
-LLAMA4 |= dict(rope_parameters=LLAMA31_ROPE, max_position_embeddings=64)
-FAMILIES = {
-  "llama2": ("LlamaConfig", {}),
-  "llama-bias": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),
-  "llama3.1": ("LlamaConfig", {"rope_parameters": LLAMA31_ROPE, "max_position_embeddings": 64}),
-  "mistral": ("MistralConfig", {"sliding_window": 4}),
-  "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
-  "qwen3": ("Qwen3Config", {}),
-  "gemma": ("GemmaConfig", {"tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh"}),
-  "gemma2": (
-    "Gemma2Config",
-    {"sliding_window": 4, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0, "query_pre_attn_scalar": 6},
-  ),
-  "gemma3": (
-    "Gemma3TextConfig",
-    {"num_hidden_layers": 7, "sliding_window": 4, "rope_parameters": GEMMA3_ROPE, "query_pre_attn_scalar": 6},
-  ),
-  "deepseek3": ("DeepseekV3Config", DEEPSEEK),
-  "deepseek-no-q-lora": ("DeepseekV3Config", {**DEEPSEEK, "q_lora_rank": None, "n_group": 1, "topk_group": 1}),
-  "deepseek3-yarn": ("DeepseekV3Config", DEEPSEEK3_YARN),
-  "kimi-k2": ("DeepseekV3Config", KIMI_K2),
-  "deepseek2": ("DeepseekV2Config", DEEPSEEK2),
-  "deepseek2-lite": ("DeepseekV2Config", DEEPSEEK2_LITE),
-  "llama-yarn": ("LlamaConfig", {"rope_parameters": YARN, "max_position_embeddings": 256}),
-  "gpt3": ("GPT2Config", {}),
-  "qwen3-moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}),
-  "llama4": ("Llama4TextConfig", LLAMA4),
-}
 # Architecture fields of the published config.json files (DeepSeek-V2-Lite; DeepSeek-V3 and Kimi-K2-Instruct
 # without their FP8 quantization_config), legacy rope_scaling with "type" included.
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
@@ -86,37 +30,6 @@ PUBLISHED = {
   name: os.path.join(GOLDEN, f"{name}.config.json") for name in ("deepseek2-16b", "deepseek3-671b", "kimi-k2-1t")
 }
 LOADS_AS = {"kimi_k2": "deepseek_v3"}  # Kimi K2's model_type names a remote-code copy of transformers' DeepSeek V3
-GPT2 = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16, n_inner=48)
-T = 12
-
-
-def hf_model(family, tmp_path):
-  """A tiny random HF model with random norm weights, saved under tmp_path/hf."""
-  cls, extra = FAMILIES[family]
-  torch.manual_seed(0)
-  cfg = getattr(transformers, cls)(**({**GPT2} if family == "gpt3" else {**SMALL, **extra}))
-  model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
-  with torch.no_grad():
-    for name, p in model.named_buffers():
-      if "bias" in name:  # DeepSeek's expert-selection bias
-        p.copy_(torch.randn_like(p) * 0.1)
-    for name, p in model.named_parameters():
-      if "norm" in name or ".ln_" in name or name.endswith("bias"):
-        p.copy_(torch.randn_like(p) * 0.5 + (1.0 if name.endswith("weight") and "gemma" not in family else 0.0))
-  path = os.path.join(tmp_path, "hf")
-  model.save_pretrained(path)
-  if family == "kimi-k2":  # as Kimi's checkpoints name it: its own model_type for the DeepSeek V3 architecture
-    cfg_path = os.path.join(path, "config.json")
-    json.dump({**json.load(open(cfg_path)), "model_type": "kimi_k2"}, open(cfg_path, "w"))
-  return model, path
-
-
-def maxtext_logits(out_dir, tokens, *overrides):
-  c = config.load([os.path.join(out_dir, "config.yml"), "run_name=t", "dtype=float32", *overrides], {})
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0), plan_lib.build(c))), nnx.Param)
-  model = nnx.merge(graphdef, checkpointing.load_params(os.path.join(out_dir, "params"), abstract))
-  b, t = tokens.shape
-  return np.asarray(model(jnp.asarray(tokens), jnp.broadcast_to(jnp.arange(t), (b, t)), jnp.ones((b, t), jnp.int32)))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -139,18 +52,6 @@ def test_logits_match_hugging_face_and_round_trip_is_exact(family, tmp_path):
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(back, attn_implementation="eager").eval()
   with torch.no_grad():
     np.testing.assert_array_equal(reloaded(torch.tensor(tokens)).logits.numpy(), ref)
-
-
-def assert_export_is_exact(c: config.Config, hf_path: str, back: str) -> None:
-  """Export the model `c` loads to Hugging Face at `back`: every tensor equals hf_path's original, bit for bit."""
-  maxtext_to_hf.convert(c, back)
-  original = safetensors_torch.load_file(os.path.join(hf_path, "model.safetensors"))
-  exported = {}
-  for name in set(json.load(open(os.path.join(back, "model.safetensors.index.json")))["weight_map"].values()):
-    exported |= safetensors_torch.load_file(os.path.join(back, name))
-  assert sorted(exported) == sorted(original)
-  for name, tensor in original.items():
-    assert torch.equal(exported[name], tensor), name
 
 
 MOE_FAMILIES = ("mixtral", "qwen3-moe", "deepseek3", "deepseek2", "llama4")
@@ -280,7 +181,7 @@ def test_published_deepseek_configs_map_to_the_presets(preset):
   module = importlib.import_module(model.__module__)
   softmax_scale = module.yarn_apply_mscale(hf_cfg.rope_parameters, (c.qk_nope_head_dim + c.qk_rope_head_dim) ** -0.5)
   with nnx.use_eager_sharding(False):
-    mla = nnx.eval_shape(lambda: attention_mla.MLAttention(mc, rngs=nnx.Rngs(0), plan=plan_lib.build(c)))
+    mla = nnx.eval_shape(lambda: attention_mla.MLAttention(mc, rngs=nnx.Rngs(0), plan=planner.build(c)))
   assert mla.query_scale == pytest.approx(softmax_scale, rel=1e-12)
 
 
@@ -293,7 +194,7 @@ def test_bfloat16_storage_restores_as_rounded_float32(tmp_path):
 
   def params(out, *overrides):
     c = config.load([os.path.join(out, "config.yml"), "run_name=t", "dtype=float32", *overrides], {})
-    abstract = nnx.state(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0), plan_lib.build(c))), nnx.Param)
+    abstract = nnx.state(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0), planner.build(c))), nnx.Param)
     return nnx.to_pure_dict(checkpointing.load_params(os.path.join(out, "params"), abstract))
 
   want = params(full)

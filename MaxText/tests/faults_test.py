@@ -6,11 +6,9 @@ first signal checkpoints at the next step boundary and exits 75 with one line, a
 import json
 import logging
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import jax
@@ -18,86 +16,18 @@ import pytest
 
 from MaxText import distributed, preemption, train
 from MaxText.errors import DataError
-from MaxText.tests.conftest import BASE, ROOT, TINY, cfg, free_port
-
-RUN = ["per_device_batch_size=1", "hardware=cpu", "enable_checkpointing=true", "steps=200"]
-NO_TRACE = ("Traceback", "Check failure", "Segmentation")
-
-
-class Process:
-  """train.py (or any command) in a subprocess whose combined output is read line by line as it comes."""
-
-  def __init__(self, command, env):
-    self.proc = subprocess.Popen(
-      command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    self.lines, self._queue = [], queue.Queue()
-    threading.Thread(target=self._read, daemon=True).start()
-
-  def _read(self):
-    for line in self.proc.stdout:
-      self._queue.put(line)
-    self._queue.put(None)
-
-  def wait_for(self, text, timeout=180):
-    """Read output until a line contains `text`; fails on end of output or timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-      line = self._queue.get(timeout=max(deadline - time.monotonic(), 0.01))
-      assert line is not None, f"ended before {text!r}:\n" + "".join(self.lines[-30:])
-      self.lines.append(line)
-      if text in line:
-        return line
-
-  def finish(self, timeout=180):
-    """(exit status, the whole output)."""
-    self.proc.wait(timeout=timeout)
-    while (line := self._queue.get(timeout=30)) is not None:
-      self.lines.append(line)
-    return self.proc.returncode, "".join(self.lines)
-
-
-def train_command(tmp_path, name, *overrides):
-  command = [sys.executable, "-u", "MaxText/train.py", BASE, f"run_name={name}", f"base_output_directory={tmp_path}"]
-  return [*command, *TINY, *RUN, *overrides]
-
-
-def start(tmp_path, name, *overrides, devices=2, rank=None, port=None):
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-  if rank is not None:
-    env.update(JAX_COORDINATOR_ADDRESS="127.0.0.1", JAX_COORDINATOR_PORT=str(port), NNODES="2", NODE_RANK=str(rank))
-  return Process(train_command(tmp_path, name, *overrides), env)
-
-
-def checkpoints(tmp_path, name):
-  path = os.path.join(tmp_path, name, "checkpoints")
-  return sorted(int(p) for p in os.listdir(path) if p.isdigit()) if os.path.isdir(path) else []
-
-
-def stopped_line(output):
-  lines = [line for line in output.splitlines() if line.startswith("Stopped at step ")]
-  assert len(lines) == 1, output[-3000:]
-  return lines[0]
-
-
-def stopped_step(output):
-  return int(stopped_line(output).split()[3].rstrip(":"))
-
-
-def assert_clean(output):
-  assert not any(marker in output for marker in NO_TRACE), output[-3000:]
-
-
-def terminate_after(run, text):
-  """SIGTERM `run` once it printed `text`: it exits 75 with no traceback after saving a checkpoint at the step it
-  stopped at, which is returned."""
-  run.wait_for(text)
-  run.proc.send_signal(signal.SIGTERM)
-  rc, output = run.finish()
-  assert rc == preemption.EXIT_STOPPED, output[-3000:]
-  assert_clean(output)
-  assert "SIGTERM received; checkpoint saved to" in stopped_line(output)
-  return stopped_step(output)
+from MaxText.tests.conftest import ROOT, cfg, free_port
+from MaxText.tests.helpers import (
+  FAULTS_RUN,
+  Process,
+  assert_clean,
+  checkpoints,
+  start,
+  stopped_line,
+  stopped_step,
+  terminate_after,
+  train_command,
+)
 
 
 @pytest.mark.slow
@@ -107,7 +37,7 @@ def test_sigterm_during_async_saves_checkpoints_that_step_and_resumes(tmp_path):
   assert 4 <= step < 200 and checkpoints(tmp_path, "term")[-1] == step
 
   # Resumed here on 8 devices (the run had 2): a global batch of 8 on purpose, so elastic_resume=false.
-  resumed = cfg(tmp_path, "term", *RUN[:3], f"steps={step + 2}", "checkpoint_period=100", "elastic_resume=false")
+  resumed = cfg(tmp_path, "term", *FAULTS_RUN[:3], f"steps={step + 2}", "checkpoint_period=100", "elastic_resume=false")
   assert train.run(resumed)["steps_run"] == 2
   with open(resumed.metrics_file) as f:
     logged = [json.loads(line)["step"] for line in f]
@@ -221,7 +151,9 @@ def test_killed_process_makes_the_survivor_exit_76_naming_it_and_keeps_the_check
   if victim == 0:
     return
   # That checkpoint restores (one process, the same 4 devices) and training goes on from it.
-  resumed = cfg(tmp_path, "lost", *RUN[:3], f"steps={last + 1}", "dcn_data_parallelism=1", "ici_fsdp_parallelism=4")
+  resumed = cfg(
+    tmp_path, "lost", *FAULTS_RUN[:3], f"steps={last + 1}", "dcn_data_parallelism=1", "ici_fsdp_parallelism=4"
+  )
   assert train.run(resumed, devices=jax.devices()[:4])["steps_run"] == 1
 
 

@@ -310,14 +310,14 @@ def xla_training_flops(cfg, batch_size):
   import jax.numpy as jnp
   from flax import nnx
 
-  from MaxText import models, train_step
-  from MaxText.parallel import plan as plan_lib
+  from MaxText import models, planner
+  from MaxText.objectives import lm
 
-  plan = plan_lib.build(cfg)
+  plan = planner.build(cfg)
   graphdef, params = nnx.split(nnx.eval_shape(lambda: models.build(cfg, nnx.Rngs(params=0), plan)), nnx.Param)
   tokens = jax.ShapeDtypeStruct((batch_size, cfg.max_target_length), jnp.int32)
   batch = {k: tokens for k in ("inputs", "targets", "inputs_segmentation", "targets_segmentation", "inputs_position")}
-  grad = jax.jit(jax.grad(lambda p, b: train_step.loss_sums(graphdef, cfg, p, b, None)[0]))
+  grad = jax.jit(jax.grad(lambda p, b: lm.loss_sums(graphdef, cfg, p, b, None)[0]))
   return grad.lower(params, batch).compile().cost_analysis()["flops"]
 
 

@@ -13,7 +13,8 @@ import time
 import pytest
 
 from MaxText import config as config_lib
-from MaxText import launch, paths, plot_metrics, train
+from MaxText import gcs_auth, launch, paths, plot_metrics, train
+from MaxText.errors import StorageError
 from MaxText.tests.conftest import BASE, DOCS, ROOT, TINY, free_port, run_processes
 
 
@@ -46,10 +47,10 @@ def test_append_file_on_a_bucket_appends_across_opens(bucket):
 def test_missing_bucket_is_one_line_within_seconds(gcs, tmp_path):
   c = gcfg("gs://no-such-bucket-maxtext/out", "r")
   start = time.monotonic()
-  with pytest.raises(paths.StorageError, match=r"base_output_directory='gs://no-such-bucket-maxtext/out/r'.*does not"):
+  with pytest.raises(StorageError, match=r"base_output_directory='gs://no-such-bucket-maxtext/out/r'.*does not"):
     launch.check_outputs(c)
   assert time.monotonic() - start < 10
-  with pytest.raises(paths.StorageError, match="no answer from storage within 0.01 s"):
+  with pytest.raises(StorageError, match="no answer from storage within 0.01 s"):
     paths.with_timeout(lambda: time.sleep(1), "x", timeout_s=0.01)
 
 
@@ -79,10 +80,11 @@ def no_credentials_env(tmp_path, **extra):
 PROBE = """
 import time
 from MaxText import paths
+from MaxText.errors import StorageError
 start = time.monotonic()
 try:
   paths.check_writable("gs://no-such-bucket-maxtext/out", "base_output_directory")
-except paths.StorageError as e:
+except StorageError as e:
   print(f"{time.monotonic() - start:.1f}", e)
 """
 
@@ -108,12 +110,12 @@ def test_credential_lookup_without_an_answer_is_one_line(monkeypatch):
 
   for key in EMULATOR_VARIABLES:
     monkeypatch.delenv(key, raising=False)
-  monkeypatch.setattr(paths, "_credentials_found", False)
-  monkeypatch.setattr(paths, "CREDENTIALS_TIMEOUT_S", 0.05)
+  monkeypatch.setattr(gcs_auth, "_credentials_found", False)
+  monkeypatch.setattr(gcs_auth, "CREDENTIALS_TIMEOUT_S", 0.05)
   monkeypatch.setattr(google.auth, "default", lambda: time.sleep(1))
-  with pytest.raises(paths.StorageError, match=r"^'gs://b/x': no Google Cloud credentials found within 0.05 s; run"):
+  with pytest.raises(StorageError, match=r"^'gs://b/x': no Google Cloud credentials found within 0.05 s; run"):
     paths.with_timeout(lambda: None, "'gs://b/x'")
-  with pytest.raises(paths.StorageError, match=r"^'gs://b/m.jsonl': no Google Cloud credentials found"):
+  with pytest.raises(StorageError, match=r"^'gs://b/m.jsonl': no Google Cloud credentials found"):
     plot_metrics.read_records("gs://b/m.jsonl")
   paths.with_timeout(lambda: None, "'/a/local/path'")  # local paths need no credentials
   monkeypatch.setenv("FSSPEC_GCS_TOKEN", "anon")

@@ -14,7 +14,7 @@ import pytest
 from MaxText import goodput, train
 from MaxText.errors import ConfigError
 from MaxText.tests.conftest import cfg
-from MaxText.tests.faults_test import checkpoints, start
+from MaxText.tests.helpers import checkpoints, start
 
 CKPT = ["enable_checkpointing=true", "async_checkpointing=false"]
 

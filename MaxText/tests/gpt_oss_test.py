@@ -8,18 +8,15 @@ import os
 import numpy as np
 import pytest
 
-from MaxText import config, flops, train
+from MaxText import config, flops, planner, train
 from MaxText.convert import hf_mapping, hf_to_maxtext, maxtext_to_hf, mxfp4
 from MaxText.errors import ConfigError
 from MaxText.inference import Engine
-from MaxText.parallel import plan as plan_lib
+from MaxText.tests.helpers import PROMPTS, assert_cache_equals_forward, hf_greedy, maxtext_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
-families_test = pytest.importorskip("MaxText.tests.families_test")
-decode_parity_test = pytest.importorskip("MaxText.tests.decode_parity_test")
-decode_test = pytest.importorskip("MaxText.tests.decode_test")
 
 # YaRN as gpt-oss ships it (truncate false), over 8 rope dims and a short pre-training length so that it
 # scales frequencies here; 3 layers = one scanned sliding/full pair and a sliding remainder; windows of 4
@@ -68,12 +65,12 @@ def test_logits_greedy_tokens_and_exact_round_trip(tmp_path):
     assert ((hidden.reshape(-1, 32) @ gate[0]) > 1.5).any()  # the clamp acts
   scanned = os.path.join(tmp_path, "scan")  # a scanned sliding/full pair and an unscanned remainder layer
   hf_to_maxtext.convert(hf_path, scanned, scan_layers=True)
-  np.testing.assert_allclose(families_test.maxtext_logits(scanned, tokens), ref, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(maxtext_logits(scanned, tokens), ref, rtol=1e-5, atol=1e-5)
 
   c = load(scanned, f"load_parameters_path={scanned}/params", "max_target_length=32")
   c = c.replace(max_prefill_predict_length=16, ici_fsdp_parallelism=1, ici_data_parallelism=-1)
-  completions = Engine.load(c).generate(decode_parity_test.PROMPTS, 16, strategy="greedy", stop_tokens=[])
-  want = decode_parity_test.hf_greedy(model, decode_parity_test.PROMPTS)
+  completions = Engine.load(c).generate(PROMPTS, 16, strategy="greedy", stop_tokens=[])
+  want = hf_greedy(model, PROMPTS)
   for row, completion in enumerate(completions.completions):
     np.testing.assert_array_equal(completion.tokens, want[row], err_msg=f"prompt {row}")
 
@@ -128,19 +125,18 @@ def test_mxfp4_experts_import_as_transformers_dequantizes_and_export_to_bfloat16
   tokens = np.random.default_rng(0).integers(0, 64, (2, T))
   with torch.no_grad():
     ref = reloaded(torch.tensor(tokens)).logits.numpy()
-  np.testing.assert_allclose(families_test.maxtext_logits(out, tokens), ref, rtol=1e-5, atol=5e-5)
+  np.testing.assert_allclose(maxtext_logits(out, tokens), ref, rtol=1e-5, atol=5e-5)
   with pytest.raises(ConfigError, match="quantization_config"):
     hf_mapping.maxtext_keys({**cfg, "quantization_config": {"quant_method": "gptq"}})
 
 
-def test_decode_with_the_cache_equals_the_full_forward(monkeypatch):
+def test_decode_with_the_cache_equals_the_full_forward():
   """Sinks and sliding windows (3 here) in the cache path: prefill and 4 steps past the window."""
   gpt_oss = ["decoder_block=gpt_oss", "base_num_decoder_layers=3", "num_experts=4", "num_experts_per_tok=2"]
   gpt_oss += ["sliding_window_size=3", "attention_sink=true", "attention_bias=true", "router_bias=true"]
   gpt_oss += ["mlp_bias=true", "mlp_activations_limit=1.5", "rope_type=yarn", "rope_truncate=false"]
   gpt_oss += ["original_max_position_embeddings=8", "rope_factor=4.0"]
-  monkeypatch.setitem(decode_test.FAMILIES, "gpt-oss", gpt_oss)
-  decode_test.test_forward_equals_prefill_equals_step_by_step("gpt-oss")
+  assert_cache_equals_forward(*gpt_oss)
 
 
 def test_trains_on_the_quickstart_data(tmp_path):
@@ -183,5 +179,5 @@ def test_presets_are_the_released_configs(preset):
 def test_sinks_need_dot_product_attention():
   base = [os.path.join(config.CONFIG_DIR, "base.yml"), "run_name=t", "model_name=gpt-oss-20b"]
   with pytest.raises(ConfigError, match="attention_sink=true runs with attention=dot_product"):
-    plan_lib.build(config.load([*base, "attention=flash"], {}))
-  assert plan_lib.build(config.load(base, {})).attention.kernel_for(4096) == "dot_product"
+    planner.build(config.load([*base, "attention=flash"], {}))
+  assert planner.build(config.load(base, {})).attention.kernel_for(4096) == "dot_product"

@@ -6,7 +6,6 @@ import io
 import json
 import os
 import struct
-import sys
 import types
 import zlib
 
@@ -17,11 +16,11 @@ from MaxText import config
 from MaxText.data import chat, images, sft
 from MaxText.data.tokenizer import HuggingFaceTokenizer
 from MaxText.errors import ConfigError, DataError
+from MaxText.tests import helpers
 from MaxText.tests.conftest import BASE
 
 Image = pytest.importorskip("PIL.Image")
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "end_to_end", "cpu"))
-import make_tiny_vision_model as tiny  # noqa: E402
+tiny = helpers.end_to_end_script("make_tiny_vision_model")
 
 
 def png_header(width, height):

@@ -5,7 +5,6 @@ Gemma3Processor (its "\\n\\n" around each image block) and Llama4Processor."""
 
 import json
 import os
-import sys
 import types
 
 import numpy as np
@@ -14,13 +13,13 @@ import pytest
 from MaxText.data import chat, images, sft
 from MaxText.data import resize as resize_lib
 from MaxText.data.tokenizer import HuggingFaceTokenizer
+from MaxText.tests import helpers
 
 torch = pytest.importorskip("torch")
 tvF = pytest.importorskip("torchvision.transforms.v2.functional")
 transformers = pytest.importorskip("transformers")
 Image = pytest.importorskip("PIL.Image")
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "end_to_end", "cpu"))
-import make_tiny_vision_model as tiny  # noqa: E402
+tiny = helpers.end_to_end_script("make_tiny_vision_model")
 
 ODD = [(37, 53), (300, 201), (53, 37), (7, 30)]
 

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from MaxText import launch
+from MaxText.errors import ConfigError
 from MaxText.tests.conftest import BASE, ROOT
 
 USAGE = launch.Usage("python3 tool.py CONFIG.yml", "A tool.", keys=("run_name", "steps"), options=(("rows", "n"),))
@@ -52,7 +53,7 @@ def test_config_errors_exit_with_one_wording():
     launch.start([BASE, "stpes=3"], USAGE)
   with pytest.raises(SystemExit, match=r"^Config error: bad$"):
     with launch.user_errors():
-      raise launch.ConfigError("bad")
+      raise ConfigError("bad")
 
 
 def test_start_loads_the_config_and_logs_once():

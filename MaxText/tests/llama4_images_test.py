@@ -15,19 +15,25 @@ from MaxText import config, decode
 from MaxText.data import images as images_lib
 from MaxText.errors import ConfigError, DataError
 from MaxText.inference import Engine
-from MaxText.tests import llama4_vision_test as l4v
-from MaxText.tests.llama4_vision_test import converted  # noqa: F401 (the tiny HF model and its conversion)
+from MaxText.tests.helpers import L4V_IMAGE_TOKEN, convert_llama4_vision, load_converted, make_tokenizer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("torchvision")  # Llama4ImageProcessor's backend
 Image = pytest.importorskip("PIL.Image")
 
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+  """(HF model, its HF directory, the MaxText model converted from it, the MaxText directory)."""
+  return convert_llama4_vision(tmp_path_factory.mktemp("l4v"))
+
+
 S, MAX_TILES = 16, 4  # the tiny tower's 16 px tiles (4 px patches -> 4 soft tokens per tile), at most 2 x 2
 # The tiny tokenizer's ids (the tiny model's vocabulary is 64; 63 is its image_token_index, <|patch|>)
 VOCAB = {"[UNK]": 0, "describe": 5, "the": 6, "image": 7, "and": 8, "this": 9}
 SPECIAL = {"<|image_start|>": 50, "<|image_end|>": 51, "<|tile_x_separator|>": 52, "<|tile_y_separator|>": 53}
-SPECIAL |= {"<|image|>": 54, "<|patch|>": l4v.IMAGE_TOKEN}
+SPECIAL |= {"<|image|>": 54, "<|patch|>": L4V_IMAGE_TOKEN}
 IDS = [f"image_start_token_id={SPECIAL['<|image_start|>']}", f"image_end_token_id={SPECIAL['<|image_end|>']}"]
 IDS += [f"tile_x_separator_token_id={SPECIAL['<|tile_x_separator|>']}", f"max_image_tiles={MAX_TILES}"]
 IDS += [f"tile_y_separator_token_id={SPECIAL['<|tile_y_separator|>']}", f"image_global_token_id={SPECIAL['<|image|>']}"]
@@ -35,7 +41,7 @@ IDS += [f"tile_y_separator_token_id={SPECIAL['<|tile_y_separator|>']}", f"image_
 
 def tiny_config(**overrides):
   cfg = dict(decoder_block="llama4", image_size_for_vit=S, patch_size_for_vit=4, pixel_shuffle_ratio_for_vit=0.5)
-  cfg |= dict(max_image_tiles=MAX_TILES, image_token_id=l4v.IMAGE_TOKEN, use_multimodal=True)
+  cfg |= dict(max_image_tiles=MAX_TILES, image_token_id=L4V_IMAGE_TOKEN, use_multimodal=True)
   for arg in IDS:
     key, value = arg.split("=")
     cfg[key] = int(value)
@@ -135,7 +141,7 @@ def test_token_layout_matches_llama4_processor(processor, sizes):
 
 
 @pytest.fixture(scope="module")
-def tiny(converted, tmp_path_factory):  # noqa: F811
+def tiny(converted, tmp_path_factory):
   """(HF model, our converted directory, an image file whose tiles need no resizing but the global tile's 2:1)."""
   model, _, _, out = converted
   path = str(tmp_path_factory.mktemp("img") / "cat.png")
@@ -166,7 +172,7 @@ def test_image_file_to_logits_and_engine_tokens_match_hugging_face(processor, ti
   ids = images_lib.expand(prompt, [prepared.tokens], c, "prompt 0")
   assert ids == hf_ids[0].tolist() and prepared.tiles.shape == (3, S, S, 3)  # 2 x 1 tiles + the global one
   np.testing.assert_array_equal(prepared.tiles, hf_pixels.numpy().transpose(0, 2, 3, 1))
-  ours = l4v.load(out, *IDS)
+  ours = load_converted(out, *IDS)
   images, t = jnp.asarray(prepared.tiles[None]), len(ids)
   n = t + 8  # full forwards of the prompt padded to t + 8 (causal: the padding changes nothing before it)
   forward = jax.jit(lambda s: ours(s, jnp.arange(n)[None], jnp.ones_like(s), images=images)[0])
@@ -194,7 +200,6 @@ def test_sft_rows_pack_tiles_and_name_bad_rows(tmp_path):
   the row's tile slots in order; packing stops when the tiles would not fit; bad rows fail with one line."""
   from MaxText.data import chat, sft
   from MaxText.tests.conftest import BASE, TINY
-  from MaxText.tests.sft_test import make_tokenizer
 
   tok = make_tokenizer(str(tmp_path / "tok"))
   files = {}

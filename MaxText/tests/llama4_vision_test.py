@@ -8,61 +8,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from MaxText import checkpointing, config, models
+from MaxText import config
 from MaxText import flops as flops_lib
-from MaxText.convert import hf_mapping, hf_to_maxtext
+from MaxText.convert import hf_mapping
 from MaxText.layers.model_config import ModelConfig
 from MaxText.models import llama4_vision
-from MaxText.parallel import plan as plan_lib
-from MaxText.tests import families_test
+from MaxText.tests.helpers import L4V_IMAGE_TOKEN, assert_export_is_exact, convert_llama4_vision, load_converted
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-TEXT = dict(hidden_size=32, intermediate_size=16, intermediate_size_mlp=48, num_hidden_layers=4, num_attention_heads=4)
-TEXT |= dict(num_key_value_heads=2, vocab_size=64, head_dim=8, num_local_experts=4, interleave_moe_layer_step=2)
-TEXT |= dict(
-  attention_chunk_size=8, floor_scale=4, attn_scale=1.0, max_position_embeddings=64, tie_word_embeddings=False
-)
-# 16 x 16 tiles of 4 x 4 patches: a 4 x 4 grid, pixel-shuffled to 4 soft tokens per tile.
-VISION = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=16)
-VISION |= dict(
-  patch_size=4, pixel_shuffle_ratio=0.5, projector_input_dim=24, projector_output_dim=24, vision_output_dim=24
-)
-IMAGE_TOKEN = 63
-
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-  """(HF model, its HF directory, the MaxText model converted from it by hf_to_maxtext, the MaxText directory)."""
-  tmp = tmp_path_factory.mktemp("l4v")
-  torch.manual_seed(0)
-  cfg = transformers.Llama4Config(text_config=TEXT, vision_config=VISION, image_token_index=IMAGE_TOKEN)
-  model = transformers.Llama4ForConditionalGeneration(cfg).float().eval()
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if "norm" in name or name.endswith("bias"):
-        p.copy_(torch.randn_like(p) * 0.5 + (1.0 if name.endswith("weight") else 0.0))
-  hf_path, out = os.path.join(tmp, "hf"), os.path.join(tmp, "mt")
-  model.save_pretrained(hf_path)
-  hf_to_maxtext.convert(hf_path, out, scan_layers=True)
-  return model, hf_path, load(out), out
-
-
-def load(out_dir, *overrides):
-  c = config.load([os.path.join(out_dir, "config.yml"), "run_name=t", "dtype=float32", *overrides], {})
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0), plan_lib.build(c))), nnx.Param)
-  return nnx.merge(graphdef, checkpointing.load_params(os.path.join(out_dir, "params"), abstract))
+  """(HF model, its HF directory, the MaxText model converted from it, the MaxText directory)."""
+  return convert_llama4_vision(tmp_path_factory.mktemp("l4v"))
 
 
 def prompt(batch_images: int) -> np.ndarray:
   """Text, <|image_start|>-like text token, 4 placeholders per tile, more text (one row)."""
   rng = np.random.default_rng(1)
   head, tail = rng.integers(0, 60, 3), rng.integers(0, 60, 4)
-  return np.concatenate([head, np.full(4 * batch_images, IMAGE_TOKEN), tail])[None]
+  return np.concatenate([head, np.full(4 * batch_images, L4V_IMAGE_TOKEN), tail])[None]
 
 
 def test_image_text_logits_and_greedy_tokens_match_hugging_face(converted):
@@ -92,8 +61,8 @@ def test_round_trip_to_hugging_face_is_bit_exact(converted, tmp_path):
   _, hf_path, _, out = converted
   back = os.path.join(tmp_path, "back")
   c = config.load([os.path.join(out, "config.yml"), "run_name=t", f"load_parameters_path={out}/params"], {})
-  assert c.use_multimodal and c.image_token_id == IMAGE_TOKEN and c.num_hidden_layers_for_vit == 2
-  families_test.assert_export_is_exact(c, hf_path, back)
+  assert c.use_multimodal and c.image_token_id == L4V_IMAGE_TOKEN and c.num_hidden_layers_for_vit == 2
+  assert_export_is_exact(c, hf_path, back)
   reloaded = transformers.Llama4ForConditionalGeneration.from_pretrained(back)
   assert hf_mapping.maxtext_keys(reloaded.config.to_dict()) == hf_mapping.maxtext_keys(
     json.load(open(f"{hf_path}/config.json"))
@@ -109,7 +78,7 @@ def test_text_only_use_of_the_multimodal_model(converted):
     ref = model(input_ids=torch.tensor(tokens)).logits.numpy()
   pos, seg = jnp.arange(9)[None], jnp.ones((1, 9), jnp.int32)
   np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens), pos, seg)), ref, rtol=2e-5, atol=2e-5)
-  text_only = load(out, "use_multimodal=false")
+  text_only = load_converted(out, "use_multimodal=false")
   assert text_only.vision_encoder is None
   np.testing.assert_allclose(np.asarray(text_only(jnp.asarray(tokens), pos, seg)), ref, rtol=2e-5, atol=2e-5)
   with pytest.raises(ValueError, match="text-only"):

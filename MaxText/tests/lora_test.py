@@ -17,8 +17,7 @@ from MaxText.errors import ConfigError
 from MaxText.inference import engine
 from MaxText.layers import lora
 from MaxText.tests.conftest import cfg, losses
-
-LORA = ["lora_rank=4", "lora_alpha=8", "per_device_batch_size=1", "learning_rate=3e-2"]
+from MaxText.tests.helpers import LORA, host_tree, leaf_names, learnable_batch, leaves_equal
 
 
 def _setup(c):
@@ -29,24 +28,10 @@ def _setup(c):
   return mesh, optimizer, spec
 
 
-def _batch(c, seed=0):
-  """A fixed learnable batch [8, T]: each target is its input + 1."""
-  tokens = np.random.default_rng(seed).integers(0, c.vocab_size, (8, c.max_target_length), dtype=np.int32)
-  ones = np.ones_like(tokens)
-  positions = np.broadcast_to(np.arange(c.max_target_length, dtype=np.int32), tokens.shape)
-  return {
-    "inputs": tokens,
-    "targets": (tokens + 1) % c.vocab_size,
-    "inputs_segmentation": ones,
-    "targets_segmentation": ones,
-    "inputs_position": positions,
-  }
-
-
 def _train(c, mesh, optimizer, spec, state, n):
   """n steps on the same batch; (state, losses)."""
   step_fn = steps.jit_train_step(c, mesh, optimizer.tx, spec, optimizer.schedule)
-  batch = jax.device_put(_batch(c), steps.batch_shardings(c, mesh))
+  batch = jax.device_put(learnable_batch(c), steps.batch_shardings(c, mesh))
   out = []
   with sharding.activate(c, mesh):
     for i in range(n):
@@ -55,32 +40,19 @@ def _train(c, mesh, optimizer, spec, state, n):
   return state, out
 
 
-def _host(tree):
-  return jax.tree.map(np.asarray, jax.device_get(tree))
-
-
-def _equal(a, b):
-  """Per leaf: bitwise equal."""
-  return [np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)]
-
-
-def _names(tree):
-  return {jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)}
-
-
 def test_only_adapters_train_and_the_base_stays_bit_identical(tmp_path):
   c = cfg(tmp_path, "l", *LORA, "lora_random_base=true")
   mesh, optimizer, spec = _setup(c)
   with sharding.activate(c, mesh):
     state = state_lib.init_state(c, optimizer.tx, spec)
-  before = _host(spec.partition.split(state.params))
-  assert before.trainable and all("_lora_" in n for n in _names(before.trainable))
-  assert not any("_lora_" in n for n in _names(before.frozen))
+  before = host_tree(spec.partition.split(state.params))
+  assert before.trainable and all("_lora_" in n for n in leaf_names(before.trainable))
+  assert not any("_lora_" in n for n in leaf_names(before.frozen))
   state, losses = _train(c, mesh, optimizer, spec, state, 6)
-  after = _host(spec.partition.split(state.params))
+  after = host_tree(spec.partition.split(state.params))
   assert losses[-1] < losses[0] - 0.05
-  assert all(_equal(before.frozen, after.frozen))
-  assert not any(_equal(before.trainable, after.trainable))  # every adapter moved
+  assert all(leaves_equal(before.frozen, after.frozen))
+  assert not any(leaves_equal(before.trainable, after.trainable))  # every adapter moved
   # Adam's two moments per adapter, nothing for the base: optimizer state is adapter-shaped and adapter-sized.
   adapter_shapes = {x.shape for x in jax.tree.leaves(after.trainable)}
   moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 0]
@@ -100,10 +72,10 @@ def test_the_state_spec_owns_the_trainable_split(tmp_path):
   assert trainable is plain_spec.abstract and frozen is None
   assert plain_spec.partition.combine(trainable, frozen) is trainable
   adapters, base = lora_spec.partition.split(lora_spec.abstract)
-  assert adapters and all("_lora_" in n for n in _names(adapters))
-  assert _names(base) == _names(plain_spec.abstract)
+  assert adapters and all("_lora_" in n for n in leaf_names(adapters))
+  assert leaf_names(base) == leaf_names(plain_spec.abstract)
   whole = lora_spec.partition.combine(adapters, base)
-  assert _names(whole) == _names(lora_spec.abstract)
+  assert leaf_names(whole) == leaf_names(lora_spec.abstract)
 
 
 def test_checkpoint_holds_adapters_only_and_resumes_onto_the_loaded_base(tmp_path):
@@ -120,22 +92,22 @@ def test_checkpoint_holds_adapters_only_and_resumes_onto_the_loaded_base(tmp_pat
     restored = checkpointing.restore_or_init(c, optimizer.tx, spec, None)
   assert restored.source == "load_parameters_path"
   frozen = spec.partition.split(restored.state.params).frozen
-  assert all(_equal(_host(frozen), _host(base)))
+  assert all(leaves_equal(host_tree(frozen), host_tree(base)))
   state, _ = _train(c, mesh, optimizer, spec, restored.state, 2)
   manager = checkpointing.create_manager(c)
   checkpointing.save(manager, 2, spec.partition.checkpointed(state), {})
   checkpointing.finish(manager)
   saved = checkpointing.saved_tree(os.path.join(c.checkpoint_dir, "2", "state"))
-  assert all(n.endswith(("_lora_a']['value']", "_lora_b']['value']")) for n in _names(saved["params"]))
-  expected = _host(state)
+  assert all(n.endswith(("_lora_a']['value']", "_lora_b']['value']")) for n in leaf_names(saved["params"]))
+  expected = host_tree(state)
   manager = checkpointing.create_manager(c)
   with sharding.activate(c, mesh):
     resumed = checkpointing.restore_or_init(c, optimizer.tx, spec, manager)
   checkpointing.finish(manager)
   assert resumed.source == "resume from step 2"
-  got = _host(resumed.state)
+  got = host_tree(resumed.state)
   assert jax.tree.structure(got) == jax.tree.structure(expected)
-  assert all(_equal(got, expected))
+  assert all(leaves_equal(got, expected))
 
 
 @pytest.mark.slow
@@ -146,7 +118,7 @@ def test_train_saves_adapters_and_a_resumed_run_matches_an_uninterrupted_one(tmp
   split = cfg(tmp_path, "split", "steps=4", *common)
   assert train.run(split)["steps_run"] == 2
   saved = checkpointing.saved_tree(os.path.join(split.checkpoint_dir, "4", "state"))
-  assert all("_lora_" in n for n in _names(saved["params"]))
+  assert all("_lora_" in n for n in leaf_names(saved["params"]))
   whole = cfg(tmp_path, "whole", "steps=4", *common)
   train.run(whole)
   assert losses(split) == losses(whole)  # bit-exact: same base, adapters, optimizer state and data order
@@ -170,7 +142,7 @@ def test_merged_model_equals_base_plus_adapters(tmp_path, scan):
   adapters, base = spec.partition.split(params)
   keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(adapters))))
   adapters = jax.tree.map(lambda x: 0.1 * jax.random.normal(next(keys), x.shape, x.dtype), adapters)
-  tokens = jnp.asarray(_batch(c)["inputs"])
+  tokens = jnp.asarray(learnable_batch(c)["inputs"])
   with sharding.activate(c, mesh):
     adapted = _logits(spec.graphdef, spec.partition.combine(adapters, base), tokens)
     merged = _logits(plain_spec.graphdef, lora.merged(c, spec.partition.combine(adapters, base)), tokens)
@@ -211,7 +183,7 @@ def test_other_families_build_with_adapters(tmp_path):
   moe = ["decoder_block=mixtral", "num_experts=4", "num_experts_per_tok=2"]
   for extra, where in ((["decoder_block=gemma2"], "['sublayers'][1]['mlp']"), (moe, "['self_attention']['query']")):
     abstract = state_lib.param_spec(cfg(tmp_path, "f", "lora_rank=4", *extra)).abstract
-    assert any(where in n and "kernel_lora_b" in n for n in _names(abstract))
+    assert any(where in n and "kernel_lora_b" in n for n in leaf_names(abstract))
 
 
 def test_bad_setups_fail_in_one_line(tmp_path):
@@ -262,7 +234,7 @@ def test_decode_merges_the_adapters_at_load(tmp_path):
   runs = []
   for config in (served, exported):
     graphdef, params, source = engine.load_params(config, mesh)
-    assert not any("_lora_" in n for n in _names(params))
+    assert not any("_lora_" in n for n in leaf_names(params))
     decoder = engine.Engine(config, mesh, graphdef, params, None, source)
     out = decoder.generate([prompt], 8, strategy="greedy", logprobs=True)
     runs.append((out.completions[0], check_logits.model_logits(config)(np.asarray(prompt))))
@@ -272,7 +244,7 @@ def test_decode_merges_the_adapters_at_load(tmp_path):
   np.testing.assert_allclose(got_logits, want_logits, atol=1e-5, rtol=1e-5)
   # int8w quantizes the merged kernels: the same int8 weights as quantizing the exported params.
   int8 = [engine.load_params(x.replace(quantization="int8w"), mesh)[1] for x in (served, exported)]
-  pairs = list(zip(*(jax.tree.leaves(_host(x)) for x in int8), strict=True))
+  pairs = list(zip(*(jax.tree.leaves(host_tree(x)) for x in int8), strict=True))
   assert any(w.dtype == np.int8 for w, _ in pairs)
   for got_w, want_w in pairs:  # merged under two shardings: a kernel may round to the neighbouring int8 step
     atol = 1 if want_w.dtype == np.int8 else 1e-8

@@ -9,12 +9,11 @@ import typing
 import pytest
 from flax import nnx
 
-from MaxText import config, models
+from MaxText import config, models, planner
 from MaxText.config import ConfigError
 from MaxText.layers import lora, mlp
 from MaxText.layers import model_config as mc
 from MaxText.layers.model_config import ModelConfig
-from MaxText.parallel import plan as plan_lib
 from MaxText.tests.conftest import BASE, ROOT, TINY
 
 # Keys of base.yml's model sections that choose or scale the preset rather than describe a layer.
@@ -106,10 +105,10 @@ def test_vision_section_is_none_without_images():
 
 
 def test_run_settings_reach_the_layers_through_the_plan_and_lora_config():
-  assert plan_lib.build(load("dropout_rate=0.25")).dropout_rate == 0.25
-  assert plan_lib.build(load("dropout_rate=0.25", "enable_dropout=false")).dropout_rate == 0.0
-  assert plan_lib.build(load("quantize_kvcache=true", "kv_quant_dtype=fp8")).kv_cache_quant == "fp8"
-  assert plan_lib.build(load()).kv_cache_quant == ""
+  assert planner.build(load("dropout_rate=0.25")).dropout_rate == 0.25
+  assert planner.build(load("dropout_rate=0.25", "enable_dropout=false")).dropout_rate == 0.0
+  assert planner.build(load("quantize_kvcache=true", "kv_quant_dtype=fp8")).kv_cache_quant == "fp8"
+  assert planner.build(load()).kv_cache_quant == ""
   assert lora.LoraConfig.from_config(load()) is None
   adapters = lora.LoraConfig.from_config(load("lora_rank=4", "freeze_vision_encoder=false"))
   assert (adapters.rank, adapters.trace_length) == (4, load().max_target_length)
@@ -157,5 +156,5 @@ def test_layers_read_only_the_model_config():
       bad |= {(f, *r) for r in _reads(ast.parse(open(os.path.join(ROOT, "MaxText", d, f)).read())) if not _valid(r)}
   assert not bad, sorted(bad)
   c = load()
-  model = nnx.eval_shape(lambda: models.build(c, nnx.Rngs(params=0), plan_lib.build(c)))
+  model = nnx.eval_shape(lambda: models.build(c, nnx.Rngs(params=0), planner.build(c)))
   assert type(model.config) is ModelConfig and model.config == ModelConfig.from_config(c)

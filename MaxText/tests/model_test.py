@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import config, models
-from MaxText.parallel import plan as plan_lib
+from MaxText import config, models, planner
 from MaxText.tests.conftest import BASE, TINY
 
 TINY = [*TINY, "vocab_size=128", "max_target_length=16"]  # the shared tiny model, smaller vocabulary and length
@@ -18,7 +17,7 @@ TINY = [*TINY, "vocab_size=128", "max_target_length=16"]  # the shared tiny mode
 
 def build(*overrides):
   c = config.load([BASE, "run_name=t", *TINY, *overrides], {})
-  return c, models.build(c, nnx.Rngs(params=0), plan_lib.build(c))
+  return c, models.build(c, nnx.Rngs(params=0), planner.build(c))
 
 
 def forward(model, tokens, segments=None, positions=None):
@@ -124,7 +123,7 @@ def test_fresh_model_starts_near_uniform_loss(block):
   rest = [o for o in FAMILY_PRESETS[block] if not o.startswith("model_name=")]
   c = config.load([BASE, "run_name=t", *preset, *FAMILY_TINY, *rest], {})
   assert c.decoder_block == block
-  model = models.build(c, nnx.Rngs(params=0), plan_lib.build(c))
+  model = models.build(c, nnx.Rngs(params=0), planner.build(c))
   ids = jnp.asarray(np.random.default_rng(0).integers(0, c.vocab_size, (4, 17)), jnp.int32)
   logits = forward(model, ids[:, :-1])
   loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, ids[:, 1:, None], -1)[..., 0])

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import config, optimizers, sharding, state, train_step
+from MaxText import config, optimizers, planner, sharding, state, train_step
+from MaxText.errors import ConfigError
 from MaxText.layers import moe
 from MaxText.layers.model_config import ModelConfig
-from MaxText.parallel import plan as plan_lib
+from MaxText.objectives import lm
 from MaxText.tests.conftest import DEEPSEEK3_TINY, cfg
 
 BASE = os.path.join(config.CONFIG_DIR, "base.yml")
@@ -24,7 +25,7 @@ def block(*overrides, mesh=None):
   """The layer, run as the plan for `mesh` says (None: one device)."""
   c = config.load([BASE, "run_name=t", *TINY, *overrides], {})
   with nnx.use_eager_sharding(False):
-    return moe.MoeBlock(ModelConfig.from_config(c), rngs=nnx.Rngs(params=0), plan=plan_lib.build(c, mesh))
+    return moe.MoeBlock(ModelConfig.from_config(c), rngs=nnx.Rngs(params=0), plan=planner.build(c, mesh))
 
 
 def reference(layer, x):
@@ -180,7 +181,7 @@ def test_balance_router_bias_moves_each_bias_one_step_towards_the_mean_load():
   out = train_step.balance_router_bias(params, loads, 0.5)
   np.testing.assert_array_equal(out["moe_layers"]["mlp"]["gate_bias"], [[-0.5, 0.5, 0, 0], [0, 0, 0, 0]])
   np.testing.assert_array_equal(out["moe_layers"]["mlp"]["wo"], params["moe_layers"]["mlp"]["wo"])
-  assert float(train_step.max_load_ratio(loads)) == 2.0
+  assert float(lm.max_load_ratio(loads)) == 2.0
 
 
 def _is_bias(path) -> bool:
@@ -252,5 +253,5 @@ def test_without_the_load_rule_the_bias_stays_put(tmp_path):
   ],
 )
 def test_bias_update_rate_needs_a_selection_bias_and_no_pipeline_or_lora(tmp_path, overrides, message):
-  with pytest.raises(config.ConfigError, match=message):
+  with pytest.raises(ConfigError, match=message):
     cfg(tmp_path, "bad", *overrides)

@@ -14,16 +14,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import checkpointing, config, flops, models, saved_config, train
+from MaxText import checkpointing, config, flops, models, planner, saved_config, train
 from MaxText import state as state_lib
-from MaxText import train_step as steps
 from MaxText.convert import hf_mapping, hf_to_maxtext, maxtext_to_hf
 from MaxText.errors import ConfigError
 from MaxText.inference import Engine
 from MaxText.layers import mtp
 from MaxText.layers.model_config import ModelConfig
-from MaxText.parallel import plan as plan_lib
+from MaxText.objectives import lm
 from MaxText.tests.conftest import BASE, cfg
+from MaxText.tests.helpers import exported_tensors
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -51,7 +51,7 @@ def load(*overrides):
 def random_params(c):
   """Random parameters from the shapes (compiling the initialisers would cost more than these tests)."""
   graphdef, abstract = nnx.split(
-    nnx.eval_shape(lambda: models.build(c, nnx.Rngs(params=0), plan_lib.build(c))), nnx.Param
+    nnx.eval_shape(lambda: models.build(c, nnx.Rngs(params=0), planner.build(c))), nnx.Param
   )
   rng = np.random.default_rng(0)
   return graphdef, jax.tree.map(lambda a: jnp.asarray(rng.normal(0.0, 0.3, a.shape), a.dtype), abstract)
@@ -90,12 +90,12 @@ def test_mtp_trains_and_reports_its_loss(tmp_path):
 
 def init(c):
   """Initialised parameters (pure dict); optimisation level 1 compiles the initialisers ~3x faster (state.py)."""
-  build = lambda: nnx.to_pure_dict(nnx.state(models.build(c, nnx.Rngs(params=0), plan_lib.build(c)), nnx.Param))  # noqa: E731
+  build = lambda: nnx.to_pure_dict(nnx.state(models.build(c, nnx.Rngs(params=0), planner.build(c)), nnx.Param))  # noqa: E731
   return jax.jit(build, compiler_options=state_lib.INIT_COMPILER_OPTIONS["cpu"])()
 
 
 def loss_sums(c, graphdef, params, batch):
-  return jax.jit(functools.partial(steps.loss_sums, graphdef, c))(params, batch, None)
+  return jax.jit(functools.partial(lm.loss_sums, graphdef, c))(params, batch, None)
 
 
 def test_mtp_modules_leave_the_main_initialisation_unchanged():
@@ -111,7 +111,7 @@ def test_without_mtp_the_loss_is_unchanged():
   off, on = load(*DEEPSEEK), load(*DEEPSEEK, "mtp_num_layers=2", "mtp_loss_scaling_factor=0.3")
   graphdef_on, params_on = random_params(on)
   graphdef_off, params_off = nnx.split(
-    nnx.eval_shape(lambda: models.build(off, nnx.Rngs(params=0), plan_lib.build(off))), nnx.Param
+    nnx.eval_shape(lambda: models.build(off, nnx.Rngs(params=0), planner.build(off))), nnx.Param
   )
   pure = nnx.to_pure_dict(params_on)
   del pure["mtp_modules"]
@@ -123,7 +123,7 @@ def test_without_mtp_the_loss_is_unchanged():
   assert aux_on["nll"] == aux_off["nll"] and objective_off == aux_off["nll"]
   assert aux_on["mtp_tokens"] == (15 + 14) + (8 + 4 + 7 + 3)  # per depth k, each segment loses its last k
   np.testing.assert_allclose(objective_on, aux_on["nll"] + 0.3 / 2 * aux_on["mtp_nll"], rtol=1e-6)
-  assert set(steps.aux_zeros(off)) == set(aux_off) and set(steps.aux_zeros(on)) == set(aux_on)
+  assert set(lm.sum_keys(off)) == set(aux_off) and set(lm.sum_keys(on)) == set(aux_on)
 
 
 def test_shifted_targets_stop_at_row_ends_padding_and_segment_boundaries():
@@ -153,7 +153,7 @@ def test_a_packed_row_gives_the_mtp_loss_of_its_segments_alone(scan):
 def test_mtp_needs_a_family_with_an_mtp_layer_and_valid_keys():
   c = load("decoder_block=gemma", "mtp_num_layers=1")
   with pytest.raises(ConfigError, match="mtp_num_layers=1 is not available for decoder_block=gemma"):
-    nnx.eval_shape(lambda: models.build(c, nnx.Rngs(params=0), plan_lib.build(c)))
+    nnx.eval_shape(lambda: models.build(c, nnx.Rngs(params=0), planner.build(c)))
   with pytest.raises(ConfigError, match="mtp_num_layers and mtp_loss_scaling_factor must be >= 0"):
     load("mtp_num_layers=-1")
   llama = load("mtp_num_layers=1")
@@ -255,9 +255,7 @@ def test_imported_mtp_matches_a_pytorch_reference_and_exports_back_exactly(conve
 
   back = os.path.join(tmp_path, "back")
   maxtext_to_hf.convert(c, back)
-  exported = {}
-  for name in set(json.load(open(os.path.join(back, "model.safetensors.index.json")))["weight_map"].values()):
-    exported |= safetensors_torch.load_file(os.path.join(back, name))
+  exported = exported_tensors(back)
   assert sorted(exported) == sorted(tensors)
   for name, tensor in tensors.items():
     assert torch.equal(exported[name], tensor), name

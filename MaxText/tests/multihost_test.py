@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from MaxText import distributed, train
-from MaxText.errors import ConfigError
+from MaxText.errors import ConfigError, DistributedInitError
 from MaxText.tests.conftest import BASE, ROOT, TINY, cfg, free_port, run_processes
 
 COMMON = ["steps=10", "per_device_batch_size=2", "hardware=cpu", "enable_checkpointing=true"]
@@ -112,9 +112,9 @@ def test_plan_from_environment(tmp_path, environ, expected):
 
 def test_plan_tpu_and_bad_environments(tmp_path):
   assert distributed.plan(cfg(tmp_path, "p", "hardware=tpu"), {}).how == "tpu"
-  with pytest.raises(distributed.DistributedInitError, match="NODE_RANK"):
+  with pytest.raises(DistributedInitError, match="NODE_RANK"):
     distributed.plan(cfg(tmp_path, "p"), {"JAX_COORDINATOR_ADDRESS": "h0", "NNODES": "2"})
-  with pytest.raises(distributed.DistributedInitError, match=r"NODE_RANK=2 must be in \[0, NNODES=2\)"):
+  with pytest.raises(DistributedInitError, match=r"NODE_RANK=2 must be in \[0, NNODES=2\)"):
     distributed.plan(cfg(tmp_path, "p"), {"JAX_COORDINATOR_ADDRESS": "h0", "NNODES": "2", "NODE_RANK": "2"})
 
 

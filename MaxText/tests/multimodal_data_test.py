@@ -18,9 +18,17 @@ from MaxText import train_step as steps
 from MaxText.data import chat, image_records, sft
 from MaxText.errors import ConfigError, DataError
 from MaxText.layers import lora
-from MaxText.tests import lora_test
 from MaxText.tests.conftest import cfg
-from MaxText.tests.sft_test import make_tokenizer, sft_config, write_jsonl
+from MaxText.tests.helpers import (
+  LORA,
+  host_tree,
+  leaf_names,
+  learnable_batch,
+  leaves_equal,
+  make_tokenizer,
+  sft_config,
+  write_jsonl,
+)
 
 datasets = pytest.importorskip("datasets")
 Image = pytest.importorskip("PIL.Image")
@@ -184,7 +192,7 @@ def test_a_value_that_is_no_image_fails_naming_the_row(tmp_path, tok):
 def _mm_batch(c, rows=1):
   """A learnable batch (each target its input + 1) of `rows` rows with two images each, each image a block of
   4 placeholders that its soft tokens fill."""
-  batch = {k: v[:rows] for k, v in lora_test._batch(c).items()}
+  batch = {k: v[:rows] for k, v in learnable_batch(c).items()}
   batch["inputs"][:, 1:5], batch["inputs"][:, 9:13] = IMAGE, IMAGE
   batch["images"] = np.random.default_rng(1).uniform(-1, 1, (rows, 2, 16, 16, 3)).astype(np.float32)
   return batch
@@ -192,7 +200,7 @@ def _mm_batch(c, rows=1):
 
 def _lora(tmp_path, freeze, *extra):
   """A tiny gemma3 with its tower under LoRA, on one device (compiles faster than over eight)."""
-  c = cfg(tmp_path, "l", *MM, *lora_test.LORA, "lora_random_base=true", "vocab_size=320", "ici_fsdp_parallelism=1",
+  c = cfg(tmp_path, "l", *MM, *LORA, "lora_random_base=true", "vocab_size=320", "ici_fsdp_parallelism=1",
           f"freeze_vision_encoder={str(freeze).lower()}", *extra)  # fmt: skip
   mesh = sharding.create_mesh(c, jax.devices()[:1])
   optimizer = optimizers.build(c)
@@ -213,8 +221,8 @@ def test_lora_trains_tower_adapters_and_merge_and_export_fold_them_in(tmp_path):
   c, mesh, optimizer, spec = _lora(tmp_path, False, "use_post_attn_norm=true", "use_post_ffw_norm=true")
   with sharding.activate(c, mesh):
     state = state_lib.init_state(c, optimizer.tx, spec)
-  before = lora_test._host(spec.partition.split(state.params))
-  tower = {n for n in lora_test._names(before.trainable) if "vision_encoder" in n}
+  before = host_tree(spec.partition.split(state.params))
+  tower = {n for n in leaf_names(before.trainable) if "vision_encoder" in n}
   assert {n.split("]")[-3] for n in tower if "layers" in n} == {f"['{m}'" for m in TOWER}
   assert any("mm_input_projection" in n for n in tower) and not any("patch_embedding" in n for n in tower)
   step_fn = steps.jit_train_step(c, mesh, optimizer.tx, spec, optimizer.schedule)
@@ -223,9 +231,9 @@ def test_lora_trains_tower_adapters_and_merge_and_export_fold_them_in(tmp_path):
     for i in range(2):  # B starts at 0, so A moves from the second step on
       state, metrics = step_fn(state, jax.device_put(batch, steps.batch_shardings(c, mesh)), jax.random.key(i))
       assert np.isfinite(float(metrics["loss"]))
-  adapters, base = lora_test._host(spec.partition.split(state.params))
-  assert all(lora_test._equal(before.frozen, base))
-  assert not any(lora_test._equal(before.trainable, adapters))
+  adapters, base = host_tree(spec.partition.split(state.params))
+  assert all(leaves_equal(before.frozen, base))
+  assert not any(leaves_equal(before.trainable, adapters))
   merged = lora.merged(c, spec.partition.combine(adapters, base))
   query = [t["vision_encoder"]["layers"]["query"]["kernel"][...] for t in (merged, base)]
   assert not np.array_equal(*query)  # the tower's adapters were folded in
@@ -259,8 +267,8 @@ def test_a_frozen_tower_gets_no_adapters_and_bad_tower_targets_fail_at_startup(t
   or projector is trainable (and the decoder stops its gradient); its targets then go unused."""
   spec = state_lib.param_spec(cfg(tmp_path, "f", *MM, "lora_rank=4", "lora_vision_target_modules=fc3"))
   adapters, base = spec.partition.split(spec.abstract)
-  assert adapters and not any("vision_encoder" in n for n in lora_test._names(adapters))
-  assert any("vision_encoder" in n for n in lora_test._names(base))
+  assert adapters and not any("vision_encoder" in n for n in leaf_names(adapters))
+  assert any("vision_encoder" in n for n in leaf_names(base))
   with pytest.raises(ConfigError, match="lora_vision_target_modules='fc3' matches no projection of the vision") as e:
     state_lib.param_spec(cfg(tmp_path, "r", *MM, "lora_rank=4", "freeze_vision_encoder=false",
                              "lora_vision_target_modules=fc3"))  # fmt: skip
@@ -292,7 +300,7 @@ def test_tower_targets_pick_layers_when_unrolled_and_all_or_none_when_scanned(tm
     "num_hidden_layers_for_vit=2",
   )
   spec = state_lib.param_spec(cfg(tmp_path, "u", *MM, *one, "scan_layers=false"))
-  adapters = [n for n in lora_test._names(spec.partition.split(spec.abstract)[0]) if "vision_encoder" in n]
+  adapters = [n for n in leaf_names(spec.partition.split(spec.abstract)[0]) if "vision_encoder" in n]
   assert adapters and all("['layers'][1]['query']" in n for n in adapters), adapters
   with pytest.raises(ConfigError, match=r"matches layers/1/query in 1 of \d+ vision layers; scanned layers are"):
     state_lib.param_spec(cfg(tmp_path, "s", *MM, *one, "scan_layers=true"))

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import checkpointing, config, decode, models
-from MaxText.convert import hf_to_maxtext, maxtext_to_hf
+from MaxText import checkpointing, config, decode, models, planner
+from MaxText.convert import hf_to_maxtext
 from MaxText.data import images as images_lib
 from MaxText.errors import DataError
 from MaxText.inference import Engine
 from MaxText.layers import vision
-from MaxText.parallel import plan as plan_lib
+from MaxText.tests.helpers import assert_export_is_exact, make_tokenizer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -55,7 +55,7 @@ def converted(tmp_path_factory):
 
 def load(out_dir, *overrides):
   c = config.load([os.path.join(out_dir, "config.yml"), "run_name=t", "dtype=float32", *overrides], {})
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0), plan_lib.build(c))), nnx.Param)
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0), planner.build(c))), nnx.Param)
   return c, nnx.merge(graphdef, checkpointing.load_params(os.path.join(out_dir, "params"), abstract))
 
 
@@ -177,14 +177,7 @@ def test_round_trip_is_exact_and_text_only_use_works(converted, tmp_path):
   model, hf_path, out = converted
   back = str(tmp_path / "back")
   c = config.load([os.path.join(out, "config.yml"), "run_name=t", f"load_parameters_path={out}/params"], {})
-  maxtext_to_hf.convert(c, back)
-  original = safetensors_torch.load_file(os.path.join(hf_path, "model.safetensors"))
-  exported = {}
-  for name in set(json.load(open(os.path.join(back, "model.safetensors.index.json")))["weight_map"].values()):
-    exported |= safetensors_torch.load_file(os.path.join(back, name))
-  assert set(exported) == set(original)
-  for name, tensor in original.items():
-    assert torch.equal(exported[name], tensor), name
+  assert_export_is_exact(c, hf_path, back)
   assert json.load(open(os.path.join(back, "config.json")))["architectures"] == ["Gemma3ForConditionalGeneration"]
   assert transformers.AutoConfig.from_pretrained(back).vision_config.patch_size == 4
 
@@ -206,7 +199,7 @@ def vision_params(c, step):
   from MaxText import train  # noqa: PLC0415
 
   reader_path = train.checkpoint_path(c, step)
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0), plan_lib.build(c))), nnx.Param)
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0), planner.build(c))), nnx.Param)
   params = nnx.to_pure_dict(checkpointing.load_params(reader_path, abstract))
   return params["vision_encoder"], params["decoder_norm"]
 
@@ -218,7 +211,6 @@ def test_sft_with_images_trains_and_freezes_the_vision_tower(tmp_path, freeze):
   freeze_vision_encoder keeps the tower and projector exactly; false trains them."""
   from MaxText import train  # noqa: PLC0415
   from MaxText.tests.conftest import BASE, TINY, losses  # noqa: PLC0415
-  from MaxText.tests.sft_test import make_tokenizer  # noqa: PLC0415
 
   tok = make_tokenizer(str(tmp_path / "tok"))
   rng = np.random.default_rng(0)

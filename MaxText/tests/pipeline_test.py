@@ -12,10 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import config, sharding, state, train
-from MaxText import train_step as steps
+from MaxText import config, planner, sharding, state, train
 from MaxText.errors import ConfigError
-from MaxText.layers import pipeline
+from MaxText.objectives import lm
 from MaxText.parallel import plan as plan_lib
 from MaxText.tests.conftest import cfg, free_port, losses
 
@@ -58,7 +57,7 @@ def loss_and_grads(c, params, data):
   spec = state.param_spec(c, mesh)
   with sharding.activate(c, mesh):
     placed = jax.device_put(params, spec.shardings)
-    fn = jax.jit(jax.value_and_grad(lambda p, b: steps.loss_sums(spec.graphdef, c, p, b, None)[0]))
+    fn = jax.jit(jax.value_and_grad(lambda p, b: lm.loss_sums(spec.graphdef, c, p, b, None)[0]))
     return fn(placed, data)
 
 
@@ -95,18 +94,18 @@ def test_pipelined_loss_and_grads_equal_unpipelined(stages, micro, repeats):
 
 def test_schedule_and_bubble():
   c = load("ici_pipeline_parallelism=4", "num_pipeline_microbatches=8", "num_pipeline_repeats=2")
-  sched = plan_lib.schedule(c)
-  assert sched == pipeline.Schedule(stages=4, microbatches=8, repeats=2)
+  sched = planner.schedule(c)
+  assert sched == plan_lib.Schedule(stages=4, microbatches=8, repeats=2)
   assert sched.iterations == 19 and sched.bubble == pytest.approx(3 / 19)
-  assert any("bubble 15.8%" in line for line in plan_lib.describe(plan_lib.build(c), c))
-  assert plan_lib.schedule(load()) is None and plan_lib.build(load()).pipeline is None
-  assert not any("pipeline" in line for line in plan_lib.describe(plan_lib.build(load()), load()))
-  assert plan_lib.schedule(load("ici_pipeline_parallelism=2")).microbatches == 2  # -1: one per stage
+  assert any("bubble 15.8%" in line for line in planner.describe(planner.build(c), c))
+  assert planner.schedule(load()) is None and planner.build(load()).pipeline is None
+  assert not any("pipeline" in line for line in planner.describe(planner.build(load()), load()))
+  assert planner.schedule(load("ici_pipeline_parallelism=2")).microbatches == 2  # -1: one per stage
 
 
 def test_bad_pipeline_settings_raise_config_error():
   with pytest.raises(ConfigError, match="do not split into 4 stages"):
-    plan_lib.build(load("ici_pipeline_parallelism=4", "base_num_decoder_layers=6"))
+    planner.build(load("ici_pipeline_parallelism=4", "base_num_decoder_layers=6"))
   with pytest.raises(ConfigError, match="scan_layers=true"):
     load("ici_pipeline_parallelism=2", "scan_layers=false")
   with pytest.raises(ConfigError, match="microbatches >= the 4 stages"):
@@ -218,7 +217,7 @@ def test_launcher_arguments_load(tmp_path):
   )  # fmt: skip
   c = config.load(out.stdout.split(), {})
   assert (c.ici_data_parallelism, c.ici_pipeline_parallelism, c.ici_tensor_parallelism) == (2, 4, 1)
-  assert plan_lib.schedule(c) == pipeline.Schedule(4, 8, 1) and c.per_device_batch_size == 2
+  assert planner.schedule(c) == plan_lib.Schedule(4, 8, 1) and c.per_device_batch_size == 2
 
 
 # The JaxPP fork's documented launcher lines (NVIDIA/maxtext-jaxpp README: tiny llama2, mixtral, mistral).

@@ -1,5 +1,6 @@
-"""The run plan (parallel/plan.py): built once before tracing, frozen, shown; every layout error raised while
-it is built; the model follows the plan it was built with, never the active mesh or the platform."""
+"""The run plan (types: parallel/plan.py, builder: planner.py): built once before tracing, frozen, shown; every
+layout error raised while it is built; the model follows the plan it was built with, never the active mesh or
+the platform; the plan's types import nothing above them."""
 
 import ast
 import dataclasses
@@ -9,9 +10,10 @@ import jax
 import pytest
 from flax import nnx
 
-from MaxText import config, models, sharding, train, train_step
-from MaxText.config import ConfigError
-from MaxText.parallel import plan as plan_lib
+from MaxText import config, models, planner, sharding, train
+from MaxText.errors import ConfigError
+from MaxText.objectives import lm
+from MaxText.parallel.plan import AttentionPlan, LossPlan
 from MaxText.tests.conftest import TINY, cfg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,8 +55,8 @@ def test_layers_and_models_read_no_mesh_platform_or_config():
 
 def test_plan_is_frozen_hashable_and_names_its_decisions():
   c = load("ici_context_parallelism=2", "ici_fsdp_parallelism=4", "num_experts=4", "num_experts_per_tok=2")
-  plan = plan_lib.build(c, sharding.create_mesh(c))
-  assert hash(plan) == hash(plan_lib.build(c, sharding.create_mesh(c)))
+  plan = planner.build(c, sharding.create_mesh(c))
+  assert hash(plan) == hash(planner.build(c, sharding.create_mesh(c)))
   with pytest.raises(dataclasses.FrozenInstanceError):
     plan.remat_policy = "none"
   a = plan.attention
@@ -62,7 +64,7 @@ def test_plan_is_frozen_hashable_and_names_its_decisions():
   assert plan.axes.length == ("context",) and "expert" not in plan.axes.experts
   assert plan.moe.ragged is False and plan.pipeline is None and plan.keep_lanes is False
   assert plan.data_shards == 4  # fsdp 4; context is not a batch axis
-  lines = plan_lib.describe(plan, c)
+  lines = planner.describe(plan, c)
   assert lines[0] == "attention: dot_product, because autoselected: context parallelism over 2 shards runs dot_product"
   assert any(line.startswith("context parallelism: sequence in 2 shards") for line in lines)
   assert any(line.startswith("moe: dropless, no expert axis") for line in lines)
@@ -71,10 +73,10 @@ def test_plan_is_frozen_hashable_and_names_its_decisions():
 def test_pipeline_schedule_is_planned_per_stack():
   c = load("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4", "base_num_decoder_layers=6")
   c = c.replace(pipeline_parallel_layers=4, num_pipeline_microbatches=4)
-  plan = plan_lib.build(c, sharding.create_mesh(c))
+  plan = planner.build(c, sharding.create_mesh(c))
   assert plan.pipeline.schedule == (2, 4, 1) and plan.pipeline.units == (("layers", 4),)
   assert plan.axes.stage == ("stage",)
-  assert any("bubble 20.0%" in line for line in plan_lib.describe(plan, c))
+  assert any("bubble 20.0%" in line for line in planner.describe(plan, c))
 
 
 @pytest.mark.parametrize(
@@ -92,12 +94,16 @@ def test_pipeline_schedule_is_planned_per_stack():
     (["attention=flash", "max_target_length=128", "per_device_batch_size=2", "flash_pieces=4"], "must divide the"),
     (["mlp_pieces=5"], "must divide max_target_length=32"),
     (["mlp_pieces=2", "ici_context_parallelism=4", "ici_fsdp_parallelism=2"], "context parallelism or the pipeline"),
+    (  # Decoder.forward refused this while tracing; the plan refuses it before compiling
+      ["decoder_block=gemma3", "use_multimodal=true", "image_size_for_vit=16", "ici_context_parallelism=2"],
+      "images with load-balanced context parallelism are not supported",
+    ),
   ],
 )
 def test_layout_errors_are_raised_when_the_plan_is_built(overrides, message):
   c = load(*overrides)
   with pytest.raises(ConfigError, match=message):
-    plan_lib.build(c, sharding.create_mesh(c))
+    planner.build(c, sharding.create_mesh(c))
 
 
 def test_the_model_follows_its_plan_not_the_active_mesh():
@@ -113,8 +119,8 @@ def test_the_model_follows_its_plan_not_the_active_mesh():
     with sharding.activate(c, mesh):
       return str(jax.make_jaxpr(lambda p: nnx.merge(graphdef, p)(tokens, tokens, tokens))(params))
 
-  assert "shard_map" not in jaxpr(plan_lib.build(c))
-  assert "shard_map" in jaxpr(plan_lib.build(c, mesh))
+  assert "shard_map" not in jaxpr(planner.build(c))
+  assert "shard_map" in jaxpr(planner.build(c, mesh))
 
 
 def test_the_run_header_and_decode_show_the_plan(tmp_path, capsys):
@@ -127,9 +133,9 @@ def test_the_run_header_and_decode_show_the_plan(tmp_path, capsys):
 
 def test_decoding_plans_no_training_kernel():
   """Decoding attends over the KV cache: a training-only kernel setting is neither chosen nor refused."""
-  plan = plan_lib.build(load("attention=cudnn_flash_te"), decoding=True)
+  plan = planner.build(load("attention=cudnn_flash_te"), decoding=True)
   assert plan.attention.kernel == "dot_product" and plan.pipeline is None
-  lines = plan_lib.describe(plan, load())
+  lines = planner.describe(plan, load())
   assert lines[0] == "attention: dot_product, because decoding attends over the KV cache"
   assert not any("remat" in line or "pipeline" in line for line in lines)
 
@@ -153,9 +159,9 @@ def test_activation_pieces_are_made_only_for_large_per_device_workspaces(batch, 
   from MaxText import train_compile
 
   c = config.load([BASE, "model_name=llama2-7b", "compile_topology=v5e-256", f"per_device_batch_size={batch}"], {})
-  plan = plan_lib.build(c, sharding.create_mesh(c, train_compile.topology_devices(c)))
+  plan = planner.build(c, sharding.create_mesh(c, train_compile.topology_devices(c)))
   assert (plan.attention.batch_pieces, plan.mlp_pieces) == pieces
-  shown = [line for line in plan_lib.describe(plan, c) if line.startswith("pieces:")]
+  shown = [line for line in planner.describe(plan, c) if line.startswith("pieces:")]
   assert shown == ([] if pieces == (1, 1) else ["pieces: flash call in 4 batch parts, dense MLP in 16 sequence parts"])
 
 
@@ -167,7 +173,7 @@ def test_pieces_take_auto_or_a_positive_count(key):
 
 def loss_and_grads(c):
   """The summed loss and its gradients for a fixed batch of the tiny model, built with the one-device plan."""
-  model = models.build(c, nnx.Rngs(params=0), plan_lib.build(c))
+  model = models.build(c, nnx.Rngs(params=0), planner.build(c))
   graphdef, params = nnx.split(model)
   b, t = int(c.per_device_batch_size), c.max_target_length
   tokens = jax.random.randint(jax.random.key(1), (b, t + 1), 0, c.vocab_size)
@@ -175,8 +181,8 @@ def loss_and_grads(c):
   positions = jax.numpy.broadcast_to(jax.numpy.arange(t), (b, t))
   batch = dict(inputs=tokens[:, :-1], targets=tokens[:, 1:], inputs_position=positions)
   batch |= dict(inputs_segmentation=ones, targets_segmentation=ones)
-  grad = jax.grad(lambda p: train_step.loss_sums(graphdef, c, p, batch, None)[0], has_aux=False)
-  value = train_step.loss_sums(graphdef, c, params, batch, None)[0]
+  grad = jax.grad(lambda p: lm.loss_sums(graphdef, c, p, batch, None)[0], has_aux=False)
+  value = lm.loss_sums(graphdef, c, params, batch, None)[0]
   return value, grad(params)
 
 
@@ -191,8 +197,101 @@ def test_activation_pieces_give_the_whole_computation_s_loss_and_gradients(piece
   """Each token's MLP and each row's attention are computed as whole: pieces change when, not what."""
   common = ["per_device_batch_size=4", "remat_policy=full"]
   cut, full = (load(*common, *words) for words in (pieces, whole))
-  assert (plan_lib.build(cut).mlp_pieces, plan_lib.build(cut).attention.batch_pieces) != (1, 1)
+  assert (planner.build(cut).mlp_pieces, planner.build(cut).attention.batch_pieces) != (1, 1)
   (loss_cut, grads_cut), (loss_full, grads_full) = loss_and_grads(cut), loss_and_grads(full)
   assert abs(float(loss_cut) - float(loss_full)) <= 1e-5 * abs(float(loss_full))
   for a, b in zip(jax.tree.leaves(grads_cut), jax.tree.leaves(grads_full)):
     assert jax.numpy.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_loss_vocab_tiling_is_planned_per_shape():
+  """num_vocab_tiling=-1: the fewest sequence pieces whose float32 logits take at most 256 MiB per device."""
+
+  def tiles(vocab, batch, length, shards=1, requested=-1):
+    return LossPlan(0, batch, length, requested, vocab, shards).tiles_for(batch, length)
+
+  assert tiles(256, 2, 32) == 1  # tiny models: no extra matmul
+  assert tiles(32000, 4, 2048) == 4  # llama2-7b per device: 1000 MiB of logits
+  assert tiles(128256, 2, 4096) == 16  # llama3.1-70b: 3.9 GiB
+  assert tiles(32000, 4, 2048, requested=2) == 2  # explicit wins
+  assert tiles(32000, 32, 2048, shards=8) == 4  # the batch split over the data shards
+  c = load("vocab_size=32000", "max_target_length=2048", "per_device_batch_size=4", "ici_fsdp_parallelism=8")
+  plan = planner.build(c, sharding.create_mesh(c))
+  assert (plan.loss.rows, plan.loss.tiles, plan.data_shards) == (32, 4, 8)
+  assert "loss: vocab tiling 4 for 32 x 2048 (auto, by logits bytes per device)" in planner.describe(plan, c)[-1]
+  # A forward pass of gradient accumulation takes half the rows; eval and scoring ask for their own shape.
+  accumulated = planner.build(c.replace(gradient_accumulation_steps=2), sharding.create_mesh(c)).loss
+  assert (accumulated.rows, accumulated.tiles, accumulated.tiles_for(32, 2048)) == (16, 2, 4)
+  with pytest.raises(ConfigError, match="num_vocab_tiling=3"):
+    load("num_vocab_tiling=3")
+
+
+def test_other_lengths_and_rows_with_images_get_the_plan_s_kernel():
+  """The kernel for another length (a caller scoring other lengths) and the dot_product of rows with images
+  (Gemma 3's bidirectional image blocks) are the plan's answers, decided from its fields."""
+  from MaxText import train_compile
+
+  c = config.load([BASE, "model_name=llama2-7b", "compile_topology=v5e-8", "max_target_length=2048"], {})
+  a = planner.build(c, sharding.create_mesh(c, train_compile.topology_devices(c))).attention
+  assert (a.kernel, a.length, a.kernel_for(2048), a.kernel_for(200), a.kernel_for(4096)) == (
+    "flash", 2048, "flash", "dot_product", "flash",
+  )  # fmt: skip
+  assert planner.build(c, decoding=True).attention.kernel_for(4096) == "dot_product"
+  assert (a.query_chunk, a.image_chunk, a.image_chunk_for(2048), a.image_chunk_for(1000)) == (512, 512, 512, 0)
+  whole = dataclasses.replace(a, query_chunk=0, image_chunk=0)
+  assert (whole.image_chunk_for(2048), whole.image_chunk_for(4096)) == (0, 0)
+  assert isinstance(a, AttentionPlan)
+  mm = load("decoder_block=gemma3", "use_multimodal=true", "image_size_for_vit=16", "attention_query_chunk=8")
+  assert "rows with images: dot_product in query blocks of 8 (each image's tokens attend both ways)" in (
+    planner.describe(planner.build(mm), mm)
+  )
+
+
+def _imports(path: str) -> set[str]:
+  """The MaxText modules a source file imports, TYPE_CHECKING imports included."""
+  found = set()
+  for node in ast.walk(ast.parse(open(path).read())):
+    if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("MaxText"):
+      found |= {f"{node.module}.{a.name}" for a in node.names}
+    elif isinstance(node, ast.Import):
+      found |= {a.name for a in node.names if a.name.startswith("MaxText")}
+  return found
+
+
+def test_the_plan_s_types_and_wrappers_import_nothing_above_them():
+  """parallel/plan.py names only parallel/ (the builder, planner.py, sits above the families); the shard_map
+  wrappers (parallel/ops.py) import no layer."""
+  plan = _imports(os.path.join(ROOT, "parallel", "plan.py"))
+  assert plan and all(name.startswith("MaxText.parallel.") for name in plan), plan
+  ops = _imports(os.path.join(ROOT, "parallel", "ops.py"))
+  assert not any(name.startswith(("MaxText.layers", "MaxText.models", "MaxText.planner")) for name in ops), ops
+
+
+def test_the_source_has_no_import_cycle():
+  """No module of MaxText (tests apart) reaches itself through its imports, TYPE_CHECKING imports included."""
+  modules = {}
+  for d, _, names in os.walk(ROOT):
+    for f in names:
+      rel = os.path.relpath(os.path.join(d, f), os.path.dirname(ROOT))
+      if f.endswith(".py") and "tests" not in rel.split(os.sep):
+        modules[rel[:-3].replace(os.sep, ".").removesuffix(".__init__")] = os.path.join(d, f)
+
+  def resolve(name):
+    while name and name not in modules:
+      name = name.rpartition(".")[0]
+    return name
+
+  graph = {m: {resolve(n) for n in _imports(path)} - {m, ""} for m, path in modules.items()}
+  done, cycles = set(), []
+
+  def visit(m, path):
+    if m in path:
+      cycles.append(path[path.index(m) :] + [m])
+    elif m not in done:
+      for n in sorted(graph[m]):
+        visit(n, path + [m])
+      done.add(m)
+
+  for m in sorted(graph):
+    visit(m, [])
+  assert not cycles, "\n".join(" -> ".join(c) for c in cycles[:5])

@@ -7,8 +7,8 @@ import jax
 import pytest
 from flax import nnx
 
-from MaxText import config, models
-from MaxText.parallel import plan as plan_lib
+from MaxText import config, models, planner
+from MaxText.errors import ConfigError
 
 BASE = os.path.join(config.CONFIG_DIR, "base.yml")
 PUBLISHED = {  # billions of parameters, as published by the model authors (text decoder only)
@@ -55,7 +55,7 @@ PUBLISHED = {  # billions of parameters, as published by the model authors (text
 
 def num_params(name: str) -> int:
   c = config.load([BASE, "run_name=t", f"model_name={name}"], {})
-  model = nnx.eval_shape(lambda: models.build(c, nnx.Rngs(params=0), plan_lib.build(c)))
+  model = nnx.eval_shape(lambda: models.build(c, nnx.Rngs(params=0), planner.build(c)))
   return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
@@ -93,5 +93,5 @@ def test_parameter_count(name):
   ],
 )
 def test_family_options_are_validated(bad):
-  with pytest.raises(config.ConfigError):
+  with pytest.raises(ConfigError):
     config.load([BASE, "run_name=t", "num_experts=2", *bad.split()], {})

@@ -14,12 +14,11 @@ import pytest
 import qwix
 from flax import nnx
 
-from MaxText import models, optimizers, sharding, train, train_compile
+from MaxText import models, optimizers, planner, sharding, train, train_compile
 from MaxText import state as state_lib
 from MaxText import train_step as steps
 from MaxText.errors import ConfigError
 from MaxText.layers import quantization
-from MaxText.parallel import plan as plan_lib
 from MaxText.tests.conftest import BASE, ROOT, TINY, cfg, losses
 
 MOE = ("num_experts=4", "num_experts_per_tok=2", "shared_experts=1")
@@ -43,7 +42,7 @@ def selected_ops(config):
       seen[("/".join(map(str, flax_util.get_current_module_path())), op_name)] = rule is not None
       return rule, op_id
 
-  model = nnx.eval_shape(lambda: models.build(config, nnx.Rngs(params=0), plan_lib.build(config)))
+  model = nnx.eval_shape(lambda: models.build(config, nnx.Rngs(params=0), planner.build(config)))
   model = qwix.quantize_model(
     model, Recording(quantization.rules(config)), methods=("forward",), skip_nnx_init=True, tokens=None
   )
@@ -87,9 +86,9 @@ def test_rules_follow_the_mode_and_knobs(tmp_path):
 
 def test_off_builds_the_plain_model_and_every_mode_keeps_the_parameters(tmp_path):
   off = cfg(tmp_path, "off", *MOE)
-  plan = plan_lib.build(off)
+  plan = planner.build(off)
   assert type(state_lib.build_model(off, 0, plan)) is type(models.build(off, nnx.Rngs(params=0), plan))
-  plain = nnx.split(nnx.eval_shape(lambda: models.build(off, nnx.Rngs(params=0), plan_lib.build(off))), nnx.Param)
+  plain = nnx.split(nnx.eval_shape(lambda: models.build(off, nnx.Rngs(params=0), planner.build(off))), nnx.Param)
   spec = state_lib.param_spec(off)
   assert spec.graphdef == plain[0]
   for mode in ("int8", "fp8", "int8w"):  # same parameter tree: checkpoints load with or without quantization

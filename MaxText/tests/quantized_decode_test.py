@@ -17,7 +17,8 @@ from MaxText import config, decode
 from MaxText.errors import ConfigError
 from MaxText.inference import Engine, engine, quantize
 from MaxText.layers import kv_cache
-from MaxText.tests.decode_test import BASE, FAMILIES, TINY
+from MaxText.tests.conftest import BASE
+from MaxText.tests.helpers import DECODE_FAMILIES, DECODE_TINY
 
 PROMPT = [[5, 9, 33, 7, 50]]
 NEW = 8
@@ -25,7 +26,7 @@ NEW = 8
 
 def load(*overrides):
   return config.load(
-    [BASE, *TINY, "ici_fsdp_parallelism=2", "ici_data_parallelism=-1", "init_weights_seed=3", *overrides], {}
+    [BASE, *DECODE_TINY, "ici_fsdp_parallelism=2", "ici_data_parallelism=-1", "init_weights_seed=3", *overrides], {}
   )
 
 
@@ -93,18 +94,18 @@ def test_kv_quantization_round_trip_is_close_per_token_and_head():
 
 @pytest.mark.slow  # two MoE engines: ~45 s on 2 busy cores
 def test_moe_experts_are_int8_and_the_router_stays_float():
-  e = Engine.load(load(*FAMILIES["mixtral"], "quantization=int8w"))
+  e = Engine.load(load(*DECODE_FAMILIES["mixtral"], "quantization=int8w"))
   moe = e.params["layers"]["mlp"]
   assert all(isinstance(moe[name].get_value(), qwix.QArray) for name in quantize.MOE_WEIGHTS)
   assert moe["gate"]["kernel"].get_value().dtype == jnp.float32
   # Here the smallest top-2 gap (0.077) is close to the change (0.069): logits are compared, not tokens.
-  assert gap_and_change(Engine.load(load(*FAMILIES["mixtral"])), e)[1] < 0.1
+  assert gap_and_change(Engine.load(load(*DECODE_FAMILIES["mixtral"])), e)[1] < 0.1
 
 
 @pytest.mark.slow  # decode.py, then two engines: ~65 s on 2 busy cores
 def test_saved_int8_params_decode_without_quantizing_again(tmp_path, capsys):
   path = str(tmp_path / "int8")
-  args = [BASE, *TINY, "vocab_size=320", "init_weights_seed=3", "prompt=hi", "decode_max_new_tokens=4"]
+  args = [BASE, *DECODE_TINY, "vocab_size=320", "init_weights_seed=3", "prompt=hi", "decode_max_new_tokens=4"]
   decode.main(["decode.py", *args, "quantization=int8w", f"save_quantized_params_path={path}"])
   assert f"Saved int8 params to {path}" in capsys.readouterr().out
   assert quantize.is_quantized_checkpoint(path)
@@ -128,7 +129,7 @@ def test_saved_int8_params_decode_without_quantizing_again(tmp_path, capsys):
     (["quantization=int8"], "is a training mode"),
     (["quantize_kvcache=true", "kv_quant_dtype=int4"], "kv_quant_dtype='int4' is not one of"),
     (["save_quantized_params_path=/tmp/x"], "add quantization=int8w"),
-    ([*FAMILIES["deepseek"], "quantize_kvcache=true"], "not supported with MLA"),
+    ([*DECODE_FAMILIES["deepseek"], "quantize_kvcache=true"], "not supported with MLA"),
   ],
 )
 def test_settings_that_cannot_work_together_fail_with_one_line(overrides, message):

@@ -14,7 +14,7 @@ from MaxText import config, flops, train
 from MaxText.convert import hf_to_maxtext
 from MaxText.inference import Engine
 from MaxText.layers import gated_deltanet
-from MaxText.tests import decode_parity_test, families_test
+from MaxText.tests.helpers import PROMPTS, T, assert_export_is_exact, hf_greedy, maxtext_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -48,20 +48,20 @@ def hf_model(tmp_path):
 
 def test_logits_match_hugging_face_and_round_trip_is_exact(tmp_path):
   model, hf_path = hf_model(tmp_path)
-  tokens = np.random.default_rng(0).integers(0, 64, (2, families_test.T))
+  tokens = np.random.default_rng(0).integers(0, 64, (2, T))
   with torch.no_grad():
     ref = model(torch.tensor(tokens)).logits.numpy()
   scanned, unrolled = os.path.join(tmp_path, "scan"), os.path.join(tmp_path, "unrolled")
   hf_to_maxtext.convert(hf_path, scanned, scan_layers=True)
   hf_to_maxtext.convert(hf_path, unrolled, scan_layers=False)
-  got = families_test.maxtext_logits(scanned, tokens, CHUNK)
+  got = maxtext_logits(scanned, tokens, CHUNK)
   np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
   # One chunk of 64 and the unrolled layout give the same logits.
-  np.testing.assert_allclose(families_test.maxtext_logits(unrolled, tokens), got, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(maxtext_logits(unrolled, tokens), got, rtol=1e-5, atol=1e-5)
 
   back = os.path.join(tmp_path, "back")
   c = config.load([os.path.join(scanned, "config.yml"), "run_name=t", f"load_parameters_path={scanned}/params"], {})
-  families_test.assert_export_is_exact(c, hf_path, back)
+  assert_export_is_exact(c, hf_path, back)
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(back, attn_implementation="eager").eval()
   with torch.no_grad():
     np.testing.assert_array_equal(reloaded(torch.tensor(tokens)).logits.numpy(), ref)
@@ -79,14 +79,14 @@ def test_greedy_tokens_equal_hugging_face_and_cache_free_decode(tmp_path):
     + ["max_target_length=32", "max_prefill_predict_length=16", "ici_fsdp_parallelism=1", "ici_data_parallelism=-1"],
     {},
   )
-  got = Engine.load(c).generate(decode_parity_test.PROMPTS, 16, strategy="greedy", stop_tokens=[])
-  want = decode_parity_test.hf_greedy(model, decode_parity_test.PROMPTS)
+  got = Engine.load(c).generate(PROMPTS, 16, strategy="greedy", stop_tokens=[])
+  want = hf_greedy(model, PROMPTS)
   for row, completion in enumerate(got.completions):
     np.testing.assert_array_equal(completion.tokens, want[row], err_msg=f"prompt {row}")
   # Without any cache: the full forward pass over prompt + generated tokens picks the same next tokens.
-  for row, prompt in enumerate(decode_parity_test.PROMPTS):
+  for row, prompt in enumerate(PROMPTS):
     seq = np.array([prompt + list(got.completions[row].tokens)])
-    logits = families_test.maxtext_logits(out, seq, CHUNK)[0]
+    logits = maxtext_logits(out, seq, CHUNK)[0]
     np.testing.assert_array_equal(logits[len(prompt) - 1 : -1].argmax(-1), got.completions[row].tokens)
 
 
@@ -144,26 +144,26 @@ def test_flops_count_linear_attention_layers_as_such():
 
 
 def test_unsupported_settings_are_config_errors():
+  from MaxText import planner  # noqa: PLC0415
   from MaxText.errors import ConfigError  # noqa: PLC0415
-  from MaxText.parallel import plan as plan_lib  # noqa: PLC0415
 
   base = [os.path.join(config.CONFIG_DIR, "base.yml"), "run_name=t", "decoder_block=qwen3next"]
   with pytest.raises(ConfigError, match="linear_num_value_heads a multiple of linear_num_key_heads"):
-    plan_lib.build(config.load([*base, "linear_num_key_heads=3"], {}))
+    planner.build(config.load([*base, "linear_num_key_heads=3"], {}))
   with pytest.raises(ConfigError, match="set ici/dcn_context_parallelism=1"):
-    plan_lib.build(config.load([*base, "ici_context_parallelism=2"], {}))
+    planner.build(config.load([*base, "ici_context_parallelism=2"], {}))
 
 
 def test_packed_documents_do_not_see_each_other():
   """A row packing documents of 4 and 6 tokens: the second's DeltaNet output equals that document alone."""
   from flax import nnx  # noqa: PLC0415
 
+  from MaxText import planner  # noqa: PLC0415
   from MaxText.layers.model_config import ModelConfig  # noqa: PLC0415
-  from MaxText.parallel import plan as plan_lib  # noqa: PLC0415
 
   c = config.load([os.path.join(config.CONFIG_DIR, "base.yml"), "run_name=t", "dtype=float32", *TRAIN_KEYS], {})
   with nnx.use_eager_sharding(False):
-    layer = gated_deltanet.GatedDeltaNet(ModelConfig.from_config(c), rngs=nnx.Rngs(0), plan=plan_lib.build(c))
+    layer = gated_deltanet.GatedDeltaNet(ModelConfig.from_config(c), rngs=nnx.Rngs(0), plan=planner.build(c))
   x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 10, 32)), jnp.float32)
   segments = jnp.asarray([[1] * 4 + [2] * 6])
   positions = jnp.asarray([list(range(4)) + list(range(6))])

@@ -2,7 +2,6 @@
 no loss, packing keeps examples whole in their own segments, a tiny model learns a fixed reply, and bad examples
 or settings fail with one line."""
 
-import json
 import os
 
 import jax
@@ -12,16 +11,10 @@ import pytest
 from MaxText import config, train
 from MaxText.data import chat, sft
 from MaxText.data import make_iterators as make_data
-from MaxText.data import tokenizer as tokenizers
 from MaxText.errors import ConfigError, DataError
-from MaxText.tests.conftest import BASE, TINY, as_numpy, check_batch, losses, mesh_of
+from MaxText.tests.conftest import as_numpy, check_batch, losses, mesh_of
+from MaxText.tests.helpers import CHATML, make_tokenizer, sft_config, write_jsonl
 
-CHATML = (
-  "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-  "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-SPECIAL = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-TEXT = "The capital of France is Paris. What is the capital of France? Hello there, how are you today?\n" * 4
 CONVERSATION = [
   {"role": "system", "content": "You are terse."},
   {"role": "user", "content": "What is the capital of France?"},
@@ -31,42 +24,9 @@ CONVERSATION = [
 ]
 
 
-def make_tokenizer(directory, template=CHATML, eos="<|im_end|>"):
-  """A byte-level BPE tokenizer.json (~300 ids) with ChatML special tokens and a tokenizer_config.json."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-  tok = Tokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  alphabet = pre_tokenizers.ByteLevel.alphabet()
-  tok.train_from_iterator(
-    [TEXT], trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL, initial_alphabet=alphabet)
-  )
-  os.makedirs(directory, exist_ok=True)
-  tok.save(os.path.join(directory, "tokenizer.json"))
-  cfg = {"bos_token": "<s>", "eos_token": eos, "pad_token": "<pad>", "tokenizer_class": "PreTrainedTokenizerFast"}
-  if template:
-    cfg["chat_template"] = template
-  with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
-    json.dump(cfg, f)
-  return tokenizers.load_tokenizer(directory, "huggingface")
-
-
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
   return make_tokenizer(str(tmp_path_factory.mktemp("tok")))
-
-
-def write_jsonl(path, records):
-  with open(path, "w") as f:
-    f.writelines(json.dumps(r) + "\n" for r in records)
-  return str(path)
-
-
-def sft_config(tmp_path, tok, data, *overrides):
-  tok_args = ["tokenizer_type=huggingface", f"tokenizer_path={tok.path}"]
-  args = [BASE, "run_name=sft", f"base_output_directory={tmp_path}", *TINY, "dataset_type=text", "use_sft=true"]
-  return config.load([*args, f"dataset_path={data}", *tok_args, "vocab_size=320", "eval_fraction=0", *overrides], {})
 
 
 def test_rendering_and_tokens_match_transformers_apply_chat_template(tok):

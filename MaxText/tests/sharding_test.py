@@ -6,9 +6,8 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec
 
-from MaxText import config, sharding
+from MaxText import config, planner, sharding
 from MaxText.errors import ConfigError
-from MaxText.parallel import plan as plan_lib
 
 BASE = os.path.join(config.CONFIG_DIR, "base.yml")
 
@@ -95,7 +94,7 @@ def test_forward_is_sharding_invariant(mesh_args):
   tiny += ["base_num_decoder_layers=1", "vocab_size=320", "dtype=float32"]
   c = load(*tiny, *mesh_args)
   mesh = sharding.create_mesh(c)
-  graphdef, params = nnx.split(models.build(c, nnx.Rngs(params=0), plan_lib.build(c, mesh)), nnx.Param)
+  graphdef, params = nnx.split(models.build(c, nnx.Rngs(params=0), planner.build(c, mesh)), nnx.Param)
   tokens = jnp.asarray(np.random.default_rng(0).integers(1, 300, (4, 16)), jnp.int32)
   positions = jnp.broadcast_to(jnp.arange(16), (4, 16))
   segments = jnp.ones((4, 16), jnp.int32)

@@ -86,7 +86,7 @@ def test_llama2_7b_on_one_v5e_256_slice_uses_flash_and_fits_under_its_ceiling(tm
 @pytest.mark.slow
 def test_llama2_7b_at_batch_16_fits_in_0_9x_of_maxtext_s_memory():
   """The issue's batch-16 target: at most 11.6 GiB per chip (MaxText 0.2.5: 12.87), so that batch 20 fits
-  in v5e's 16 GiB. The activation pieces (flash 4, MLP 16; parallel/plan.py) take it from 12.99 to 11.50."""
+  in v5e's 16 GiB. The activation pieces (flash 4, MLP 16; planner.py) take it from 12.99 to 11.50."""
   result = compile_command("model_name=llama2-7b", "compile_topology=v5e-256", "per_device_batch_size=16")
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
   assert "pieces: flash call in 4 batch parts, dense MLP in 16 sequence parts" in result.stdout

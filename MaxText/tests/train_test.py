@@ -17,7 +17,6 @@ from MaxText import data as data_lib
 from MaxText import state as state_lib
 from MaxText import train_step as steps
 from MaxText.errors import ConfigError
-from MaxText.parallel import plan as plan_lib
 from MaxText.tests.conftest import BASE, ROOT, TINY, cfg, losses
 
 
@@ -68,21 +67,6 @@ def test_maxtext_remat_policies_do_not_change_losses(tmp_path):
   for policy in ("minimal_flash", "save_dot_except_mlpwi", "qkv_proj_offloaded", "minimal_offloaded"):
     got = run_losses(tmp_path, policy, "per_device_batch_size=2", f"remat_policy={policy}")
     np.testing.assert_allclose(got, ref, rtol=1e-5, err_msg=policy)
-
-
-def test_auto_vocab_tiling_keeps_each_piece_of_logits_small(tmp_path):
-  def tiles(*overrides, batch, length):
-    return steps.vocab_tiles(cfg(tmp_path, "v", *overrides, f"max_target_length={length}"), batch, length)
-
-  assert tiles("vocab_size=256", batch=2, length=32) == 1  # tiny models: no extra matmul
-  assert tiles("vocab_size=32000", batch=4, length=2048) == 4  # llama2-7b per device: 1000 MiB of logits
-  assert tiles("vocab_size=128256", batch=2, length=4096) == 16  # llama3.1-70b: 3.9 GiB
-  assert tiles("vocab_size=32000", "num_vocab_tiling=2", batch=4, length=2048) == 2  # explicit wins
-  c = cfg(tmp_path, "m", "vocab_size=32000", "max_target_length=2048", "ici_fsdp_parallelism=8")
-  shards = plan_lib.build(c, sharding.create_mesh(c)).data_shards  # the global batch of 32 is 4 per device
-  assert shards == 8 and steps.vocab_tiles(c, 32, 2048, shards) == 4
-  with pytest.raises(ConfigError, match="num_vocab_tiling=3"):
-    cfg(tmp_path, "bad", "num_vocab_tiling=3")
 
 
 def test_loss_falls_and_metrics_are_complete(tmp_path):

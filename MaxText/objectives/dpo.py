@@ -1,4 +1,4 @@
-"""Direct preference optimisation (use_dpo=true): the loss and metrics of chosen/rejected pairs (docs/dpo.md).
+"""Direct preference optimisation (objective=dpo): the loss and metrics of chosen/rejected pairs (docs/dpo.md).
 
 A preference batch is an ordinary batch (data/preferences.py) whose rows hold whole pairs: pair k of a row is
 its segments 2k - 1 (the chosen conversation) and 2k (the rejected one), each with its own copy of the prompt and
@@ -15,12 +15,14 @@ number of pairs of the global batch once, so gradient accumulation and sharding 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from MaxText.config import Config
+from MaxText.objectives import lm
+from MaxText.objectives.base import Batch, Field, Sources, Sums, target_logps
 
 # The sums a preference batch adds up: `nll` (the loss), `tokens` (completion tokens) and the keys every loss
 # reports (zero here), then the pair counts and rewards the metrics come from.
@@ -86,3 +88,47 @@ def metrics(aux: dict[str, jax.Array]) -> dict[str, jax.Array]:
     "dpo_rejected_reward": rejected,
     "dpo_pairs": aux["pairs"],
   }
+
+
+def preference_sums(graphdef, config: Config, params, reference, batch: Batch, rng: jax.Array | None):
+  """(objective, aux) for a batch of preference pairs: the policy `params` against the `reference` params
+  (train_step.reference_params), which get no gradient and no dropout."""
+  policy = pair_logps(target_logps(graphdef, config, params, batch, rng), batch["targets_segmentation"])
+  ref = pair_logps(target_logps(graphdef, config, reference, batch, None), batch["targets_segmentation"])
+  return loss_sums(config, policy, jax.tree.map(jax.lax.stop_gradient, ref))
+
+
+class Preference:
+  """objective=dpo (use_dpo=true): the mean DPO/IPO loss per pair of the global batch."""
+
+  name = "dpo"
+  reference = True
+  perplexity = False  # a preference loss is no language-model nll
+  denominator = "pairs"
+
+  def fields(self, config: Config) -> dict[str, Field]:
+    return lm.token_fields(config)
+
+  def sum_keys(self, config: Config) -> tuple[str, ...]:
+    return AUX_KEYS
+
+  def loss_sums(self, graphdef, config, params, batch, rng, reference):
+    return preference_sums(graphdef, config, params, reference, batch, rng)
+
+  def step_metrics(self, config: Config, sums: Sums, denominator: jax.Array) -> dict[str, jax.Array]:
+    return lm.step_metrics(config, sums, denominator) | metrics(sums)
+
+  def eval_sums(self, graphdef, config, params, batch, reference) -> Sums:
+    return preference_sums(graphdef, config, params, reference, batch, None)[1]
+
+  def eval_metrics(self, config: Config, totals: dict[str, float]) -> dict[str, Any]:
+    return {"eval_loss": totals.get("nll", 0.0) / max(totals.get("pairs", 0.0), 1.0), **metrics(totals)}
+
+  def sources(self, config: Config, mesh: Any) -> Sources:
+    return lm.data_sources(config, mesh)  # data/preferences.py
+
+  def check(self, config: Config, global_batch: int) -> None:
+    del config, global_batch
+
+
+OBJECTIVE = Preference()

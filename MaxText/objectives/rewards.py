@@ -1,4 +1,4 @@
-"""Rewards for GRPO (MaxText/rl.py): plain Python callables (prompt: str, completion: str) -> float.
+"""Rewards for GRPO (objectives/grpo.py): plain Python callables (prompt: str, completion: str) -> float.
 
 rl_reward names one: a built-in (REWARDS) or `module:function` (any importable module, e.g. a file on
 PYTHONPATH). A reward that raises, returns a non-number or a NaN/inf stops the run with one line naming the

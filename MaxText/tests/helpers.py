@@ -1,0 +1,487 @@
+"""Helpers that several test modules share beyond conftest.py's tiny config and fixtures: tiny Hugging Face
+models of each family and their conversion, the decode families, a chat tokenizer, LoRA tree views, train.py in
+a watched subprocess, the GRPO command line, the two-process data run. Test modules import from here or from
+conftest.py, never from each other (structure_test checks it). torch and transformers are imported where used:
+the modules that need them skip without them."""
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from MaxText import checkpointing, config, models, planner, preemption, sharding
+from MaxText.convert import hf_to_maxtext, maxtext_to_hf
+from MaxText.data import make_iterators
+from MaxText.data import tokenizer as tokenizers
+from MaxText.inference import engine
+from MaxText.tests.conftest import BASE, ROOT, TINY
+
+# Hugging Face parity: tiny random models of each family (families_test, decode_parity_test, ...).
+SMALL = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+SMALL |= dict(vocab_size=64, head_dim=8, tie_word_embeddings=False)
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+LLAMA31_ROPE |= {"original_max_position_embeddings": 8, "rope_theta": 500000.0}
+GEMMA3_ROPE = {
+  "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+}
+DEEPSEEK = dict(num_hidden_layers=3, first_k_dense_replace=1, num_key_value_heads=4, moe_intermediate_size=16)
+DEEPSEEK |= dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1)
+DEEPSEEK |= dict(q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=6, head_dim=4)
+# YaRN over 8 rope dims: with these lengths the 4 frequencies are scaled by 1, 0.625, 0.25, 0.25 (truncate) or
+# 1, 0.256, 0.25, 0.25; mscale != mscale_all_dim scales cos/sin, mscale_all_dim the MLA softmax.
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+DEEPSEEK_YARN = dict(DEEPSEEK, qk_rope_head_dim=8, head_dim=8, max_position_embeddings=256)
+DEEPSEEK2 = dict(DEEPSEEK_YARN, topk_method="group_limited_greedy", rope_parameters={**YARN, "mscale": 0.9})
+DEEPSEEK2["rope_parameters"] |= {"mscale_all_dim": 0.7}
+DEEPSEEK2_LITE = dict(DEEPSEEK2, q_lora_rank=None, topk_method="greedy", n_group=1, topk_group=1)
+DEEPSEEK2_LITE["rope_parameters"] = {**YARN, "mscale": 0.707, "mscale_all_dim": 0.707, "truncate": False}
+DEEPSEEK3_YARN = dict(DEEPSEEK_YARN, rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 16})
+# Kimi K2's YaRN: beta_fast = beta_slow = 1, mscale = mscale_all_dim = 1. Over these 8 rope dims the equal betas
+# keep frequencies 0-1 and divide 2-3 by factor (the default betas ramp frequency 1 to 0.625); one expert group.
+KIMI_ROPE = {**YARN, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+KIMI_K2 = dict(DEEPSEEK_YARN, n_group=1, topk_group=1, routed_scaling_factor=2.827, rope_parameters=KIMI_ROPE)
+# Llama 4: 6 layers = one scanned block of 4 (layer 3 NoPE; layers 1, 3 MoE) and a remainder of 2; chunks of 4
+# and temperature steps every 4 positions, so both act within T tokens; llama3 RoPE scaling as Scout's.
+LLAMA4 = dict(num_hidden_layers=6, intermediate_size=16, intermediate_size_mlp=48, num_local_experts=4)
+LLAMA4 |= dict(interleave_moe_layer_step=2, attention_chunk_size=4, floor_scale=4, attn_scale=1.0)
+LLAMA4 |= dict(rope_parameters=LLAMA31_ROPE, max_position_embeddings=64)
+FAMILIES = {
+  "llama2": ("LlamaConfig", {}),
+  "llama-bias": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),
+  "llama3.1": ("LlamaConfig", {"rope_parameters": LLAMA31_ROPE, "max_position_embeddings": 64}),
+  "mistral": ("MistralConfig", {"sliding_window": 4}),
+  "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+  "qwen3": ("Qwen3Config", {}),
+  "gemma": ("GemmaConfig", {"tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh"}),
+  "gemma2": (
+    "Gemma2Config",
+    {"sliding_window": 4, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0, "query_pre_attn_scalar": 6},
+  ),
+  "gemma3": (
+    "Gemma3TextConfig",
+    {"num_hidden_layers": 7, "sliding_window": 4, "rope_parameters": GEMMA3_ROPE, "query_pre_attn_scalar": 6},
+  ),
+  "deepseek3": ("DeepseekV3Config", DEEPSEEK),
+  "deepseek-no-q-lora": ("DeepseekV3Config", {**DEEPSEEK, "q_lora_rank": None, "n_group": 1, "topk_group": 1}),
+  "deepseek3-yarn": ("DeepseekV3Config", DEEPSEEK3_YARN),
+  "kimi-k2": ("DeepseekV3Config", KIMI_K2),
+  "deepseek2": ("DeepseekV2Config", DEEPSEEK2),
+  "deepseek2-lite": ("DeepseekV2Config", DEEPSEEK2_LITE),
+  "llama-yarn": ("LlamaConfig", {"rope_parameters": YARN, "max_position_embeddings": 256}),
+  "gpt3": ("GPT2Config", {}),
+  "qwen3-moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}),
+  "llama4": ("Llama4TextConfig", LLAMA4),
+}
+GPT2 = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16, n_inner=48)
+T = 12
+
+
+def hf_model(family, tmp_path):
+  """A tiny random HF model with random norm weights, saved under tmp_path/hf."""
+  import torch
+  import transformers
+
+  cls, extra = FAMILIES[family]
+  torch.manual_seed(0)
+  cfg = getattr(transformers, cls)(**({**GPT2} if family == "gpt3" else {**SMALL, **extra}))
+  model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+  with torch.no_grad():
+    for name, p in model.named_buffers():
+      if "bias" in name:  # DeepSeek's expert-selection bias
+        p.copy_(torch.randn_like(p) * 0.1)
+    for name, p in model.named_parameters():
+      if "norm" in name or ".ln_" in name or name.endswith("bias"):
+        p.copy_(torch.randn_like(p) * 0.5 + (1.0 if name.endswith("weight") and "gemma" not in family else 0.0))
+  path = os.path.join(tmp_path, "hf")
+  model.save_pretrained(path)
+  if family == "kimi-k2":  # as Kimi's checkpoints name it: its own model_type for the DeepSeek V3 architecture
+    cfg_path = os.path.join(path, "config.json")
+    json.dump({**json.load(open(cfg_path)), "model_type": "kimi_k2"}, open(cfg_path, "w"))
+  return model, path
+
+
+def maxtext_logits(out_dir, tokens, *overrides):
+  """Float32 logits [B, T, V] of the converted model in out_dir on tokens [B, T]."""
+  model = load_converted(out_dir, *overrides)
+  b, t = tokens.shape
+  return np.asarray(model(jnp.asarray(tokens), jnp.broadcast_to(jnp.arange(t), (b, t)), jnp.ones((b, t), jnp.int32)))
+
+
+def assert_export_is_exact(c: config.Config, hf_path: str, back: str) -> None:
+  """Export the model `c` loads to Hugging Face at `back`: every tensor equals hf_path's original, bit for bit."""
+  import torch
+  from safetensors import torch as safetensors_torch
+
+  maxtext_to_hf.convert(c, back)
+  original = safetensors_torch.load_file(os.path.join(hf_path, "model.safetensors"))
+  exported = exported_tensors(back)
+  assert sorted(exported) == sorted(original)
+  for name, tensor in original.items():
+    assert torch.equal(exported[name], tensor), name
+
+
+def exported_tensors(back: str) -> dict:
+  """Every tensor of the Hugging Face export in `back` (all its safetensors shards), by name."""
+  from safetensors import torch as safetensors_torch
+
+  exported = {}
+  for name in set(json.load(open(os.path.join(back, "model.safetensors.index.json")))["weight_map"].values()):
+    exported |= safetensors_torch.load_file(os.path.join(back, name))
+  return exported
+
+
+# Llama 4 with its vision tower (llama4_vision_test, llama4_images_test).
+L4V_TEXT = dict(
+  hidden_size=32, intermediate_size=16, intermediate_size_mlp=48, num_hidden_layers=4, num_attention_heads=4
+)
+L4V_TEXT |= dict(num_key_value_heads=2, vocab_size=64, head_dim=8, num_local_experts=4, interleave_moe_layer_step=2)
+L4V_TEXT |= dict(
+  attention_chunk_size=8, floor_scale=4, attn_scale=1.0, max_position_embeddings=64, tie_word_embeddings=False
+)
+# 16 x 16 tiles of 4 x 4 patches: a 4 x 4 grid, pixel-shuffled to 4 soft tokens per tile.
+L4V_VISION = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=16)
+L4V_VISION |= dict(
+  patch_size=4, pixel_shuffle_ratio=0.5, projector_input_dim=24, projector_output_dim=24, vision_output_dim=24
+)
+L4V_IMAGE_TOKEN = 63
+
+
+def convert_llama4_vision(tmp):
+  """(HF model, its HF directory, the MaxText model converted from it by hf_to_maxtext, the MaxText directory)."""
+  import torch
+  import transformers
+
+  torch.manual_seed(0)
+  cfg = transformers.Llama4Config(text_config=L4V_TEXT, vision_config=L4V_VISION, image_token_index=L4V_IMAGE_TOKEN)
+  model = transformers.Llama4ForConditionalGeneration(cfg).float().eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "norm" in name or name.endswith("bias"):
+        p.copy_(torch.randn_like(p) * 0.5 + (1.0 if name.endswith("weight") else 0.0))
+  hf_path, out = os.path.join(tmp, "hf"), os.path.join(tmp, "mt")
+  model.save_pretrained(hf_path)
+  hf_to_maxtext.convert(hf_path, out, scan_layers=True)
+  return model, hf_path, load_converted(out), out
+
+
+def load_converted(out_dir, *overrides):
+  c = config.load([os.path.join(out_dir, "config.yml"), "run_name=t", "dtype=float32", *overrides], {})
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0), planner.build(c))), nnx.Param)
+  return nnx.merge(graphdef, checkpointing.load_params(os.path.join(out_dir, "params"), abstract))
+
+
+PROMPTS = [[5, 9, 17], [3, 1, 4, 1, 5, 9, 2, 6, 53], [40, 41, 42, 43, 44, 45]]
+PARITY_NEW = 16
+
+
+def hf_greedy(model, prompts):
+  import torch
+
+  width = max(len(p) for p in prompts)
+  ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+  mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+  model.generation_config.eos_token_id = None
+  with torch.no_grad():
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=PARITY_NEW, do_sample=False, pad_token_id=0)
+  return out[:, width:].numpy()
+
+
+# Decoding: the families of decode_test (MaxText command-line overrides).
+DECODE_TINY = ["base_emb_dim=32", "base_num_query_heads=4", "base_num_kv_heads=2", "base_mlp_dim=48", "head_dim=8"]
+DECODE_TINY += ["base_num_decoder_layers=2", "vocab_size=64", "max_target_length=32", "dtype=float32", "run_name=t"]
+DECODE_TINY += ["max_prefill_predict_length=16", "enable_checkpointing=false"]
+GEMMA = ["logits_via_embedding=true", "mlp_activations=[gelu,linear]"]
+SOFT_CAPS = ["attn_logits_soft_cap=5.0", "final_logits_soft_cap=3.0", "query_pre_attn_scalar=6"]
+DECODE_FAMILIES = {
+  "llama2": [],
+  "llama-bias": ["attention_bias=true", "mlp_bias=true"],
+  "mistral": ["decoder_block=mistral", "sliding_window_size=3"],
+  "mixtral": ["decoder_block=mixtral", "num_experts=4", "num_experts_per_tok=2"],
+  "qwen3": ["decoder_block=qwen3", "use_qk_norm=true"],
+  "gemma": ["decoder_block=gemma", *GEMMA],
+  "gemma2": ["decoder_block=gemma2", "base_num_decoder_layers=3", "sliding_window_size=3", *GEMMA, *SOFT_CAPS],
+  "gemma3": ["decoder_block=gemma3", "base_num_decoder_layers=7", "sliding_window_size=3", "use_qk_norm=true"]
+  + ["rope_type=linear", *GEMMA, "use_post_attn_norm=true", "use_post_ffw_norm=true"],
+  "deepseek": ["decoder_block=deepseek", "base_num_decoder_layers=3", "first_num_dense_layers=1", "num_experts=4"]
+  + ["num_experts_per_tok=2", "shared_experts=1", "q_lora_rank=12", "kv_lora_rank=8", "qk_nope_head_dim=6"]
+  + ["qk_rope_head_dim=4", "v_head_dim=6", "routed_score_func=sigmoid", "n_routing_groups=2", "routed_bias=true"],
+  "gpt3": ["decoder_block=gpt3", "mlp_activations=[gelu]", "logits_via_embedding=true", "use_iota_embed=true"]
+  + ["trainable_position_size=32"],
+}
+
+
+def assert_cache_equals_forward(*overrides):
+  """A tiny model with random parameters: prefill of right-padded rows (5 and 8 tokens) and 4 cached steps give
+  the logits of the full forward pass."""
+  c = config.load([BASE, *DECODE_TINY, *overrides], {})
+  # Random parameters from the shapes: compiling the initialisers costs more than the test (deepseek).
+  graphdef, abstract = nnx.split(
+    nnx.eval_shape(lambda: models.build(c, nnx.Rngs(params=0), planner.build(c))), nnx.Param
+  )
+  rng = np.random.default_rng(0)
+  params = jax.tree.map(lambda a: jnp.asarray(rng.normal(0.0, 0.3, a.shape), a.dtype), abstract)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (2, 12)), jnp.int32)
+  forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t, jnp.broadcast_to(jnp.arange(12), (2, 12)), jnp.ones_like(t)))
+  full = forward(params, tokens)
+  lengths = jnp.asarray([5, 8])  # rows of different lengths, right-padded
+  padded = jnp.where(jnp.arange(8) < lengths[:, None], tokens[:, :8], 0)
+  logits, cache = jax.jit(engine.prefill, static_argnums=(0, 1))(graphdef, 16, params, padded, lengths)
+  for row, n in enumerate([5, 8]):
+    np.testing.assert_allclose(logits[row, :n], full[row, :n], atol=1e-5, rtol=1e-5)
+  step = jax.jit(engine.step, static_argnums=0)
+  positions = lengths
+  for _ in range(4):
+    logits, cache = step(graphdef, params, cache, tokens[jnp.arange(2), positions], positions)
+    np.testing.assert_allclose(logits, full[jnp.arange(2), positions], atol=1e-5, rtol=1e-5)
+    positions = positions + 1
+
+
+# Chat data (sft_test, dpo_test, the multimodal tests).
+CHATML = (
+  "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+  "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CHAT_SPECIAL = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEXT = "The capital of France is Paris. What is the capital of France? Hello there, how are you today?\n" * 4
+
+
+def make_tokenizer(directory, template=CHATML, eos="<|im_end|>"):
+  """A byte-level BPE tokenizer.json (~300 ids) with ChatML special tokens and a tokenizer_config.json."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  alphabet = pre_tokenizers.ByteLevel.alphabet()
+  tok.train_from_iterator(
+    [CHAT_TEXT], trainers.BpeTrainer(vocab_size=300, special_tokens=CHAT_SPECIAL, initial_alphabet=alphabet)
+  )
+  os.makedirs(directory, exist_ok=True)
+  tok.save(os.path.join(directory, "tokenizer.json"))
+  cfg = {"bos_token": "<s>", "eos_token": eos, "pad_token": "<pad>", "tokenizer_class": "PreTrainedTokenizerFast"}
+  if template:
+    cfg["chat_template"] = template
+  with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+    json.dump(cfg, f)
+  return tokenizers.load_tokenizer(directory, "huggingface")
+
+
+def write_jsonl(path, records):
+  with open(path, "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in records)
+  return str(path)
+
+
+def sft_config(tmp_path, tok, data, *overrides):
+  tok_args = ["tokenizer_type=huggingface", f"tokenizer_path={tok.path}"]
+  args = [BASE, "run_name=sft", f"base_output_directory={tmp_path}", *TINY, "dataset_type=text", "use_sft=true"]
+  return config.load([*args, f"dataset_path={data}", *tok_args, "vocab_size=320", "eval_fraction=0", *overrides], {})
+
+
+# LoRA (lora_test, multimodal_data_test).
+LORA = ["lora_rank=4", "lora_alpha=8", "per_device_batch_size=1", "learning_rate=3e-2"]
+
+
+def learnable_batch(c, seed=0):
+  """A fixed learnable batch [8, T]: each target is its input + 1."""
+  tokens = np.random.default_rng(seed).integers(0, c.vocab_size, (8, c.max_target_length), dtype=np.int32)
+  ones = np.ones_like(tokens)
+  positions = np.broadcast_to(np.arange(c.max_target_length, dtype=np.int32), tokens.shape)
+  return {
+    "inputs": tokens,
+    "targets": (tokens + 1) % c.vocab_size,
+    "inputs_segmentation": ones,
+    "targets_segmentation": ones,
+    "inputs_position": positions,
+  }
+
+
+def host_tree(tree):
+  return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+def leaves_equal(a, b):
+  """Per leaf: bitwise equal."""
+  return [np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)]
+
+
+def leaf_names(tree):
+  return {jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+# train.py in a subprocess, watched line by line (faults_test, goodput_test, rl_faults_test).
+FAULTS_RUN = ["per_device_batch_size=1", "hardware=cpu", "enable_checkpointing=true", "steps=200"]
+NO_TRACE = ("Traceback", "Check failure", "Segmentation")
+
+
+class Process:
+  """train.py (or any command) in a subprocess whose combined output is read line by line as it comes."""
+
+  def __init__(self, command, env):
+    self.proc = subprocess.Popen(
+      command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    self.lines, self._queue = [], queue.Queue()
+    threading.Thread(target=self._read, daemon=True).start()
+
+  def _read(self):
+    for line in self.proc.stdout:
+      self._queue.put(line)
+    self._queue.put(None)
+
+  def wait_for(self, text, timeout=180):
+    """Read output until a line contains `text`; fails on end of output or timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+      line = self._queue.get(timeout=max(deadline - time.monotonic(), 0.01))
+      assert line is not None, f"ended before {text!r}:\n" + "".join(self.lines[-30:])
+      self.lines.append(line)
+      if text in line:
+        return line
+
+  def finish(self, timeout=180):
+    """(exit status, the whole output)."""
+    self.proc.wait(timeout=timeout)
+    while (line := self._queue.get(timeout=30)) is not None:
+      self.lines.append(line)
+    return self.proc.returncode, "".join(self.lines)
+
+
+def train_command(tmp_path, name, *overrides):
+  command = [sys.executable, "-u", "MaxText/train.py", BASE, f"run_name={name}", f"base_output_directory={tmp_path}"]
+  return [*command, *TINY, *FAULTS_RUN, *overrides]
+
+
+def start(tmp_path, name, *overrides, devices=2, rank=None, port=None):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+  if rank is not None:
+    env.update(JAX_COORDINATOR_ADDRESS="127.0.0.1", JAX_COORDINATOR_PORT=str(port), NNODES="2", NODE_RANK=str(rank))
+  return Process(train_command(tmp_path, name, *overrides), env)
+
+
+def checkpoints(tmp_path, name):
+  path = os.path.join(tmp_path, name, "checkpoints")
+  return sorted(int(p) for p in os.listdir(path) if p.isdigit()) if os.path.isdir(path) else []
+
+
+def stopped_line(output):
+  lines = [line for line in output.splitlines() if line.startswith("Stopped at step ")]
+  assert len(lines) == 1, output[-3000:]
+  return lines[0]
+
+
+def stopped_step(output):
+  return int(stopped_line(output).split()[3].rstrip(":"))
+
+
+def assert_clean(output):
+  assert not any(marker in output for marker in NO_TRACE), output[-3000:]
+
+
+def terminate_after(run, text):
+  """SIGTERM `run` once it printed `text`: it exits 75 with no traceback after saving a checkpoint at the step it
+  stopped at, which is returned."""
+  run.wait_for(text)
+  run.proc.send_signal(signal.SIGTERM)
+  rc, output = run.finish()
+  assert rc == preemption.EXIT_STOPPED, output[-3000:]
+  assert_clean(output)
+  assert "SIGTERM received; checkpoint saved to" in stopped_line(output)
+  return stopped_step(output)
+
+
+# GRPO (rl_test, rl_faults_test).
+RL_LENGTH = 16  # "<bos>9+9=18<eos>" is 8 tokens
+RL_SUMS = [(a, b) for a in range(10) for b in range(10)]
+
+
+def write_prompts(path, rows=None):
+  rows = [{"prompt": f"{a}+{b}="} for a, b in RL_SUMS] if rows is None else rows
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return path
+
+
+def rl_args(tmp_path, name, *overrides):
+  """The tiny model over UTF-8 bytes (no tokenizer file: inference/tokenizer.ByteTokenizer), sampling 3 tokens."""
+  prompts = tmp_path / "prompts.jsonl"
+  if not prompts.exists():
+    write_prompts(prompts)
+  return [
+    BASE, f"run_name={name}", f"base_output_directory={tmp_path}", *TINY, "vocab_size=264",
+    f"max_target_length={RL_LENGTH}", "max_prefill_predict_length=8",
+    "decode_sampling_strategy=weighted", "decode_max_new_tokens=3", "num_generations=4", "per_device_batch_size=8",
+    "learning_rate=1e-3", f"dataset_path={prompts}", *overrides,
+  ]  # fmt: skip
+
+
+def rl_config(tmp_path, name, *overrides):
+  return config.load([*rl_args(tmp_path, name, *overrides), "objective=grpo"], {})
+
+
+def records(c):
+  with open(c.metrics_file) as f:
+    return [json.loads(line) for line in f]
+
+
+# Two processes reading data (data_test runs this in each).
+def data_process_main(process_id: int, port: int, out: str, *argv: str) -> None:
+  """One of two processes (4 CPU devices each): save the shards of a few text, synthetic and grain batches."""
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
+  assert jax.process_count() == 2 and jax.local_device_count() == 4
+  shards = {}
+
+  def record(name, train, steps):
+    for step in steps:
+      for shard in next(train).get("inputs").addressable_shards:
+        shards[f"{name}/{step}/{shard.index[0].start}"] = np.asarray(shard.data)
+
+  for dataset_type in ("text", "synthetic", "grain"):
+    cfg = config.load([*argv, *two_process_overrides(dataset_type, out)], environ={})
+    train = make_iterators(cfg, sharding.create_mesh(cfg)).train
+    fresh = train.get_state()
+    record(dataset_type, train, range(3))
+    state = train.get_state()  # a collective for grain: every shard's state reaches every process
+    if dataset_type == "grain":
+      assert len(state["shards"]) == 2 and state["num_shards"] == 2
+      if process_id == 0:  # resumed by one process in the test
+        (Path(out) / "grain_state.json").write_text(json.dumps(state))
+      record("grain", train, range(3, 5))
+      # A one-shard state (as one process saves it) resumed by two processes: each reads the one shard.
+      assert fresh["shards"][0] == fresh["shards"][1]  # a fresh shard's state does not name the shard
+      one = make_iterators(cfg, sharding.create_mesh(cfg)).train
+      one.set_state({"num_shards": 1, "shards": fresh["shards"][:1]})
+      record("grain1", one, range(3))
+  np.savez(os.path.join(out, f"{process_id}.npz"), **shards)
+  jax.distributed.shutdown()
+
+
+def two_process_overrides(dataset_type: str, out: str) -> list[str]:
+  """grain reads DOCS from ArrayRecord files with the tokenizer the text run trained, one document per row."""
+  if dataset_type != "grain":
+    return [f"dataset_type={dataset_type}"]
+  model = os.path.join(out, "t", "tokenizer", "tokenizer.model")
+  grain = ["dataset_type=grain", f"grain_train_files={out}/records/*", f"tokenizer_path={model}", "packing=false"]
+  return [*grain, "grain_worker_count=0"]
+
+
+def end_to_end_script(name: str):
+  """The module of end_to_end/cpu/<name>.py (the fixture makers), loaded from its file without touching sys.path."""
+  import importlib.util  # noqa: PLC0415
+
+  path = os.path.join(os.path.dirname(__file__), "..", "..", "end_to_end", "cpu", f"{name}.py")
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module

@@ -49,12 +49,12 @@ def compare(golden: np.ndarray, ours: np.ndarray, atol: float, rtol: float) -> R
 
 
 def model_logits(c: Config):
-  model_config = state_lib.for_inference(c)  # the decoding model: MTP modules only train
+  scored = state_lib.for_inference(c)  # the decoding model: MTP modules only train
   if lora.enabled(c):  # a LoRA fine-tune: its adapters folded into the base, scored as the plain model
-    params = checkpointing.load_lora_merged(model_config)
-    spec = state_lib.param_spec(serving_config(model_config))
+    params = checkpointing.load_lora_merged(scored)
+    spec = state_lib.param_spec(serving_config(scored))
   else:
-    spec = state_lib.param_spec(model_config)
+    spec = state_lib.param_spec(scored)
     params = checkpointing.load_params(c.load_parameters_path, spec.abstract)
   model = nnx.merge(spec.graphdef, params)
 

@@ -18,6 +18,7 @@ import yaml
 
 from MaxText import config_checks
 from MaxText.errors import ConfigError
+from MaxText.layers import model_config
 from MaxText.parallel import kernels, remat
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
@@ -35,10 +36,8 @@ DATASET_BACKENDS = {
   "hf": "MaxText.data.hf_data",
 }
 CHOICES = {
-  "dtype": ("bfloat16", "float32", "float16"),
-  "weight_dtype": ("float32", "bfloat16"),
+  **model_config.CHOICES,  # the model keys' Literal types
   "attention": kernels.KINDS,
-  "capacity_group": ("global", "sequence", "shard"),
   "quantization": ("", "int8", "fp8", "int8w"),
   "kv_quant_dtype": ("int8", "fp8"),
   "remat_policy": remat.NAMES,
@@ -47,10 +46,7 @@ CHOICES = {
   "grain_file_type": ("arrayrecord", "parquet"),
   "hardware": ("auto", "cpu", "gpu", "tpu"),
   "profiler": ("", "xplane"),
-  "rope_type": ("default", "llama3", "linear", "yarn"),
   "decode_sampling_strategy": ("greedy", "weighted", "nucleus", "topk", "composite"),
-  "routed_score_func": ("softmax", "sigmoid"),
-  "routed_group_score": ("top2_sum", "max"),
   "opt_type": ("adamw", "adam_pax", "sgd", "adafactor", "muon"),  # optimizers.OPTIMIZERS
   "auto_fit_objective": ("tokens_per_step", "tokens_per_second"),  # autofit.rank
   "dpo_loss": ("sigmoid", "ipo"),  # objectives/dpo.py
@@ -331,8 +327,7 @@ def _finalize(values: dict[str, Any]) -> dict[str, Any]:
   """Validate and add derived values. Deterministic except for an empty run_name, which becomes the
   load time; reads no files and changes nothing outside the returned dict."""
   for key, choices in CHOICES.items():
-    if values[key] not in choices:
-      raise ConfigError(f"{key}={values[key]!r} is not one of {', '.join(map(repr, choices))}")
+    config_checks.check_choice(key, values[key], choices)
   values = _objective_alias(values)
   emb, heads, mlp, layers = individual_scales(values["global_parameter_scale"])
   out = dict(values)

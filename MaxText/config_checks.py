@@ -24,6 +24,13 @@ AXIS_KEY = {
 }  # fmt: skip
 
 
+def check_choice(key: str, value: Any, choices: tuple[Any, ...]) -> None:
+  """A ConfigError naming the key and its choices when `value` is not one of them (config.CHOICES at load, the
+  model description's Literal fields when made)."""
+  if value not in choices:
+    raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(repr, choices))}")
+
+
 def pipeline_stages(c: Any) -> int:
   """Pipeline stages: ici_pipeline_parallelism x dcn_pipeline_parallelism (a dict or a Config)."""
   return c["ici_pipeline_parallelism"] * c["dcn_pipeline_parallelism"]

@@ -231,6 +231,8 @@ def build(config: Config, mesh: Mesh = None, decoding: bool = False) -> Plan:
     loss=_loss(config, abstract, data_axes),
     decoding=decoding,
     mlp_pieces=pieces.mlp,
+    dropout_rate=config.dropout_rate if config.enable_dropout else 0.0,
+    kv_cache_quant=config.kv_quant_dtype if config.quantize_kvcache else "",
   )
   if problem := lora.target_problem(config, model_config, stacks, family.vision or vision.VisionEncoder, plan):
     raise ConfigError(problem)

@@ -35,6 +35,7 @@ from MaxText import state as state_lib
 from MaxText.config import Config
 from MaxText.convert import fp8, hf_mapping, mxfp4, streaming
 from MaxText.errors import ConfigError, StorageError
+from MaxText.layers.model_config import ModelConfig
 
 
 def get(tree: dict, path: tuple) -> Any:
@@ -146,8 +147,9 @@ def _convert(hf_path: str, output: str, scan_layers: bool, dtype: str, final: st
   c, _ = load_config(hf_path, output, scan_layers, final)
   state = state_lib.param_spec(c).abstract
   abstract = nnx.to_pure_dict(state)
+  model = ModelConfig.from_config(c)
   mapping = models.hf_mapping(c.decoder_block)
-  rules = mapping.rules(c, models.family(c).stacks(c), abstract)
+  rules = mapping.rules(c, models.family(model).stacks(model), abstract)
   raw, packed = mxfp4.unpack_index(tensor_index(hf_path))  # MXFP4 blocks+scales pairs as one tensor
   real = {hf_mapping.canonical_name(name): name for name in raw}  # multimodal checkpoints name tensors variously
   index = {hf_mapping.canonical_name(name): v for name, v in raw.items()}

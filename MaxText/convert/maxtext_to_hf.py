@@ -33,6 +33,7 @@ from MaxText.config import Config, serving_config
 from MaxText.convert import hf_mapping, streaming
 from MaxText.errors import ConfigError
 from MaxText.layers import lora
+from MaxText.layers.model_config import ModelConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -128,7 +129,9 @@ def _write(c: Config, output: str, dtype: str) -> None:
   block_axes = 1 if layout.scan_layers else 0  # a stacked parameter is read one layer at a time
   mapping = models.hf_mapping(c.decoder_block)
   by_shard: dict[str, list[hf_mapping.Rule]] = {}
-  for rule in mapping.rules(layout, models.family(layout).stacks(layout), abstract) + mapping.mtp_copies(c):
+  model = ModelConfig.from_config(layout)
+  stacks = models.family(model).stacks(model)
+  for rule in mapping.rules(layout, stacks, abstract) + mapping.mtp_copies(c):
     by_shard.setdefault(_shard_of(rule.hf_name), []).append(rule)
   os.makedirs(output, exist_ok=True)
   weight_map = {}

@@ -120,11 +120,11 @@ def load_params(config: Config, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State, st
   any int8w quantization: the served model is the plain one (lora_rank=0) and decoding costs nothing extra."""
   quantize.check(config)
   config_checks.check_lora_serving(config)
-  model_config = serving_config(state_lib.for_inference(config))  # adapters merged
+  served = serving_config(state_lib.for_inference(config))  # adapters merged (a run Config)
   path = config.load_parameters_path
   with sharding.activate(config, mesh):
     # int8w serves int8 params (below) through plain matmuls: no training-time (QAT) wrapper on the model.
-    plain = model_config.replace(quantization="")
+    plain = served.replace(quantization="")
     spec = state_lib.param_spec(plain, mesh, planner.build(plain, mesh, decoding=True))
     source = path or "random weights (no load_parameters_path)"
     if path and quantize.is_quantized_checkpoint(path):
@@ -133,17 +133,17 @@ def load_params(config: Config, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State, st
           f"load_parameters_path={path} holds int8 weights, which adapters cannot be merged into: give the float "
           "base (quantization=int8w quantizes it after merging), or lora_rank=0"
         )
-      params, source = quantize.load_saved(model_config, spec), f"{source} (int8 weights, as saved)"
+      params, source = quantize.load_saved(served, spec), f"{source} (int8 weights, as saved)"
     else:
-      params, source = _float_params(config, model_config, spec, mesh, source)
+      params, source = _float_params(config, served, spec, mesh, source)
       if config.quantization == "int8w":
-        params = quantize.for_serving(model_config, spec, params)
+        params = quantize.for_serving(served, spec, params)
         source = f"{source} (matmul weights quantized to int8)"
   return spec.graphdef, _cast_floats(params, jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)), source
 
 
 def _float_params(
-  config: Config, model_config: Config, spec: state_lib.ParamSpec, mesh: Mesh, source: str
+  config: Config, served: Config, spec: state_lib.ParamSpec, mesh: Mesh, source: str
 ) -> tuple[nnx.State, str]:
   """The served model's float params and where they came from: the checkpoint, random weights, or under
   LoRA the base with the adapters folded in (checkpointing.load_lora_merged)."""
@@ -151,7 +151,7 @@ def _float_params(
     params = checkpointing.load_lora_merged(state_lib.for_inference(config).replace(quantization=""), mesh)
     return params, f"{source} + LoRA adapters {config.lora_weights_path or '(fresh)'}, merged"
   path = config.load_parameters_path
-  params = checkpointing.load_params(path, spec.abstract) if path else state_lib.init_params(model_config, spec)
+  params = checkpointing.load_params(path, spec.abstract) if path else state_lib.init_params(served, spec)
   return params, source
 
 

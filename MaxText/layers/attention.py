@@ -209,21 +209,21 @@ def attend(
 def temperature_scale(positions: jax.Array, config: ModelConfig) -> jax.Array:
   """positions [B, T] -> float32 query multipliers [B, T]: 1 + scale * ln(1 + floor((position + 1) / floor_scale))
   (temperature_tuning_*), which sharpens attention far into a long context where no RoPE tells distance."""
-  steps = jnp.floor((positions.astype(jnp.float32) + 1.0) / config.temperature_tuning_floor_scale)
-  return 1.0 + config.temperature_tuning_scale * jnp.log1p(steps)
+  steps = jnp.floor((positions.astype(jnp.float32) + 1.0) / config.attention.temperature_tuning_floor_scale)
+  return 1.0 + config.attention.temperature_tuning_scale * jnp.log1p(steps)
 
 
 class Attention(nnx.Module):
   """Projections q/k/v/o, optional q/k norms, RoPE, and GQA attention over a packed batch.
 
   `plan`: the run plan (parallel/plan.py), whose attention decisions training attention follows.
-  `sliding_window` (0: global), `chunk_window` (None: config.chunk_attn_window_size; 0: none) and
-  `rope_max_timescale` (None: config.rope_max_timescale) let a family make local and global layers;
+  `sliding_window` (0: global), `chunk_window` (None: config.attention.chunk_attn_window_size; 0: none) and
+  `rope_max_timescale` (None: config.rope.rope_max_timescale) let a family make local and global layers;
   `norm` builds the q/k norms (Gemma's 1+w or plain RMSNorm), `qk_norm` overrides it for them alone
-  (llama4's weightless norm) and `use_qk_norm` (None: config.use_qk_norm) turns them on per layer. Biases
-  on q/k/v/o come from config.attention_bias or `use_bias` (gpt3, which also has no RoPE: `use_rope`).
-  Layers without RoPE scale their queries by position when config.temperature_tuning (llama4's NoPE layers).
-  config.attention_sink adds `sinks` [N], one learned softmax logit per query head (gpt-oss).
+  (llama4's weightless norm) and `use_qk_norm` (None: config.attention.use_qk_norm) turns them on per layer. Biases
+  on q/k/v/o come from config.attention.attention_bias or `use_bias` (gpt3, which also has no RoPE: `use_rope`).
+  Layers without RoPE scale their queries by position when config.attention.temperature_tuning (llama4's NoPE layers).
+  config.attention.attention_sink adds `sinks` [N], one learned softmax logit per query head (gpt-oss).
   """
 
   def __init__(
@@ -244,26 +244,26 @@ class Attention(nnx.Module):
   ):
     dt, wdt = jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
     d, n, k, h = config.emb_dim, config.num_query_heads, config.num_kv_heads, config.head_dim
-    dense = dict(dtype=dt, weight_dtype=wdt, rngs=rngs, use_bias=use_bias or config.attention_bias)
+    dense = dict(dtype=dt, weight_dtype=wdt, rngs=rngs, use_bias=use_bias or config.attention.attention_bias)
     self.query = DenseGeneral(d, (n, h), ("embed", "q_heads", "kv"), **dense)
     self.key = DenseGeneral(d, (k, h), ("embed", "kv_heads", "kv"), **dense)
     self.value = DenseGeneral(d, (k, h), ("embed", "kv_heads", "kv"), **dense)
     self.out = DenseGeneral((n, h), d, ("heads", "kv", "embed"), **dense)
     self.query_norm = self.key_norm = nnx.data(None)
-    if config.use_qk_norm if use_qk_norm is None else use_qk_norm:
-      norm_args = dict(epsilon=config.normalization_layer_epsilon, dtype=dt, weight_dtype=wdt)
+    if config.attention.use_qk_norm if use_qk_norm is None else use_qk_norm:
+      norm_args = dict(epsilon=config.norms.normalization_layer_epsilon, dtype=dt, weight_dtype=wdt)
       qk_norm = norm if qk_norm is None else qk_norm
       self.query_norm, self.key_norm = qk_norm(h, **norm_args), qk_norm(h, **norm_args)
     self.config, self.plan = config, plan
     self.sliding_window = sliding_window
-    self.chunk_window = config.chunk_attn_window_size if chunk_window is None else chunk_window
-    self.temperature_tuning = config.temperature_tuning and not use_rope
-    self.rope_max_timescale = config.rope_max_timescale if rope_max_timescale is None else rope_max_timescale
-    self.rope_type = config.rope_type if rope_type is None else rope_type
-    self.query_scale = (config.query_pre_attn_scalar or h) ** -0.5
+    self.chunk_window = config.attention.chunk_attn_window_size if chunk_window is None else chunk_window
+    self.temperature_tuning = config.attention.temperature_tuning and not use_rope
+    self.rope_max_timescale = config.rope.rope_max_timescale if rope_max_timescale is None else rope_max_timescale
+    self.rope_type = config.rope.rope_type if rope_type is None else rope_type
+    self.query_scale = (config.attention.query_pre_attn_scalar or h) ** -0.5
     self.use_rope = use_rope
     self.sinks = nnx.data(None)
-    if config.attention_sink:
+    if config.attention.attention_sink:
       self.sinks = nnx.Param(jnp.zeros((n,), wdt), out_sharding=("heads",))
 
   def __call__(
@@ -301,7 +301,7 @@ class Attention(nnx.Module):
       out = attend(self.plan, q, k, v, segment_ids, self.sliding_window, self.chunk_window, sinks)
     elif cache is None and (chunk := self.plan.attention.image_chunk_for(q.shape[1])):
       # images: their bidirectional blocks over the causal mask, dot-product attention in query blocks (the plan's)
-      cap, window = self.config.attn_logits_soft_cap, self.sliding_window
+      cap, window = self.config.attention.attn_logits_soft_cap, self.sliding_window
       out = chunked_dot_product_attention(
         q, k, v, segment_ids, window, cap, chunk, chunk_window=self.chunk_window, sinks=sinks, blocks=blocks
       )
@@ -310,7 +310,7 @@ class Attention(nnx.Module):
       index = jnp.arange(segment_ids.shape[1])
       same_doc = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None, None]
       mask |= block_mask(blocks, blocks, index, index, self.sliding_window) & same_doc
-      out = dot_product_attention(q, k, v, mask, self.config.attn_logits_soft_cap, sinks)
+      out = dot_product_attention(q, k, v, mask, self.config.attention.attn_logits_soft_cap, sinks)
     else:
       cache = kv_cache.update(cache, k, v, positions)
       keys, values = kv_cache.read(cache, v.dtype)
@@ -319,12 +319,12 @@ class Attention(nnx.Module):
       if blocks is not None:  # a prefill with images: its tokens sit in cache slots 0..T-1
         k_blocks = jnp.pad(blocks, ((0, 0), (0, length - blocks.shape[1])), constant_values=-1)
         mask |= block_mask(blocks, k_blocks, positions, jnp.arange(length), self.sliding_window)
-      out = dot_product_attention(q, keys, values, mask, self.config.attn_logits_soft_cap, sinks)
+      out = dot_product_attention(q, keys, values, mask, self.config.attention.attn_logits_soft_cap, sinks)
     out = checkpoint_name(nn.with_logical_constraint(out, HEAD_AXES), "context")
     return checkpoint_name(self.out(out), "out_proj"), cache
 
   def init_cache(self, batch: int, length: int) -> kv_cache.KVCache:
     """An empty decode cache of `length` slots (int8/fp8 with scales under quantize_kvcache)."""
     c = self.config
-    quant = kv_cache.QUANT_DTYPES[c.kv_quant_dtype] if c.quantize_kvcache else None
+    quant = kv_cache.QUANT_DTYPES[self.plan.kv_cache_quant] if self.plan.kv_cache_quant else None
     return kv_cache.zeros(batch, length, c.num_kv_heads, c.head_dim, jnp.dtype(c.dtype), quant)

@@ -38,25 +38,25 @@ class MLAttention(nnx.Module):
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, plan: Plan, sliding_window: int = 0, norm=RMSNorm, **_):
     dt, wdt = jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
     d, n = config.emb_dim, config.num_query_heads
-    nope, rope, v = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+    nope, rope, v = config.mla.qk_nope_head_dim, config.mla.qk_rope_head_dim, config.mla.v_head_dim
     dense = dict(dtype=dt, weight_dtype=wdt, rngs=rngs)
-    norm_args = dict(epsilon=config.normalization_layer_epsilon, dtype=dt, weight_dtype=wdt)
+    norm_args = dict(epsilon=config.norms.normalization_layer_epsilon, dtype=dt, weight_dtype=wdt)
     self.wq_a = self.q_norm = nnx.data(None)
-    if config.q_lora_rank:
-      self.wq_a = DenseGeneral(d, config.q_lora_rank, ("embed", "q_lora"), **dense)
-      self.q_norm = norm(config.q_lora_rank, **norm_args)
-      self.wq_b = DenseGeneral(config.q_lora_rank, (n, nope + rope), ("q_lora", "q_heads", "kv"), **dense)
+    if config.mla.q_lora_rank:
+      self.wq_a = DenseGeneral(d, config.mla.q_lora_rank, ("embed", "q_lora"), **dense)
+      self.q_norm = norm(config.mla.q_lora_rank, **norm_args)
+      self.wq_b = DenseGeneral(config.mla.q_lora_rank, (n, nope + rope), ("q_lora", "q_heads", "kv"), **dense)
     else:
       self.query = DenseGeneral(d, (n, nope + rope), ("embed", "q_heads", "kv"), **dense)
-    self.wkv_a = DenseGeneral(d, config.kv_lora_rank + rope, ("embed", "kv_lora"), **dense)
-    self.kv_norm = norm(config.kv_lora_rank, **norm_args)
-    self.wkv_b = DenseGeneral(config.kv_lora_rank, (n, nope + v), ("kv_lora", "kv_heads", "kv"), **dense)
+    self.wkv_a = DenseGeneral(d, config.mla.kv_lora_rank + rope, ("embed", "kv_lora"), **dense)
+    self.kv_norm = norm(config.mla.kv_lora_rank, **norm_args)
+    self.wkv_b = DenseGeneral(config.mla.kv_lora_rank, (n, nope + v), ("kv_lora", "kv_heads", "kv"), **dense)
     self.out = DenseGeneral((n, v), d, ("heads", "kv", "embed"), **dense)
     self.config, self.plan, self.sliding_window = config, plan, sliding_window
     self.dims = (nope, rope, v)
     self.query_scale = (nope + rope) ** -0.5
-    if config.rope_type != "default" and config.rope_mscale_all_dim:  # as transformers' DeepSeek V2/V3
-      self.query_scale *= yarn_mscale(config.rope_factor, config.rope_mscale_all_dim) ** 2
+    if config.rope.rope_type != "default" and config.rope.rope_mscale_all_dim:  # as transformers' DeepSeek V2/V3
+      self.query_scale *= yarn_mscale(config.rope.rope_factor, config.rope.rope_mscale_all_dim) ** 2
 
   def _queries(self, x: jax.Array) -> jax.Array:
     if self.wq_a is None:
@@ -77,10 +77,10 @@ class MLAttention(nnx.Module):
     c = self.config
     q = checkpoint_name(self._queries(x), "query_proj")
     q = nn.with_logical_constraint(q, HEAD_AXES)
-    latent, k_rope = jnp.split(self.wkv_a(x), [c.kv_lora_rank], axis=-1)  # [B, T, C], [B, T, R]
+    latent, k_rope = jnp.split(self.wkv_a(x), [c.mla.kv_lora_rank], axis=-1)  # [B, T, C], [B, T, R]
     latent = self.kv_norm(latent)
-    inv_freq = scaled_rope_frequencies(c, rope, c.rope_max_timescale, c.rope_type)
-    rope_scale = rope_attention_factor(c, c.rope_type)
+    inv_freq = scaled_rope_frequencies(c, rope, c.rope.rope_max_timescale, c.rope.rope_type)
+    rope_scale = rope_attention_factor(c, c.rope.rope_type)
     k_rope = apply_rope(k_rope[:, :, None, :], positions, inv_freq, rope_scale)  # one shared head
     if cache is None:
       mask = None
@@ -97,14 +97,14 @@ class MLAttention(nnx.Module):
     if mask is None:
       out = attend(self.plan, q, k, v, segment_ids, self.sliding_window)
     else:
-      out = dot_product_attention(q, k, v, mask, c.attn_logits_soft_cap)
+      out = dot_product_attention(q, k, v, mask, c.attention.attn_logits_soft_cap)
     out = checkpoint_name(nn.with_logical_constraint(out, HEAD_AXES), "context")
     return checkpoint_name(self.out(out), "out_proj"), cache
 
   def init_cache(self, batch: int, length: int) -> kv_cache.LatentCache:
     c, dtype = self.config, jnp.dtype(self.config.dtype)
-    if c.quantize_kvcache:  # users get inference/quantize.check's ConfigError before any device work
+    if self.plan.kv_cache_quant:  # users get inference/quantize.check's ConfigError before any device work
       raise ValueError("quantize_kvcache=true is not supported with MLA (deepseek)")
     return kv_cache.LatentCache(
-      jnp.zeros((batch, length, c.kv_lora_rank), dtype), jnp.zeros((batch, length, c.qk_rope_head_dim), dtype)
+      jnp.zeros((batch, length, c.mla.kv_lora_rank), dtype), jnp.zeros((batch, length, c.mla.qk_rope_head_dim), dtype)
     )

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from MaxText.layers import context_parallel, lora, pipeline, vision
+from MaxText.layers import context_parallel, pipeline, vision
+from MaxText.layers import lora as lora_lib
 from MaxText.layers import mtp as mtp_lib
 from MaxText.layers.attention import ImageSegments, soft_cap
 from MaxText.layers.axes import ACTIVATION_AXES, LOGITS_AXES
@@ -160,26 +161,37 @@ class DecoderOutput(NamedTuple):
 
 class Decoder(nnx.Module):
   """tokens [B, T] -> logits [B, T, V]. `plan`: the run plan (parallel/plan.py), which says how the layers
-  run (attention kernel, context split, pipeline, MoE dispatch, remat); the configuration it was built
-  from has been checked there."""
+  run (attention kernel, context split, pipeline, MoE dispatch, remat, dropout); the configuration it was
+  built from has been checked there. `lora`: the adapters to add (None: none); `freeze_vision_encoder`: no
+  gradient flows into the vision tower and projector (training; the optimizer also keeps them)."""
 
-  def __init__(self, config: ModelConfig, family: Family, *, rngs: nnx.Rngs, plan: Plan):
+  def __init__(
+    self,
+    config: ModelConfig,
+    family: Family,
+    *,
+    rngs: nnx.Rngs,
+    plan: Plan,
+    lora: lora_lib.LoraConfig | None = None,
+    freeze_vision_encoder: bool = True,
+  ):
     dt, wdt = jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
     self.config, self.family, self.plan = config, family, plan
-    embed = dict(dtype=dt, weight_dtype=wdt, rngs=rngs, iota=config.use_iota_embed)
+    self.freeze_vision_encoder = freeze_vision_encoder
+    embed = dict(dtype=dt, weight_dtype=wdt, rngs=rngs, iota=config.embed.use_iota_embed)
     self.token_embedder = Embed(config.vocab_size, config.emb_dim, **embed)
     self.position_embedder = nnx.data(None)
     if family.learned_positions:
-      self.position_embedder = Embed(config.trainable_position_size, config.emb_dim, **embed)
-    self.stack_specs = lora.adapted_stacks(family.stacks(config), config)  # LoRA adapters, when lora_rank > 0
+      self.position_embedder = Embed(config.embed.trainable_position_size, config.emb_dim, **embed)
+    self.stack_specs = lora_lib.adapted_stacks(family.stacks(config), lora)  # LoRA adapters, when lora_rank > 0
     build = _stacked_layers if config.scan_layers else _unrolled_layers
     for stack in self.stack_specs:
       setattr(self, stack.name, build(stack, config, rngs, plan))
     self.decoder_norm = family.norm(
-      config.emb_dim, epsilon=config.normalization_layer_epsilon, dtype=dt, weight_dtype=wdt
+      config.emb_dim, epsilon=config.norms.normalization_layer_epsilon, dtype=dt, weight_dtype=wdt
     )
     self.logits_dense = nnx.data(None)
-    if not config.logits_via_embedding:
+    if not config.embed.logits_via_embedding:
       self.logits_dense = DenseGeneral(
         config.emb_dim, config.vocab_size, ("embed", "vocab"), dtype=dt, weight_dtype=wdt, rngs=rngs
       )
@@ -191,9 +203,9 @@ class Decoder(nnx.Module):
     # After the text model too: use_multimodal adds the image encoder without changing the text parameters
     # (the family's own tower, e.g. Llama 4's, else Gemma 3's SigLIP).
     self.vision_encoder = nnx.data(None)
-    if config.use_multimodal:
+    if config.vision is not None:
       tower = (family.vision or vision.VisionEncoder)(config, rngs=rngs, remat_policy=plan.remat_policy)
-      self.vision_encoder = lora.adapted_tower(tower, config, rngs)  # LoRA adapters, when the tower trains
+      self.vision_encoder = lora_lib.adapted_tower(tower, lora, rngs)  # LoRA adapters, when the tower trains
 
   def __call__(
     self,
@@ -238,7 +250,7 @@ class Decoder(nnx.Module):
       tokens, positions, segment_ids = (context_parallel.balance(a, shards) for a in (tokens, positions, segment_ids))
       ahead = [context_parallel.balance(a, shards) for a in ahead]
     x, segment_ids = self._embed(tokens, positions, segment_ids, images)
-    if not (c.enable_dropout and c.dropout_rate > 0):
+    if not self.plan.dropout_rate > 0:
       dropout_rng = None
     aux, first, new_cache, loads = jnp.zeros((), jnp.float32), 0, {}, {}
     for stack in self.stack_specs:
@@ -273,13 +285,13 @@ class Decoder(nnx.Module):
       if self.vision_encoder is None:
         raise ValueError("images given to a text-only model (use_multimodal=false)")
       soft = self.vision_encoder(images)
-      if c.freeze_vision_encoder:  # the tower and projector get no gradient (the optimizer also keeps them)
+      if self.freeze_vision_encoder:  # the tower and projector get no gradient (the optimizer also keeps them)
         soft = jax.lax.stop_gradient(soft)
       if self.family.splice is not None:  # the family's own placement (Llama 4: causal over the image tokens)
-        x = self.family.splice(x, tokens, soft, c.image_token_id)
+        x = self.family.splice(x, tokens, soft, c.vision.image_token_id)
       else:  # Gemma 3: each image's tokens attend to each other both ways
-        x = vision.splice(x, tokens, soft, c.image_token_id)
-        segment_ids = ImageSegments(segment_ids, vision.image_blocks(tokens, c.image_token_id))
+        x = vision.splice(x, tokens, soft, c.vision.image_token_id)
+        segment_ids = ImageSegments(segment_ids, vision.image_blocks(tokens, c.vision.image_token_id))
     return nn.with_logical_constraint(x, ACTIVATION_AXES), segment_ids
 
   def _apply_mtp(self, h, ahead, positions, segment_ids, dropout_rng, first_index):
@@ -307,12 +319,12 @@ class Decoder(nnx.Module):
   def logits(self, x: jax.Array) -> jax.Array:
     """Final hidden states [B, T, D] -> logits [B, T, V] (tied or not, soft-capped)."""
     c = self.config
-    logits_dtype = jnp.float32 if c.logits_dot_in_fp32 else jnp.dtype(c.dtype)
+    logits_dtype = jnp.float32 if c.embed.logits_dot_in_fp32 else jnp.dtype(c.dtype)
     if self.logits_dense is None:
       logits = self.token_embedder.attend(x, logits_dtype)
     else:
-      logits = self.logits_dense(x.astype(logits_dtype)) if c.logits_dot_in_fp32 else self.logits_dense(x)
-    logits = soft_cap(logits, c.final_logits_soft_cap)
+      logits = self.logits_dense(x.astype(logits_dtype)) if c.embed.logits_dot_in_fp32 else self.logits_dense(x)
+    logits = soft_cap(logits, c.embed.final_logits_soft_cap)
     return nn.with_logical_constraint(logits, LOGITS_AXES)
 
   def init_cache(self, batch: int, length: int) -> dict[str, Any]:

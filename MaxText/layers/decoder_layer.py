@@ -34,7 +34,7 @@ def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
 class DecoderLayer(nnx.Module):
   """x [B, T, D] -> [B, T, D]. `norm` builds every norm of the layer (RMSNorm or Gemma's 1 + w);
   `attention` and `mlp` are builders `(config, *, rngs, plan)` of the attention (Attention, MLAttention)
-  and the feed-forward block; mlp=None: a MoeBlock when config.num_experts > 1, else an MlpBlock. `plan`:
+  and the feed-forward block; mlp=None: a MoeBlock when config.moe.num_experts > 1, else an MlpBlock. `plan`:
   the run plan (parallel/plan.py), passed on to both."""
 
   def __init__(
@@ -50,10 +50,10 @@ class DecoderLayer(nnx.Module):
     attention: Callable[..., nnx.Module] = Attention,
     mlp: Callable[..., nnx.Module] | None = None,
   ):
-    args = dict(epsilon=config.normalization_layer_epsilon, dtype=jnp.dtype(config.dtype))
+    args = dict(epsilon=config.norms.normalization_layer_epsilon, dtype=jnp.dtype(config.dtype))
     args["weight_dtype"] = jnp.dtype(config.weight_dtype)
     d = config.emb_dim
-    window = config.sliding_window_size if sliding_window is None else sliding_window
+    window = config.attention.sliding_window_size if sliding_window is None else sliding_window
     self.pre_self_attention_layer_norm = norm(d, **args)
     self.self_attention = attention(
       config,
@@ -64,13 +64,13 @@ class DecoderLayer(nnx.Module):
       rope_type=rope_type,
       norm=norm,
     )
-    self.post_self_attention_norm = norm(d, **args) if config.use_post_attn_norm else nnx.data(None)
+    self.post_self_attention_norm = norm(d, **args) if config.norms.use_post_attn_norm else nnx.data(None)
     self.post_self_attention_layer_norm = norm(d, **args)  # the pre-MLP norm (MaxText's name)
     if mlp is None:
-      mlp = MoeBlock if config.num_experts > 1 else MlpBlock
+      mlp = MoeBlock if config.moe.num_experts > 1 else MlpBlock
     self.mlp = mlp(config, rngs=rngs, plan=plan)
-    self.post_ffw_norm = norm(d, **args) if config.use_post_ffw_norm else nnx.data(None)
-    self.dropout_rate = config.dropout_rate
+    self.post_ffw_norm = norm(d, **args) if config.norms.use_post_ffw_norm else nnx.data(None)
+    self.dropout_rate = plan.dropout_rate
 
   def __call__(
     self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, rng: jax.Array | None, cache: Any = None

@@ -61,8 +61,8 @@ def rope_frequencies(head_dim: int, min_timescale: float, max_timescale: float) 
 
 def llama3_scaling(inv_freq: jax.Array, config: ModelConfig) -> jax.Array:
   """Llama 3.1: long wavelengths divided by rope_factor, short ones kept, a smooth blend between."""
-  factor, low, high = config.rope_factor, config.rope_low_freq_factor, config.rope_high_freq_factor
-  original = config.original_max_position_embeddings
+  factor, low, high = config.rope.rope_factor, config.rope.rope_low_freq_factor, config.rope.rope_high_freq_factor
+  original = config.rope.original_max_position_embeddings
   wavelen = 2 * math.pi / inv_freq
   smooth = (original / wavelen - low) / (high - low)
   blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
@@ -80,18 +80,18 @@ def yarn_scaling(head_dim: int, config: ModelConfig, max_timescale: float) -> ja
   """YaRN (as transformers computes it): dims rotating more than rope_beta_fast times over
   original_max_position_embeddings keep their frequency, those rotating fewer than rope_beta_slow
   times are divided by rope_factor, a linear ramp over the dims between."""
-  factor, original, base = config.rope_factor, config.original_max_position_embeddings, max_timescale
+  factor, original, base = config.rope.rope_factor, config.rope.original_max_position_embeddings, max_timescale
 
   def correction_dim(rotations: float) -> float:  # the dim that rotates `rotations` times over `original`
     return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-  low, high = correction_dim(config.rope_beta_fast), correction_dim(config.rope_beta_slow)
-  if config.rope_truncate:
+  low, high = correction_dim(config.rope.rope_beta_fast), correction_dim(config.rope.rope_beta_slow)
+  if config.rope.rope_truncate:
     low, high = math.floor(low), math.ceil(high)
   low, high = max(low, 0), min(high, head_dim - 1)
   if low == high:
     high += 0.001  # avoid a zero-width ramp
-  timescale = rope_timescales(head_dim, config.rope_min_timescale, base)
+  timescale = rope_timescales(head_dim, config.rope.rope_min_timescale, base)
   keep = 1 - jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
   return (1.0 / (factor * timescale)) * (1 - keep) + (1.0 / timescale) * keep
 
@@ -100,11 +100,11 @@ def scaled_rope_frequencies(config: ModelConfig, head_dim: int, max_timescale: f
   """rope_frequencies with the rope_type scaling (default | llama3 | linear | yarn) applied."""
   if rope_type == "yarn":
     return yarn_scaling(head_dim, config, max_timescale)
-  inv_freq = rope_frequencies(head_dim, config.rope_min_timescale, max_timescale)
+  inv_freq = rope_frequencies(head_dim, config.rope.rope_min_timescale, max_timescale)
   if rope_type == "llama3":
     return llama3_scaling(inv_freq, config)
   if rope_type == "linear":
-    return inv_freq / config.rope_factor
+    return inv_freq / config.rope.rope_factor
   return inv_freq
 
 
@@ -114,9 +114,9 @@ def rope_attention_factor(config: ModelConfig, rope_type: str) -> float:
   both are set, else mscale(rope_factor)."""
   if rope_type != "yarn":
     return 1.0
-  if config.rope_attention_factor:
-    return config.rope_attention_factor
-  factor, mscale, mscale_all_dim = config.rope_factor, config.rope_mscale, config.rope_mscale_all_dim
+  if config.rope.rope_attention_factor:
+    return config.rope.rope_attention_factor
+  factor, mscale, mscale_all_dim = config.rope.rope_factor, config.rope.rope_mscale, config.rope.rope_mscale_all_dim
   if mscale and mscale_all_dim:
     return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
   return yarn_mscale(factor)

@@ -129,9 +129,9 @@ class GatedDeltaNet(nnx.Module):
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, plan: Plan, **_: Any):
     dt, wdt = jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
     d = config.emb_dim
-    self.hk, self.hv = config.linear_num_key_heads, config.linear_num_value_heads
-    self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
-    self.kernel_size, self.chunk = config.linear_conv_kernel_dim, config.linear_chunk_size
+    self.hk, self.hv = config.linear.linear_num_key_heads, config.linear.linear_num_value_heads
+    self.dk, self.dv = config.linear.linear_key_head_dim, config.linear.linear_value_head_dim
+    self.kernel_size, self.chunk = config.linear.linear_conv_kernel_dim, config.linear.linear_chunk_size
     self.ratio = self.hv // self.hk
     self.conv_dim = 2 * self.hk * self.dk + self.hv * self.dv
     dense = dict(dtype=dt, weight_dtype=wdt, rngs=rngs)
@@ -143,7 +143,7 @@ class GatedDeltaNet(nnx.Module):
     self.dt_bias = nnx.Param(jnp.ones((self.hv,), wdt), out_sharding=(None,))
     a = jax.random.uniform(rngs.params(), (self.hv,), jnp.float32, 1.0, 16.0)
     self.A_log = nnx.Param(jnp.log(a).astype(wdt), out_sharding=(None,))
-    self.norm = GatedRMSNorm(self.dv, epsilon=config.normalization_layer_epsilon, dtype=dt, weight_dtype=wdt)
+    self.norm = GatedRMSNorm(self.dv, epsilon=config.norms.normalization_layer_epsilon, dtype=dt, weight_dtype=wdt)
     self.out = DenseGeneral((self.hv, self.dv), d, ("heads", "kv", "embed"), **dense)
     self.dtype = dt
 
@@ -230,9 +230,9 @@ class GatedAttention(Attention):
     super().__init__(config, rngs=rngs, plan=plan, norm=norm, **kw)
     dt, wdt = jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
     n, h = config.num_query_heads, config.head_dim
-    dense = dict(dtype=dt, weight_dtype=wdt, rngs=rngs, use_bias=config.attention_bias)
+    dense = dict(dtype=dt, weight_dtype=wdt, rngs=rngs, use_bias=config.attention.attention_bias)
     self.query = DenseGeneral(config.emb_dim, (n, 2 * h), ("embed", "q_heads", "kv"), **dense)
-    self.rotary_dim = int(h * config.partial_rotary_factor)
+    self.rotary_dim = int(h * config.rope.partial_rotary_factor)
     self.qk_head_dim = h  # for flops: the query projection is 2H wide, attention uses H
 
   def __call__(self, x, positions, segment_ids, rng=None, cache=None):
@@ -253,7 +253,7 @@ class GatedAttention(Attention):
       cache = kv_cache.update(cache, k, v, positions)
       keys, values = kv_cache.read(cache, v.dtype)
       mask = kv_cache.mask(positions, cache.key.shape[1], self.sliding_window, self.chunk_window)
-      out = dot_product_attention(q, keys, values, mask, self.config.attn_logits_soft_cap)
+      out = dot_product_attention(q, keys, values, mask, self.config.attention.attn_logits_soft_cap)
     out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
     out = nn.with_logical_constraint(out, HEAD_AXES)
     return self.out(out), cache

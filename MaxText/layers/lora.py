@@ -32,8 +32,28 @@ import qwix
 from flax import nnx
 
 from MaxText.config import Config
+from MaxText.layers.model_config import ModelConfig
 
 ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")  # Qwix names a kernel's adapters <kernel name><suffix>
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  """The adapters the model is built with (models.build gives it to the Decoder): the LoRA keys of the run."""
+
+  rank: int  # lora_rank
+  alpha: float  # lora_alpha
+  target_modules: str  # lora_target_modules
+  vision_target_modules: str | None  # lora_vision_target_modules when the tower trains; None: a frozen tower
+  trace_length: int  # max_target_length: the length a layer is traced at to find its projections
+
+  @classmethod
+  def from_config(cls, config: Config) -> LoraConfig | None:
+    """The run's LoRA settings; None when lora_rank is 0 (no adapters)."""
+    if not enabled(config):
+      return None
+    tower = None if config.freeze_vision_encoder else config.lora_vision_target_modules
+    return cls(config.lora_rank, config.lora_alpha, config.lora_target_modules, tower, config.max_target_length)
 
 
 def enabled(config: Config) -> bool:
@@ -51,14 +71,15 @@ def kernel_paths(unit: nnx.Module) -> list[str]:
   return ["/".join(map(str, path)) for path, module in nnx.iter_modules(unit) if hasattr(module, "kernel")]
 
 
-def add_adapters(unit: nnx.Module, config: Config, rngs: nnx.Rngs) -> nnx.Module:
-  """`unit` (a decoder layer or LayerBlock, unstacked) with adapters on its matching projections.
+def add_adapters(unit: nnx.Module, config: ModelConfig, lora: LoraConfig, rngs: nnx.Rngs) -> nnx.Module:
+  """`unit` (a decoder layer or LayerBlock of the model `config`, unstacked) with adapters on its matching
+  projections.
 
-  Qwix runs the unit once on a dummy batch [1, max_target_length] to find the projections and create
+  Qwix runs the unit once on a dummy batch [1, trace_length] to find the projections and create
   their adapters; under jit or eval_shape that call is traced only (its result is unused, so XLA drops it).
   """
-  provider = qwix.LoraProvider(module_path=config.lora_target_modules, rank=config.lora_rank, alpha=config.lora_alpha)
-  length = config.max_target_length
+  provider = qwix.LoraProvider(module_path=lora.target_modules, rank=lora.rank, alpha=lora.alpha)
+  length = lora.trace_length
   x = jnp.zeros((1, length, config.emb_dim), jnp.dtype(config.dtype))
   positions = jnp.arange(length, dtype=jnp.int32)[None]
   segments = jnp.ones((1, length), jnp.int32)
@@ -66,21 +87,19 @@ def add_adapters(unit: nnx.Module, config: Config, rngs: nnx.Rngs) -> nnx.Module
   adapted = qwix.apply_lora_to_model(unit, provider, x, positions, segments, None, None, rngs=nnx.Rngs(rngs.params()))
   nnx.pop(adapted, nnx.Intermediate)  # what the dummy call recorded (MoE load-balance losses) is not state
   if not jax.tree.leaves(nnx.state(adapted, nnx.LoRAParam)):  # the run plan checked the targets against the layers
-    raise ValueError(
-      f"lora_target_modules={config.lora_target_modules!r} matches no projection of {kernel_paths(unit)}"
-    )
+    raise ValueError(f"lora_target_modules={lora.target_modules!r} matches no projection of {kernel_paths(unit)}")
   return adapted
 
 
-def adapted_stacks(stacks: tuple[Any, ...], config: Config) -> tuple[Any, ...]:
+def adapted_stacks(stacks: tuple[Any, ...], lora: LoraConfig | None) -> tuple[Any, ...]:
   """The decoder's stacks (layers/decoder.Stack) with adapters added to each unit as it is made; unchanged
-  when LoRA is off."""
-  if not enabled(config):
+  when LoRA is off (None)."""
+  if lora is None:
     return stacks
 
   def with_adapters(make: Callable[..., nnx.Module]) -> Callable[..., nnx.Module]:
-    def make_adapted(unit_config: Config, *, rngs: nnx.Rngs, plan: Any) -> nnx.Module:
-      return add_adapters(make(unit_config, rngs=rngs, plan=plan), unit_config, rngs)
+    def make_adapted(unit_config: ModelConfig, *, rngs: nnx.Rngs, plan: Any) -> nnx.Module:
+      return add_adapters(make(unit_config, rngs=rngs, plan=plan), unit_config, lora, rngs)
 
     return make_adapted
 
@@ -137,10 +156,10 @@ def tower_targets(tower: nnx.Module, pattern: str) -> list[tuple[tuple[Any, ...]
   return out
 
 
-def _adapt_projection(module: nnx.Module, config: Config, key: jax.Array, layers: int) -> nnx.Module:
+def _adapt_projection(module: nnx.Module, lora: LoraConfig, key: jax.Array, layers: int) -> nnx.Module:
   """One DenseGeneral with Qwix adapters, created by one call on a dummy input; `layers` > 0: a stacked module,
   adapted layer by layer (its adapters get the leading `layers` axis, as the scanned text layers' do)."""
-  provider = qwix.LoraProvider(module_path=".*", rank=config.lora_rank, alpha=config.lora_alpha)
+  provider = qwix.LoraProvider(module_path=".*", rank=lora.rank, alpha=lora.alpha)
 
   def adapt(m: nnx.Module, rngs: nnx.Rngs) -> nnx.Module:
     return qwix.apply_lora_to_model(m, provider, jnp.zeros((1, *m.in_features), m.dtype), rngs=rngs)
@@ -156,22 +175,22 @@ def _adapt_projection(module: nnx.Module, config: Config, key: jax.Array, layers
   return each(module, nnx.Rngs(key))
 
 
-def adapted_tower(tower: nnx.Module, config: Config, rngs: nnx.Rngs) -> nnx.Module:
+def adapted_tower(tower: nnx.Module, lora: LoraConfig | None, rngs: nnx.Rngs) -> nnx.Module:
   """The vision tower (and projector) of a use_multimodal model, with adapters on the projections whose name
   (tower_projections: `layers/0/query`, `mm_input_projection`, ...) fully matches lora_vision_target_modules when
   LoRA is on and the tower trains (freeze_vision_encoder=false); else unchanged, so under LoRA a frozen tower
   has no adapters and nothing of it trains. Built last, so the base parameters stay those of lora_rank=0.
   Each projection is adapted on its own (a scanned encoder cannot be run by Qwix's tracing call); in a stacked
   encoder a projection gets adapters in every layer or in none."""
-  if not enabled(config) or config.freeze_vision_encoder:
+  if lora is None or lora.vision_target_modules is None:
     return tower
   key = rngs.params()  # one key for the tower's adapters, drawn after the base was built
-  for i, (path, layers) in enumerate(tower_targets(tower, config.lora_vision_target_modules)):
+  for i, (path, layers) in enumerate(tower_targets(tower, lora.vision_target_modules)):
     parent = tower
     for part in path[:-1]:
       parent = parent[part] if isinstance(part, int) else getattr(parent, part)
     module = parent[path[-1]] if isinstance(path[-1], int) else getattr(parent, path[-1])
-    adapted = _adapt_projection(module, config, jax.random.fold_in(key, i), layers)
+    adapted = _adapt_projection(module, lora, jax.random.fold_in(key, i), layers)
     if isinstance(path[-1], int):
       parent[path[-1]] = adapted
     else:
@@ -231,7 +250,7 @@ def target_problem(config: Config, model_config: Any, stacks: Any, tower: Callab
         f"lora_target_modules={config.lora_target_modules!r} matches no projection of a decoder layer; "
         f"their paths are: {', '.join(paths)}"
       )
-  if model_config.use_multimodal and not model_config.freeze_vision_encoder:  # the tower gets adapters too
+  if model_config.vision is not None and not config.freeze_vision_encoder:  # the tower gets adapters too
     with nnx.use_eager_sharding(False):
       abstract = nnx.eval_shape(lambda: tower(model_config, rngs=nnx.Rngs(0)))
     try:

@@ -15,6 +15,7 @@ from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.model_config import ModelConfig
 from MaxText.parallel.remat import remat
 
+# model_config.Activation lists the same names (model_config_test checks): the model config refuses others.
 ACTIVATIONS = {
   "silu": jax.nn.silu,
   "gelu": lambda x: jax.nn.gelu(x, approximate=True),
@@ -26,22 +27,19 @@ ACTIVATIONS = {
 
 class MlpBlock(nnx.Module):
   """y = wo(prod_i act_i(wi_i(x))): with ["silu", "linear"] this is SwiGLU. Biases on every projection
-  with config.mlp_bias or `use_bias` (gpt3). Hidden width F: `mlp_dim`, by default config.mlp_dim (MoE
+  with config.mlp.mlp_bias or `use_bias` (gpt3). Hidden width F: `mlp_dim`, by default config.mlp_dim (MoE
   shared experts pass their own)."""
 
   def __init__(
     self, config: ModelConfig, *, rngs: nnx.Rngs, use_bias: bool = False, mlp_dim: int | None = None, plan: Any = None
   ):
     # XLA partitions a dense MLP by itself; the plan says only in how many sequence parts it runs (mlp_pieces).
-    unknown = [a for a in config.mlp_activations if a not in ACTIVATIONS]
-    if unknown:
-      raise ValueError(f"Unknown mlp_activations {unknown}; choose from {sorted(ACTIVATIONS)}")
     dense = dict(dtype=jnp.dtype(config.dtype), weight_dtype=jnp.dtype(config.weight_dtype), rngs=rngs)
-    dense["use_bias"] = use_bias or config.mlp_bias
+    dense["use_bias"] = use_bias or config.mlp.mlp_bias
     d, f = config.emb_dim, config.mlp_dim if mlp_dim is None else mlp_dim
-    self.wi = nnx.List([DenseGeneral(d, f, ("embed", "mlp"), **dense) for _ in config.mlp_activations])
+    self.wi = nnx.List([DenseGeneral(d, f, ("embed", "mlp"), **dense) for _ in config.mlp.mlp_activations])
     self.wo = DenseGeneral(f, d, ("mlp", "embed"), **dense)
-    self.activations = tuple(config.mlp_activations)
+    self.activations = tuple(config.mlp.mlp_activations)
     self.pieces = 1 if plan is None else plan.mlp_pieces
     self.remat_policy = "full" if plan is None else plan.remat_policy
 

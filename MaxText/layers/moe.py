@@ -69,16 +69,16 @@ def group_limit(choice: jax.Array, groups: int, top_groups: int, score: str = "t
 def route(logits: jax.Array, config: ModelConfig, bias: jax.Array | None = None) -> Routing:
   """logits [X, E] -> scores (routed_score_func, float32); experts chosen by scores + bias within the
   allowed groups; combine weights = their scores, renormalised (norm_topk_prob) and scaled."""
-  logits = logits.astype(jnp.float32)
-  scores = jax.nn.sigmoid(logits) if config.routed_score_func == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+  m, logits = config.moe, logits.astype(jnp.float32)
+  scores = jax.nn.sigmoid(logits) if m.routed_score_func == "sigmoid" else jax.nn.softmax(logits, axis=-1)
   choice = scores if bias is None else scores + bias.astype(jnp.float32)
-  choice = group_limit(choice, config.n_routing_groups, config.topk_routing_group, config.routed_group_score)
-  experts = jax.lax.top_k(choice, config.num_experts_per_tok)[1]
+  choice = group_limit(choice, m.n_routing_groups, m.topk_routing_group, m.routed_group_score)
+  experts = jax.lax.top_k(choice, m.num_experts_per_tok)[1]
   weights = jnp.take_along_axis(scores, experts, axis=-1)
-  if config.norm_topk_prob:
+  if m.norm_topk_prob:
     weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
   probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
-  return Routing(experts.astype(jnp.int32), weights * config.routed_scaling_factor, probs)
+  return Routing(experts.astype(jnp.int32), weights * m.routed_scaling_factor, probs)
 
 
 class ExpertLoad(nnx.Intermediate):
@@ -125,7 +125,7 @@ class GatedUnit:
 
 def gated_unit(config: ModelConfig) -> GatedUnit:
   """The experts' gated unit for `config` (mlp_activations, mlp_activations_limit, swiglu_alpha)."""
-  return GatedUnit(config.mlp_activations[0], config.mlp_activations_limit, config.swiglu_alpha)
+  return GatedUnit(config.mlp.mlp_activations[0], config.moe.mlp_activations_limit, config.moe.swiglu_alpha)
 
 
 class Combine(nnx.Module):
@@ -141,35 +141,35 @@ class Combine(nnx.Module):
 class MoeBlock(nnx.Module):
   """x [B, T, D] -> [B, T, D]: sum over the token's top-k experts of weight * wo(act(wi_0 x) * wi_1 x) (with
   routed_weight_on_input: wo(act(wi_0 wx) * wi_1 wx)), plus the shared experts' MLP when shared_experts > 0.
-  Expert width F: config.moe_mlp_dim (scaled like mlp_dim); the shared experts are one MLP of width
+  Expert width F: config.moe.moe_mlp_dim (scaled like mlp_dim); the shared experts are one MLP of width
   shared_experts * F, as in DeepSeek and MaxText. gpt-oss options: router_bias (a bias on the router logits),
   mlp_bias (each expert's biases wi_0_bias, wi_1_bias [E, F] and wo_bias [E, D]; dropless only) and the
   clamped SwiGLU (gated_unit)."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, plan: Plan):
     dt, wdt = jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
-    e, d, f = config.num_experts, config.emb_dim, config.moe_mlp_dim
+    e, d, f = config.moe.num_experts, config.emb_dim, config.moe.moe_mlp_dim
     self.gate = DenseGeneral(
-      d, e, ("embed", None), dtype=jnp.float32, weight_dtype=wdt, rngs=rngs, use_bias=config.router_bias
+      d, e, ("embed", None), dtype=jnp.float32, weight_dtype=wdt, rngs=rngs, use_bias=config.moe.router_bias
     )
-    self.gate_bias = nnx.Param(jnp.zeros((e,), wdt), out_sharding=(None,)) if config.routed_bias else nnx.data(None)
+    self.gate_bias = nnx.Param(jnp.zeros((e,), wdt), out_sharding=(None,)) if config.moe.routed_bias else nnx.data(None)
     init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=1, out_axis=2, batch_axis=0)
     self.wi_0 = nnx.Param(init(rngs.params(), (e, d, f), wdt), out_sharding=("exp", "embed", "mlp"))
     self.wi_1 = nnx.Param(init(rngs.params(), (e, d, f), wdt), out_sharding=("exp", "embed", "mlp"))
     self.wo = nnx.Param(init(rngs.params(), (e, f, d), wdt), out_sharding=("exp", "mlp", "embed"))
     self.wi_0_bias = self.wi_1_bias = self.wo_bias = nnx.data(None)
-    if config.mlp_bias:
+    if config.mlp.mlp_bias:
       self.wi_0_bias = nnx.Param(jnp.zeros((e, f), wdt), out_sharding=("exp", "mlp"))
       self.wi_1_bias = nnx.Param(jnp.zeros((e, f), wdt), out_sharding=("exp", "mlp"))
       self.wo_bias = nnx.Param(jnp.zeros((e, d), wdt), out_sharding=("exp", "embed"))
     self.shared_experts = nnx.data(None)
-    if config.shared_experts:
-      self.shared_experts = MlpBlock(config, rngs=rngs, mlp_dim=f * config.shared_experts)
+    if config.moe.shared_experts:
+      self.shared_experts = MlpBlock(config, rngs=rngs, mlp_dim=f * config.moe.shared_experts)
     self.shared_expert_gate = nnx.data(None)  # qwen3next: sigmoid(x . w) scales the shared experts' output
-    if config.shared_experts and config.shared_expert_gate:
+    if config.moe.shared_experts and config.moe.shared_expert_gate:
       self.shared_expert_gate = DenseGeneral(d, 1, ("embed", None), dtype=dt, weight_dtype=wdt, rngs=rngs)
-    self.config, self.plan, self.num_experts, self.k, self.dtype = config, plan, e, config.num_experts_per_tok, dt
-    self.capacity_factor = config.capacity_factor
+    self.config, self.plan, self.num_experts, self.k, self.dtype = config, plan, e, config.moe.num_experts_per_tok, dt
+    self.capacity_factor = config.moe.capacity_factor
     self.glu = gated_unit(config)
     self.combine = Combine()
 
@@ -181,10 +181,12 @@ class MoeBlock(nnx.Module):
     if self.gate_bias is not None:
       self.expert_load = ExpertLoad(expert_load(routing.experts, self.num_experts))
     weights = routing.weights
-    if self.config.routed_weight_on_input:  # llama4: the expert sees w * x (k = 1, checked at load), output unweighted
+    if (
+      self.config.moe.routed_weight_on_input
+    ):  # llama4: the expert sees w * x (k = 1, checked at load), output unweighted
       tokens = (tokens.astype(jnp.float32) * weights).astype(tokens.dtype)
       weights = jnp.ones_like(weights)
-    if self.capacity_factor > 0 and self.config.capacity_group == "global":
+    if self.capacity_factor > 0 and self.config.moe.capacity_group == "global":
       out = self._capacity_experts(tokens, routing.experts)  # [X, k, D], 0 where dropped
     elif self.capacity_factor > 0:
       out = self._grouped_capacity_experts(tokens, routing.experts, t)
@@ -226,7 +228,7 @@ class MoeBlock(nnx.Module):
 
   def _grouped_capacity_experts(self, tokens: jax.Array, experts: jax.Array, length: int) -> jax.Array:
     """Capacity counted per sequence or per batch shard (capacity_group), as MaxText counts it."""
-    per_sequence = self.config.capacity_group == "sequence"
+    per_sequence = self.config.moe.capacity_group == "sequence"
 
     def compute(tokens, experts, *weights, **ep):
       groups = tokens.shape[0] // length if per_sequence else 1

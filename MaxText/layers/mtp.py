@@ -33,7 +33,7 @@ class MtpModule(nnx.Module):
 
   def __init__(self, config: ModelConfig, layer: Callable[..., nnx.Module], *, rngs: nnx.Rngs):
     d, dt, wdt = config.emb_dim, jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
-    norm = dict(epsilon=config.normalization_layer_epsilon, dtype=dt, weight_dtype=wdt)
+    norm = dict(epsilon=config.norms.normalization_layer_epsilon, dtype=dt, weight_dtype=wdt)
     self.enorm, self.hnorm, self.shared_head_norm = RMSNorm(d, **norm), RMSNorm(d, **norm), RMSNorm(d, **norm)
     # [2D, D] like an MLP's output projection: the contracted (concatenated) dim on `mlp`.
     self.eh_proj = DenseGeneral(2 * d, d, ("mlp", "embed"), dtype=dt, weight_dtype=wdt, rngs=rngs)

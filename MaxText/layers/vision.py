@@ -74,18 +74,18 @@ class SiglipLayer(nnx.Module):
   """Pre-LayerNorm encoder layer: full (unmasked) multi-head attention with biases, then a gelu(tanh) MLP."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-    d, n = config.hidden_size_for_vit, config.num_attention_heads_for_vit
+    d, n = config.vision.hidden_size_for_vit, config.vision.num_attention_heads_for_vit
     h = d // n
     args = _args(config, rngs)
-    norm = dict(epsilon=config.vision_layer_norm_epsilon, dtype=args["dtype"], weight_dtype=args["weight_dtype"])
+    norm = dict(epsilon=config.vision.vision_layer_norm_epsilon, dtype=args["dtype"], weight_dtype=args["weight_dtype"])
     self.layer_norm1 = LayerNorm(d, **norm)
     self.query = DenseGeneral(d, (n, h), ("embed", "heads", "kv"), use_bias=True, **args)
     self.key = DenseGeneral(d, (n, h), ("embed", "heads", "kv"), use_bias=True, **args)
     self.value = DenseGeneral(d, (n, h), ("embed", "heads", "kv"), use_bias=True, **args)
     self.out = DenseGeneral((n, h), d, ("heads", "kv", "embed"), use_bias=True, **args)
     self.layer_norm2 = LayerNorm(d, **norm)
-    self.fc1 = DenseGeneral(d, config.intermediate_size_for_vit, ("embed", "mlp"), use_bias=True, **args)
-    self.fc2 = DenseGeneral(config.intermediate_size_for_vit, d, ("mlp", "embed"), use_bias=True, **args)
+    self.fc1 = DenseGeneral(d, config.vision.intermediate_size_for_vit, ("embed", "mlp"), use_bias=True, **args)
+    self.fc2 = DenseGeneral(config.vision.intermediate_size_for_vit, d, ("mlp", "embed"), use_bias=True, **args)
     self.scale = h**-0.5
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -108,27 +108,27 @@ class VisionEncoder(nnx.Module):
   """
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, remat_policy: str = "none"):
-    c, p, d = config.num_channels_for_vit, config.patch_size_for_vit, config.hidden_size_for_vit
+    c, p, d = config.vision.num_channels_for_vit, config.vision.patch_size_for_vit, config.vision.hidden_size_for_vit
     args = _args(config, rngs)
     self.config, self.remat_policy = config, remat_policy
-    self.patches_per_side = config.image_size_for_vit // p
-    self.tokens_per_side = int(round(config.mm_tokens_per_image**0.5))
+    self.patches_per_side = config.vision.image_size_for_vit // p
+    self.tokens_per_side = int(round(config.vision.mm_tokens_per_image**0.5))
     self.patch_embedding = DenseGeneral((c, p, p), d, (None, None, None, "embed"), use_bias=True, **args)
     init = nnx.initializers.normal(0.02)
     self.position_embedding = nnx.Param(
       init(rngs.params(), (self.patches_per_side**2, d), args["weight_dtype"]), out_sharding=(None, "embed")
     )
-    self.num_layers = config.num_hidden_layers_for_vit
+    self.num_layers = config.vision.num_hidden_layers_for_vit
     self.layers = encoder_layers(functools.partial(SiglipLayer, config), self.num_layers, config.scan_layers, rngs)
     norm = dict(dtype=args["dtype"], weight_dtype=args["weight_dtype"])
-    self.post_layernorm = LayerNorm(d, epsilon=config.vision_layer_norm_epsilon, **norm)
-    self.mm_soft_emb_norm = gemma_rms_norm(d, epsilon=config.vision_layer_norm_epsilon, **norm)
+    self.post_layernorm = LayerNorm(d, epsilon=config.vision.vision_layer_norm_epsilon, **norm)
+    self.mm_soft_emb_norm = gemma_rms_norm(d, epsilon=config.vision.vision_layer_norm_epsilon, **norm)
     self.mm_input_projection = DenseGeneral(d, config.emb_dim, ("mlp", "embed"), **args)
 
   def encode(self, pixels: jax.Array) -> jax.Array:
     """pixels [M, H, W, C] -> SigLIP's last hidden states [M, patches, hidden_size_for_vit]."""
     m, height, width, c = pixels.shape
-    p, g = self.config.patch_size_for_vit, self.patches_per_side
+    p, g = self.config.vision.patch_size_for_vit, self.patches_per_side
     if height != width or height != g * p:
       raise ValueError(f"images must be {g * p}x{g * p} (image_size_for_vit), got {height}x{width}")
     patches = pixels.reshape(m, g, p, g, p, c).transpose(0, 1, 3, 5, 2, 4).reshape(m, g * g, c, p, p)

@@ -10,6 +10,7 @@ from flax import nnx
 
 from MaxText.convert.hf_mapping import Mapping
 from MaxText.errors import ConfigError
+from MaxText.layers import lora
 from MaxText.layers.decoder import Decoder, Family
 from MaxText.layers.model_config import ModelConfig
 from MaxText.models import deepseek, gemma, gemma2, gemma3, gpt3, gpt_oss, llama2, llama4, qwen3next
@@ -113,9 +114,14 @@ def problem(config: Any) -> str | None:
 
 
 def build(config: Any, rngs: nnx.Rngs, plan: Plan) -> Decoder:
-  """The model for `config` (the run's Config; the model sees its ModelConfig only), run as `plan` says
-  (planner.build(config, mesh)). Parameters carry logical axis names; they are placed by the caller."""
+  """The model for `config` (the run's Config: the model sees its ModelConfig, LoraConfig and whether the
+  vision tower trains), run as `plan` says (planner.build(config, mesh)). Parameters carry logical axis names;
+  they are placed by the caller."""
   model_config = ModelConfig.from_config(config)
+  adapters = lora.LoraConfig.from_config(config)
   # Sharding is applied by the caller from the logical names (state.py), not eagerly per variable.
   with nnx.use_eager_sharding(False):
-    return Decoder(model_config, family(model_config), rngs=rngs, plan=plan)
+    return Decoder(
+      model_config, family(model_config), rngs=rngs, plan=plan, lora=adapters,
+      freeze_vision_encoder=config.freeze_vision_encoder,
+    )  # fmt: skip

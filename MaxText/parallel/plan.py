@@ -148,6 +148,8 @@ class Plan:
   loss: LossPlan
   decoding: bool = False  # built for decode.py: no training kernel or schedule
   mlp_pieces: int = 1  # dense MLPs in this many sequence pieces (planner.Pieces)
+  dropout_rate: float = 0.0  # training: dropout after attention and MLP blocks (dropout_rate; 0 without enable_dropout)
+  kv_cache_quant: str = ""  # decoding: the KV cache's storage (kv_quant_dtype under quantize_kvcache); "": dtype
 
   @property
   def platform(self) -> str:

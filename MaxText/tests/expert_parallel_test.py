@@ -14,6 +14,7 @@ from flax import nnx
 from MaxText import config, planner, sharding, state
 from MaxText.errors import ConfigError
 from MaxText.layers import moe
+from MaxText.layers.model_config import ModelConfig
 
 BASE = os.path.join(config.CONFIG_DIR, "base.yml")
 TINY = ["base_emb_dim=16", "base_mlp_dim=24", "num_experts=8", "num_experts_per_tok=2", "dtype=float32"]
@@ -26,7 +27,7 @@ def load(*overrides):
 def block(c, mesh=None):
   """The layer for config `c`, run as the plan for `mesh` says (None: one device)."""
   with nnx.use_eager_sharding(False):
-    return moe.MoeBlock(c, rngs=nnx.Rngs(params=0), plan=planner.build(c, mesh))
+    return moe.MoeBlock(ModelConfig.from_config(c), rngs=nnx.Rngs(params=0), plan=planner.build(c, mesh))
 
 
 def loss_fn(graphdef):

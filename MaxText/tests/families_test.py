@@ -16,6 +16,7 @@ from MaxText import checkpointing, config, models, planner, train
 from MaxText.convert import hf_to_maxtext, maxtext_to_hf
 from MaxText.errors import ConfigError
 from MaxText.layers import attention_mla, embeddings
+from MaxText.layers.model_config import ModelConfig
 from MaxText.tests.helpers import FAMILIES, T, assert_export_is_exact, hf_config, hf_keys, hf_model, maxtext_logits
 
 torch = pytest.importorskip("torch")
@@ -172,14 +173,15 @@ def test_published_deepseek_configs_map_to_the_presets(preset):
   hf_cfg = transformers.AutoConfig.for_model(**{**hf, "model_type": LOADS_AS.get(hf["model_type"], hf["model_type"])})
   model = getattr(transformers, hf_config(c, "bfloat16")["architectures"][0])
   assert model.config_class is type(hf_cfg)
+  mc = ModelConfig.from_config(c)
   inv_freq, attention_factor = transformers.modeling_rope_utils._compute_yarn_parameters(hf_cfg)
-  ours = embeddings.scaled_rope_frequencies(c, c.qk_rope_head_dim, c.rope_max_timescale, c.rope_type)
+  ours = embeddings.scaled_rope_frequencies(mc, c.qk_rope_head_dim, c.rope_max_timescale, c.rope_type)
   np.testing.assert_allclose(ours, inv_freq.numpy(), rtol=1e-6)
-  assert embeddings.rope_attention_factor(c, c.rope_type) == pytest.approx(attention_factor, rel=1e-12)
+  assert embeddings.rope_attention_factor(mc, c.rope_type) == pytest.approx(attention_factor, rel=1e-12)
   module = importlib.import_module(model.__module__)
   softmax_scale = module.yarn_apply_mscale(hf_cfg.rope_parameters, (c.qk_nope_head_dim + c.qk_rope_head_dim) ** -0.5)
   with nnx.use_eager_sharding(False):
-    mla = nnx.eval_shape(lambda: attention_mla.MLAttention(c, rngs=nnx.Rngs(0), plan=planner.build(c)))
+    mla = nnx.eval_shape(lambda: attention_mla.MLAttention(mc, rngs=nnx.Rngs(0), plan=planner.build(c)))
   assert mla.query_scale == pytest.approx(softmax_scale, rel=1e-12)
 
 

@@ -13,6 +13,7 @@ from flax import nnx
 from MaxText import config, optimizers, planner, sharding, state, train_step
 from MaxText.errors import ConfigError
 from MaxText.layers import moe
+from MaxText.layers.model_config import ModelConfig
 from MaxText.objectives import lm
 from MaxText.tests.conftest import DEEPSEEK3_TINY, cfg
 
@@ -24,7 +25,7 @@ def block(*overrides, mesh=None):
   """The layer, run as the plan for `mesh` says (None: one device)."""
   c = config.load([BASE, "run_name=t", *TINY, *overrides], {})
   with nnx.use_eager_sharding(False):
-    return moe.MoeBlock(c, rngs=nnx.Rngs(params=0), plan=planner.build(c, mesh))
+    return moe.MoeBlock(ModelConfig.from_config(c), rngs=nnx.Rngs(params=0), plan=planner.build(c, mesh))
 
 
 def reference(layer, x):

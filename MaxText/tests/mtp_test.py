@@ -20,6 +20,7 @@ from MaxText.convert import hf_to_maxtext, maxtext_to_hf
 from MaxText.errors import ConfigError
 from MaxText.inference import Engine
 from MaxText.layers import mtp
+from MaxText.layers.model_config import ModelConfig
 from MaxText.objectives import lm
 from MaxText.tests.conftest import BASE, cfg
 from MaxText.tests.helpers import exported_tensors
@@ -156,9 +157,10 @@ def test_mtp_needs_a_family_with_an_mtp_layer_and_valid_keys():
   with pytest.raises(ConfigError, match="mtp_num_layers and mtp_loss_scaling_factor must be >= 0"):
     load("mtp_num_layers=-1")
   llama = load("mtp_num_layers=1")
+  model = ModelConfig.from_config(llama)
   with pytest.raises(ConfigError, match="decoder_block=deepseek only"):
     abstract = nnx.to_pure_dict(state_lib.param_spec(llama).abstract)
-    models.hf_mapping("llama2").rules(llama, models.family(llama).stacks(llama), abstract)
+    models.hf_mapping("llama2").rules(llama, models.family(model).stacks(model), abstract)
   assert state_lib.for_inference(llama).mtp_num_layers == 0
 
 

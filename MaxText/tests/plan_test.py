@@ -12,7 +12,6 @@ from flax import nnx
 
 from MaxText import config, models, planner, sharding, train
 from MaxText.errors import ConfigError
-from MaxText.layers.model_config import ModelConfig
 from MaxText.objectives import lm
 from MaxText.parallel.plan import AttentionPlan, LossPlan
 from MaxText.tests.conftest import TINY, cfg
@@ -139,29 +138,6 @@ def test_decoding_plans_no_training_kernel():
   lines = planner.describe(plan, load())
   assert lines[0] == "attention: dot_product, because decoding attends over the KV cache"
   assert not any("remat" in line or "pipeline" in line for line in lines)
-
-
-def test_layers_read_only_the_model_config():
-  """Every config key a layer or family reads (config.X, c.X, self.config.X) is a ModelConfig field, and the
-  built model holds a ModelConfig, not the run's Config. quantization.py and lora.py transform the built
-  model with the run's Config; the family registry (models/__init__.py) takes the run's Config to check it
-  (models.problem) and to build the model."""
-  fields = {f.name for f in dataclasses.fields(ModelConfig)}
-  read = set()
-  for d in ("layers", "models"):
-    for f in sorted(os.listdir(os.path.join(ROOT, d))):
-      if not f.endswith(".py") or f in ("quantization.py", "lora.py") or (d, f) == ("models", "__init__.py"):
-        continue
-      for node in ast.walk(ast.parse(open(os.path.join(ROOT, d, f)).read())):
-        owner = node.value if isinstance(node, ast.Attribute) else None
-        is_config = isinstance(owner, ast.Name) and owner.id in ("config", "c", "unit_config")
-        is_config |= isinstance(owner, ast.Attribute) and owner.attr == "config"
-        if is_config and not node.attr.startswith("_") and node.attr not in ("from_config",):
-          read.add(node.attr)
-  assert read and read <= fields, sorted(read - fields)
-  c = load()
-  model = nnx.eval_shape(lambda: models.build(c, nnx.Rngs(params=0), planner.build(c)))
-  assert type(model.config) is ModelConfig and model.config == ModelConfig.from_config(c)
 
 
 def test_base_yml_documents_every_kernel_and_remat_policy():

@@ -128,7 +128,8 @@ def test_hugging_face_mapping_covers_both_layouts(tower):
   def tower_rules(scan: bool):
     c = load(tower, f"scan_layers={str(scan).lower()}")
     abstract = nnx.to_pure_dict(state.param_spec(c).abstract)  # the text stacks' layout, for rules()
-    rules = models.hf_mapping(c.decoder_block).rules(c, models.family(c).stacks(c), abstract)
+    model = ModelConfig.from_config(c)
+    rules = models.hf_mapping(c.decoder_block).rules(c, models.family(model).stacks(model), abstract)
     tower_dict = nnx.to_pure_dict(tower_params(tower, scan)[1])
     return [r for r in rules if r.path[0] == "vision_encoder"], {"vision_encoder": tower_dict}
 

@@ -17,7 +17,7 @@ MOE_LAYER = functools.partial(DecoderLayer, attention=MLAttention)
 
 
 def stacks(config: ModelConfig) -> tuple[Stack, ...]:
-  dense, moe = config.first_num_dense_layers, config.num_decoder_layers - config.first_num_dense_layers
+  dense, moe = config.moe.first_num_dense_layers, config.num_decoder_layers - config.moe.first_num_dense_layers
   out = []
   if dense:
     out.append(Stack("dense_layers", functools.partial(DecoderLayer, attention=MLAttention, mlp=MlpBlock), dense))

@@ -19,7 +19,7 @@ def _local(config: ModelConfig, *, rngs, plan):
     rngs=rngs,
     plan=plan,
     norm=gemma_rms_norm,
-    rope_max_timescale=config.local_rope_max_timescale,
+    rope_max_timescale=config.rope.local_rope_max_timescale,
     rope_type="default",
   )
 

@@ -21,25 +21,25 @@ from MaxText.models.llama4 import vision
 
 def is_nope_layer(config: ModelConfig, index: int) -> bool:
   """Layer `index` (0-based) has no RoPE: the last of each group of nope_layer_interval (HF no_rope_layers)."""
-  interval = config.nope_layer_interval
+  interval = config.attention.nope_layer_interval
   return bool(interval) and (index + 1) % interval == 0
 
 
 def is_moe_layer(config: ModelConfig, index: int) -> bool:
   """Layer `index` is MoE: the last of each group of interleave_moe_layer_step (HF moe_layers)."""
-  return config.num_experts > 1 and (index + 1) % config.interleave_moe_layer_step == 0
+  return config.moe.num_experts > 1 and (index + 1) % config.moe.interleave_moe_layer_step == 0
 
 
 def period(config: ModelConfig) -> int:
   """Layers per repeating unit: the least common multiple of the NoPE and MoE intervals."""
-  return math.lcm(config.nope_layer_interval or 1, config.interleave_moe_layer_step)
+  return math.lcm(config.attention.nope_layer_interval or 1, config.moe.interleave_moe_layer_step)
 
 
 def _layer(config: ModelConfig, *, rngs, plan, index: int) -> DecoderLayer:
   nope = is_nope_layer(config, index)
   attention = functools.partial(
-    Attention, use_rope=not nope, use_qk_norm=config.use_qk_norm and not nope, qk_norm=UnitRMSNorm,
-    chunk_window=0 if nope else config.chunk_attn_window_size,
+    Attention, use_rope=not nope, use_qk_norm=config.attention.use_qk_norm and not nope, qk_norm=UnitRMSNorm,
+    chunk_window=0 if nope else config.attention.chunk_attn_window_size,
   )  # fmt: skip
   mlp = MoeBlock if is_moe_layer(config, index) else MlpBlock
   return DecoderLayer(config, rngs=rngs, plan=plan, attention=attention, mlp=mlp)

@@ -32,8 +32,8 @@ from MaxText.layers.vision import encoder_layers, run_layers
 
 def tokens_per_image(config: ModelConfig) -> int:
   """Soft tokens one image tile becomes: the pixel-shuffled patch grid."""
-  side = config.image_size_for_vit // config.patch_size_for_vit
-  return round(side * config.pixel_shuffle_ratio_for_vit) ** 2
+  side = config.vision.image_size_for_vit // config.vision.patch_size_for_vit
+  return round(side * config.vision.llama4.pixel_shuffle_ratio_for_vit) ** 2
 
 
 def rope_angles(grid: int, head_dim: int, theta: float) -> np.ndarray:
@@ -72,14 +72,14 @@ def _args(config: ModelConfig, rngs: nnx.Rngs) -> dict:
 
 def _norm(config: ModelConfig, dim: int) -> LayerNorm:
   dt, wdt = jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
-  return LayerNorm(dim, epsilon=config.vision_layer_norm_epsilon, dtype=dt, weight_dtype=wdt)
+  return LayerNorm(dim, epsilon=config.vision.vision_layer_norm_epsilon, dtype=dt, weight_dtype=wdt)
 
 
 class VisionLayer(nnx.Module):
   """One encoder layer: x + attention(LN(x)), then x + MLP(LN(x))."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-    d, n = config.hidden_size_for_vit, config.num_attention_heads_for_vit
+    d, n = config.vision.hidden_size_for_vit, config.vision.num_attention_heads_for_vit
     h, args = d // n, _args(config, rngs)
     self.input_layernorm = _norm(config, d)
     self.query = DenseGeneral(d, (n, h), ("embed", "heads", "kv"), use_bias=True, **args)
@@ -87,8 +87,8 @@ class VisionLayer(nnx.Module):
     self.value = DenseGeneral(d, (n, h), ("embed", "heads", "kv"), use_bias=True, **args)
     self.out = DenseGeneral((n, h), d, ("heads", "kv", "embed"), use_bias=True, **args)
     self.post_attention_layernorm = _norm(config, d)
-    self.fc1 = DenseGeneral(d, config.intermediate_size_for_vit, ("embed", "mlp"), use_bias=True, **args)
-    self.fc2 = DenseGeneral(config.intermediate_size_for_vit, d, ("mlp", "embed"), use_bias=True, **args)
+    self.fc1 = DenseGeneral(d, config.vision.intermediate_size_for_vit, ("embed", "mlp"), use_bias=True, **args)
+    self.fc2 = DenseGeneral(config.vision.intermediate_size_for_vit, d, ("mlp", "embed"), use_bias=True, **args)
 
   def __call__(self, x: jax.Array, angles: jax.Array) -> jax.Array:
     h = self.input_layernorm(x)
@@ -106,9 +106,9 @@ class Llama4VisionEncoder(nnx.Module):
   layers stacked and scanned under config.scan_layers, each rematerialised by `remat_policy`."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, remat_policy: str = "none"):
-    self.config, self.remat_policy = config, remat_policy
-    d, p, c = config.hidden_size_for_vit, config.patch_size_for_vit, config.num_channels_for_vit
-    grid = config.image_size_for_vit // p
+    self.config, self.remat_policy, v = config, remat_policy, config.vision
+    d, p, c = v.hidden_size_for_vit, v.patch_size_for_vit, v.num_channels_for_vit
+    grid = v.image_size_for_vit // p
     args = _args(config, rngs)
     wdt = jnp.dtype(config.weight_dtype)
     self.patch_embedding = DenseGeneral(c * p * p, d, (None, "embed"), **args)
@@ -116,24 +116,24 @@ class Llama4VisionEncoder(nnx.Module):
     self.class_embedding = nnx.Param(init(rngs.params(), (d,), wdt), out_sharding=("embed",))
     self.positional_embedding = nnx.Param(init(rngs.params(), (grid * grid + 1, d), wdt), out_sharding=(None, "embed"))
     self.layernorm_pre = _norm(config, d)
-    self.num_layers = config.num_hidden_layers_for_vit
+    self.num_layers = v.num_hidden_layers_for_vit
     self.layers = encoder_layers(functools.partial(VisionLayer, config), self.num_layers, config.scan_layers, rngs)
     self.layernorm_post = _norm(config, d)
-    shuffled = round(d / config.pixel_shuffle_ratio_for_vit**2)
+    shuffled = round(d / v.llama4.pixel_shuffle_ratio_for_vit**2)
     # The adapter widens into `mlp` and comes back to the tower's `embed`; the projector maps that (as `mlp`:
     # its output is the text model's `embed`) to emb_dim.
-    self.adapter_fc1 = DenseGeneral(shuffled, config.projector_input_dim_for_vit, ("embed", "mlp"), **args)
-    out_dim = config.projector_output_dim_for_vit
-    self.adapter_fc2 = DenseGeneral(config.projector_input_dim_for_vit, out_dim, ("mlp", "embed"), **args)
+    hidden, out_dim = v.llama4.projector_input_dim_for_vit, v.llama4.projector_output_dim_for_vit
+    self.adapter_fc1 = DenseGeneral(shuffled, hidden, ("embed", "mlp"), **args)
+    self.adapter_fc2 = DenseGeneral(hidden, out_dim, ("mlp", "embed"), **args)
     self.projector = DenseGeneral(out_dim, config.emb_dim, ("mlp", "embed"), **args)
 
   def flops_per_image(self) -> float:
     """Forward FLOPs of one image tile: 2 per multiply-add of every weight matmul over the tokens it sees
     (G*G patches; G*G + 1 tokens in the encoder; (rG)^2 after the pixel shuffle) plus the encoder's
     bidirectional QK^T and AV (2 * 2 * (G*G + 1)^2 * D per layer). Norms, gelu, softmax, rope not counted."""
-    c = self.config
-    grid = c.image_size_for_vit // c.patch_size_for_vit
-    tokens, shuffled = grid * grid + 1, tokens_per_image(c)
+    v = self.config.vision
+    grid = v.image_size_for_vit // v.patch_size_for_vit
+    tokens, shuffled = grid * grid + 1, tokens_per_image(self.config)
 
     def size(dense: DenseGeneral) -> int:
       return int(np.prod(dense.in_features + dense.out_features))
@@ -142,22 +142,22 @@ class Llama4VisionEncoder(nnx.Module):
     per_layer = sum(size(m) for m in (layer.query, layer.key, layer.value, layer.out, layer.fc1, layer.fc2))
     head = sum(size(m) for m in (self.adapter_fc1, self.adapter_fc2, self.projector))
     matmul = 2.0 * (grid * grid * size(self.patch_embedding) + tokens * per_layer * self.num_layers + shuffled * head)
-    return matmul + 4.0 * tokens * tokens * c.hidden_size_for_vit * self.num_layers
+    return matmul + 4.0 * tokens * tokens * v.hidden_size_for_vit * self.num_layers
 
   def __call__(self, images: jax.Array) -> jax.Array:
-    c = self.config
+    v = self.config.vision
     b, n, s, _, ch = images.shape
-    p, g = c.patch_size_for_vit, s // c.patch_size_for_vit
-    dt = jnp.dtype(c.dtype)
+    p, g = v.patch_size_for_vit, s // v.patch_size_for_vit
+    dt = jnp.dtype(self.config.dtype)
     # Patches row-major, each flattened (channel, row, column) as torch's Unfold does.
     x = images.reshape(b * n, g, p, g, p, ch).transpose(0, 1, 3, 5, 2, 4).reshape(b * n, g * g, ch * p * p)
     x = self.patch_embedding(x)
     cls = jnp.broadcast_to(self.class_embedding[...].astype(dt), (b * n, 1, x.shape[-1]))
     x = jnp.concatenate([x, cls], axis=1) + self.positional_embedding[...].astype(dt)
     x = self.layernorm_pre(x)
-    angles = jnp.asarray(rope_angles(g, x.shape[-1] // c.num_attention_heads_for_vit, c.rope_theta_for_vit))
+    angles = jnp.asarray(rope_angles(g, x.shape[-1] // v.num_attention_heads_for_vit, v.llama4.rope_theta_for_vit))
     x = self.layernorm_post(run_layers(self.layers, x, self.remat_policy, angles))[:, :-1]
-    x = pixel_shuffle(x, c.pixel_shuffle_ratio_for_vit)
+    x = pixel_shuffle(x, v.llama4.pixel_shuffle_ratio_for_vit)
     x = jax.nn.gelu(self.adapter_fc2(jax.nn.gelu(self.adapter_fc1(x), approximate=False)), approximate=False)
     x = self.projector(x)
     return x.reshape(b, n * x.shape[1], x.shape[-1])

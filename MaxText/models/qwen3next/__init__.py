@@ -17,7 +17,7 @@ from MaxText.layers.normalizations import gemma_rms_norm
 
 def is_full_attention(config: ModelConfig, index: int) -> bool:
   """Layer `index` (0-based) is gated full attention (HF layer_types from full_attention_interval)."""
-  return (index + 1) % config.full_attention_interval == 0
+  return (index + 1) % config.linear.full_attention_interval == 0
 
 
 def _layer(config: ModelConfig, *, rngs, plan, index: int) -> DecoderLayer:
@@ -26,7 +26,7 @@ def _layer(config: ModelConfig, *, rngs, plan, index: int) -> DecoderLayer:
 
 
 def stacks(config: ModelConfig) -> tuple[Stack, ...]:
-  pattern = tuple(functools.partial(_layer, index=i) for i in range(config.full_attention_interval))
+  pattern = tuple(functools.partial(_layer, index=i) for i in range(config.linear.full_attention_interval))
   return alternating_stacks(config, pattern)
 
 

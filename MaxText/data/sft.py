@@ -237,7 +237,7 @@ def _split_by_hash(records: list[Record], eval_fraction: float) -> tuple[list[Re
 def load_examples(
   config: Config, tok: Any, template: chat.ChatTemplate, encode: Callable[..., Examples] = encode
 ) -> tuple[Examples, Examples | None]:
-  """(train, eval or None) examples of the configured source, each record made an Example by `encode` (use_dpo:
+  """(train, eval or None) examples of the configured source, each record made an Example by `encode` (objective=dpo:
   preferences.encode_pairs)."""
   if config.dataset_type == "hf":
     train = encode(config, tok, template, hf_records(config, config.train_split, config.hf_train_files), "train")
@@ -260,7 +260,7 @@ def load_examples(
 def make_iterators(
   config: Config, mesh: Mesh, encode: Callable[..., Examples] = encode, rows_of: Callable[..., Any] = ExampleRows
 ) -> Iterators:
-  """Train (endless, row order reshuffled per epoch) and eval (in order) iterators; see MaxText.data. use_dpo
+  """Train (endless, row order reshuffled per epoch) and eval (in order) iterators; see MaxText.data. objective=dpo
   passes its own `encode` and `rows_of` (a RowSource like ExampleRows): data/preferences.py."""
   tok = tokenizers.load_tokenizer(config.tokenizer_path, config.tokenizer_type)
   tokenizers.check_tokenizer(tok, config.vocab_size, add_bos=False, add_eos=False)  # the template places BOS/EOS

@@ -257,7 +257,7 @@ def _start(config: Config, tx: optax.GradientTransformation, spec: StateSpec, sa
     return Restored(with_reference(spec, state, lambda: state.params), None, "load_full_state_path")
   if spec.partition.freezes:
     return _init_lora(config, tx, spec)
-  fresh = state_lib.init_state(config, tx, spec)  # with a reference (objective=dpo, grpo) its reference is a copy of the init params
+  fresh = state_lib.init_state(config, tx, spec)  # dpo, grpo: its reference copies the init params
   if config.load_parameters_path:
     params = load_params(config.load_parameters_path, spec.abstract.params)
     state = with_reference(spec, fresh.replace(params=params), lambda: params)
@@ -276,7 +276,7 @@ def _starting_params(config: Config, tx: optax.GradientTransformation, spec: Sta
 
 
 def with_reference(spec: StateSpec, state: TrainState, starting_params: Callable[[], nnx.State]) -> TrainState:
-  """An objective with a reference, without LoRA (state.keeps_reference): `state` with its reference, a copy of starting_params() in
+  """A reference-keeping objective without LoRA: `state` with its reference, a copy of starting_params() in
   the params' shardings (a copy: the train step donates the state, and one buffer cannot be donated twice).
   Checkpoints do not hold it (Partition.checkpointed), so a resume re-reads the run's starting params: the
   same load_parameters_path, load_full_state_path or init_weights_seed give the same reference."""

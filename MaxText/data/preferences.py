@@ -1,4 +1,4 @@
-"""objective=dpo (use_dpo=true): preference pairs -> batches whose rows hold whole (chosen, rejected) pairs (docs/dpo.md).
+"""objective=dpo: preference pairs -> batches whose rows hold whole (chosen, rejected) pairs (docs/dpo.md).
 
 A record (a .jsonl line, a .parquet or Hugging Face dataset row) is either
   {"prompt", "chosen", "rejected"}: the prompt a string (one user turn) or a list of messages, each completion a

@@ -171,7 +171,7 @@ def _validate_load_paths(c: dict[str, Any]) -> None:
   for key in ("load_parameters_path", "load_full_state_path"):
     if c[key] and not paths.may_exist(c[key]):
       raise ConfigError(f"{key}={c[key]!r} does not exist")
-    if c[key] and not paths.is_remote(c[key]) and os.path.isfile(c[key]):
+    if c[key] and paths.is_local_file(c[key]):
       form = "<run dir>/checkpoints/<step>/state"
       if key == "load_parameters_path":
         form += ", or a params-only checkpoint's directory"

@@ -207,6 +207,11 @@ def check_writable(path: str, key: str, timeout_s: float | None = None) -> None:
   with_timeout(probe, f"{key}={path!r}", timeout_s)
 
 
+def is_local_file(path: str) -> bool:
+  """Whether `path` is a local file (never true for gs://)."""
+  return bool(path) and not is_remote(path) and os.path.isfile(path)
+
+
 def is_local_dir(path: str) -> bool:
   """Whether `path` is an existing local directory (a gs:// path is not probed: False)."""
   return bool(path) and not is_remote(path) and os.path.isdir(path)

@@ -3,7 +3,7 @@
 `Mapping` is the transformers decoder layout of the shared layers (LlamaForCausalLM's config fields and
 tensor names); each family's `models/<family>/hf.py` subclasses it and overrides what its architecture
 changes. The converters find a family's mapping through `models.hf_mapping` (by decoder_block) and
-`models.hf_mapping_of` (by config.json's model_type); no family's tables or branches live here.
+`convert.mappings.of_config_json` (by config.json's model_type); no family's tables or branches live here.
 
 Tensor rule: HF name -> (MaxText parameter path, index prefix, n_in). A HF linear weight [out, in] is
 the transpose of our kernel reshaped (n_in = how many leading kernel dims are inputs); n_in None means

@@ -33,7 +33,7 @@ from MaxText import config as config_lib
 from MaxText import launch, models, paths
 from MaxText import state as state_lib
 from MaxText.config import Config
-from MaxText.convert import fp8, hf_mapping, mxfp4, streaming
+from MaxText.convert import fp8, hf_mapping, mappings, mxfp4, streaming
 from MaxText.errors import ConfigError, StorageError
 from MaxText.layers.model_config import ModelConfig
 
@@ -72,7 +72,7 @@ def read_hf_config(hf_path: str) -> dict[str, Any]:
   if not isinstance(hf, dict):
     raise ConfigError(f"{path!r} must hold a JSON object, got {type(hf).__name__}")
   fields = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf  # multimodal: its text model
-  missing = [k for k in models.hf_mapping_of(hf).required_fields if k not in fields]
+  missing = [k for k in mappings.of_config_json(hf).required_fields if k not in fields]
   if missing:
     raise ConfigError(f"{path!r} lacks {', '.join(missing)}; it must describe the checkpoint's architecture")
   return hf
@@ -101,7 +101,7 @@ def load_config(hf_path: str, output: str, scan_layers: bool, final: str = "") -
   """OUTPUT/config.yml written and loaded; `final`: where OUTPUT ends up (its tokenizer_path points there).
   DeepSeek's multi-token-prediction modules, when the tensors hold them, set mtp_num_layers."""
   hf = read_hf_config(hf_path)
-  mapping = models.hf_mapping_of(hf)
+  mapping = mappings.of_config_json(hf)
   try:
     keys = mapping.maxtext_keys(hf)
   except KeyError as e:
@@ -148,7 +148,7 @@ def _convert(hf_path: str, output: str, scan_layers: bool, dtype: str, final: st
   state = state_lib.param_spec(c).abstract
   abstract = nnx.to_pure_dict(state)
   model = ModelConfig.from_config(c)
-  mapping = models.hf_mapping(c.decoder_block)
+  mapping = mappings.of_block(c.decoder_block)
   rules = mapping.rules(c, models.family(model).stacks(model), abstract)
   raw, packed = mxfp4.unpack_index(tensor_index(hf_path))  # MXFP4 blocks+scales pairs as one tensor
   real = {hf_mapping.canonical_name(name): name for name in raw}  # multimodal checkpoints name tensors variously

@@ -30,7 +30,7 @@ from flax import nnx
 from MaxText import checkpointing, launch, models, paths
 from MaxText import state as state_lib
 from MaxText.config import Config, serving_config
-from MaxText.convert import hf_mapping, streaming
+from MaxText.convert import hf_mapping, mappings, streaming
 from MaxText.errors import ConfigError
 from MaxText.layers import lora
 from MaxText.layers.model_config import ModelConfig
@@ -127,7 +127,7 @@ def _write(c: Config, output: str, dtype: str) -> None:
   reader = streaming.Reader(c.load_parameters_path)
   layout, prefix, abstract = _locate(c, reader)
   block_axes = 1 if layout.scan_layers else 0  # a stacked parameter is read one layer at a time
-  mapping = models.hf_mapping(c.decoder_block)
+  mapping = mappings.of_block(c.decoder_block)
   by_shard: dict[str, list[hf_mapping.Rule]] = {}
   model = ModelConfig.from_config(layout)
   stacks = models.family(model).stacks(model)

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 from flax import nnx
 
 from MaxText.convert.hf_mapping import Mapping
-from MaxText.errors import ConfigError
 from MaxText.layers import lora
 from MaxText.layers.decoder import Decoder, Family
 from MaxText.layers.model_config import ModelConfig
@@ -70,23 +69,6 @@ HF: dict[str, Mapping] = {
 def family(config: ModelConfig) -> Family:
   """The family of config.decoder_block (checked against REGISTRY when the run plan is built)."""
   return REGISTRY[config.decoder_block]
-
-
-def hf_mapping(decoder_block: str) -> Mapping:
-  """The Hugging Face mapping of `decoder_block`; ConfigError naming the blocks that have one."""
-  if decoder_block not in HF:
-    raise ConfigError(f"decoder_block {decoder_block!r} has no Hugging Face export; supported: {', '.join(HF)}")
-  return HF[decoder_block]
-
-
-def hf_mapping_of(hf: dict[str, Any]) -> Mapping:
-  """The mapping that reads a config.json, by its model_type (a multimodal one, gemma3 or llama4, included)."""
-  model_type = hf.get("model_type")
-  for mapping in HF.values():
-    if model_type and (model_type in mapping.model_types or model_type == mapping.multimodal_type):
-      return mapping
-  supported = ", ".join(t for m in HF.values() for t in m.model_types)
-  raise ConfigError(f"Unsupported architecture model_type={model_type!r}; supported: {supported}")
 
 
 def problem(config: Any) -> str | None:

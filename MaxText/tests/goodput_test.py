@@ -2,6 +2,7 @@
 attempts of a run in <run dir>/goodput.json and counts the steps an attempt redid after an earlier one was lost."""
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -84,7 +85,9 @@ def test_unreadable_record_starts_again_and_disabled_writes_nothing(tmp_path):
   assert not os.path.exists(os.path.join(off.run_dir, goodput.RECORD_FILE))
 
 
-def test_a_damaged_record_continues_from_the_newest_checkpoints_copy(tmp_path, caplog):
+def test_a_damaged_record_continues_from_the_newest_checkpoints_copy(tmp_path, caplog, monkeypatch):
+  # launch.setup_logging (run by an earlier test in this process) stops MaxText.* from reaching caplog's handler.
+  monkeypatch.setattr(logging.getLogger("MaxText"), "propagate", True)
   c = cfg(tmp_path, "copy", *CKPT)
   kept = goodput.empty_record() | {"attempts": 2, "total_s": 30.0, "max_step": 4}
   for step, rec in ((2, goodput.empty_record()), (4, kept), (6, None)):  # 6: written before copies were kept

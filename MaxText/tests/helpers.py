@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from MaxText import checkpointing, config, models, planner, preemption, sharding
-from MaxText.convert import hf_to_maxtext, maxtext_to_hf
+from MaxText.convert import hf_to_maxtext, mappings, maxtext_to_hf
 from MaxText.data import make_iterators
 from MaxText.data import tokenizer as tokenizers
 from MaxText.inference import engine
@@ -489,9 +489,9 @@ def end_to_end_script(name: str):
 
 def hf_keys(hf):
   """config.json -> MaxText keys, through the mapping of its model_type (models.hf_mapping_of)."""
-  return models.hf_mapping_of(hf).maxtext_keys(hf)
+  return mappings.of_config_json(hf).maxtext_keys(hf)
 
 
 def hf_config(c, dtype):
   """MaxText config -> config.json, through the mapping of its decoder_block (models.hf_mapping)."""
-  return models.hf_mapping(c.decoder_block).hf_config(c, dtype)
+  return mappings.of_block(c.decoder_block).hf_config(c, dtype)

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from MaxText import config, models, planner
-from MaxText.config import ConfigError
+from MaxText.errors import ConfigError
 from MaxText.layers import lora, mlp
 from MaxText.layers import model_config as mc
 from MaxText.layers.model_config import ModelConfig

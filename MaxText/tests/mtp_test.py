@@ -16,7 +16,7 @@ from flax import nnx
 
 from MaxText import checkpointing, config, flops, models, planner, saved_config, train
 from MaxText import state as state_lib
-from MaxText.convert import hf_to_maxtext, maxtext_to_hf
+from MaxText.convert import hf_to_maxtext, mappings, maxtext_to_hf
 from MaxText.errors import ConfigError
 from MaxText.inference import Engine
 from MaxText.layers import mtp
@@ -160,7 +160,7 @@ def test_mtp_needs_a_family_with_an_mtp_layer_and_valid_keys():
   model = ModelConfig.from_config(llama)
   with pytest.raises(ConfigError, match="decoder_block=deepseek only"):
     abstract = nnx.to_pure_dict(state_lib.param_spec(llama).abstract)
-    models.hf_mapping("llama2").rules(llama, models.family(model).stacks(model), abstract)
+    mappings.of_block("llama2").rules(llama, models.family(model).stacks(model), abstract)
   assert state_lib.for_inference(llama).mtp_num_layers == 0
 
 

@@ -14,6 +14,7 @@ from flax import nnx
 
 from MaxText import config, models, sharding, state, train_compile
 from MaxText import flops as flops_lib
+from MaxText.convert import mappings
 from MaxText.convert.hf_to_maxtext import get, to_maxtext
 from MaxText.convert.maxtext_to_hf import to_hf
 from MaxText.layers import vision
@@ -129,7 +130,7 @@ def test_hugging_face_mapping_covers_both_layouts(tower):
     c = load(tower, f"scan_layers={str(scan).lower()}")
     abstract = nnx.to_pure_dict(state.param_spec(c).abstract)  # the text stacks' layout, for rules()
     model = ModelConfig.from_config(c)
-    rules = models.hf_mapping(c.decoder_block).rules(c, models.family(model).stacks(model), abstract)
+    rules = mappings.of_block(c.decoder_block).rules(c, models.family(model).stacks(model), abstract)
     tower_dict = nnx.to_pure_dict(tower_params(tower, scan)[1])
     return [r for r in rules if r.path[0] == "vision_encoder"], {"vision_encoder": tower_dict}
 

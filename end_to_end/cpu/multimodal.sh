@@ -19,7 +19,7 @@ for colour in red green blue; do
   # <start_of_image> where the image goes, in the chat template's prompt; `read -d ''` keeps its final newline
   IFS= read -r -d '' PROMPT < <(python3 -m MaxText.data.chat_prompt "$OUT/converted" "<start_of_image>What colour is this?") || true
   python3 MaxText/decode.py "$OUT/converted/config.yml" load_parameters_path="$OUT/mm/checkpoints/150/state" \
-    image_path="$OUT/$colour.png" prompt="$PROMPT" add_bos=false max_prefill_predict_length=32 max_target_length=48 \
+    image_path="$OUT/$colour.png" prompt="$PROMPT" add_bos=false max_prefill_predict_length=40 max_target_length=56 \
     | tee "$OUT/decode_$colour.log"
   grep -qi "Output: '$colour.'" "$OUT/decode_$colour.log"
 done

@@ -441,7 +441,10 @@ def saved_tree(path: str) -> Any:
   """The tree (nested dicts of per-array metadata) of the orbax PyTree checkpoint at `path`. Absolute: orbax reads
   no item metadata under a relative path (it warns "Failed to get item metadata" and returns none)."""
   metadata = ocp.PyTreeCheckpointer().metadata(paths.absolute(path))
-  return metadata.item_metadata.tree if hasattr(metadata, "item_metadata") else metadata
+  tree = metadata.item_metadata if hasattr(metadata, "item_metadata") else metadata
+  if tree is None:  # orbax warns and returns no metadata when its index (ocdbt manifest, _METADATA) is unreadable
+    raise CheckpointError(f"checkpoint {path} cannot be read: its array index or metadata is damaged or missing")
+  return getattr(tree, "tree", tree)
 
 
 @_loading_item()

@@ -55,7 +55,7 @@ def model_logits(c: Config):
     spec = state_lib.param_spec(serving_config(scored))
   else:
     spec = state_lib.param_spec(scored)
-    params = checkpointing.load_params(c.load_parameters_path, spec.abstract)
+    params = checkpointing.load_params(c.load_parameters_path, spec.abstract, c)
   model = nnx.merge(spec.graphdef, params)
 
   def run(tokens: np.ndarray) -> np.ndarray:
@@ -106,7 +106,7 @@ def main(argv: Sequence[str]) -> None:
       raise ConfigError("Set golden_logits_path=FILE.jsonl")
     if not c.load_parameters_path:
       raise ConfigError("Set load_parameters_path= to the params to check")
-  run, ok = model_logits(c), True
+    run, ok = model_logits(c), True  # a checkpoint that does not fit the model: one line, as train.py says it
   with paths.Path(opts["golden_logits_path"]).open() as f:  # local or gs://
     for i, line in enumerate(f):
       row = json.loads(line)

@@ -109,10 +109,23 @@ def placed(path: str, key: str, saved: Any, abstract: Any) -> Any:
   return out
 
 
-def restore_upstream_state(path: str, tree: dict, abstract: TrainState, fresh: Callable[[], TrainState]) -> TrainState:
+def upstream_params(path: str, tree: Any, abstract_params: Any, config: Any) -> Any:
+  """An upstream MaxText checkpoint's params (either layout) as ours, for load_parameters_path: the family of
+  `config` (the run's Config) must be one upstream.FAMILIES maps (a ConfigError names it otherwise)."""
+  if config is None:
+    raise ConfigError(f"{path!r} is an upstream MaxText checkpoint; only load_parameters_path reads those")
+  fam, kind = upstream.family(config), upstream.layout(tree)
+  saved = upstream.to_ours(restore_numpy(path, upstream.params_of(tree, kind), kind), fam)
+  return placed(path, "load_parameters_path", saved, abstract_params)
+
+
+def restore_upstream_state(
+  path: str, tree: dict, abstract: TrainState, fresh: Callable[[], TrainState], config: Any
+) -> TrainState:
   """An upstream MaxText train state (its Linen tree) as ours: params, step, and its AdamW moments and counts
   into our optimizer state (the rest of ours, e.g. skip_spikes' history, starts fresh)."""
   key = "load_full_state_path"
+  fam = upstream.family(config)
   if upstream.layout(tree) != "linen" or "opt_state" not in tree:
     raise ConfigError(f"{key} {path!r} is an upstream MaxText params-only checkpoint; pass it as load_parameters_path")
   adam = upstream.adam_of(tree["opt_state"])
@@ -123,8 +136,8 @@ def restore_upstream_state(path: str, tree: dict, abstract: TrainState, fresh: C
     )
   saved = restore_numpy(path, tree["params"]["params"], "linen", step=tree["step"], opt_state=tree["opt_state"])
   count, mu, nu = upstream.adam_of(saved["opt_state"])
-  params = placed(path, key, upstream.to_ours(saved["params"]["params"]), abstract.params)
-  fit = lambda moment, like: placed(path, key, upstream.to_ours(moment.get("params", moment)), like)  # noqa: E731
+  params = placed(path, key, upstream.to_ours(saved["params"]["params"], fam), abstract.params)
+  fit = lambda moment, like: placed(path, key, upstream.to_ours(moment.get("params", moment), fam.for_moments()), like)  # noqa: E731
   opt_state = upstream.with_adam(fresh().opt_state, count, mu, nu, fit)
   if opt_state is None:
     raise ConfigError(f"{key} {path!r}: this run's optimizer has no AdamW state to take the checkpoint's moments")

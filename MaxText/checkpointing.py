@@ -253,13 +253,13 @@ def _start(config: Config, tx: optax.GradientTransformation, spec: StateSpec, sa
   """A run's first state: load_full_state_path > load_parameters_path > init (LoRA: _init_lora)."""
   if config.load_full_state_path:
     fresh = lambda: state_lib.init_state(config, tx, spec)  # noqa: E731 (what an upstream state does not hold)
-    state = _with_base(config, tx, spec, _restore_tree(config.load_full_state_path, saved, fresh))
+    state = _with_base(config, tx, spec, _restore_tree(config.load_full_state_path, saved, fresh, config))
     return Restored(with_reference(spec, state, lambda: state.params), None, "load_full_state_path")
   if spec.partition.freezes:
     return _init_lora(config, tx, spec)
   fresh = state_lib.init_state(config, tx, spec)  # dpo, grpo: its reference copies the init params
   if config.load_parameters_path:
-    params = load_params(config.load_parameters_path, spec.abstract.params)
+    params = load_params(config.load_parameters_path, spec.abstract.params, config)
     state = with_reference(spec, fresh.replace(params=params), lambda: params)
     return Restored(state, None, "load_parameters_path")
   return Restored(fresh, None, "init")
@@ -270,7 +270,7 @@ def _starting_params(config: Config, tx: optax.GradientTransformation, spec: Sta
   if config.load_full_state_path:
     return _start(config, tx, spec, saved).state.params
   if config.load_parameters_path:
-    return load_params(config.load_parameters_path, spec.abstract.params)
+    return load_params(config.load_parameters_path, spec.abstract.params, config)
   params = state_lib.ParamSpec(spec.graphdef, spec.abstract.params, spec.shardings.params, spec.plan, spec.partition)
   return state_lib.init_params(config, params)
 
@@ -298,7 +298,7 @@ def _base_params(config: Config, tx: optax.GradientTransformation, spec: StateSp
   """The frozen base parameters: load_parameters_path, or (lora_random_base) those of a fresh init."""
   frozen = spec.partition.split(spec.abstract.params).frozen
   if config.load_parameters_path:
-    return load_params(config.load_parameters_path, frozen)
+    return load_params(config.load_parameters_path, frozen, config)
   return spec.partition.split(state_lib.init_state(config, tx, spec).params).frozen
 
 
@@ -316,7 +316,7 @@ def _init_lora(config: Config, tx: optax.GradientTransformation, spec: StateSpec
   abstract = spec.partition.split(spec.abstract.params)
   source = "init"
   if config.load_parameters_path:
-    base, source = load_params(config.load_parameters_path, abstract.frozen), "load_parameters_path"
+    base, source = load_params(config.load_parameters_path, abstract.frozen, config), "load_parameters_path"
   if config.lora_weights_path:
     adapters = load_params(config.lora_weights_path, abstract.trainable)
     source += " + lora_weights_path"
@@ -332,12 +332,12 @@ def load_lora_merged(config: Config, mesh: Mesh | None = None) -> nnx.State:
   spec = state_lib.param_spec(config, mesh)
   abstract = spec.partition.split(spec.abstract)
   if config.load_parameters_path and config.lora_weights_path:
-    base = load_params(config.load_parameters_path, abstract.frozen)
+    base = load_params(config.load_parameters_path, abstract.frozen, config)
     adapters = load_params(config.lora_weights_path, abstract.trainable)
   else:  # lora_random_base: the seed's base (as training drew it) and, when none are given, fresh adapters
     adapters, base = spec.partition.split(state_lib.init_params(config, spec))
     if config.load_parameters_path:
-      base = load_params(config.load_parameters_path, abstract.frozen)
+      base = load_params(config.load_parameters_path, abstract.frozen, config)
     if config.lora_weights_path:
       adapters = load_params(config.lora_weights_path, abstract.trainable)
   plain = state_lib.param_spec(serving_config(config), mesh)
@@ -413,14 +413,14 @@ def _check_not_step_dir(key: str, path: str) -> None:
 
 
 @_loading_item()
-def _restore_tree(path: str, abstract: Any, fresh: Callable[[], TrainState]) -> Any:
+def _restore_tree(path: str, abstract: Any, fresh: Callable[[], TrainState], config: Config) -> Any:
   path = paths.absolute(path)
   if not paths.with_timeout(lambda: paths.isdir(path), f"load_full_state_path={path!r}"):
     raise ConfigError(f"Checkpoint {path!r} does not exist")
   _check_not_step_dir("load_full_state_path", path)
   tree = saved_tree(path)
   if upstream.layout(tree) is not None:
-    return checkpoint_layouts.restore_upstream_state(path, tree, abstract, fresh)
+    return checkpoint_layouts.restore_upstream_state(path, tree, abstract, fresh, config)
   try:
     state = ocp.StandardCheckpointer().restore(path, abstract)
   except (ValueError, KeyError, FileNotFoundError) as e:
@@ -448,17 +448,16 @@ def saved_tree(path: str) -> Any:
 
 
 @_loading_item()
-def load_params(path: str, abstract_params: Any) -> Any:
-  """Params from `path`: a params-only checkpoint, or a train-state checkpoint's `params` subtree."""
+def load_params(path: str, abstract_params: Any, config: Config | None = None) -> Any:
+  """Params from `path`: a params-only checkpoint, or a train-state checkpoint's `params` subtree. An upstream
+  MaxText checkpoint is mapped by the family of `config` (the run's; convert/upstream.py)."""
   path = paths.absolute(path)
   if not paths.with_timeout(lambda: paths.isdir(path), f"load_parameters_path={path!r}"):
     raise ConfigError(f"load_parameters_path {path!r} does not exist")
   _check_not_step_dir("load_parameters_path", path)
   tree = saved_tree(path)
-  kind = upstream.layout(tree)
-  if kind is not None:
-    saved = upstream.to_ours(checkpoint_layouts.restore_numpy(path, upstream.params_of(tree, kind), kind))
-    return checkpoint_layouts.placed(path, "load_parameters_path", saved, abstract_params)
+  if upstream.layout(tree) is not None:
+    return checkpoint_layouts.upstream_params(path, tree, abstract_params, config)
   item = {"params": abstract_params} if isinstance(tree, dict) and "params" in tree else abstract_params
   restore_args = ocp.checkpoint_utils.construct_restore_args(item)
   try:

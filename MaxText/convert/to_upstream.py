@@ -35,10 +35,11 @@ def export(c: Config, output: str, dtype: str = "float32") -> None:
   """Write the params of c.load_parameters_path (laid out per c.scan_layers) to `output` in upstream's tree."""
   if not c.load_parameters_path:
     raise ConfigError("to_upstream needs load_parameters_path=<the checkpoint to export>")
+  fam = upstream.family(c)  # refuses a family upstream's trees are not mapped for, before any loading
   spec = state_lib.param_spec(state_lib.for_inference(c))
-  params = checkpointing.load_params(c.load_parameters_path, spec.abstract)
+  params = checkpointing.load_params(c.load_parameters_path, spec.abstract, c)
   # cast after re-laying: the query kernels are rescaled first, in float32 (a bf16 cast before would round twice)
-  tree = upstream.from_ours(jax.tree.map(np.asarray, nnx.to_pure_dict(params)))
+  tree = upstream.from_ours(jax.tree.map(np.asarray, nnx.to_pure_dict(params)), fam)
   tree = {"params": {"params": jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), tree)}}
   checkpointer = ocp.PyTreeCheckpointer()
   checkpointer.save(paths.absolute(output), tree)

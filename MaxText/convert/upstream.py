@@ -9,6 +9,11 @@ where P = {decoder: {layers | layers_<i>, decoder_norm, logits_dense, ...}, toke
 stack on axis 1 (its param_scan_axis), ours on axis 0; a gated dense MLP names its inputs wi_0/wi_1
 (ours: wi/0, wi/1); mixtral's experts live in MoeBlock_0 (ours: mlp), with wi_0/wi_1 or one fused wi; its
 attention computes q . k with no 1/sqrt(head_dim) (ours applies it), so its query kernels are ours / sqrt(H).
+Its llama3.1 rope (rope_type llama3.1, or a model_name starting llama3.1: our rope_type llama3) rotates
+interleaved pairs (dims 2i, 2i+1) where ours rotates halves (i, i + H/2): the query and key kernels' head
+dimension is reordered on import (evens first, then odds) and back on export.
+
+Which of our families map is FAMILIES (by decoder_block); family(config) refuses the others in one line.
 
 to_ours gives our names with string keys, unrolled layers as layers/'<i>' and stacked ones with the layer
 axis first: the form checkpoint_layouts.relayout fits to a model either way (scan_layers on or off).
@@ -18,15 +23,53 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 import optax
 
+from MaxText.errors import ConfigError
+
 SCAN_AXIS = 1  # upstream's param_scan_axis default: where its scanned layers stack
 MOE_BLOCK = "MoeBlock_0"  # upstream's routed-experts module in a mixtral layer (ours: mlp)
 _LAYER = re.compile(r"layers_(\d+)")
+
+
+class Family(NamedTuple):
+  """What differs between an upstream family's tree and ours beyond the shared names (one layer's
+  self_attention/{query,key,value,out}, mlp/wi_0/wi_1/wo, decoder_norm, token_embedder, logits_dense)."""
+
+  query_scale: bool = True  # upstream folds 1/sqrt(head_dim) into the query kernel (no explicit scalar)
+  renames: tuple[tuple[str, str], ...] = ()  # (upstream module name, ours)
+  norm_offset: float = 0.0  # ours multiplies by offset + w where upstream multiplies by w: ours = w - offset
+  rope_pairs: bool = False  # upstream rotates interleaved pairs: reorder the query/key kernels' head dimension
+
+  def for_moments(self) -> Family:
+    """The same mapping for AdamW moments (gradient statistics: names and orders move, no offset)."""
+    return self._replace(norm_offset=0.0)
+
+
+# decoder_block -> its mapping, checked against checkpoints upstream's own train.py wrote
+# (MaxText/tests/maxtext_checkpoint_test.py, fixtures/maxtext/)
+FAMILIES = {
+  "llama2": Family(),  # llama2, llama3, llama3.1 (rope_pairs: family() sets it from rope_type)
+  "mixtral": Family(),
+}
+
+
+def family(config: Any) -> Family:
+  """The mapping of `config`'s model (its decoder_block, rope_type); a ConfigError for a family with none."""
+  block = config.decoder_block
+  if block not in FAMILIES:
+    raise ConfigError(
+      f"an upstream MaxText checkpoint cannot be mapped onto decoder_block={block!r} (model_name="
+      f"{config.model_name!r}): upstream checkpoints import for {', '.join(FAMILIES)} only (docs/checkpoints.md); "
+      "convert it with upstream's maxtext.checkpoint_conversion.to_huggingface and import that with "
+      "MaxText/convert/hf_to_maxtext.py"
+    )
+  # upstream's LLaMARotaryEmbedding (its rope_type llama3.1, our llama3) rotates interleaved pairs
+  return FAMILIES[block]._replace(rope_pairs=config.rope_type == "llama3")
 
 
 def layout(tree: Any) -> str | None:
@@ -55,25 +98,52 @@ def unwrap(tree: Any) -> Any:
   return tree
 
 
-def _rename(tree: Any) -> Any:
+def _rename(tree: Any, fam: Family) -> Any:
   """One layer (or any module) of upstream names -> ours."""
   if not isinstance(tree, dict):
     return tree
-  out = {}
+  out, renames = {}, dict(fam.renames)
   for key, value in tree.items():
+    key = renames.get(key, key)
     if key == MOE_BLOCK:
-      out["mlp"] = _rename(value)
+      out["mlp"] = _rename(value, fam)
     elif key == "self_attention" and isinstance(value, dict) and "query" in value:
-      out[key] = _rename({**value, "query": _scale_query(value["query"], 1.0)})
+      out[key] = _rename(_attention(value, fam, 1), fam)
     elif key in ("wi_0", "wi_1") and isinstance(value, dict):  # a dense gated MLP's kernels
-      out.setdefault("wi", {})[key[-1]] = _rename(value)
+      out.setdefault("wi", {})[key[-1]] = _rename(value, fam)
     elif key == "wi" and isinstance(value, dict):  # a dense MLP with one input projection
-      out["wi"] = {"0": _rename(value)}
+      out["wi"] = {"0": _rename(value, fam)}
     elif key == "wi" and hasattr(value, "shape"):  # fused experts [E, D, 2F] = wi_0 | wi_1 on the last axis
       out["wi_0"], out["wi_1"] = np.split(np.asarray(value), 2, axis=-1)
+    elif fam.norm_offset and key.endswith("norm") and isinstance(value, dict) and "scale" in value:
+      out[key] = _offset_norm(value, -fam.norm_offset)
     else:
-      out[key] = _rename(value)
+      out[key] = _rename(value, fam)
   return out
+
+
+def _attention(attention: dict, fam: Family, direction: int) -> dict:
+  """Upstream's self_attention -> ours (direction 1) or back (-1): the query kernels' scale, and with
+  rope_pairs the query/key kernels' head dimension reordered (interleaved pairs <-> halves)."""
+  out = {**attention, "query": _scale_query(attention["query"], float(direction))} if fam.query_scale else attention
+  if fam.rope_pairs:
+    for name in ("query", "key"):
+      kernel = np.asarray(out[name]["kernel"])
+      out[name] = {**out[name], "kernel": kernel[..., _pairs_to_halves(kernel.shape[-1], direction)]}
+  return out
+
+
+def _offset_norm(norm: dict, offset: float) -> dict:
+  """A norm's scale plus `offset` (float32 on import, as _scale_query; exports keep the dtype)."""
+  scale = np.asarray(norm["scale"])
+  moved = scale.astype(np.float32) + np.float32(offset)
+  return {**norm, "scale": moved if offset < 0 else moved.astype(scale.dtype)}
+
+
+def _pairs_to_halves(head_dim: int, direction: int) -> np.ndarray:
+  """Indices taking interleaved pairs (2i, 2i+1) to halves (i, i + H/2) (direction 1), or back (-1)."""
+  order = np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
+  return order if direction > 0 else np.argsort(order)
 
 
 def _scale_query(query: dict, power: float) -> dict:
@@ -92,55 +162,57 @@ def _move_axis(tree: Any, source: int, target: int) -> Any:
   return np.moveaxis(np.asarray(tree), source, target)
 
 
-def to_ours(params: dict) -> dict:
-  """Upstream P (either layout's leaves) -> our parameter names (see the module docstring)."""
+def to_ours(params: dict, fam: Family) -> dict:
+  """Upstream P (either layout's leaves) of family `fam` -> our parameter names (see the module docstring)."""
   params = unwrap(params)
-  out = {k: _rename(v) for k, v in params.items() if k != "decoder"}
+  out = _rename({k: v for k, v in params.items() if k != "decoder"}, fam)
   for key, value in params.get("decoder", {}).items():
     match = _LAYER.fullmatch(key)
     if match:
-      out.setdefault("layers", {})[match.group(1)] = _rename(value)
-    elif key == "layers":
-      out["layers"] = _move_axis(_rename(value), SCAN_AXIS, 0)
+      out.setdefault("layers", {})[match.group(1)] = _rename(value, fam)
+    elif key == "layers":  # stacked on axis 1: the rope reorder (last axis) is the same before or after
+      out["layers"] = _move_axis(_rename(value, fam), SCAN_AXIS, 0)
     else:
-      out[key] = _rename(value)
+      out.update(_rename({key: value}, fam))
   return out
 
 
-def _export_names(tree: Any) -> Any:
+def _export_names(tree: Any, fam: Family) -> Any:
   """One of our layers (or modules) -> upstream names: the inverse of _rename."""
   if not isinstance(tree, dict):
     return tree
-  out = {}
+  out, renames = {}, {ours: theirs for theirs, ours in fam.renames}
   for key, value in tree.items():
     key = str(key)
-    if key == "self_attention" and isinstance(value, dict) and "query" in value:
-      out[key] = _export_names({**value, "query": _scale_query(value["query"], -1.0)})
+    if fam.norm_offset and key.endswith("norm") and isinstance(value, dict) and "scale" in value:
+      out[renames.get(key, key)] = _offset_norm(value, fam.norm_offset)
+    elif key == "self_attention" and isinstance(value, dict) and "query" in value:
+      out[key] = _export_names(_attention(value, fam, -1), fam)
     elif key == "mlp" and isinstance(value, dict) and "gate" in value:
-      out[MOE_BLOCK] = _export_names(value)
+      out[MOE_BLOCK] = _export_names(value, fam)
     elif key == "wi" and isinstance(value, dict) and len(value) == 1:
-      out["wi"] = _export_names(next(iter(value.values())))
+      out["wi"] = _export_names(next(iter(value.values())), fam)
     elif key == "wi" and isinstance(value, dict):
-      out.update({f"wi_{k}": _export_names(v) for k, v in value.items()})
+      out.update({f"wi_{k}": _export_names(v, fam) for k, v in value.items()})
     else:
-      out[key] = _export_names(value)
+      out[renames.get(key, key)] = _export_names(value, fam)
   return out
 
 
-def from_ours(params: dict) -> dict:
-  """Our params (a pure dict of arrays: layers stacked on axis 0, or layers/<i>) -> upstream P."""
+def from_ours(params: dict, fam: Family) -> dict:
+  """Our params (a pure dict of arrays: layers stacked on axis 0, or layers/<i>) of family `fam` -> upstream P."""
   decoder: dict = {}
   out: dict = {"decoder": decoder}
   for key, value in params.items():
     key = str(key)
     if key == "token_embedder":
-      out[key] = _export_names(value)
+      out[key] = _export_names(value, fam)
     elif key == "layers" and all(str(k).isdigit() for k in value):
-      decoder.update({f"layers_{k}": _export_names(v) for k, v in value.items()})
+      decoder.update({f"layers_{k}": _export_names(v, fam) for k, v in value.items()})
     elif key == "layers":
-      decoder["layers"] = _move_axis(_export_names(value), 0, SCAN_AXIS)
+      decoder["layers"] = _move_axis(_export_names(value, fam), 0, SCAN_AXIS)
     else:
-      decoder[key] = _export_names(value)
+      decoder.update(_export_names({key: value}, fam))
   return out
 
 

@@ -151,7 +151,7 @@ def _float_params(
     params = checkpointing.load_lora_merged(state_lib.for_inference(config).replace(quantization=""), mesh)
     return params, f"{source} + LoRA adapters {config.lora_weights_path or '(fresh)'}, merged"
   path = config.load_parameters_path
-  params = checkpointing.load_params(path, spec.abstract) if path else state_lib.init_params(served, spec)
+  params = checkpointing.load_params(path, spec.abstract, config) if path else state_lib.init_params(served, spec)
   return params, source
 
 

@@ -5,6 +5,8 @@ is not needed: its logits for the fixed prompt are saved beside each checkpoint.
 
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -164,7 +166,7 @@ def test_export_round_trips(tmp_path, name, scan):
   to_upstream.export(c, out, dtype)
   assert upstream.layout(checkpointing.saved_tree(out)) == "linen"
   abstract = state_lib.param_spec(c).abstract
-  again, first = checkpointing.load_params(out, abstract), checkpointing.load_params(fixture(name), abstract)
+  again, first = checkpointing.load_params(out, abstract, c), checkpointing.load_params(fixture(name), abstract, c)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), again, first)
   if scan == INDEX["fixtures"][name]["scan_layers"]:
     ours = saved_arrays(out)["params"]["params"]
@@ -208,3 +210,37 @@ def test_upstream_state_of_another_optimizer_says_to_load_params(tmp_path):
   ocp.PyTreeCheckpointer().save(path, {"params": raw["params"], "opt_state": [{"count": raw["step"]}], "step": 3})
   with pytest.raises(ConfigError, match="no AdamW moments .* load its parameters with load_parameters_path"):
     full_state(tmp_path, name, f"load_full_state_path={path}")
+
+
+UNMAPPED = ["gemma2-2b", "deepseek2-16b"]  # families upstream ships whose trees are not mapped (yet)
+
+
+@pytest.mark.parametrize("model_name", UNMAPPED)
+def test_an_unmapped_family_is_refused_by_name(tmp_path, model_name):
+  """load_parameters_path / load_full_state_path / to_upstream, for a family with no mapping: one ConfigError
+  naming it and the mapped ones (before any array is read)."""
+  c = load(tmp_path, NAMES[0], f"model_name={model_name}", f"load_parameters_path={fixture(NAMES[0])}")
+  wanted = rf"cannot be mapped onto decoder_block='{c.decoder_block}' \(model_name='{model_name}'\): .* llama2"
+  with pytest.raises(ConfigError, match=wanted):
+    checkpointing.load_params(c.load_parameters_path, state_lib.param_spec(c).abstract, c)
+  with pytest.raises(ConfigError, match=wanted):
+    to_upstream.export(c, str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize(
+  "entry", [pytest.param("MaxText.train", marks=pytest.mark.slow), "MaxText.decode", "MaxText.check_logits"]
+)
+def test_every_entry_point_refuses_an_unmapped_family_in_one_line(tmp_path, entry):
+  """The command lines: exit 1 with one line naming the family, no traceback."""
+  name = FULL[0]
+  argv = [sys.executable, "-m", entry, BASE, "run_name=t", f"base_output_directory={tmp_path}", "log_config=false"]
+  argv += [*model_argv(name), f"model_name={UNMAPPED[0]}", "steps=1", "dataset_type=synthetic"]
+  argv += [f"load_parameters_path={fixture(name)}", "enable_checkpointing=false"]
+  if entry == "MaxText.check_logits":
+    argv.append(f"golden_logits_path={tmp_path / 'none.jsonl'}")
+  if entry == "MaxText.decode":
+    argv += ["prompt=1 2 3", "max_prefill_predict_length=4", "max_target_length=8"]
+  done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert done.returncode == 1, done.stderr[-3000:]
+  assert "Traceback" not in done.stderr, done.stderr[-3000:]
+  assert "cannot be mapped onto decoder_block='gemma2'" in done.stderr.strip().splitlines()[-1]

@@ -45,6 +45,10 @@ COMMON = {
 }
 MODELS = {
   "llama2": {"model_name": "llama2-7b", **COMMON},
+  "llama3.1": {"model_name": "llama3.1-8b", **COMMON},  # upstream rotates interleaved pairs (ours: halves)
+  "mistral": {"model_name": "mistral-7b", **COMMON},
+  "qwen3": {"model_name": "qwen3-4b", **COMMON},  # query/key norms, an explicit 1/sqrt(head_dim)
+  "gemma": {"model_name": "gemma-2b", **COMMON},  # norms scale x directly (ours: 1 + w)
   "mixtral": {
     "model_name": "mixtral-8x7b",
     **COMMON,
@@ -58,6 +62,11 @@ KEEP = {  # fixture name -> (model, scan_layers, "full" | "params")
   "llama2_unrolled_params": ("llama2", False, "params"),
   "mixtral_scanned_params": ("mixtral", True, "params"),
   "mixtral_unrolled_full": ("mixtral", False, "full"),
+  "llama3.1_scanned_params": ("llama3.1", True, "params"),
+  "llama3.1_unrolled_full": ("llama3.1", False, "full"),
+  "mistral_unrolled_full": ("mistral", False, "full"),
+  "qwen3_scanned_full": ("qwen3", True, "full"),
+  "gemma_unrolled_full": ("gemma", False, "full"),
 }
 # Upstream on one CPU device, float32, no distributed init, plain dot-product attention, dropless MoE.
 RUNTIME = [

@@ -41,20 +41,36 @@ class Family(NamedTuple):
   self_attention/{query,key,value,out}, mlp/wi_0/wi_1/wo, decoder_norm, token_embedder, logits_dense)."""
 
   query_scale: bool = True  # upstream folds 1/sqrt(head_dim) into the query kernel (no explicit scalar)
+  query_factor: float = 1.0  # with query_scale, ours = upstream * this (family(): 1 / our query scale)
   renames: tuple[tuple[str, str], ...] = ()  # (upstream module name, ours)
   norm_offset: float = 0.0  # ours multiplies by offset + w where upstream multiplies by w: ours = w - offset
+  # ours multiplies the input embeddings by sqrt(emb_dim) and upstream does not, and upstream divides the tied
+  # logits by sqrt(emb_dim) (its normalize_embedding_logits) and ours does not: ours = upstream's embedding
+  # times embed_factor (family(): 1 / sqrt(emb_dim)) gives both
+  scaled_embedding: bool = False
+  embed_factor: float = 1.0
   rope_pairs: bool = False  # upstream rotates interleaved pairs: reorder the query/key kernels' head dimension
+  moe_block: str = MOE_BLOCK  # upstream's routed-experts module (ours: mlp)
+  sublayers: tuple[str, ...] = ()  # upstream's name suffixes of a layer's sublayers (ours: sublayers/<i>)
 
   def for_moments(self) -> Family:
     """The same mapping for AdamW moments (gradient statistics: names and orders move, no offset)."""
-    return self._replace(norm_offset=0.0)
+    return self._replace(norm_offset=0.0, embed_factor=1.0)
 
 
 # decoder_block -> its mapping, checked against checkpoints upstream's own train.py wrote
 # (MaxText/tests/maxtext_checkpoint_test.py, fixtures/maxtext/)
+_GEMMA_NORMS = (
+  ("pre_self_attention_norm", "pre_self_attention_layer_norm"),
+  ("pre_ffw_norm", "post_self_attention_layer_norm"),
+)
 FAMILIES = {
   "llama2": Family(),  # llama2, llama3, llama3.1 (rope_pairs: family() sets it from rope_type)
+  "mistral": Family(),
   "mixtral": Family(),
+  "qwen3": Family(query_scale=False, moe_block="moe_block"),  # upstream scales queries by head_dim ** -0.5
+  "gemma": Family(renames=_GEMMA_NORMS, norm_offset=1.0, scaled_embedding=True),
+  "gemma2": Family(renames=_GEMMA_NORMS, norm_offset=1.0, scaled_embedding=True, sublayers=("local", "global")),
 }
 
 
@@ -69,7 +85,10 @@ def family(config: Any) -> Family:
       "MaxText/convert/hf_to_maxtext.py"
     )
   # upstream's LLaMARotaryEmbedding (its rope_type llama3.1, our llama3) rotates interleaved pairs
-  return FAMILIES[block]._replace(rope_pairs=config.rope_type == "llama3")
+  fam = FAMILIES[block]._replace(rope_pairs=config.rope_type == "llama3")
+  # ours multiplies q . k by (query_pre_attn_scalar or head_dim) ** -0.5; a folding upstream by nothing
+  fam = fam._replace(query_factor=float(np.sqrt(config.query_pre_attn_scalar or config.head_dim)))
+  return fam._replace(embed_factor=float(config.emb_dim**-0.5)) if fam.scaled_embedding else fam
 
 
 def layout(tree: Any) -> str | None:
@@ -102,10 +121,13 @@ def _rename(tree: Any, fam: Family) -> Any:
   """One layer (or any module) of upstream names -> ours."""
   if not isinstance(tree, dict):
     return tree
+  if fam.sublayers and any(str(k).endswith(f"_{fam.sublayers[0]}") for k in tree):  # one layer of sublayers
+    parts = [{k[: -len(s) - 1]: v for k, v in tree.items() if k.endswith(f"_{s}")} for s in fam.sublayers]
+    return {"sublayers": {str(i): _rename(part, fam) for i, part in enumerate(parts)}}
   out, renames = {}, dict(fam.renames)
   for key, value in tree.items():
     key = renames.get(key, key)
-    if key == MOE_BLOCK:
+    if key == fam.moe_block:
       out["mlp"] = _rename(value, fam)
     elif key == "self_attention" and isinstance(value, dict) and "query" in value:
       out[key] = _rename(_attention(value, fam, 1), fam)
@@ -115,8 +137,10 @@ def _rename(tree: Any, fam: Family) -> Any:
       out["wi"] = {"0": _rename(value, fam)}
     elif key == "wi" and hasattr(value, "shape"):  # fused experts [E, D, 2F] = wi_0 | wi_1 on the last axis
       out["wi_0"], out["wi_1"] = np.split(np.asarray(value), 2, axis=-1)
-    elif fam.norm_offset and key.endswith("norm") and isinstance(value, dict) and "scale" in value:
+    elif fam.norm_offset and key.endswith("norm") and isinstance(value, dict):
       out[key] = _offset_norm(value, -fam.norm_offset)
+    elif key == "token_embedder" and fam.embed_factor != 1:
+      out[key] = _scale(value, "embedding", fam.embed_factor, 1)
     else:
       out[key] = _rename(value, fam)
   return out
@@ -125,7 +149,8 @@ def _rename(tree: Any, fam: Family) -> Any:
 def _attention(attention: dict, fam: Family, direction: int) -> dict:
   """Upstream's self_attention -> ours (direction 1) or back (-1): the query kernels' scale, and with
   rope_pairs the query/key kernels' head dimension reordered (interleaved pairs <-> halves)."""
-  out = {**attention, "query": _scale_query(attention["query"], float(direction))} if fam.query_scale else attention
+  out = {**attention, "query": _scale_query(attention["query"], fam.query_factor, direction)}
+  out = out if fam.query_scale else attention
   if fam.rope_pairs:
     for name in ("query", "key"):
       kernel = np.asarray(out[name]["kernel"])
@@ -133,8 +158,13 @@ def _attention(attention: dict, fam: Family, direction: int) -> dict:
   return out
 
 
+def _index(tree: dict, i: int) -> Any:
+  """The key of entry i of a list-like dict (ours: int keys, or their strings)."""
+  return i if i in tree else str(i)
+
+
 def _offset_norm(norm: dict, offset: float) -> dict:
-  """A norm's scale plus `offset` (float32 on import, as _scale_query; exports keep the dtype)."""
+  """A norm's scale plus `offset`: float32 on import (offset < 0, as _scale_query), the scale's dtype on export."""
   scale = np.asarray(norm["scale"])
   moved = scale.astype(np.float32) + np.float32(offset)
   return {**norm, "scale": moved if offset < 0 else moved.astype(scale.dtype)}
@@ -146,14 +176,19 @@ def _pairs_to_halves(head_dim: int, direction: int) -> np.ndarray:
   return order if direction > 0 else np.argsort(order)
 
 
-def _scale_query(query: dict, power: float) -> dict:
+def _scale_query(query: dict, factor: float, direction: int) -> dict:
   """Upstream computes q . k without the 1/sqrt(head_dim) factor ours applies (it folds that factor into the
-  query kernel's init instead), so its query kernel is ours / sqrt(H): ours = upstream * sqrt(H) (power 1)
-  and back (power -1). H is the kernel's last axis, in every layout. Imports stay float32 (a bf16 kernel times
-  sqrt(H) is not bf16-exact; the model casts to its weight_dtype); exports keep the kernel's dtype."""
-  kernel = np.asarray(query["kernel"])
-  scaled = kernel.astype(np.float32) * np.float32(np.sqrt(kernel.shape[-1]) ** power)
-  return {**query, "kernel": scaled if power > 0 else scaled.astype(kernel.dtype)}
+  query kernel's init instead), so its query kernel is ours / sqrt(H): ours = upstream * sqrt(H) (factor
+  sqrt(H), or sqrt(query_pre_attn_scalar) where ours scales by that) and back (direction -1)."""
+  return _scale(query, "kernel", factor, direction)
+
+
+def _scale(module: dict, name: str, factor: float, direction: int) -> dict:
+  """module[name] times factor (direction 1: an import, kept float32, as a bf16 array times sqrt(H) is not
+  bf16-exact and the model casts to its weight_dtype) or divided by it (-1: an export, in the array's dtype)."""
+  array = np.asarray(module[name])
+  scaled = array.astype(np.float32) * np.float32(factor**direction)
+  return {**module, name: scaled if direction > 0 else scaled.astype(array.dtype)}
 
 
 def _move_axis(tree: Any, source: int, target: int) -> Any:
@@ -184,12 +219,17 @@ def _export_names(tree: Any, fam: Family) -> Any:
   out, renames = {}, {ours: theirs for theirs, ours in fam.renames}
   for key, value in tree.items():
     key = str(key)
-    if fam.norm_offset and key.endswith("norm") and isinstance(value, dict) and "scale" in value:
+    if fam.norm_offset and key.endswith("norm") and isinstance(value, dict):
       out[renames.get(key, key)] = _offset_norm(value, fam.norm_offset)
+    elif key == "token_embedder" and fam.embed_factor != 1:
+      out[key] = _scale(value, "embedding", fam.embed_factor, -1)
     elif key == "self_attention" and isinstance(value, dict) and "query" in value:
       out[key] = _export_names(_attention(value, fam, -1), fam)
     elif key == "mlp" and isinstance(value, dict) and "gate" in value:
-      out[MOE_BLOCK] = _export_names(value, fam)
+      out[fam.moe_block] = _export_names(value, fam)
+    elif key == "sublayers" and fam.sublayers:
+      for i, suffix in enumerate(fam.sublayers):
+        out.update({f"{k}_{suffix}": v for k, v in _export_names(value[_index(value, i)], fam).items()})
     elif key == "wi" and isinstance(value, dict) and len(value) == 1:
       out["wi"] = _export_names(next(iter(value.values())), fam)
     elif key == "wi" and isinstance(value, dict):

@@ -35,7 +35,8 @@ def fixture(name: str) -> str:
 
 def model_argv(name: str) -> list[str]:
   """Our keys for the fixture's model: the same values upstream trained it with."""
-  keys = dict(INDEX["models"][INDEX["fixtures"][name]["model"]])
+  model = INDEX["fixtures"][name]["model"]
+  keys = {**INDEX["models"][model], **INDEX.get("ours", {}).get(model, {})}  # upstream's, and ours where they differ
   return ["override_model_config=true", "dtype=float32", *(f"{k}={v}" for k, v in keys.items())]
 
 

@@ -4,12 +4,11 @@ Run with a Python that has upstream MaxText (`pip install maxtext`; 0.2.5 tested
 the repository root:
   /path/to/mt-venv/bin/python end_to_end/cpu/make_maxtext_fixtures.py [OUT [NAME ...]]
 OUT defaults to MaxText/tests/fixtures/maxtext; NAMEs (default: all of KEEP) remake only those fixtures.
-For a tiny llama2 and a tiny mixtral it trains upstream's own train.py a few steps on synthetic data
+For a tiny model of each family in MODELS it trains upstream's own train.py a few steps on synthetic data
 (CPU), keeps the last full-state checkpoint (upstream's Linen on-disk tree: params/params/decoder/...,
 opt_state, step), derives a params-only checkpoint with upstream's generate_param_only_checkpoint (its
 NNX tree: decoder/.../{value}, bf16), and records upstream's logits for a fixed prompt from each with
-upstream's own from_pretrained. Which layouts are kept (to stay small):
-  llama2_scanned_full, llama2_unrolled_params, mixtral_scanned_params, mixtral_unrolled_full
+upstream's own from_pretrained. Which layouts are kept (to stay small): KEEP, one or two per family,
 plus fixtures.json (the model keys, prompt, steps and losses) and <name>.logits.npy.
 
   /path/to/mt-venv/bin/python end_to_end/cpu/make_maxtext_fixtures.py --check-export .venv/bin/python
@@ -46,9 +45,18 @@ COMMON = {
 MODELS = {
   "llama2": {"model_name": "llama2-7b", **COMMON},
   "llama3.1": {"model_name": "llama3.1-8b", **COMMON},  # upstream rotates interleaved pairs (ours: halves)
-  "mistral": {"model_name": "mistral-7b", **COMMON},
+  "mistral": {"model_name": "mistral-7b", **COMMON, "rope_max_timescale": 1000000},  # upstream's (v0.2); ours: v0.1
   "qwen3": {"model_name": "qwen3-4b", **COMMON},  # query/key norms, an explicit 1/sqrt(head_dim)
   "gemma": {"model_name": "gemma-2b", **COMMON},  # norms scale x directly (ours: 1 + w)
+  "gemma2": {"model_name": "gemma2-2b", **COMMON},  # each layer a local and a global sublayer
+  "qwen3-moe": {
+    "model_name": "qwen3-30b-a3b",
+    **COMMON,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "base_moe_mlp_dim": 32,
+    "rope_max_timescale": 10000000,  # upstream's; ours (as Hugging Face's config): 1000000
+  },
   "mixtral": {
     "model_name": "mixtral-8x7b",
     **COMMON,
@@ -57,6 +65,8 @@ MODELS = {
     "base_moe_mlp_dim": 32,  # upstream wants it equal to base_mlp_dim in an all-MoE model
   },
 }
+# Our keys where they differ from upstream's for the same model: upstream counts gemma2's (local, global) pairs.
+OURS = {"gemma2": {"base_num_decoder_layers": 2 * COMMON["base_num_decoder_layers"]}}
 KEEP = {  # fixture name -> (model, scan_layers, "full" | "params")
   "llama2_scanned_full": ("llama2", True, "full"),
   "llama2_unrolled_params": ("llama2", False, "params"),
@@ -65,8 +75,10 @@ KEEP = {  # fixture name -> (model, scan_layers, "full" | "params")
   "llama3.1_scanned_params": ("llama3.1", True, "params"),
   "llama3.1_unrolled_full": ("llama3.1", False, "full"),
   "mistral_unrolled_full": ("mistral", False, "full"),
-  "qwen3_scanned_full": ("qwen3", True, "full"),
-  "gemma_unrolled_full": ("gemma", False, "full"),
+  "qwen3_scanned_params": ("qwen3", True, "params"),
+  "gemma_unrolled_params": ("gemma", False, "params"),
+  "gemma2_scanned_params": ("gemma2", True, "params"),
+  "qwen3-moe_unrolled_full": ("qwen3-moe", False, "full"),
 }
 # Upstream on one CPU device, float32, no distributed init, plain dot-product attention, dropless MoE.
 RUNTIME = [
@@ -157,7 +169,7 @@ def make(out: str, names: list[str]) -> None:
   work = tempfile.mkdtemp(prefix="maxtext_fixtures_")
   os.makedirs(out, exist_ok=True)
   index = os.path.join(out, "fixtures.json")
-  record = {"prompt": PROMPT, "models": MODELS, "fixtures": {}}
+  record = {"prompt": PROMPT, "models": MODELS, "ours": OURS, "fixtures": {}}
   if names and os.path.exists(index):  # remaking some: keep the others' entries
     with open(index) as f:
       record["fixtures"] = json.load(f)["fixtures"]
@@ -186,7 +198,7 @@ def check_exports(out: str, names: list[str], ours: str) -> None:
   for name in names or KEEP:
     model, scan, kind = KEEP[name]
     exported = os.path.join(work, name)
-    keys = [f"{k}={v}" for k, v in MODELS[model].items()]
+    keys = [f"{k}={v}" for k, v in {**MODELS[model], **OURS.get(model, {})}.items()]
     command = [ours, "-m", "MaxText.convert.to_upstream", os.path.join(ROOT, "MaxText", "configs", "base.yml")]
     command += ["run_name=export", f"base_output_directory={work}", "override_model_config=true", *keys]
     command += [f"scan_layers={str(not scan).lower()}", f"load_parameters_path={os.path.join(out, name)}"]

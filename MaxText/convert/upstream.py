@@ -246,7 +246,7 @@ def from_ours(params: dict, fam: Family) -> dict:
   for key, value in params.items():
     key = str(key)
     if key == "token_embedder":
-      out[key] = _export_names(value, fam)
+      out.update(_export_names({key: value}, fam))
     elif key == "layers" and all(str(k).isdigit() for k in value):
       decoder.update({f"layers_{k}": _export_names(v, fam) for k, v in value.items()})
     elif key == "layers":

@@ -1,6 +1,12 @@
 """MaxText-style LLM training in pure Python/JAX."""
 
 import sys
+import time
+
+# The goodput clock's origin (goodput.program_start): the first import of MaxText, which every entry point makes
+# before jax. Not the process's start: a shell that runs `bash setup.sh && exec python3 ...` in one process would
+# charge the setup to the run.
+IMPORTED_AT = time.perf_counter()
 
 if sys.version_info < (3, 12):  # noqa: UP036 (jax >= 0.11, which requirements.txt pins, needs 3.12)
   sys.exit(

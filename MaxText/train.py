@@ -168,7 +168,7 @@ def run(
   """Train to config.steps on `devices` (default: all); returns the metrics summary. `started`:
   perf_counter() when the process began its work (main passes it, so the summary's total time includes
   config loading); default now. `process_started`: the origin of the goodput clock (main passes
-  goodput.process_start()); default `started`. A run already at config.steps trains nothing and returns
+  goodput.program_start()); default `started`. A run already at config.steps trains nothing and returns
   {"steps_run": 0}."""
   started = time.perf_counter() if started is None else started
   clock = goodput.Recorder(config, started if process_started is None else process_started, jax.process_index() == 0)
@@ -454,7 +454,7 @@ USAGE = launch.Usage(
 def main(argv: Sequence[str], usage: launch.Usage = USAGE, overrides: Sequence[str] = ()) -> None:
   """argv: sys.argv (the program name first); `overrides` go after it (python3 -m MaxText.rl: objective=grpo)."""
   started = time.perf_counter()  # the summary's total time counts everything from here (tokenizer training too)
-  process_started = goodput.process_start()  # goodput's total counts the imports too
+  process_started = goodput.program_start()  # goodput's total counts the imports too
   config = launch.start(argv[1:], usage, overrides=overrides)
   if config.log_config and jax.process_index() == 0:
     print(config, flush=True)

@@ -85,12 +85,13 @@ def run_header(
   return "\n".join(lines)
 
 
-def outputs_lines(config: Config, last_checkpoint: str | None) -> list[str]:
-  """The closing summary's pointers to what the run wrote, with the commands that read them."""
+def outputs_lines(config: Config, last_checkpoint: str | None, prompt: str | None = None) -> list[str]:
+  """The closing summary's pointers to what the run wrote, with the commands that read them (`prompt`: the
+  decode command's, e.g. the first words of a held-out document)."""
   lines = [f"  run directory        {paths.absolute(config.run_dir)}"]
   if last_checkpoint:
     lines.append(f"  last checkpoint      {last_checkpoint}")
-    lines.append(f"    generate:          {decode_command(config, last_checkpoint)}")
+    lines.append(f"    generate:          {decode_command(config, last_checkpoint, prompt)}")
   lines.append(f"  metrics              {paths.absolute(config.metrics_file)}")
   lines.append(f"    plot:              python3 -m MaxText.plot_metrics {paths.absolute(config.metrics_file)}")
   if config.enable_tensorboard:
@@ -98,9 +99,11 @@ def outputs_lines(config: Config, last_checkpoint: str | None) -> list[str]:
   return lines
 
 
-def decode_command(config: Config, checkpoint: str) -> str:
+def decode_command(config: Config, checkpoint: str, prompt: str | None = None) -> str:
   """The decode.py command line for `checkpoint` of this run: the run's own config.yml (its model, tokenizer and
-  run directory) with the checkpoint's params, or under LoRA its adapters over the run's base."""
+  run directory) with the checkpoint's params, or under LoRA its adapters over the run's base. It samples
+  (nucleus): a small model decoded greedily mostly repeats one word. `prompt` (default: the config's) is best
+  taken from the run's own data, which is all the model knows."""
   script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode.py")
   relative = os.path.relpath(script)  # MaxText/decode.py from the repository root
   args = [
@@ -114,6 +117,10 @@ def decode_command(config: Config, checkpoint: str) -> str:
     args.append(f"load_parameters_path={checkpoint}")
     if config.load_full_state_path:  # how this run started; decode.py takes one of the two
       args.append("load_full_state_path=")
+  if prompt:
+    args.append(f"prompt={prompt}")
+  if config.decode_sampling_strategy == "greedy":
+    args.append("decode_sampling_strategy=nucleus")
   return shlex.join(args)
 
 

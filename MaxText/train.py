@@ -331,6 +331,7 @@ def make_logger(config: Config, parts: LoopParts, start: int, is_writer: bool) -
     progress=config.progress_bar,
     goodput_figures=parts.goodput.figures if parts.goodput.enabled else None,
     perplexity=objectives.get(config).perplexity,
+    sample_prompt=parts.data.sample_prompt,
   )
 
 

@@ -15,6 +15,21 @@ if sys.version_info < (3, 12):  # noqa: UP036 (jax >= 0.11, which requirements.t
   )
 
 
+def _requirements_present() -> None:
+  """A bare `No module named 'jax'` deep in an import says nothing of the fix: name the missing requirements."""
+  import importlib.util  # noqa: PLC0415
+
+  missing = [m for m in ("numpy", "yaml", "jax", "flax", "optax", "orbax") if importlib.util.find_spec(m) is None]
+  if missing:
+    sys.exit(
+      f"MaxText's requirements are not installed (no module {', '.join(map(repr, missing))} in {sys.executable}): "
+      "run `bash setup.sh` and `source .venv/bin/activate`, or `pip install -r requirements.txt && pip install -e .`"
+    )
+
+
+_requirements_present()
+
+
 def _accelerator_present() -> bool:
   """A TPU (Google's PCI vendor id, /dev/accel*, /dev/vfio), an NVIDIA GPU, or AMD's ROCm driver (/dev/kfd)."""
   import glob  # noqa: PLC0415

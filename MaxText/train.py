@@ -6,7 +6,10 @@ python3 MaxText/train.py MaxText/configs/base.yml run_name=NAME key=value ...
 
 from __future__ import annotations
 
-import MaxText  # noqa: F401 (first: a signal during the imports below exits in one line, preemption.py)
+try:  # first: a signal during the imports below exits in one line (preemption.py)
+  import MaxText  # noqa: F401
+except ModuleNotFoundError as e:  # run as a file with the requirements alone: say what installs the package
+  raise SystemExit(f"{e}: run `bash setup.sh` (or `pip install -e .` in this environment) first") from None
 
 # isort: split
 import contextlib

@@ -7,6 +7,7 @@ import math
 import os
 import shlex
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
@@ -15,6 +16,7 @@ from MaxText import paths
 from MaxText.config import Config
 
 PROGRESS_INTERVAL_S = 60.0  # without a terminal: a plain progress line when nothing was printed for this long
+HEARTBEAT_S = 60.0  # a long compile says it is still running this often
 
 
 def format_duration(seconds: float) -> str:
@@ -174,3 +176,35 @@ def _isatty(stream: Any) -> bool:
     return stream.isatty()
   except (AttributeError, ValueError):  # a closed or fake stream
     return False
+
+
+class Heartbeat:
+  """A context manager for long work that prints nothing of its own (an XLA compile): every `interval_s` a line
+  on `stream` says it is still running and for how long. A thread waits on an event, so a short compile costs
+  nothing and a finished one prints no more. XLA itself may print a "Very slow compile?" banner meanwhile: the
+  first heartbeat says it is a notice for XLA bug reports, not an error."""
+
+  def __init__(self, what: str, enabled: bool = True, interval_s: float = HEARTBEAT_S, stream: TextIO | None = None):
+    self.what, self.enabled, self.interval_s = what, enabled, interval_s
+    self.stream = sys.stdout if stream is None else stream
+    self._done = threading.Event()
+    self._thread: threading.Thread | None = None
+
+  def __enter__(self) -> Heartbeat:
+    if self.enabled:
+      self._thread = threading.Thread(target=self._beat, args=(time.perf_counter(),), daemon=True)
+      self._thread.start()
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    self._done.set()
+    if self._thread is not None:
+      self._thread.join()
+
+  def _beat(self, began: float) -> None:
+    beats = 0
+    while not self._done.wait(self.interval_s):
+      beats += 1
+      note = ' (XLA\'s "Very slow compile?" banner, if it comes, is a notice, not an error)' if beats == 1 else ""
+      self.stream.write(f"{self.what}: still running, {format_duration(time.perf_counter() - began)} so far{note}\n")
+      self.stream.flush()

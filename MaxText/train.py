@@ -35,6 +35,7 @@ from MaxText import (
   goodput,
   hlo_dump,
   launch,
+  memory_fit,
   metrics,
   objectives,
   optimizers,
@@ -189,6 +190,7 @@ def run(
   peak = accelerators.peak(dtype=config.dtype)  # CPU: a measured matmul, outside the mesh
   with sharding.activate(config, mesh), stack_traces(config), preemption.Watch(mesh) as watch:
     spec = state_lib.state_spec(config, optimizer.tx, mesh, plan)
+    memory_fit.announce(config, mesh, spec, global_batch, peak.flops)  # before anything is allocated
     data = objective.sources(config, mesh)
     manager = checkpointing.create_manager(config)
     clock.charge()
@@ -384,7 +386,8 @@ def train_loop(config: Config, parts: LoopParts) -> dict[str, Any]:
     for step in range(start, config.steps):
       profiler.dispatching(step)
       t0 = time.perf_counter()
-      state, step_metrics = parts.step_fn(state, fetched.batch, jax.random.fold_in(dropout_key, step))
+      with console.Heartbeat("compiling the train step", enabled=step == start and jax.process_index() == 0):
+        state, step_metrics = parts.step_fn(state, fetched.batch, jax.random.fold_in(dropout_key, step))
       reader.push(Pending(step, step_metrics, (t0, time.perf_counter()), fetched.metrics))
       done = step + 1
       parts.goodput.step(done)

@@ -2,6 +2,7 @@
 
 import io
 import os
+import time
 
 from MaxText import console
 from MaxText.tests.conftest import cfg
@@ -95,3 +96,18 @@ def test_the_decode_command_samples_from_the_data_s_own_words(tmp_path):
   assert line.endswith("/r/5/state 'prompt=def __init__(self, x):' decode_sampling_strategy=nucleus")
   topk = cfg(tmp_path, "k", "decode_sampling_strategy=topk")  # the run's own choice stays (its config.yml has it)
   assert "decode_sampling_strategy" not in console.decode_command(topk, "/r/5/state")
+
+
+def test_a_long_compile_says_it_is_still_running_and_a_short_one_says_nothing():
+  out = io.StringIO()
+  with console.Heartbeat("compiling the train step", interval_s=0.05, stream=out):
+    time.sleep(0.18)
+  lines = out.getvalue().splitlines()
+  assert len(lines) >= 2 and lines[0].startswith("compiling the train step: still running, 0s so far (XLA's")
+  assert "Very slow compile?" not in lines[1]
+  quiet = io.StringIO()
+  with console.Heartbeat("compiling", interval_s=5, stream=quiet):
+    pass
+  with console.Heartbeat("compiling", enabled=False, interval_s=0.01, stream=quiet):
+    time.sleep(0.05)
+  assert quiet.getvalue() == ""

@@ -26,8 +26,8 @@ def validate_sft(c: dict[str, Any]) -> None:
     )
   if not c["tokenizer_path"]:
     raise ConfigError(
-      f"{key} needs tokenizer_path: the model's tokenizer (a converted checkpoint's config.yml sets it; a model "
-      "pre-trained here: the tokenizer.model of its run)"
+      f"{key} needs tokenizer_path: the model's tokenizer (a converted checkpoint's config.yml sets it; for a model "
+      "pre-trained here, <its run directory>/tokenizer/tokenizer.model)"
     )
   if c["sft_chat_template"] and c["tokenizer_type"] != "huggingface":
     raise ConfigError(

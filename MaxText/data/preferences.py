@@ -1,4 +1,4 @@
-"""objective=dpo: preference pairs -> batches whose rows hold whole (chosen, rejected) pairs (docs/dpo.md).
+"""objective=dpo | simpo | orpo: preference pairs -> batches whose rows hold whole (chosen, rejected) pairs.
 
 A record (a .jsonl line, a .parquet or Hugging Face dataset row) is either
   {"prompt", "chosen", "rejected"}: the prompt a string (one user turn) or a list of messages, each completion a

@@ -27,6 +27,7 @@ with open(os.path.join(FIXTURES, "fixtures.json")) as f:
 NAMES = sorted(INDEX["fixtures"])
 FULL = [n for n in NAMES if INDEX["fixtures"][n]["kind"] == "full"]  # upstream train states
 PARAMS = [n for n in NAMES if INDEX["fixtures"][n]["kind"] == "params"]  # upstream params-only checkpoints
+LLAMA = "llama2_scanned_full"  # the one the single-fixture tests use
 
 
 def fixture(name: str) -> str:
@@ -139,7 +140,7 @@ def test_params_only_checkpoint_is_not_a_full_state(tmp_path, name):
 
 
 def test_another_architecture_names_the_parameter(tmp_path):
-  name = NAMES[0]
+  name = LLAMA
   c = load(tmp_path, name, f"load_parameters_path={fixture(name)}", "base_mlp_dim=48")
   # the first parameter that does not fit, by its path (ours: layer stack first)
   wanted = r"does not map onto this model: layers/mlp/wi/0/kernel: shape \(2, 16, 32\) != \(2, 16, 48\)"
@@ -149,7 +150,7 @@ def test_another_architecture_names_the_parameter(tmp_path):
 
 def test_upstream_step_directory_names_its_items(tmp_path):
   (tmp_path / "2" / "items").mkdir(parents=True)
-  c = load(tmp_path, NAMES[0], f"load_parameters_path={tmp_path / '2'}")
+  c = load(tmp_path, LLAMA, f"load_parameters_path={tmp_path / '2'}")
   with pytest.raises(ConfigError, match=r"is a checkpoint step directory; set load_parameters_path=.*2/items"):
     check_logits.model_logits(c)
 
@@ -178,7 +179,7 @@ def test_export_round_trips(tmp_path, name, scan):
 
 def test_export_command_as_documented(tmp_path, capsys):
   """docs/checkpoints.md's to_upstream command line; a missing load_parameters_path is one line."""
-  name = NAMES[0]
+  name = LLAMA
   argv = ["to_upstream.py", BASE, "run_name=t", f"base_output_directory={tmp_path}", *model_argv(name)]
   to_upstream.main([*argv, f"load_parameters_path={fixture(name)}", "--output", str(tmp_path / "out")])
   assert "Wrote" in capsys.readouterr().out and upstream.layout(checkpointing.saved_tree(str(tmp_path / "out")))
@@ -220,7 +221,7 @@ UNMAPPED = ["gemma3-4b", "deepseek2-16b"]  # families upstream ships whose trees
 def test_an_unmapped_family_is_refused_by_name(tmp_path, model_name):
   """load_parameters_path / load_full_state_path / to_upstream, for a family with no mapping: one ConfigError
   naming it and the mapped ones (before any array is read)."""
-  c = load(tmp_path, NAMES[0], f"model_name={model_name}", f"load_parameters_path={fixture(NAMES[0])}")
+  c = load(tmp_path, LLAMA, f"model_name={model_name}", f"load_parameters_path={fixture(LLAMA)}")
   wanted = rf"cannot be mapped onto decoder_block='{c.decoder_block}' \(model_name='{model_name}'\): .* llama2"
   with pytest.raises(ConfigError, match=wanted):
     checkpointing.load_params(c.load_parameters_path, state_lib.param_spec(c).abstract, c)

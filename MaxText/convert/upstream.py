@@ -52,6 +52,7 @@ class Family(NamedTuple):
   rope_pairs: bool = False  # upstream rotates interleaved pairs: reorder the query/key kernels' head dimension
   moe_block: str = MOE_BLOCK  # upstream's routed-experts module (ours: mlp)
   sublayers: tuple[str, ...] = ()  # upstream's name suffixes of a layer's sublayers (ours: sublayers/<i>)
+  block: int = 0  # ours groups this many of upstream's unrolled layers_<j> as layers/<j // block>/sublayers/<j % block>
 
   def for_moments(self) -> Family:
     """The same mapping for AdamW moments (gradient statistics: names and orders move, no offset)."""
@@ -71,6 +72,8 @@ FAMILIES = {
   "qwen3": Family(query_scale=False, moe_block="moe_block"),  # upstream scales queries by head_dim ** -0.5
   "gemma": Family(renames=_GEMMA_NORMS, norm_offset=1.0, scaled_embedding=True),
   "gemma2": Family(renames=_GEMMA_NORMS, norm_offset=1.0, scaled_embedding=True, sublayers=("local", "global")),
+  # unrolled only (upstream's scanned gemma3 tree is not mapped); its queries are scaled explicitly, as ours
+  "gemma3": Family(renames=_GEMMA_NORMS, norm_offset=1.0, scaled_embedding=True, query_scale=False, block=6),
 }
 
 
@@ -203,7 +206,10 @@ def to_ours(params: dict, fam: Family) -> dict:
   out = _rename({k: v for k, v in params.items() if k != "decoder"}, fam)
   for key, value in params.get("decoder", {}).items():
     match = _LAYER.fullmatch(key)
-    if match:
+    if match and fam.block:
+      i, k = divmod(int(match.group(1)), fam.block)
+      out.setdefault("layers", {}).setdefault(str(i), {"sublayers": {}})["sublayers"][str(k)] = _rename(value, fam)
+    elif match:
       out.setdefault("layers", {})[match.group(1)] = _rename(value, fam)
     elif key == "layers":  # stacked on axis 1: the rope reorder (last axis) is the same before or after
       out["layers"] = _move_axis(_rename(value, fam), SCAN_AXIS, 0)
@@ -247,6 +253,10 @@ def from_ours(params: dict, fam: Family) -> dict:
     key = str(key)
     if key == "token_embedder":
       out.update(_export_names({key: value}, fam))
+    elif key == "layers" and all(str(k).isdigit() for k in value) and fam.block:
+      for i, layer in value.items():
+        subs = layer["sublayers"]
+        decoder.update({f"layers_{int(i) * fam.block + int(k)}": _export_names(v, fam) for k, v in subs.items()})
     elif key == "layers" and all(str(k).isdigit() for k in value):
       decoder.update({f"layers_{k}": _export_names(v, fam) for k, v in value.items()})
     elif key == "layers":

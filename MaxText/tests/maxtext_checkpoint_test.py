@@ -165,6 +165,10 @@ def test_export_round_trips(tmp_path, name, scan):
   dtype = str(theirs["token_embedder"]["embedding"].dtype)
   c = load(tmp_path, name, f"load_parameters_path={fixture(name)}", f"scan_layers={str(scan).lower()}")
   out = str(tmp_path / "exported")
+  if scan and upstream.family(c).block:  # gemma3: upstream's scanned tree is not mapped
+    with pytest.raises(ConfigError, match="unrolled only: pass scan_layers=false"):
+      to_upstream.export(c, out, dtype)
+    return
   to_upstream.export(c, out, dtype)
   assert upstream.layout(checkpointing.saved_tree(out)) == "linen"
   abstract = state_lib.param_spec(c).abstract
@@ -214,7 +218,7 @@ def test_upstream_state_of_another_optimizer_says_to_load_params(tmp_path):
     full_state(tmp_path, name, f"load_full_state_path={path}")
 
 
-UNMAPPED = ["gemma3-4b", "deepseek2-16b"]  # families upstream ships whose trees are not mapped (yet)
+UNMAPPED = ["deepseek2-16b", "gpt-oss-20b"]  # families upstream ships whose trees are not mapped (yet)
 
 
 @pytest.mark.parametrize("model_name", UNMAPPED)
@@ -245,4 +249,4 @@ def test_every_entry_point_refuses_an_unmapped_family_in_one_line(tmp_path, entr
   done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert done.returncode == 1, done.stderr[-3000:]
   assert "Traceback" not in done.stderr, done.stderr[-3000:]
-  assert "cannot be mapped onto decoder_block='gemma3'" in done.stderr.strip().splitlines()[-1]
+  assert "cannot be mapped onto decoder_block='deepseek'" in done.stderr.strip().splitlines()[-1]

@@ -13,7 +13,7 @@ plus fixtures.json (the model keys, prompt, steps and losses) and <name>.logits.
 
   /path/to/mt-venv/bin/python end_to_end/cpu/make_maxtext_fixtures.py --check-export .venv/bin/python
 checks the other direction: each fixture exported by our MaxText.convert.to_upstream (in the other layer
-layout) gives upstream's from_pretrained the fixture's logits.
+layout, except for UNROLLED_ONLY) gives upstream's from_pretrained the fixture's logits.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ MODELS = {
   "qwen3": {"model_name": "qwen3-4b", **COMMON},  # query/key norms, an explicit 1/sqrt(head_dim)
   "gemma": {"model_name": "gemma-2b", **COMMON},  # norms scale x directly (ours: 1 + w)
   "gemma2": {"model_name": "gemma2-2b", **COMMON},  # each layer a local and a global sublayer
+  "gemma3": {"model_name": "gemma3-4b", **COMMON, "base_num_decoder_layers": 6},  # 5 local : 1 global
   "qwen3-moe": {
     "model_name": "qwen3-30b-a3b",
     **COMMON,
@@ -66,7 +67,12 @@ MODELS = {
   },
 }
 # Our keys where they differ from upstream's for the same model: upstream counts gemma2's (local, global) pairs.
-OURS = {"gemma2": {"base_num_decoder_layers": 2 * COMMON["base_num_decoder_layers"]}}
+# Upstream's gemma3 scales queries by head_dim ** -0.5 (ours: query_pre_attn_scalar ** -0.5, 256 in the preset).
+OURS = {
+  "gemma2": {"base_num_decoder_layers": 2 * COMMON["base_num_decoder_layers"]},
+  "gemma3": {"query_pre_attn_scalar": COMMON["head_dim"]},
+}
+UNROLLED_ONLY = {"gemma3"}  # our exports of these are unrolled only (upstream's scanned tree is not mapped)
 KEEP = {  # fixture name -> (model, scan_layers, "full" | "params")
   "llama2_scanned_full": ("llama2", True, "full"),
   "llama2_unrolled_params": ("llama2", False, "params"),
@@ -78,6 +84,7 @@ KEEP = {  # fixture name -> (model, scan_layers, "full" | "params")
   "qwen3_scanned_params": ("qwen3", True, "params"),
   "gemma_unrolled_params": ("gemma", False, "params"),
   "gemma2_scanned_params": ("gemma2", True, "params"),
+  "gemma3_unrolled_params": ("gemma3", False, "params"),
   "qwen3-moe_unrolled_full": ("qwen3-moe", False, "full"),
 }
 # Upstream on one CPU device, float32, no distributed init, plain dot-product attention, dropless MoE.
@@ -197,18 +204,19 @@ def check_exports(out: str, names: list[str], ours: str) -> None:
   work = tempfile.mkdtemp(prefix="maxtext_exports_")
   for name in names or KEEP:
     model, scan, kind = KEEP[name]
+    scan_out = scan if model in UNROLLED_ONLY else not scan
     exported = os.path.join(work, name)
     keys = [f"{k}={v}" for k, v in {**MODELS[model], **OURS.get(model, {})}.items()]
     command = [ours, "-m", "MaxText.convert.to_upstream", os.path.join(ROOT, "MaxText", "configs", "base.yml")]
     command += ["run_name=export", f"base_output_directory={work}", "override_model_config=true", *keys]
-    command += [f"scan_layers={str(not scan).lower()}", f"load_parameters_path={os.path.join(out, name)}"]
+    command += [f"scan_layers={str(scan_out).lower()}", f"load_parameters_path={os.path.join(out, name)}"]
     command += ["--output", exported, "--dtype", "bfloat16" if kind == "params" else "float32"]
     env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
     with open(exported + ".log", "w") as log:
       subprocess.run(command, cwd=ROOT, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
-    logits(work, model, not scan, exported, exported + ".npy")
+    logits(work, model, scan_out, exported, exported + ".npy")
     error = float(np.abs(np.load(exported + ".npy") - np.load(os.path.join(out, f"{name}.logits.npy"))).max())
-    print(f"{name}: exported with scan_layers={not scan}; upstream's logits from it differ by {error:.2e}")
+    print(f"{name}: exported with scan_layers={scan_out}; upstream's logits from it differ by {error:.2e}")
     if error > 2e-5:
       sys.exit(f"{name}: upstream's logits from our export differ from the fixture's by {error}")
 

@@ -21,6 +21,7 @@ axis first: the form checkpoint_layouts.relayout fits to a model either way (sca
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -51,6 +52,7 @@ class Family(NamedTuple):
   embed_factor: float = 1.0
   rope_pairs: bool = False  # upstream rotates interleaved pairs: reorder the query/key kernels' head dimension
   moe_block: str = MOE_BLOCK  # upstream's routed-experts module (ours: mlp)
+  moe_inner: str = ""  # a module inside moe_block holding the routed experts (ours: mlp itself)
   sublayers: tuple[str, ...] = ()  # upstream's name suffixes of a layer's sublayers (ours: sublayers/<i>)
   block: int = 0  # ours groups this many of upstream's unrolled layers_<j> as layers/<j // block>/sublayers/<j % block>
 
@@ -74,6 +76,8 @@ FAMILIES = {
   "gemma2": Family(renames=_GEMMA_NORMS, norm_offset=1.0, scaled_embedding=True, sublayers=("local", "global")),
   # unrolled only (upstream's scanned gemma3 tree is not mapped); its queries are scaled explicitly, as ours
   "gemma3": Family(renames=_GEMMA_NORMS, norm_offset=1.0, scaled_embedding=True, query_scale=False, block=6),
+  # unrolled only (family() sets block); its queries match ours unscaled (checked against upstream's logits)
+  "llama4": Family(moe_block="Llama4MoEBlock_0", moe_inner=MOE_BLOCK, query_scale=False),
 }
 
 
@@ -89,6 +93,8 @@ def family(config: Any) -> Family:
     )
   # upstream's LLaMARotaryEmbedding (its rope_type llama3.1, our llama3) rotates interleaved pairs
   fam = FAMILIES[block]._replace(rope_pairs=config.rope_type == "llama3")
+  if block == "llama4":  # ours stacks the layers in blocks of its NoPE and MoE intervals' lcm
+    fam = fam._replace(block=math.lcm(config.nope_layer_interval or 1, config.interleave_moe_layer_step))
   # ours multiplies q . k by (query_pre_attn_scalar or head_dim) ** -0.5; a folding upstream by nothing
   fam = fam._replace(query_factor=float(np.sqrt(config.query_pre_attn_scalar or config.head_dim)))
   return fam._replace(embed_factor=float(config.emb_dim**-0.5)) if fam.scaled_embedding else fam
@@ -132,6 +138,8 @@ def _rename(tree: Any, fam: Family) -> Any:
     key = renames.get(key, key)
     if key == fam.moe_block:
       out["mlp"] = _rename(value, fam)
+    elif fam.moe_inner and key == fam.moe_inner:
+      out.update(_rename(value, fam))
     elif key == "self_attention" and isinstance(value, dict) and "query" in value:
       out[key] = _rename(_attention(value, fam, 1), fam)
     elif key in ("wi_0", "wi_1") and isinstance(value, dict):  # a dense gated MLP's kernels
@@ -231,6 +239,10 @@ def _export_names(tree: Any, fam: Family) -> Any:
       out[key] = _scale(value, "embedding", fam.embed_factor, -1)
     elif key == "self_attention" and isinstance(value, dict) and "query" in value:
       out[key] = _export_names(_attention(value, fam, -1), fam)
+    elif key == "mlp" and isinstance(value, dict) and "gate" in value and fam.moe_inner:
+      moe = _export_names(value, fam)
+      shared = {k: moe.pop(k) for k in list(moe) if k == "shared_experts"}
+      out[fam.moe_block] = {fam.moe_inner: moe, **shared}
     elif key == "mlp" and isinstance(value, dict) and "gate" in value:
       out[fam.moe_block] = _export_names(value, fam)
     elif key == "sublayers" and fam.sublayers:

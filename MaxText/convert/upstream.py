@@ -78,6 +78,10 @@ FAMILIES = {
   "gemma3": Family(renames=_GEMMA_NORMS, norm_offset=1.0, scaled_embedding=True, query_scale=False, block=6),
   # unrolled only (family() sets block); its queries match ours unscaled (checked against upstream's logits)
   "llama4": Family(moe_block="Llama4MoEBlock_0", moe_inner=MOE_BLOCK, query_scale=False),
+  # unrolled only: ours pairs its sliding-window and full layers as sublayers 0, 1; queries unscaled, as llama4
+  "gpt_oss": Family(
+    renames=(("GptOssAttention", "self_attention"),), moe_block="GptOssMlp", block=2, query_scale=False
+  ),
 }
 
 
@@ -158,14 +162,16 @@ def _rename(tree: Any, fam: Family) -> Any:
 
 
 def _attention(attention: dict, fam: Family, direction: int) -> dict:
-  """Upstream's self_attention -> ours (direction 1) or back (-1): the query kernels' scale, and with
-  rope_pairs the query/key kernels' head dimension reordered (interleaved pairs <-> halves)."""
-  out = {**attention, "query": _scale_query(attention["query"], fam.query_factor, direction)}
-  out = out if fam.query_scale else attention
+  """Upstream's self_attention -> ours (direction 1) or back (-1): the query kernel's (and bias') scale, and
+  with rope_pairs the query/key head dimension reordered (interleaved pairs <-> halves)."""
+  out = dict(attention)
+  if fam.query_scale:
+    query = _scale_query(out["query"], fam.query_factor, direction)
+    out["query"] = _scale(query, "bias", fam.query_factor, direction) if "bias" in query else query
   if fam.rope_pairs:
     for name in ("query", "key"):
-      kernel = np.asarray(out[name]["kernel"])
-      out[name] = {**out[name], "kernel": kernel[..., _pairs_to_halves(kernel.shape[-1], direction)]}
+      order = _pairs_to_halves(np.shape(out[name]["kernel"])[-1], direction)
+      out[name] = {k: np.asarray(v)[..., order] if k in ("kernel", "bias") else v for k, v in out[name].items()}
   return out
 
 
@@ -238,7 +244,7 @@ def _export_names(tree: Any, fam: Family) -> Any:
     elif key == "token_embedder" and fam.embed_factor != 1:
       out[key] = _scale(value, "embedding", fam.embed_factor, -1)
     elif key == "self_attention" and isinstance(value, dict) and "query" in value:
-      out[key] = _export_names(_attention(value, fam, -1), fam)
+      out[renames.get(key, key)] = _export_names(_attention(value, fam, -1), fam)
     elif key == "mlp" and isinstance(value, dict) and "gate" in value and fam.moe_inner:
       moe = _export_names(value, fam)
       shared = {k: moe.pop(k) for k in list(moe) if k == "shared_experts"}

@@ -218,7 +218,7 @@ def test_upstream_state_of_another_optimizer_says_to_load_params(tmp_path):
     full_state(tmp_path, name, f"load_full_state_path={path}")
 
 
-UNMAPPED = ["deepseek2-16b", "gpt-oss-20b"]  # families upstream ships whose trees are not mapped (yet)
+UNMAPPED = ["deepseek2-16b", "qwen3-next-80b-a3b"]  # families upstream ships whose trees are not mapped (yet)
 
 
 @pytest.mark.parametrize("model_name", UNMAPPED)

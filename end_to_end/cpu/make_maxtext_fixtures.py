@@ -50,6 +50,13 @@ MODELS = {
   "gemma": {"model_name": "gemma-2b", **COMMON},  # norms scale x directly (ours: 1 + w)
   "gemma2": {"model_name": "gemma2-2b", **COMMON},  # each layer a local and a global sublayer
   "gemma3": {"model_name": "gemma3-4b", **COMMON, "base_num_decoder_layers": 6},  # 5 local : 1 global
+  "gpt-oss": {
+    "model_name": "gpt-oss-20b",
+    **COMMON,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "base_moe_mlp_dim": 32,
+  },
   "llama4": {
     "model_name": "llama4-17b-16e",
     **COMMON,
@@ -79,7 +86,11 @@ OURS = {
   "gemma2": {"base_num_decoder_layers": 2 * COMMON["base_num_decoder_layers"]},
   "gemma3": {"query_pre_attn_scalar": COMMON["head_dim"]},
 }
-UNROLLED_ONLY = {"gemma3", "llama4"}  # our exports of these are unrolled only (upstream's scanned tree is not mapped)
+UNROLLED_ONLY = {
+  "gemma3",
+  "llama4",
+  "gpt-oss",
+}  # our exports of these are unrolled only (upstream's scanned tree is not mapped)
 KEEP = {  # fixture name -> (model, scan_layers, "full" | "params")
   "llama2_scanned_full": ("llama2", True, "full"),
   "llama2_unrolled_params": ("llama2", False, "params"),
@@ -93,6 +104,7 @@ KEEP = {  # fixture name -> (model, scan_layers, "full" | "params")
   "gemma2_scanned_params": ("gemma2", True, "params"),
   "gemma3_unrolled_params": ("gemma3", False, "params"),
   "llama4_unrolled_params": ("llama4", False, "params"),
+  "gpt-oss_unrolled_params": ("gpt-oss", False, "params"),
   "qwen3-moe_unrolled_full": ("qwen3-moe", False, "full"),
 }
 # Upstream on one CPU device, float32, no distributed init, plain dot-product attention, dropless MoE.

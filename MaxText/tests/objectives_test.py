@@ -17,6 +17,7 @@ PROTOCOL = ("name", "reference", "perplexity", "denominator", "fields", "sum_key
             "eval_sums", "eval_metrics", "sources", "check")  # fmt: skip
 
 
+@pytest.mark.quick
 def test_the_registry_names_the_config_choices_and_each_objective_follows_the_protocol():
   assert tuple(objectives.REGISTRY) == config.CHOICES["objective"] == ("lm", "dpo", "grpo")
   for name, objective in objectives.REGISTRY.items():
@@ -32,6 +33,7 @@ def dpo_args(tmp_path, *overrides):
   return [BASE, *TINY, *data, f"tokenizer_path={tmp_path}/tokenizer.json", *overrides]
 
 
+@pytest.mark.quick
 def test_use_dpo_is_an_alias_of_objective_dpo(tmp_path):
   assert config.load([BASE, *TINY], {}).objective == "lm"
   assert config.load(dpo_args(tmp_path, "use_dpo=true"), {}).objective == "dpo"
@@ -41,6 +43,7 @@ def test_use_dpo_is_an_alias_of_objective_dpo(tmp_path):
     config.load(dpo_args(tmp_path, "use_dpo=true", "objective=grpo"), {})
 
 
+@pytest.mark.quick
 def test_a_bad_objective_is_one_line_with_the_choices():
   with pytest.raises(ConfigError) as e:
     config.load([BASE, *TINY, "objective=simpo"], {})
@@ -65,6 +68,7 @@ def test_use_dpo_is_read_in_one_place():
   assert readers == ["MaxText/config.py"], readers
 
 
+@pytest.mark.quick
 def test_python_m_maxtext_rl_runs_the_trainer_with_objective_grpo(monkeypatch):
   seen = []
   monkeypatch.setattr(train, "main", lambda argv, usage, overrides: seen.append(("train", argv, overrides)))
@@ -86,6 +90,7 @@ def test_the_alias_reaches_the_config(monkeypatch, tmp_path):
   assert loaded == ["grpo"]
 
 
+@pytest.mark.quick
 def test_a_data_iterator_is_a_batch_source():
   class Counter:
     def __init__(self):

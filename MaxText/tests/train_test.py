@@ -69,6 +69,7 @@ def test_maxtext_remat_policies_do_not_change_losses(tmp_path):
     np.testing.assert_allclose(got, ref, rtol=1e-5, err_msg=policy)
 
 
+@pytest.mark.quick
 def test_loss_falls_and_metrics_are_complete(tmp_path):
   c = cfg(tmp_path, "m", "steps=12", "per_device_batch_size=1", "vocab_size=16", "enable_tensorboard=true")
   summary = train.run(c)
@@ -285,6 +286,7 @@ def _command(tmp_path, *overrides):
   ]
 
 
+@pytest.mark.quick
 def test_typo_in_key_exits_nonzero_naming_the_key(tmp_path):
   result = subprocess.run(_command(tmp_path, "ici_fsdp_parallelizm=2"), cwd=ROOT, capture_output=True, text=True)
   assert result.returncode != 0

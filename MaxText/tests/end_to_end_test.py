@@ -16,6 +16,7 @@ def run_script(name, tmp_path, timeout):
   return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # over 40 s on 2 busy cores (2026-11-27): five entry points, each compiling
 def test_smoke_script(tmp_path):
   result = run_script("smoke.sh", tmp_path, 600)
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]

@@ -156,6 +156,7 @@ def _train_config(tmp_path, corpus, records, name, *overrides):
   return config.load(argv, {})
 
 
+@pytest.mark.slow  # over 40 s on 2 busy cores (2026-11-27)
 def test_grain_training_resumes_exactly_and_stops_at_target_eval_loss(tmp_path, corpus, records):
   from MaxText import train
 

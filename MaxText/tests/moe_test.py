@@ -226,6 +226,7 @@ def _balance_run(tmp_path, steps, *overrides):
 
 
 @pytest.mark.parametrize("scan", ["true", "false"])
+@pytest.mark.slow  # over 40 s on 2 busy cores (2026-11-27), each
 def test_bias_update_evens_out_a_skewed_router_and_nothing_else_moves_the_bias(tmp_path, scan):
   """The busiest expert's load falls from twice the mean (expert 0's group takes every token) to near it. The
   model trains meanwhile, with weight decay, yet every bias moves by whole steps of +-rate only: the optimizer

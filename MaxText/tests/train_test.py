@@ -43,6 +43,7 @@ def test_sharding_is_exact(tmp_path):
     np.testing.assert_allclose(got, ref, rtol=1e-5, err_msg=name)
 
 
+@pytest.mark.slow  # over 40 s on 2 busy cores (2026-11-27)
 def test_scan_remat_and_accumulation_do_not_change_losses(tmp_path):
   variants = [
     ["scan_layers=false"],
@@ -61,6 +62,7 @@ def test_scan_remat_and_accumulation_do_not_change_losses(tmp_path):
     np.testing.assert_allclose(got, ref, rtol=1e-5, err_msg=str(variant))
 
 
+@pytest.mark.slow  # over 40 s on 2 busy cores (2026-11-27)
 def test_maxtext_remat_policies_do_not_change_losses(tmp_path):
   # The attention output ("context") and host offloading (pinned_host memory exists on CPU too).
   ref = run_losses(tmp_path, "ref", "per_device_batch_size=2", "remat_policy=full")
@@ -293,6 +295,7 @@ def test_typo_in_key_exits_nonzero_naming_the_key(tmp_path):
   assert "ici_fsdp_parallelism" in result.stderr
 
 
+@pytest.mark.slow  # over 40 s on 2 busy cores (2026-11-27)
 def test_killed_run_resumes_from_last_checkpoint(tmp_path):
   args = ["steps=400", "per_device_batch_size=1", "enable_checkpointing=true", "checkpoint_period=10"]
   args += ["async_checkpointing=false", "log_period=50"]

@@ -16,6 +16,7 @@ mesh gives the same digest.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 from typing import Any
 
@@ -26,6 +27,7 @@ import numpy as np
 from MaxText import paths
 from MaxText.errors import CheckpointError
 
+DATA_KEY = "data"  # the table's entry for the step's `data` item (the iterator state); no state leaf has this name
 _MIX = np.uint32(0x5BD1E995)
 _GOLDEN = np.uint32(0x9E3779B1)
 
@@ -100,3 +102,17 @@ def verify(step_dir: str, tree: Any, what: str, prefix: str = "") -> None:
   if bad:
     more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
     raise CheckpointError(f"{what}: array {bad[0]}{more} does not match the checksum saved with it (damaged data)")
+
+
+def json_digest(value: Any) -> str:
+  """16 hex digits of a JSON value (sha256 of its canonical text, as a JSON round trip leaves it)."""
+  text = json.dumps(json.loads(json.dumps(value)), sort_keys=True, separators=(",", ":"))
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def verify_json(step_dir: str, value: Any, what: str) -> None:
+  """CheckpointError when the iterator state restored from the step at `step_dir` is not the one saved with it
+  (a step without a digest of it is not checked)."""
+  expected = (saved(step_dir) or {}).get(DATA_KEY)
+  if expected is not None and json_digest(value) != expected:
+    raise CheckpointError(f"{what}: the data iterator state does not match the checksum saved with it (damaged)")

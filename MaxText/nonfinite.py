@@ -79,17 +79,17 @@ def advice(config: Config, manager: Any, error: NonFiniteLossError, resumed: int
       line = f"checkpoint step {failed}, which this run resumed from, is damaged ({damage}); moved it to {moved}"
       checkpointing.say(line)
       return f"{error} The state it came from is damaged: {line}. {_resumes(config, manager, earlier)}"
-    verified = f"; checkpoint step {failed}, which this run resumed from, {_verified(config, failed)}"
+    verified = f" Checkpoint step {failed}, which this run resumed from, {_verified(config, failed)}."
   if not error.loss_finite:  # the loss depends only on the state and the batch: the rerun sets the step aside
     if jax.process_index() == 0:
       (epath.Path(config.run_dir) / checkpointing.NONFINITE_FILE).write_text(json.dumps([failed]))
     aside = checkpointing.NONFINITE_DIR
-    note = f" (checkpoint {failed} itself gives this loss{verified}: the rerun moves it to {aside}/)"
-    return f"{error} {rerun} {_resumes(config, manager, earlier)[:-1]}{note}."
+    note = f" (checkpoint {failed} itself gives this loss: the rerun moves it to {aside}/)"
+    return f"{error}{verified} {rerun} {_resumes(config, manager, earlier)[:-1]}{note}."
   fallback = paths.join(config.run_dir, checkpointing.NONFINITE_DIR, str(failed))
   back = f"step {earlier[-1]}" if earlier else "step 0 (no earlier checkpoint)"
   return (
-    f"{error} It came from checkpoint step {failed}{verified}, and a rerun resumes from that same state: "
+    f"{error}{verified} The update came from checkpoint step {failed}, and a rerun resumes from that same state: "
     f"{LOWER} and rerun with the same run_name, or fall back to an earlier state: move "
     f"{manager.directory / str(failed)} to {fallback} and rerun, which resumes from {back}."
   )
@@ -105,8 +105,8 @@ def _resumes(config: Config, manager: Any, steps: list[int]) -> str:
 
 def _verified(config: Config, step: int) -> str:
   if checksums.saved(paths.join(config.checkpoint_dir, str(step))) is None:
-    return "carries no checksums, so damage cannot be ruled out"
-  return "was read again and matches its checksums (the state is as saved)"
+    return "carries no checksums, so damage to it cannot be ruled out"
+  return "was read again and matches its checksums: the state is as saved, not damaged"
 
 
 def _damage(config: Config, manager: Any, abstract: Any, step: int) -> str | None:

@@ -10,7 +10,8 @@ i the element's position in the whole array), each mod 2^32:
 Every weight is odd, so changing any one bit of any one word changes both sums: a single flipped bit is always
 detected; more damage goes unnoticed only by a 1 in 2^64 chance. The sums run where the shards live (one pass
 over the state, no host copy) and add up across devices exactly, in any order, so a restored array on another
-mesh gives the same digest.
+mesh gives the same digest. The step's `data` item (the iterator state, JSON) is recorded too, as a sha256 of its
+canonical text under DATA_KEY.
 """
 
 from __future__ import annotations
@@ -56,6 +57,12 @@ def _digest(x: jax.Array) -> jax.Array:
 @functools.partial(jax.jit)
 def _digests(tree: Any) -> Any:
   return jax.tree.map(_digest, tree)
+
+
+def lowered(tree: Any) -> Any:
+  """The digest program of `tree`'s arrays (or their jax.ShapeDtypeStruct, with shardings), lowered, not run:
+  train_compile.py reports what it adds per device."""
+  return _digests.lower([x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array | jax.ShapeDtypeStruct)])
 
 
 def key(path: Any) -> str:

@@ -39,7 +39,7 @@ from MaxText.errors import CheckpointError, ConfigError, DataError
 from MaxText.layers import lora
 from MaxText.state import StateSpec, TrainState
 
-ITEMS = ("state", "data", "checksums")  # a step's items; `checksums`: checksums.digests of `state` (none before)
+ITEMS = ("state", "data", "checksums")  # `checksums`: digests of `state` and `data` (checksums.py; none before)
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax names a step directory being written <step>TMP_SUFFIX[...]
 UNREADABLE_DIR = "checkpoints_unreadable"  # next to checkpoints/: where unreadable steps are moved
 NONFINITE_DIR = "checkpoints_nonfinite"  # next to checkpoints/: steps whose own loss is not finite

@@ -1,6 +1,6 @@
 """What checkpoint checksums cost: save and restore of a train state with and without them. A table, not a test.
 
-  python3 benchmarks/checkpoint_cost.py [layers=1,2] [repeats=3] [aot=v5e-256,...] [key=value ...]
+  python3 benchmarks/checkpoint_cost.py [layers=1] [repeats=3] [aot=v5e-256,...] [key=value ...]
 
 A llama2-7b-shaped state (4,096 wide, MLP 11,008, 32 heads, vocabulary 32,000; bfloat16 params and AdamW
 moments, weight_dtype=bfloat16) with `layers` decoder layers, on the host's CPU devices, saved and restored
@@ -14,7 +14,10 @@ through orbax as a run does (synchronous saves, so a save's time is all of its w
 With `aot`, also the checksum program of the whole 32-layer state compiled for each TPU topology named (needs
 libtpu; nothing runs): its temporaries per chip, as train_compile.py prints them.
 
-Then a 32-layer row extrapolated from the first two layer counts (every figure is linear in the layers).
+Given two or more layer counts (layers=1,2), a 32-layer row extrapolated from the first two (every figure but the
+compile is linear in the layers). On CPU the digest program holds about 4x the state in temporaries (XLA:CPU
+materializes the widened words and weights; a TPU compile fuses them: the aot line), so a 7B-wide state of more
+than one layer needs more than this 24 GiB machine shares.
 Restores read files just written, so they come from the page cache: a cold read from a disk or a bucket is
 slower, and the checksum's share of it smaller.
 """
@@ -138,12 +141,13 @@ def aot(topologies: list[str], overrides: list[str], root: str) -> None:
 
 
 def main(argv: list[str]) -> None:
+  """argv: sys.argv (the program name first)."""
   ours = ("layers", "repeats", "aot")
-  options = dict(a.split("=", 1) for a in argv if a.split("=", 1)[0] in ours)
-  overrides = [a for a in argv if a.split("=", 1)[0] not in ours]
+  options = dict(a.split("=", 1) for a in argv[1:] if a.split("=", 1)[0] in ours)
+  overrides = [a for a in argv[1:] if a.split("=", 1)[0] not in ours]
   if options.get("aot"):
     aot(options["aot"].split(","), overrides, tempfile.mkdtemp(prefix="checkpoint_cost_"))
-  layer_counts = [int(n) for n in options.get("layers", "1,2").split(",")]
+  layer_counts = [int(n) for n in options.get("layers", "1").split(",")]
   repeats = int(options.get("repeats", "3"))
   root = tempfile.mkdtemp(prefix="checkpoint_cost_")
   try:
@@ -160,4 +164,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  main(sys.argv)

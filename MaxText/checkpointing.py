@@ -431,6 +431,7 @@ def _verify_item(path: str, tree: Any, prefix: str) -> None:
     checksums.verify(step_dir, tree, f"checkpoint {path}", prefix)
 
 
+@_loading_item()  # the converters read a training checkpoint's tree through here too
 def saved_tree(path: str) -> Any:
   """The tree (nested dicts of per-array metadata) of the orbax PyTree checkpoint at `path`. Absolute: orbax reads
   no item metadata under a relative path (it warns "Failed to get item metadata" and returns none)."""

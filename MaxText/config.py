@@ -52,6 +52,7 @@ CHOICES = {
   "dpo_loss": ("sigmoid", "ipo"),  # objectives/dpo.py
   "objective": ("lm", "dpo", "grpo"),  # objectives.REGISTRY
 }
+CHOICES["objective"] += ("simpo", "orpo")  # objectives/simpo.py, objectives/orpo.py
 
 # Keys derived at load time; users may not set them.
 DERIVED = (

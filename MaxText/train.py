@@ -6,7 +6,10 @@ python3 MaxText/train.py MaxText/configs/base.yml run_name=NAME key=value ...
 
 from __future__ import annotations
 
-import MaxText  # noqa: F401 (first: a signal during the imports below exits in one line, preemption.py)
+try:  # first: a signal during the imports below exits in one line (preemption.py)
+  import MaxText  # noqa: F401
+except ModuleNotFoundError as e:  # run as a file with the requirements alone: say what installs the package
+  raise SystemExit(f"{e}: run `bash setup.sh` (or `pip install -e .` in this environment) first") from None
 
 # isort: split
 import contextlib
@@ -31,6 +34,7 @@ from MaxText import (
   goodput,
   hlo_dump,
   launch,
+  memory_fit,
   metrics,
   nonfinite,
   objectives,
@@ -161,7 +165,7 @@ def run(
   """Train to config.steps on `devices` (default: all); returns the metrics summary. `started`:
   perf_counter() when the process began its work (main passes it, so the summary's total time includes
   config loading); default now. `process_started`: the origin of the goodput clock (main passes
-  goodput.process_start()); default `started`. A run already at config.steps trains nothing and returns
+  goodput.program_start()); default `started`. A run already at config.steps trains nothing and returns
   {"steps_run": 0}."""
   started = time.perf_counter() if started is None else started
   clock = goodput.Recorder(config, started if process_started is None else process_started, jax.process_index() == 0)
@@ -179,6 +183,7 @@ def run(
   peak = accelerators.peak(dtype=config.dtype)  # CPU: a measured matmul, outside the mesh
   with sharding.activate(config, mesh), stack_traces(config), preemption.Watch(mesh) as watch:
     spec = state_lib.state_spec(config, optimizer.tx, mesh, plan)
+    memory_fit.announce(config, mesh, spec, global_batch, peak.flops)  # before anything is allocated
     data = objective.sources(config, mesh)
     manager = checkpointing.create_manager(config)
     clock.charge()
@@ -310,6 +315,7 @@ def make_logger(config: Config, parts: LoopParts, start: int, is_writer: bool) -
     progress=config.progress_bar,
     goodput_figures=parts.goodput.figures if parts.goodput.enabled else None,
     perplexity=objectives.get(config).perplexity,
+    sample_prompt=parts.data.sample_prompt,
   )
 
 
@@ -359,7 +365,8 @@ def train_loop(config: Config, parts: LoopParts) -> dict[str, Any]:
     for step in range(start, config.steps):
       profiler.dispatching(step)
       t0 = time.perf_counter()
-      state, step_metrics = parts.step_fn(state, fetched.batch, jax.random.fold_in(dropout_key, step))
+      with console.Heartbeat("compiling the train step", enabled=step == start and jax.process_index() == 0):
+        state, step_metrics = parts.step_fn(state, fetched.batch, jax.random.fold_in(dropout_key, step))
       reader.push(Pending(step, step_metrics, (t0, time.perf_counter()), fetched.metrics))
       done = step + 1
       parts.goodput.step(done)
@@ -433,7 +440,7 @@ USAGE = launch.Usage(
 def main(argv: Sequence[str], usage: launch.Usage = USAGE, overrides: Sequence[str] = ()) -> None:
   """argv: sys.argv (the program name first); `overrides` go after it (python3 -m MaxText.rl: objective=grpo)."""
   started = time.perf_counter()  # the summary's total time counts everything from here (tokenizer training too)
-  process_started = goodput.process_start()  # goodput's total counts the imports too
+  process_started = goodput.program_start()  # goodput's total counts the imports too
   config = launch.start(argv[1:], usage, overrides=overrides)
   if config.log_config and jax.process_index() == 0:
     print(config, flush=True)

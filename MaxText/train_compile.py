@@ -15,7 +15,10 @@ runs it instead of compiling.
 
 from __future__ import annotations
 
-import MaxText  # noqa: F401 (first: a signal during the imports below exits in one line, preemption.py)
+try:  # first: a signal during the imports below exits in one line (preemption.py)
+  import MaxText  # noqa: F401
+except ModuleNotFoundError as e:  # run as a file with the requirements alone: say what installs the package
+  raise SystemExit(f"{e}: run `bash setup.sh` (or `pip install -e .` in this environment) first") from None
 
 # isort: split
 import os
@@ -34,6 +37,7 @@ from MaxText import (
   autofit,
   checksums,
   compiled_step,
+  console,
   gpu_aot,
   hlo_dump,
   launch,
@@ -133,7 +137,8 @@ def compile_train_step(config: Config, devices: Sequence[Any]) -> tuple[Any, Com
     batch, rng = shaped_inputs(config, mesh)
     start = time.perf_counter()
     try:
-      compiled = steps.jit_train_step(config, mesh, tx, spec, schedule).lower(spec.abstract, batch, rng).compile()
+      with console.Heartbeat("compiling the train step"):
+        compiled = steps.jit_train_step(config, mesh, tx, spec, schedule).lower(spec.abstract, batch, rng).compile()
     except Exception as e:  # XLA reports an HBM overflow as a compile error (RESOURCE_EXHAUSTED)
       _raise_if_out_of_memory(config, devices[0].device_kind, str(e))
       raise

@@ -184,3 +184,4 @@ class Iterators(NamedTuple):
   train: BatchSource  # endless (cycles epochs)
   eval_factory: Callable[[], BatchSource] | None  # each call: a fresh iterator at the start of the eval split
   tokenizer: Tokenizer | None  # None for synthetic data
+  sample_prompt: str | None = None  # the first words of a held-out document: the closing summary's decode prompt

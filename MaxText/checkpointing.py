@@ -153,7 +153,7 @@ def committed_steps(directory: str) -> list[int]:
 
 
 def _set_aside_nonfinite(config: Config, manager: ocp.CheckpointManager) -> None:
-  """Move the checkpoints recorded by resume_point out of the way, once, before resuming."""
+  """Move the checkpoints recorded by nonfinite.advice out of the way, once, before resuming."""
   record = epath.Path(config.run_dir) / NONFINITE_FILE
   if not record.exists():
     return

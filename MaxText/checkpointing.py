@@ -245,8 +245,9 @@ def restore_or_init(
   if manager is not None and manager.all_steps():
     restored = _restore_latest_good(config, manager, saved)
     state = _with_base(config, tx, spec, restored.state)
-    return restored._replace(state=with_reference(spec, state, lambda: _starting_params(config, tx, spec, saved)))
-  return _start(config, tx, spec, saved)
+    restored = restored._replace(state=with_reference(spec, state, lambda: _starting_params(config, tx, spec, saved)))
+    return with_teacher(spec, restored)
+  return with_teacher(spec, _start(config, tx, spec, saved))
 
 
 def _start(config: Config, tx: optax.GradientTransformation, spec: StateSpec, saved: TrainState) -> Restored:
@@ -280,10 +281,22 @@ def with_reference(spec: StateSpec, state: TrainState, starting_params: Callable
   the params' shardings (a copy: the train step donates the state, and one buffer cannot be donated twice).
   Checkpoints do not hold it (Partition.checkpointed), so a resume re-reads the run's starting params: the
   same load_parameters_path, load_full_state_path or init_weights_seed give the same reference."""
-  if spec.abstract.reference is None:
+  if spec.abstract.reference is None or spec.teacher is not None:
     return state
   copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=spec.shardings.params)
   return state.replace(reference=copy(starting_params()))
+
+
+def with_teacher(spec: StateSpec, restored: Restored) -> Restored:
+  """objective=distill: the state with its reference, the frozen teacher, read from teacher_load_parameters_path
+  (spec.teacher.path) into its shardings; checkpoints never hold it."""
+  if spec.teacher is None:
+    return restored
+  try:
+    params = load_params(spec.teacher.path, spec.abstract.reference)
+  except ConfigError as e:
+    raise ConfigError(f"teacher_load_parameters_path, read with the model of teacher_config: {e}") from None
+  return restored._replace(state=restored.state.replace(reference=params))
 
 
 def _check_lora_base(config: Config) -> None:

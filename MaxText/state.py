@@ -144,8 +144,8 @@ def keeps_reference(config: Config) -> bool:
   """Whether the train state holds a reference copy of the params (the objective compares the policy with its
   starting params), except under LoRA, whose reference is the frozen base with the adapters off
   (train_step.reference_params); a teacher (objective=distill) always."""
-  if teacher.has_teacher(config):
-    return True
+  if config.objective in teacher.TEACHER_OBJECTIVES:
+    return teacher.has_teacher(config)
   return config.objective in REFERENCE_OBJECTIVES and not lora.enabled(config)
 
 

@@ -45,7 +45,8 @@ class Teacher(NamedTuple):
 
 
 def has_teacher(config: Config) -> bool:
-  return config.objective in TEACHER_OBJECTIVES
+  """Whether the run holds a teacher model: objective=distill online (offline, distill_topk_path, none runs)."""
+  return config.objective in TEACHER_OBJECTIVES and not config.distill_topk_path
 
 
 def _carried(student: Config) -> dict:

@@ -112,7 +112,9 @@ def shaped_inputs(config: Config, mesh: Mesh) -> tuple[dict[str, jax.ShapeDtypeS
   shardings = steps.batch_shardings(config, mesh)
   fields = objectives.get(config).fields(config)
   batch = {
-    k: jax.ShapeDtypeStruct(shape[: f.rank], f.dtype, sharding=shardings[k]) for k, f in fields.items() if k != "images"
+    k: jax.ShapeDtypeStruct((*shape[: f.rank - len(f.tail)], *f.tail), f.dtype, sharding=shardings[k])
+    for k, f in fields.items()
+    if k != "images"
   }
   if "images" in shardings:  # use_multimodal: tile slots per row (data/images.slots_per_row)
     size = (config.image_size_for_vit, config.image_size_for_vit, config.num_channels_for_vit)

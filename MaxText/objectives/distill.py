@@ -22,13 +22,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from MaxText import planner, teacher
+from MaxText import planner, sharding, teacher
 from MaxText.config import Config
 from MaxText.errors import ConfigError
-from MaxText.objectives import lm
-from MaxText.objectives.base import Batch, Field, Sources, Sums, loss_tiles
+from MaxText.objectives import lm, topk
+from MaxText.objectives.base import Batch, DataBatches, Field, Sources, Sums, loss_tiles
 from MaxText.state import param_spec
 
 SUM_KEYS = ("nll", "z_loss", "load_balance_loss", "tokens", "distill_kl", "teacher_nll")
@@ -59,15 +60,28 @@ def _piece(config: Config, student: Any, teach: Any, args: tuple[jax.Array, ...]
   return jax.nn.logsumexp(logits_s, axis=-1), target_s, divergence, jax.nn.logsumexp(logits_t, axis=-1) - target_t
 
 
-def token_terms(config: Config, student: Any, teach: Any, hidden_s, hidden_t, targets, tiles: int):
-  """_piece over the whole sequence; with tiles > 1 one piece at a time (rematerialised in the backward pass), so
-  neither model's [B, T, V] logits exist at once (base.token_logits' tiling)."""
+def _topk_piece(config: Config, student: Any, args: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+  """Offline: hidden [B, t, D], targets [B, t], the stored top-k ids and logits [B, t, k] -> [B, t] student lse,
+  student target logit, forward KL from the top-k renormalised (the rest of the teacher's mass dropped)."""
+  hidden, targets, ids, values = args
+  logits = student.logits(hidden).astype(jnp.float32)  # [B, t, V]
+  target = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  temperature = config.distill_temperature
+  picked = jnp.take_along_axis(jax.nn.log_softmax(logits / temperature, axis=-1), ids, axis=-1)  # [B, t, k]
+  log_t = jax.nn.log_softmax(values.astype(jnp.float32) / temperature, axis=-1)
+  divergence = jnp.sum(jnp.exp(log_t) * (log_t - picked), axis=-1)
+  return jax.nn.logsumexp(logits, axis=-1), target, divergence
+
+
+def tiled(piece: Any, args: tuple[jax.Array, ...], tiles: int) -> tuple[jax.Array, ...]:
+  """piece(args) over the whole sequence (args: [B, T, ...] each; results [B, T] each); with tiles > 1 one
+  sequence piece at a time (rematerialised in the backward pass), so no [B, T, V] logits exist at once
+  (base.token_logits' tiling)."""
   if tiles == 1:
-    return _piece(config, student, teach, (hidden_s, hidden_t, targets))
-  b, t = targets.shape
+    return piece(args)
+  b, t = args[0].shape[:2]
   cut = lambda x: x.reshape(b, tiles, t // tiles, *x.shape[2:]).swapaxes(0, 1)  # noqa: E731
-  piece = jax.checkpoint(functools.partial(_piece, config, student, teach))
-  terms = jax.lax.map(piece, (cut(hidden_s), cut(hidden_t), cut(targets)))  # [tiles, B, T/tiles] each
+  terms = jax.lax.map(jax.checkpoint(piece), tuple(cut(x) for x in args))  # [tiles, B, T/tiles] each
   return tuple(x.swapaxes(0, 1).reshape(b, t) for x in terms)
 
 
@@ -89,11 +103,16 @@ def distill_sums(graphdef, config: Config, params, teacher_params, batch: Batch,
   student = nnx.merge(graphdef, params)
   inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
   out = student.forward(*inputs, rng, hidden_only=True)
-  teach = teacher_model(config, teacher_params)
-  hidden_t = jax.lax.stop_gradient(teach.forward(*inputs, None, hidden_only=True).logits)
   tiles = loss_tiles(config, student, batch["targets"])
-  terms = token_terms(config, student, teach, out.logits, hidden_t, batch["targets"], tiles)
-  lse, target, divergence, teacher_nll = terms
+  if config.distill_topk_path:  # offline: the teacher's stored top-k (objectives/topk.py)
+    args = (out.logits, batch["targets"], batch["topk_ids"], batch["topk_values"])
+    lse, target, divergence = tiled(functools.partial(_topk_piece, config, student), args, tiles)
+    teacher_nll = -batch["teacher_logp"]
+  else:
+    teach = teacher_model(config, teacher_params)
+    hidden_t = jax.lax.stop_gradient(teach.forward(*inputs, None, hidden_only=True).logits)
+    piece = functools.partial(_piece, config, student, teach)
+    lse, target, divergence, teacher_nll = tiled(piece, (out.logits, hidden_t, batch["targets"]), tiles)
   mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
   nll, z_loss = (lse - target) * mask, config.z_loss_multiplier * jnp.square(lse) * mask
   aux = {
@@ -122,7 +141,12 @@ def check(config: Config) -> None:
     raise ConfigError(f"distill_mix={config.distill_mix} is the forward KL's weight: give a value in [0, 1]")
   if config.mtp_num_layers or config.use_multimodal:
     raise ConfigError("objective=distill trains a text model without MTP: set mtp_num_layers=0, use_multimodal=false")
-  teacher.check(config)
+  if not config.distill_topk_path:
+    teacher.check(config)
+    return
+  if config.distill_loss != "forward_kl":
+    raise ConfigError(f"distill_loss={config.distill_loss}: the stored top-k (distill_topk_path) give forward_kl only")
+  topk.read_meta(config)
 
 
 class Distillation:
@@ -134,7 +158,12 @@ class Distillation:
   denominator = "tokens"
 
   def fields(self, config: Config) -> dict[str, Field]:
-    return lm.token_fields(config)
+    fields = lm.token_fields(config)
+    if config.distill_topk_path:  # the stored teacher: [B, T, k] logits and ids, [B, T] target log-probs
+      k = topk.read_meta(config).k
+      fields |= {"topk_values": Field(3, np.float32, (k,)), "topk_ids": Field(3, np.int32, (k,))}
+      fields["teacher_logp"] = Field(2, np.float32)
+    return fields
 
   def sum_keys(self, config: Config) -> tuple[str, ...]:
     return SUM_KEYS
@@ -174,7 +203,17 @@ class Distillation:
     }
 
   def sources(self, config: Config, mesh: Any) -> Sources:
-    return lm.data_sources(config, mesh)
+    if not config.distill_topk_path:
+      return lm.data_sources(config, mesh)
+    meta = topk.read_meta(config)
+    train = topk.TopkBatches(config, mesh, meta, "train", sharding.global_batch_size(config, mesh), endless=True)
+    eval_batch = sharding.global_batch_size(config, mesh, config.eval_per_device_batch_size or None)
+    evals = (
+      (lambda: topk.TopkBatches(config, mesh, meta, "eval", eval_batch, endless=False))
+      if meta.rows.get("eval")
+      else None
+    )
+    return Sources(DataBatches(train), evals)
 
   def check(self, config: Config, global_batch: int) -> None:
     del global_batch

@@ -46,23 +46,25 @@ def check(config: Config) -> None:
 
 
 def teacher_topk(config: Config, k: int, params, batch):
-  """The teacher's top-k logits and ids [B, T, k] and its log p(target) [B, T] on one batch."""
+  """The teacher's top-k logits and ids [B, T, k], the log-sum-exp of its logits / distill_temperature and its
+  log p(target) [B, T] on one batch."""
   model = distill.teacher_model(config, params)
   inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"], None)
   logits = model.logits(model.forward(*inputs, hidden_only=True).logits).astype(jnp.float32)
   values, ids = jax.lax.top_k(logits, k)
   target_logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), batch["targets"][..., None], axis=-1)
-  return values, ids, target_logp[..., 0]
+  lse = jax.nn.logsumexp(logits / config.distill_temperature, axis=-1)
+  return values, ids, lse, target_logp[..., 0]
 
 
 def write_split(writer: topk.Writer, fn, params, batches, count: int) -> None:
   """`count` batches of `batches` (-1: all of them) with the teacher's top-k, one record per row."""
   for done, batch in enumerate(batches, 1):
-    values, ids, logp = jax.device_get(fn(params, batch))
+    values, ids, lse, logp = jax.device_get(fn(params, batch))
     host = {k: np.asarray(v) for k, v in jax.device_get(batch).items()}
     for i in range(len(values)):
       row = {k: v[i] for k, v in host.items()} | {"topk_values": values[i], "topk_ids": ids[i]}
-      writer.write(row | {"teacher_logp": logp[i]})
+      writer.write(row | {"teacher_lse": lse[i], "teacher_logp": logp[i]})
     if done == count:
       break
   writer.close()
@@ -89,9 +91,9 @@ def run(config: Config) -> topk.Meta:
       writer = topk.Writer(out, split)
       write_split(writer, fn, params, batches, count)
       rows[split] = writer.rows
-  meta = topk.Meta(
-    config.distill_topk_k, config.vocab_size, config.max_target_length, topk.tokenizer_digest(config), rows
-  )
+  digest = topk.tokenizer_digest(config)
+  k, temperature = config.distill_topk_k, config.distill_temperature
+  meta = topk.Meta(k, config.vocab_size, config.max_target_length, temperature, digest, rows)
   topk.write_meta(out, meta)
   print(f"wrote the teacher's top-{meta.k} logits of {rows} rows to {out}", flush=True)
   return meta

@@ -60,17 +60,30 @@ def _piece(config: Config, student: Any, teach: Any, args: tuple[jax.Array, ...]
   return jax.nn.logsumexp(logits_s, axis=-1), target_s, divergence, jax.nn.logsumexp(logits_t, axis=-1) - target_t
 
 
+def topk_kl(log_s: jax.Array, values: jax.Array, lse: jax.Array, temperature: float) -> jax.Array:
+  """Offline forward KL over k + 1 outcomes: the teacher's stored top-k tokens and "any other token".
+
+  log_s [..., k]: the student's log-probabilities (at `temperature`) of the stored ids; values [..., k]: the
+  teacher's logits there; lse [...]: the log-sum-exp of all its logits / temperature. The teacher's top-k
+  probabilities are exact (normalised over the whole vocabulary by lse); the mass r_t it left to the other
+  tokens is matched by the student's mass r_s outside the k ids: sum_k p_t (log p_t - log p_s) + r_t log(r_t / r_s).
+  """
+  log_t = values.astype(jnp.float32) / temperature - lse[..., None]
+  rest_t = jnp.clip(1.0 - jnp.exp(log_t).sum(-1), 0.0, 1.0)
+  rest_s = jnp.clip(1.0 - jnp.exp(log_s).sum(-1), 1e-9, 1.0)
+  rest = rest_t * (jnp.log(jnp.maximum(rest_t, 1e-9)) - jnp.log(rest_s))
+  return jnp.sum(jnp.exp(log_t) * (log_t - log_s), axis=-1) + rest
+
+
 def _topk_piece(config: Config, student: Any, args: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-  """Offline: hidden [B, t, D], targets [B, t], the stored top-k ids and logits [B, t, k] -> [B, t] student lse,
-  student target logit, forward KL from the top-k renormalised (the rest of the teacher's mass dropped)."""
-  hidden, targets, ids, values = args
+  """Offline: hidden [B, t, D], targets [B, t], the stored top-k ids and logits [B, t, k], the teacher's lse
+  [B, t] -> [B, t] student lse, student target logit, topk_kl."""
+  hidden, targets, ids, values, lse_t = args
   logits = student.logits(hidden).astype(jnp.float32)  # [B, t, V]
   target = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
   temperature = config.distill_temperature
   picked = jnp.take_along_axis(jax.nn.log_softmax(logits / temperature, axis=-1), ids, axis=-1)  # [B, t, k]
-  log_t = jax.nn.log_softmax(values.astype(jnp.float32) / temperature, axis=-1)
-  divergence = jnp.sum(jnp.exp(log_t) * (log_t - picked), axis=-1)
-  return jax.nn.logsumexp(logits, axis=-1), target, divergence
+  return jax.nn.logsumexp(logits, axis=-1), target, topk_kl(picked, values, lse_t, temperature)
 
 
 def tiled(piece: Any, args: tuple[jax.Array, ...], tiles: int) -> tuple[jax.Array, ...]:
@@ -105,7 +118,7 @@ def distill_sums(graphdef, config: Config, params, teacher_params, batch: Batch,
   out = student.forward(*inputs, rng, hidden_only=True)
   tiles = loss_tiles(config, student, batch["targets"])
   if config.distill_topk_path:  # offline: the teacher's stored top-k (objectives/topk.py)
-    args = (out.logits, batch["targets"], batch["topk_ids"], batch["topk_values"])
+    args = (out.logits, batch["targets"], batch["topk_ids"], batch["topk_values"], batch["teacher_lse"])
     lse, target, divergence = tiled(functools.partial(_topk_piece, config, student), args, tiles)
     teacher_nll = -batch["teacher_logp"]
   else:
@@ -162,7 +175,7 @@ class Distillation:
     if config.distill_topk_path:  # the stored teacher: [B, T, k] logits and ids, [B, T] target log-probs
       k = topk.read_meta(config).k
       fields |= {"topk_values": Field(3, np.float32, (k,)), "topk_ids": Field(3, np.int32, (k,))}
-      fields["teacher_logp"] = Field(2, np.float32)
+      fields |= {"teacher_lse": Field(2, np.float32), "teacher_logp": Field(2, np.float32)}
     return fields
 
   def sum_keys(self, config: Config) -> tuple[str, ...]:

@@ -1,9 +1,11 @@
 """Offline distillation's stored teacher (objective=distill with distill_topk_path; docs/distillation.md).
 
 `python3 -m MaxText.distill_topk` writes, for each row the teacher saw, its tokens (the batch fields), the teacher's
-top-k logits per position (values float32 and vocabulary ids int32, [T, k]) and its log-probability of the target
-(float32 [T]), one ArrayRecord record per row, in shards <dir>/<split>-NNNNN.arrayrecord, and <dir>/topk.json (k,
-vocab_size, max_target_length, the tokenizer's sha256, rows per split and shard). Training reads the rows back as
+top-k logits per position (values float32 and vocabulary ids int32, [T, k]), the log-sum-exp of all its logits
+/ distill_temperature (float32 [T]: the top-k's exact probabilities, and the mass left to the other tokens) and its
+log-probability of the target (float32 [T]), one ArrayRecord record per row, in shards
+<dir>/<split>-NNNNN.arrayrecord, and <dir>/topk.json (k, vocab_size, max_target_length, the temperature, the
+tokenizer's sha256, rows per split). Training reads the rows back as
 batches (TopkBatches): row n of the train split is record n mod rows (epochs repeat in order), so the batches are
 deterministic and the iterator state is the next row number, as for every row-numbered source (data/batches.py).
 """
@@ -26,13 +28,14 @@ from MaxText.errors import ConfigError, DataError
 
 META_FILE = "topk.json"
 ROWS_PER_SHARD = 1024
-TOPK_FIELDS = ("topk_values", "topk_ids", "teacher_logp")  # the batch fields besides data.FIELDS
+TOPK_FIELDS = ("topk_values", "topk_ids", "teacher_lse", "teacher_logp")  # the batch fields besides data.FIELDS
 
 
 class Meta(NamedTuple):
   k: int
   vocab_size: int
   max_target_length: int
+  temperature: float  # distill_temperature the log-sum-exp was taken at (training must use the same)
   tokenizer: str  # sha256 of the tokenizer file the rows were tokenized with ("" for synthetic data)
   rows: dict[str, int]  # split -> rows written
 
@@ -50,16 +53,18 @@ def shard_path(directory: str, split: str, shard: int) -> str:
 
 
 def encode(row: dict[str, np.ndarray]) -> bytes:
-  """One row's fields (FIELDS int32 [T], topk_values float32 [T, k], topk_ids int32 [T, k], teacher_logp [T])."""
+  """One row's fields (FIELDS int32 [T], topk_values float32 [T, k], topk_ids int32 [T, k], teacher_lse and
+  teacher_logp float32 [T])."""
   parts = [row[k].astype(np.int32) for k in FIELDS]
   parts += [row["topk_values"].astype(np.float32), row["topk_ids"].astype(np.int32)]
-  return b"".join(p.tobytes() for p in [*parts, row["teacher_logp"].astype(np.float32)])
+  parts += [row["teacher_lse"].astype(np.float32), row["teacher_logp"].astype(np.float32)]
+  return b"".join(p.tobytes() for p in parts)
 
 
 def decode(data: bytes, length: int, k: int) -> dict[str, np.ndarray]:
   sizes = [(k_, np.int32, (length,)) for k_ in FIELDS]
   sizes += [("topk_values", np.float32, (length, k)), ("topk_ids", np.int32, (length, k))]
-  sizes += [("teacher_logp", np.float32, (length,))]
+  sizes += [("teacher_lse", np.float32, (length,)), ("teacher_logp", np.float32, (length,))]
   row, offset = {}, 0
   for name, dtype, shape in sizes:
     count = int(np.prod(shape))
@@ -116,6 +121,8 @@ def read_meta(config: Config) -> Meta:
       f"{where} come from a vocabulary of {meta.vocab_size} (k={meta.k}); the student's vocab_size is "
       f"{config.vocab_size}: generate them with the student's tokenizer and vocab_size"
     )
+  if meta.temperature != config.distill_temperature:
+    raise ConfigError(f"{where} were written at distill_temperature={meta.temperature}; train with that temperature")
   digest = tokenizer_digest(config)
   if digest and meta.tokenizer and digest != meta.tokenizer:
     raise ConfigError(f"{where} were tokenized with another tokenizer than tokenizer_path={config.tokenizer_path!r}")

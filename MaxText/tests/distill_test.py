@@ -2,12 +2,14 @@
 teacher's config and params kept apart from the student's (no optimizer state, not in checkpoints), bad input in
 one line, and one jitted step that logs the KL, the hard-label loss and the teacher's own loss."""
 
+import json
+
 import jax
 import numpy as np
 import optax
 import pytest
 
-from MaxText import checkpointing, optimizers, sharding, teacher, train_compile
+from MaxText import checkpointing, distill_topk, optimizers, sharding, teacher, train_compile
 from MaxText import state as state_lib
 from MaxText import train_step as steps
 from MaxText.errors import ConfigError
@@ -126,3 +128,84 @@ def test_aot_reports_the_teacher_params(tmp_path, teacher_files):
   assert spec_bytes // 8 <= report.reference_bytes < spec_bytes // 4  # fsdp over the 8 devices (norms replicated)
   assert report.argument_bytes > report.reference_bytes
   assert "frozen reference/teacher params" in train_compile.format_report(report)
+
+
+def test_the_top_k_divergence_keeps_the_rest_of_the_teachers_mass_as_one_outcome():
+  """Offline: the teacher's exact top-k probabilities plus "any other token", against the student's; with k = V
+  it is the full forward KL."""
+  rng = np.random.default_rng(1)
+  temp, student, teacher_logits = 1.5, rng.normal(size=(2, 9)) * 2, rng.normal(size=(2, 9)) * 2
+  ids = np.argsort(-teacher_logits, axis=-1)[:, :3]
+  values = np.take_along_axis(teacher_logits, ids, -1)
+  log_s, log_full = _log_softmax(student / temp), _log_softmax(teacher_logits / temp)
+  lse = (teacher_logits / temp - log_full)[:, 0]
+  p_t, p_s = np.exp(np.take_along_axis(log_full, ids, -1)), np.exp(np.take_along_axis(log_s, ids, -1))
+  rest_t, rest_s = 1 - p_t.sum(-1), 1 - p_s.sum(-1)
+  expected = (p_t * np.log(p_t / p_s)).sum(-1) + rest_t * np.log(rest_t / rest_s)
+  got = distill.topk_kl(np.take_along_axis(log_s, ids, -1), values, lse, temp)
+  np.testing.assert_allclose(got, expected, rtol=1e-5)
+  every = np.argsort(-teacher_logits, axis=-1)
+  whole = distill.topk_kl(
+    np.take_along_axis(log_s, every, -1), np.take_along_axis(teacher_logits, every, -1), lse, temp
+  )
+  np.testing.assert_allclose(whole, distill.kl(student, teacher_logits, temp, "forward_kl", 0.0), rtol=1e-4, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def topk_dir(tmp_path_factory, teacher_files):
+  """The teacher's top-4 logits over 3 train and 2 eval batches of synthetic data."""
+  root = tmp_path_factory.mktemp("topk")
+  c = distill_config(
+    root, *teacher_files, f"distill_topk_path={root}/topk", "distill_topk_k=4", "steps=3", "eval_steps=2"
+  )
+  assert distill_topk.run(c).rows == {"train": 24, "eval": 16}
+  return str(root / "topk")
+
+
+def test_the_stored_top_k_are_the_teachers_and_resume_exactly(tmp_path, teacher_files, topk_dir):
+  c = cfg(tmp_path, "off", "objective=distill", f"distill_topk_path={topk_dir}", "per_device_batch_size=1")
+  online = distill_config(tmp_path, *teacher_files)
+  mesh = sharding.create_mesh(c)
+  with sharding.activate(c, mesh):
+    train = distill.OBJECTIVE.sources(c, mesh).train
+    first = jax.device_get(train.next(None).batch)
+    state = train.get_state()
+    second = jax.device_get(train.next(None).batch)
+    train.set_state(state)
+    assert all(np.array_equal(second[k], v) for k, v in jax.device_get(train.next(None).batch).items())
+    # The same rows the online run reads, and the teacher's own top-4 of them.
+    batch = next(distill.OBJECTIVE.sources(online, mesh).train.iterator)
+    spec = state_lib.param_spec(teacher.config_of(online), mesh)
+    params = checkpointing.load_params(teacher_files[1], spec.abstract)
+    values, ids, _, _ = jax.device_get(distill_topk.teacher_topk(online, 4, params, batch))
+  np.testing.assert_array_equal(first["inputs"], jax.device_get(batch["inputs"]))
+  np.testing.assert_array_equal(first["topk_ids"], ids)
+  np.testing.assert_allclose(first["topk_values"], values, rtol=1e-5)
+  assert first["topk_values"].shape == (8, 32, 4) and (np.diff(first["topk_values"], axis=-1) <= 0).all()
+
+
+def test_bad_top_k_shards_are_one_line(tmp_path, teacher_files, topk_dir):
+  def offline(*overrides):
+    return cfg(tmp_path, "off", "objective=distill", f"distill_topk_path={topk_dir}", *overrides)
+
+  cases = [
+    (offline("max_target_length=64"), "hold rows of 32 tokens; set max_target_length=32"),
+    (offline("vocab_size=512"), "come from a vocabulary of 256"),
+    (offline("distill_loss=reverse_kl"), "give forward_kl only"),
+    (offline("distill_temperature=2.0"), "written at distill_temperature=1.0; train with that temperature"),
+    (cfg(tmp_path, "off", "objective=distill", f"distill_topk_path={tmp_path}"), "has no topk.json"),
+  ]
+  for c, message in cases:
+    with pytest.raises(ConfigError, match=message) as e:
+      distill.OBJECTIVE.check(c, 8)
+    assert "\n" not in str(e.value)
+  meta = json.loads(open(f"{topk_dir}/topk.json").read()) | {"tokenizer": "0" * 64}
+  (tmp_path / "other").mkdir()
+  (tmp_path / "other" / "topk.json").write_text(json.dumps(meta))
+  (tmp_path / "tokenizer.model").write_bytes(b"another tokenizer")
+  other = cfg(tmp_path, "off", "objective=distill", f"distill_topk_path={tmp_path}/other", "dataset_type=text")
+  with pytest.raises(ConfigError, match="were tokenized with another tokenizer than tokenizer_path"):
+    distill.OBJECTIVE.check(other.replace(tokenizer_path=str(tmp_path / "tokenizer.model")), 8)
+  too_many = distill_config(tmp_path, *teacher_files, f"distill_topk_path={tmp_path}/new", "distill_topk_k=300")
+  with pytest.raises(ConfigError, match=r"distill_topk_k=300 must be in \[1, vocab_size=256\]"):
+    distill_topk.run(too_many)

@@ -31,7 +31,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from MaxText import checkpoint_layouts, checksums, config_checks, paths
+from MaxText import checkpoint_layouts, checksums, config_checks, paths, teacher
 from MaxText import state as state_lib
 from MaxText.config import Config, serving_config
 from MaxText.convert import upstream
@@ -246,8 +246,8 @@ def restore_or_init(
     restored = _restore_latest_good(config, manager, saved)
     state = _with_base(config, tx, spec, restored.state)
     restored = restored._replace(state=with_reference(spec, state, lambda: _starting_params(config, tx, spec, saved)))
-    return with_teacher(spec, restored)
-  return with_teacher(spec, _start(config, tx, spec, saved))
+    return teacher.attach(spec, restored, load_params)  # objective=distill: its teacher, read again on resume
+  return teacher.attach(spec, _start(config, tx, spec, saved), load_params)
 
 
 def _start(config: Config, tx: optax.GradientTransformation, spec: StateSpec, saved: TrainState) -> Restored:
@@ -285,18 +285,6 @@ def with_reference(spec: StateSpec, state: TrainState, starting_params: Callable
     return state
   copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=spec.shardings.params)
   return state.replace(reference=copy(starting_params()))
-
-
-def with_teacher(spec: StateSpec, restored: Restored) -> Restored:
-  """objective=distill: the state with its reference, the frozen teacher, read from teacher_load_parameters_path
-  (spec.teacher.path) into its shardings; checkpoints never hold it."""
-  if spec.teacher is None:
-    return restored
-  try:
-    params = load_params(spec.teacher.path, spec.abstract.reference)
-  except ConfigError as e:
-    raise ConfigError(f"teacher_load_parameters_path, read with the model of teacher_config: {e}") from None
-  return restored._replace(state=restored.state.replace(reference=params))
 
 
 def _check_lora_base(config: Config) -> None:

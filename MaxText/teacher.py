@@ -1,15 +1,17 @@
 """The frozen teacher of objective=distill (objectives/distill.py, docs/distillation.md): its own Config, built
 from teacher_config, with the run settings (mesh, batch, length, platform, compute dtype) of the student's.
 
-The teacher's params live in TrainState.reference (state.reference_spec), sharded on the student's mesh by the
-teacher's own logical axes; checkpointing.restore_or_init reads them from teacher_load_parameters_path.
+The teacher's params live in TrainState.reference (state.state_spec), sharded on the student's mesh by the
+teacher's own logical axes; attach (called by checkpointing.restore_or_init) reads them from
+teacher_load_parameters_path.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from MaxText import config as config_lib
 from MaxText import paths
@@ -41,7 +43,7 @@ class Teacher(NamedTuple):
   """What the train state needs of a teacher (StateSpec.teacher)."""
 
   config: Config  # config_of(student): the teacher's model
-  path: str  # teacher_load_parameters_path: where its params are read from (checkpointing.with_teacher)
+  path: str  # teacher_load_parameters_path: where its params are read from (teacher.attach)
 
 
 def has_teacher(config: Config) -> bool:
@@ -76,6 +78,19 @@ def config_of(student: Config) -> Config:
 def of(student: Config) -> Teacher | None:
   """The student's teacher (objective=distill), else None."""
   return Teacher(config_of(student), student.teacher_load_parameters_path) if has_teacher(student) else None
+
+
+def attach(spec: Any, restored: Any, read: Callable[[str, Any], Any]) -> Any:
+  """checkpointing.restore_or_init's Restored with its frozen teacher (TrainState.reference) when spec (a
+  state.StateSpec) has one: read(spec.teacher.path, spec.abstract.reference), checkpointing.load_params (passed in:
+  checkpointing imports this module). Checkpoints never hold the teacher, so a resume reads it again here."""
+  if spec.teacher is None:
+    return restored
+  try:
+    params = read(spec.teacher.path, spec.abstract.reference)
+  except ConfigError as e:
+    raise ConfigError(f"teacher_load_parameters_path, read with the model of teacher_config: {e}") from None
+  return restored._replace(state=restored.state.replace(reference=params))
 
 
 def check(student: Config) -> None:

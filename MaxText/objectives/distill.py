@@ -9,7 +9,7 @@ Per target token, with T = distill_temperature, a = distill_alpha and p = softma
     loss       = a T^2 kl + (1 - a) nll           nll: the student's next-token loss on the hard label (T = 1)
 
 T^2 keeps the KL's gradients on the scale of the nll's at any temperature (Hinton et al., 2015). The teacher is
-TrainState.reference (teacher.py builds its config, checkpointing.with_teacher reads its params): one forward per
+TrainState.reference (teacher.py builds its config, teacher.attach reads its params): one forward per
 micro-batch inside the jitted step, no gradient, no optimizer state. Its logits are compared with the student's
 over the student's vocabulary (teacher.check refuses a teacher whose vocab_size differs). Like every loss here,
 everything is a sum over the batch's target tokens; the step divides by their number once.

@@ -27,10 +27,10 @@ ONLINE=(objective=distill teacher_config="$OUT/teacher/config.yml"
   teacher_load_parameters_path="$OUT/teacher/checkpoints/300/state")
 python3 MaxText/train.py MaxText/configs/base.yml run_name=online "${COMMON[@]}" "${STUDENT[@]}" "${TOKENIZER[@]}" \
   "${ONLINE[@]}" distill_alpha=0.5
-# 3. Offline: the teacher's top-32 logits over the same 100 train batches (and 8 eval batches), stored once; then the
+# 3. Offline: the teacher's top-64 logits over the same 100 train batches (and 8 eval batches), stored once; then the
 # same student trained on them, no teacher in memory.
 python3 -m MaxText.distill_topk MaxText/configs/base.yml run_name=topk "${COMMON[@]}" "${STUDENT[@]}" "${TOKENIZER[@]}" \
-  "${ONLINE[@]}" distill_topk_path="$OUT/topk" distill_topk_k=32
+  "${ONLINE[@]}" distill_topk_path="$OUT/topk" distill_topk_k=64
 python3 MaxText/train.py MaxText/configs/base.yml run_name=offline "${COMMON[@]}" "${STUDENT[@]}" "${TOKENIZER[@]}" \
   objective=distill distill_topk_path="$OUT/topk" distill_alpha=0.5
 # 4. The same student from scratch, same data, same steps.

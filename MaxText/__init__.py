@@ -1,12 +1,33 @@
 """MaxText-style LLM training in pure Python/JAX."""
 
 import sys
+import time
+
+# The goodput clock's origin (goodput.program_start): the first import of MaxText, which every entry point makes
+# before jax. Not the process's start: a shell that runs `bash setup.sh && exec python3 ...` in one process would
+# charge the setup to the run.
+IMPORTED_AT = time.perf_counter()
 
 if sys.version_info < (3, 12):  # noqa: UP036 (jax >= 0.11, which requirements.txt pins, needs 3.12)
   sys.exit(
     f"MaxText needs Python >= 3.12 (this is {sys.version.split()[0]}): run `bash setup.sh`, "
     "then `source .venv/bin/activate`, and run the command again"
   )
+
+
+def _requirements_present() -> None:
+  """A bare `No module named 'jax'` deep in an import says nothing of the fix: name the missing requirements."""
+  import importlib.util  # noqa: PLC0415
+
+  missing = [m for m in ("numpy", "yaml", "jax", "flax", "optax", "orbax") if importlib.util.find_spec(m) is None]
+  if missing:
+    sys.exit(
+      f"MaxText's requirements are not installed (no module {', '.join(map(repr, missing))} in {sys.executable}): "
+      "run `bash setup.sh` and `source .venv/bin/activate`, or `pip install -r requirements.txt && pip install -e .`"
+    )
+
+
+_requirements_present()
 
 
 def _accelerator_present() -> bool:

@@ -32,10 +32,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-import jax
 import yaml
 
-from MaxText import accelerators, optimizers, planner, sharding
+from MaxText import accelerators, console, memory_fit, optimizers, planner, sharding
 from MaxText import config as config_lib
 from MaxText import flops as flops_lib
 from MaxText import state as state_lib
@@ -62,14 +61,6 @@ def splits(config: Config, chips: int) -> list[Split]:
   return found
 
 
-def _per_device(tree: Any) -> int:
-  total = 0
-  for leaf in jax.tree.leaves(tree):
-    shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
-    total += math.prod(shape) * leaf.dtype.itemsize
-  return total
-
-
 def facts(config: Config, split: Split, devices: Sequence[Any]) -> Facts:
   """The state's per-device bytes on `split` (abstract: nothing allocated) and the FLOP count."""
   config = config.replace(**split.overrides())
@@ -78,7 +69,7 @@ def facts(config: Config, split: Split, devices: Sequence[Any]) -> Facts:
   tx, _ = optimizers.build(config)
   with sharding.activate(config, mesh):
     spec = state_lib.state_spec(config, tx, mesh, plan)
-  params = _per_device(spec.abstract.params)
+  params = memory_fit.per_device_bytes(spec.abstract.params)
   d = dims(config)
   embed = d.vocab * d.emb * (1 if config.logits_via_embedding else 2)
   layer = (spec.num_params - embed) / d.layers * d.act_bytes / (split.tensor * split.expert)
@@ -89,7 +80,7 @@ def facts(config: Config, split: Split, devices: Sequence[Any]) -> Facts:
   shares = {k: v / sum(width.values()) for k, v in width.items()}
   batch_shards = math.prod(mesh.shape[a] for a in sharding.data_axes(config) if a in mesh.shape)
   return Facts(
-    split, len(devices), _per_device(spec.abstract), params, layer, batch_shards, count.total, shares
+    split, len(devices), memory_fit.per_device_bytes(spec.abstract), params, layer, batch_shards, count.total, shares
   )  # fmt: skip
 
 
@@ -198,23 +189,29 @@ def _next_probe(guess: float, lo: int, hi: int | None, cap: int, step: int) -> i
   return min(max(guess, lo + step), upper)
 
 
-def search_group(config: Config, c: Candidate, f: Facts, s: Settings, compile_fn: Compile, left: int, scale: float):
+def search_group(
+  config: Config, c: Candidate, f: Facts, s: Settings, compile_fn: Compile, left: int, scale: float, began: float
+):
   """Bisect one group's batch with compiles: (largest fitting batch or 0, smallest failing or None, compiled
-  candidates, compiles left, the calibrated activation scale)."""
+  candidates, compiles left, the calibrated activation scale). `began`: when the search's first compile started
+  (each line's ETA: the mean compile so far times the compiles left, an upper bound)."""
   d = dims(config)
   cal = Calibration(d, f, c)
   lo, hi, tried, sides = 0, None, [], []
   probe = c.batch
   while left > 0 and probe is not None and probe not in cal.points:
     cand = dataclasses.replace(c, batch=probe, estimate=estimate(d, f, c.remat, probe, c.accumulation).total)
-    began = time.perf_counter()
+    started = time.perf_counter()
     total = compile_fn(candidate_config(config, cand))
     left -= 1
     fits = total is not None and total <= s.budget
+    done, now = config.auto_fit_compiles - left, time.perf_counter()
     print(
-      f"auto-fit: compiled {cand.split}, remat {cand.remat}, accumulation {cand.accumulation}, batch {probe}: "
+      f"auto-fit: compile {done}/{config.auto_fit_compiles}: {cand.split}, remat {cand.remat}, accumulation "
+      f"{cand.accumulation}, batch {probe}: "
       f"{'out of memory' if total is None else f'{total / GiB:.3f} GiB'} (estimated {cand.estimate / GiB:.3f}), "
-      f"{'fits' if fits else 'does not fit'}, {time.perf_counter() - began:.0f} s",
+      f"{'fits' if fits else 'does not fit'}, {now - started:.0f} s; at most "
+      f"{console.format_duration((now - began) / done * left)} left",
       flush=True,
     )
     cal.points[probe] = total
@@ -253,12 +250,13 @@ def search(config: Config, devices: Sequence[Any], compile_fn: Compile) -> Resul
   ranked = groups(config, devices, s, all_facts)
   print(f"auto-fit: {len(ranked)} groups estimated over {len(all_facts)} splits in {time.perf_counter() - start:.0f} s")
   winner, next_fails, compiled, left, scale = None, None, [], config.auto_fit_compiles, 1.0
+  began = time.perf_counter()
   for c in ranked:
     if left <= 0:
       break
     if winner is not None and rank(config, _calibrated(config, c, all_facts, s, scale)) <= rank(config, winner):
       continue  # even calibrated as the compiles so far, it cannot beat the winner
-    lo, hi, tried, left, scale = search_group(config, c, all_facts[c.split], s, compile_fn, left, scale)
+    lo, hi, tried, left, scale = search_group(config, c, all_facts[c.split], s, compile_fn, left, scale, began)
     compiled += tried
     if lo:
       best = next(t for t in tried if t.batch == lo)

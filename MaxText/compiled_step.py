@@ -33,6 +33,7 @@ RUNTIME_KEYS = (
   "profiler_steps", "collect_stack_trace", "stack_trace_to_cloud", "stack_trace_interval_seconds",
   "compile_topology", "compile_topology_num_slices", "compiled_trainstep_file", "init_weights_seed",
   "jax_distributed_initialization_timeout", "jax_distributed_heartbeat_timeout", "nan_check", "run_dir",
+  "check_memory_fit",
   "checkpoint_dir", "tensorboard_dir", "tokenizer_dir", "dump_hlo", "dump_hlo_local_dir", "dump_hlo_gcs_dir",
   "dump_hlo_module_name", "dump_hlo_xla_flags",
 )  # fmt: skip

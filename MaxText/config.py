@@ -53,6 +53,7 @@ CHOICES = {
   "distill_loss": ("forward_kl", "reverse_kl", "mix"),  # objectives/distill.py
   "objective": ("lm", "dpo", "grpo", "distill"),  # objectives.REGISTRY
 }
+CHOICES["objective"] += ("simpo", "orpo")  # objectives/simpo.py, objectives/orpo.py
 
 # Keys derived at load time; users may not set them.
 DERIVED = (

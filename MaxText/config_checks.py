@@ -6,12 +6,11 @@ the values; this file says which values can run. Tested through config.load (con
 from __future__ import annotations
 
 import math
-import os
 import re
 from collections.abc import Mapping
 from typing import Any
 
-from MaxText import hlo_dump, paths
+from MaxText import chat_checks, hlo_dump, paths
 from MaxText.errors import ConfigError
 
 # mesh axis -> the suffix of its ici_/dcn_ keys (MaxText calls the `stage` axis "pipeline"). `context` is
@@ -145,27 +144,6 @@ def _validate_tokenizer_path(c: dict[str, Any]) -> None:
   )
 
 
-def _validate_sft(c: dict[str, Any]) -> None:
-  """use_sft (and objective=dpo) read chat examples from text files or a Hugging Face dataset, through a Hugging
-  Face tokenizer."""
-  dpo = c["objective"] == "dpo"
-  if not (c["use_sft"] or dpo):
-    return
-  key = "objective=dpo" if dpo else "use_sft=true"
-  if c["dataset_type"] not in ("text", "hf") or (c["dataset_type"] == "text" and not c["dataset_path"]):
-    raise ConfigError(
-      f"{key} reads dataset_type=text with dataset_path (a glob of .jsonl/.parquet files) or dataset_type=hf; "
-      f"got dataset_type={c['dataset_type']} dataset_path={c['dataset_path']!r}"
-    )
-  if c["tokenizer_type"] != "huggingface" or not c["tokenizer_path"]:
-    raise ConfigError(
-      f"{key} needs tokenizer_type=huggingface and tokenizer_path (a tokenizer.json; its chat template "
-      "comes from tokenizer_config.json beside it); a converted checkpoint's config.yml sets both"
-    )
-  if c["sft_chat_template"] and not os.path.isfile(os.path.expanduser(c["sft_chat_template"])):
-    raise ConfigError(f"sft_chat_template={c['sft_chat_template']!r} does not exist; give a Jinja2 template file")
-
-
 def _validate_load_paths(c: dict[str, Any]) -> None:
   """load_parameters_path / load_full_state_path name a checkpoint directory that may exist."""
   for key in ("load_parameters_path", "load_full_state_path"):
@@ -193,20 +171,6 @@ def _validate_images(c: dict[str, Any]) -> None:
     raise ConfigError(f"max_image_tiles={c['max_image_tiles']}: an image needs at least one tile (Llama 4: 16)")
   if c["use_sft"] and not c["sft_images_column"]:
     raise ConfigError("use_sft with use_multimodal needs sft_images_column (the field with a row's images)")
-
-
-def _validate_dpo(c: dict[str, Any]) -> None:
-  """The DPO keys make sense (checked whatever the objective, like every key)."""
-  if c["dpo_beta"] <= 0:
-    raise ConfigError(f"dpo_beta={c['dpo_beta']} must be > 0 (e.g. dpo_beta=0.1)")
-  if not 0.0 <= c["dpo_label_smoothing"] < 0.5:
-    raise ConfigError(f"dpo_label_smoothing={c['dpo_label_smoothing']} must be in [0, 0.5)")
-  if c["objective"] != "dpo":
-    return
-  if c["use_sft"]:
-    raise ConfigError("objective=dpo and use_sft=true: a run trains one objective; set use_sft=false")
-  if c["mtp_num_layers"] > 0:
-    raise ConfigError("objective=dpo does not train multi-token prediction: set mtp_num_layers=0")
 
 
 def _validate_optimizer(c: dict[str, Any]) -> None:
@@ -427,9 +391,9 @@ def validate(c: dict[str, Any]) -> None:
     raise ConfigError("Set at most one of load_parameters_path and load_full_state_path")
   _validate_load_paths(c)
   _validate_tokenizer_path(c)
-  _validate_sft(c)
+  chat_checks.validate_sft(c)
   _validate_images(c)
-  _validate_dpo(c)
+  chat_checks.validate_preferences(c)
   _validate_data_sources(c)
   _validate_run_settings(c)
   _validate_pieces(c)

@@ -7,6 +7,7 @@ import math
 import os
 import shlex
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
@@ -15,6 +16,7 @@ from MaxText import paths
 from MaxText.config import Config
 
 PROGRESS_INTERVAL_S = 60.0  # without a terminal: a plain progress line when nothing was printed for this long
+HEARTBEAT_S = 60.0  # a long compile says it is still running this often
 
 
 def format_duration(seconds: float) -> str:
@@ -85,12 +87,13 @@ def run_header(
   return "\n".join(lines)
 
 
-def outputs_lines(config: Config, last_checkpoint: str | None) -> list[str]:
-  """The closing summary's pointers to what the run wrote, with the commands that read them."""
+def outputs_lines(config: Config, last_checkpoint: str | None, prompt: str | None = None) -> list[str]:
+  """The closing summary's pointers to what the run wrote, with the commands that read them (`prompt`: the
+  decode command's, e.g. the first words of a held-out document)."""
   lines = [f"  run directory        {paths.absolute(config.run_dir)}"]
   if last_checkpoint:
     lines.append(f"  last checkpoint      {last_checkpoint}")
-    lines.append(f"    generate:          {decode_command(config, last_checkpoint)}")
+    lines.append(f"    generate:          {decode_command(config, last_checkpoint, prompt)}")
   lines.append(f"  metrics              {paths.absolute(config.metrics_file)}")
   lines.append(f"    plot:              python3 -m MaxText.plot_metrics {paths.absolute(config.metrics_file)}")
   if config.enable_tensorboard:
@@ -98,9 +101,11 @@ def outputs_lines(config: Config, last_checkpoint: str | None) -> list[str]:
   return lines
 
 
-def decode_command(config: Config, checkpoint: str) -> str:
+def decode_command(config: Config, checkpoint: str, prompt: str | None = None) -> str:
   """The decode.py command line for `checkpoint` of this run: the run's own config.yml (its model, tokenizer and
-  run directory) with the checkpoint's params, or under LoRA its adapters over the run's base."""
+  run directory) with the checkpoint's params, or under LoRA its adapters over the run's base. It samples
+  (nucleus): a small model decoded greedily mostly repeats one word. `prompt` (default: the config's) is best
+  taken from the run's own data, which is all the model knows."""
   script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode.py")
   relative = os.path.relpath(script)  # MaxText/decode.py from the repository root
   args = [
@@ -114,6 +119,10 @@ def decode_command(config: Config, checkpoint: str) -> str:
     args.append(f"load_parameters_path={checkpoint}")
     if config.load_full_state_path:  # how this run started; decode.py takes one of the two
       args.append("load_full_state_path=")
+  if prompt:
+    args.append(f"prompt={prompt}")
+  if config.decode_sampling_strategy == "greedy":
+    args.append("decode_sampling_strategy=nucleus")
   return shlex.join(args)
 
 
@@ -167,3 +176,35 @@ def _isatty(stream: Any) -> bool:
     return stream.isatty()
   except (AttributeError, ValueError):  # a closed or fake stream
     return False
+
+
+class Heartbeat:
+  """A context manager for long work that prints nothing of its own (an XLA compile): every `interval_s` a line
+  on `stream` says it is still running and for how long. A thread waits on an event, so a short compile costs
+  nothing and a finished one prints no more. XLA itself may print a "Very slow compile?" banner meanwhile: the
+  first heartbeat says it is a notice for XLA bug reports, not an error."""
+
+  def __init__(self, what: str, enabled: bool = True, interval_s: float = HEARTBEAT_S, stream: TextIO | None = None):
+    self.what, self.enabled, self.interval_s = what, enabled, interval_s
+    self.stream = sys.stdout if stream is None else stream
+    self._done = threading.Event()
+    self._thread: threading.Thread | None = None
+
+  def __enter__(self) -> Heartbeat:
+    if self.enabled:
+      self._thread = threading.Thread(target=self._beat, args=(time.perf_counter(),), daemon=True)
+      self._thread.start()
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    self._done.set()
+    if self._thread is not None:
+      self._thread.join()
+
+  def _beat(self, began: float) -> None:
+    beats = 0
+    while not self._done.wait(self.interval_s):
+      beats += 1
+      note = ' (XLA\'s "Very slow compile?" banner, if it comes, is a notice, not an error)' if beats == 1 else ""
+      self.stream.write(f"{self.what}: still running, {format_duration(time.perf_counter() - began)} so far{note}\n")
+      self.stream.flush()

@@ -15,7 +15,10 @@ cached in its run directory, else UTF-8 bytes (MaxText/inference/tokenizer.py)."
 
 from __future__ import annotations
 
-import MaxText  # noqa: F401 (first: a signal during the imports below exits in one line, preemption.py)
+try:  # first: a signal during the imports below exits in one line (preemption.py)
+  import MaxText  # noqa: F401
+except ModuleNotFoundError as e:  # run as a file with the requirements alone: say what installs the package
+  raise SystemExit(f"{e}: run `bash setup.sh` (or `pip install -e .` in this environment) first") from None
 
 # isort: split
 import logging

@@ -1,11 +1,11 @@
 """Goodput: the share of a run's wall time that was productive training, and where the rest went (badput).
 
-Every second from process start to exit is charged to exactly one kind, by one clock: `charge(kind)` gives the
-time since the previous charge to `kind`, except the part that JAX spent tracing, lowering and compiling on
-this thread meanwhile (jax.monitoring's compile events), which goes to `compile`. The train loop charges at
-its existing phase boundaries (time.perf_counter() only: no device syncs of its own):
+Every second from the program's start (program_start) to exit is charged to exactly one kind, by one clock:
+`charge(kind)` gives the time since the previous charge to `kind`, except the part that JAX spent tracing,
+lowering and compiling on this thread meanwhile (jax.monitoring's compile events), which goes to `compile`.
+The train loop charges at its existing phase boundaries (time.perf_counter() only: no device syncs of its own):
 
-  startup             process start to the first step, less restore, compilation and the first batch
+  startup             program start to the first step, less restore, compilation and the first batch
   compile             tracing + lowering + XLA compilation on the main thread (train step, eval step, init)
   productive          step time of steps never run before: dispatch + waiting for the device (below)
   data_wait           time the host is blocked in next() on the input pipeline
@@ -41,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -102,19 +101,13 @@ class _CompileTime:
 COMPILE_TIME = _CompileTime()
 
 
-def process_start() -> float:
-  """time.perf_counter() at which this process started (Linux: from /proc), so start-up includes the imports;
-  now where /proc is not there."""
-  now = time.perf_counter()
-  try:
-    with open("/proc/self/stat") as f:
-      started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time after boot, in ticks
-    with open("/proc/uptime") as f:
-      uptime = float(f.read().split()[0])
-  except (OSError, ValueError, IndexError):
-    return now
-  age = uptime - started_ticks / os.sysconf("SC_CLK_TCK")
-  return now - max(0.0, age)
+def program_start() -> float:
+  """time.perf_counter() when this program started: MaxText's first import (MaxText.IMPORTED_AT), which precedes
+  jax's, so start-up includes the imports. Only the interpreter's own start (some tens of ms) comes before it; what
+  ran earlier in the same process (a shell that execs python after pip) is not this program's time."""
+  import MaxText  # noqa: PLC0415
+
+  return MaxText.IMPORTED_AT
 
 
 def empty_record() -> dict[str, Any]:
@@ -178,7 +171,7 @@ def read_record(path: str, checkpoint_dir: str = "") -> dict[str, Any]:
 
 class Recorder:
   """One attempt's clock, added to the earlier attempts' record. `origin`: perf_counter() when this process
-  started (process_start()); `is_writer`: this process writes the record. Disabled (enable_goodput_recording
+  started (program_start()); `is_writer`: this process writes the record. Disabled (enable_goodput_recording
   false, or Recorder.off()): every method is a no-op and figures() is empty."""
 
   def __init__(self, config: Config | None, origin: float, is_writer: bool, enabled: bool = True):

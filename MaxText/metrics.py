@@ -108,15 +108,18 @@ class MetricLogger:
     progress: bool = False,
     goodput_figures: Callable[[], dict[str, Any]] | None = None,
     perplexity: bool = True,
+    sample_prompt: str | None = None,
   ):
     """tokens_per_step and flops_per_step are global (all devices); peak_flops_per_device in FLOP/s.
     peak_is_measured: the peak is a measured matmul (CPU), a lower bound that a window beating it
     raises, so MFU never exceeds 100%. started: perf_counter() when the run began (default: now), the
     origin of elapsed_s and total_time_s. progress: show console.Progress between records. goodput_figures:
     the run's goodput fields so far (goodput.Recorder.figures), added to every train record and the summary.
-    perplexity: the loss is a language-model nll (Objective.perplexity): records show exp(loss) too."""
+    perplexity: the loss is a language-model nll (Objective.perplexity): records show exp(loss) too.
+    sample_prompt: the summary's decode command samples from it (the data's first held-out words)."""
     self.config = config
     self.perplexity = perplexity
+    self.sample_prompt = sample_prompt
     self.num_devices = num_devices
     self.tokens_per_step = tokens_per_step
     self.flops_per_step = flops_per_step
@@ -303,6 +306,7 @@ class MetricLogger:
       "skipped_steps": self._skipped,
       **self._last_eval,
       **(self._goodput_figures() if self._goodput_figures is not None else {}),
+      **({"sample_prompt": self.sample_prompt} if self.sample_prompt else {}),
     }
 
   def close(self) -> dict[str, Any]:
@@ -392,7 +396,10 @@ def format_summary(summary: Mapping[str, Any], config: Config | None = None) -> 
   if "goodput" in summary:
     lines += goodput.summary_lines(summary)
   if config is not None:
-    lines += console.outputs_lines(config, summary.get("last_checkpoint"))
+    lines += console.outputs_lines(config, summary.get("last_checkpoint"), summary.get("sample_prompt"))
   if summary.get("skipped_steps"):
-    lines.append(f"  skipped steps        {summary['skipped_steps']} (not applied: non-finite or a loss spike)")
+    skipped, mostly = summary["skipped_steps"], ""
+    if 2 * skipped > summary["steps_run"]:  # nonfinite.check_skipped makes such a run exit 1
+      mostly = "; more than half of the steps run: the run exits 1"
+    lines.append(f"  skipped steps        {skipped} (not applied: non-finite or a loss spike{mostly})")
   return "\n".join(lines)

@@ -6,12 +6,14 @@ python3 MaxText/train.py MaxText/configs/base.yml run_name=NAME key=value ...
 
 from __future__ import annotations
 
-import MaxText  # noqa: F401 (first: a signal during the imports below exits in one line, preemption.py)
+try:  # first: a signal during the imports below exits in one line (preemption.py)
+  import MaxText  # noqa: F401
+except ModuleNotFoundError as e:  # run as a file with the requirements alone: say what installs the package
+  raise SystemExit(f"{e}: run `bash setup.sh` (or `pip install -e .` in this environment) first") from None
 
 # isort: split
 import contextlib
 import dataclasses
-import math
 import os
 import sys
 import time
@@ -32,7 +34,9 @@ from MaxText import (
   goodput,
   hlo_dump,
   launch,
+  memory_fit,
   metrics,
+  nonfinite,
   objectives,
   optimizers,
   paths,
@@ -45,16 +49,9 @@ from MaxText import state as state_lib
 from MaxText import train_step as steps
 from MaxText.config import Config
 from MaxText.errors import CheckpointError, ConfigError
+from MaxText.nonfinite import NonFiniteLossError, SkippedUpdatesError
 from MaxText.objectives import rewards
 from MaxText.objectives.base import Sources
-
-
-class NonFiniteLossError(RuntimeError):
-  """The loss or the update went NaN/inf; that update was not applied and nothing non-finite was saved."""
-
-  def __init__(self, message: str, loss_step: int | None = None):
-    super().__init__(message)
-    self.loss_step = loss_step  # the checkpoint (steps completed) whose state gives the non-finite loss
 
 
 def check_hardware(config: Config) -> None:
@@ -168,7 +165,7 @@ def run(
   """Train to config.steps on `devices` (default: all); returns the metrics summary. `started`:
   perf_counter() when the process began its work (main passes it, so the summary's total time includes
   config loading); default now. `process_started`: the origin of the goodput clock (main passes
-  goodput.process_start()); default `started`. A run already at config.steps trains nothing and returns
+  goodput.program_start()); default `started`. A run already at config.steps trains nothing and returns
   {"steps_run": 0}."""
   started = time.perf_counter() if started is None else started
   clock = goodput.Recorder(config, started if process_started is None else process_started, jax.process_index() == 0)
@@ -186,14 +183,14 @@ def run(
   peak = accelerators.peak(dtype=config.dtype)  # CPU: a measured matmul, outside the mesh
   with sharding.activate(config, mesh), stack_traces(config), preemption.Watch(mesh) as watch:
     spec = state_lib.state_spec(config, optimizer.tx, mesh, plan)
+    memory_fit.announce(config, mesh, spec, global_batch, peak.flops)  # before anything is allocated
     data = objective.sources(config, mesh)
     manager = checkpointing.create_manager(config)
     clock.charge()
-    restored = checkpointing.restore_or_init(config, optimizer.tx, spec, manager)
+    restored = checkpointing.restore_or_init(config, optimizer.tx, spec, manager, data.train.set_state)
     clock.restored(restored.source)
-    if restored.data_state is not None:
-      data.train.set_state(restored.data_state)
-    if already_done(config, int(restored.state.step)):
+    start = int(restored.state.step)
+    if already_done(config, start):
       clock.stop()
       return {"steps_run": 0}
     write_config(config)
@@ -204,8 +201,11 @@ def run(
       # process, and the sooner the line is out the likelier it precedes JAX's own abort (docs/failures.md).
       with preemption.lost_processes(config.checkpoint_dir if config.enable_checkpointing else None):
         return train_loop(config, parts)
-    except NonFiniteLossError as e:  # name the checkpoint a restart resumes from (in-flight saves complete first)
-      raise NonFiniteLossError(f"{e} {checkpointing.resume_point(config, manager, e.loss_step)}") from None
+    except NonFiniteLossError as e:  # what to change, and where a rerun resumes (in-flight saves complete first)
+      e.__traceback__ = None  # releases the failed step's state before a checkpoint is read again
+      resumed = start if restored.source.startswith("resume") else None
+      message = nonfinite.advice(config, manager, e, resumed, spec.partition.checkpointed(spec.abstract))
+      raise NonFiniteLossError(message, e.step, e.loss_finite) from None
     finally:  # on success or error, let in-flight (async) checkpoints of good steps complete
       if manager is not None:
         with clock.phase("checkpoint_save"):
@@ -249,22 +249,6 @@ def train_step_fn(
   if compiled is not None:
     return compiled_step.load_compiled(compiled)
   return steps.jit_train_step(config, mesh, optimizer.tx, spec, optimizer.schedule)
-
-
-def check_finite(config: Config, step: int, scalars: dict[str, float]) -> None:
-  """nan_check: stop on a non-finite loss or update (the train step did not apply the update; the loop
-  checks a step before any checkpoint that includes it)."""
-  if not config.nan_check or (math.isfinite(scalars["loss"]) and scalars.get("update_finite", 1.0) > 0):
-    return
-  loss_finite = math.isfinite(scalars["loss"])
-  what = "the update is not finite" if loss_finite else f"loss is {scalars['loss']}"
-  raise NonFiniteLossError(
-    f"{what} at step {step} (grad norm {scalars.get('grad_norm')}); that update was not applied or saved. "
-    "Lower learning_rate (or raise warmup_steps_fraction, set gradient_clipping_threshold, use dtype=float32) "
-    "and rerun with the same run_name.",
-    # `step` counts completed steps; its loss comes from the state after step - 1 updates: that checkpoint.
-    loss_step=None if loss_finite else step - 1,
-  )
 
 
 class Pending(NamedTuple):
@@ -312,7 +296,7 @@ class StepReader:
     self.logger.log(completed, scalars, now - self.mark, dispatch=done.dispatch)
     self.mark = now
     self.profiler.finished(done.step)
-    check_finite(self.config, completed, scalars)
+    nonfinite.check_finite(self.config, completed, scalars)
 
 
 def make_logger(config: Config, parts: LoopParts, start: int, is_writer: bool) -> metrics.MetricLogger:
@@ -331,6 +315,7 @@ def make_logger(config: Config, parts: LoopParts, start: int, is_writer: bool) -
     progress=config.progress_bar,
     goodput_figures=parts.goodput.figures if parts.goodput.enabled else None,
     perplexity=objectives.get(config).perplexity,
+    sample_prompt=parts.data.sample_prompt,
   )
 
 
@@ -380,7 +365,8 @@ def train_loop(config: Config, parts: LoopParts) -> dict[str, Any]:
     for step in range(start, config.steps):
       profiler.dispatching(step)
       t0 = time.perf_counter()
-      state, step_metrics = parts.step_fn(state, fetched.batch, jax.random.fold_in(dropout_key, step))
+      with console.Heartbeat("compiling the train step", enabled=step == start and jax.process_index() == 0):
+        state, step_metrics = parts.step_fn(state, fetched.batch, jax.random.fold_in(dropout_key, step))
       reader.push(Pending(step, step_metrics, (t0, time.perf_counter()), fetched.metrics))
       done = step + 1
       parts.goodput.step(done)
@@ -454,7 +440,7 @@ USAGE = launch.Usage(
 def main(argv: Sequence[str], usage: launch.Usage = USAGE, overrides: Sequence[str] = ()) -> None:
   """argv: sys.argv (the program name first); `overrides` go after it (python3 -m MaxText.rl: objective=grpo)."""
   started = time.perf_counter()  # the summary's total time counts everything from here (tokenizer training too)
-  process_started = goodput.process_start()  # goodput's total counts the imports too
+  process_started = goodput.program_start()  # goodput's total counts the imports too
   config = launch.start(argv[1:], usage, overrides=overrides)
   if config.log_config and jax.process_index() == 0:
     print(config, flush=True)
@@ -462,11 +448,12 @@ def main(argv: Sequence[str], usage: launch.Usage = USAGE, overrides: Sequence[s
     launch.check_outputs(config)  # before any device work: the mistakes that are knowable now
     saved_config.check(config)
     try:
-      run(config, started=started, process_started=process_started)  # raises Stopped after its checkpoint
+      summary = run(config, started=started, process_started=process_started)  # raises Stopped after its checkpoint
+      nonfinite.check_skipped(summary)  # most updates skipped: exits 1 (docs/failures.md)
     except preemption.Stopped as stopped:
       print(stopped.line(), file=sys.stderr, flush=True)
       sys.exit(preemption.EXIT_STOPPED)
-    except NonFiniteLossError as e:  # the message says what to do
+    except (NonFiniteLossError, SkippedUpdatesError) as e:  # the message says what to do
       sys.exit(f"{type(e).__name__}: {e}")
     except rewards.RewardError as e:  # objective=grpo: the user's reward function failed on a row
       sys.exit(f"Reward error: {e} (checkpoints saved before this step are kept)")

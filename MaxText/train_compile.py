@@ -15,7 +15,10 @@ runs it instead of compiling.
 
 from __future__ import annotations
 
-import MaxText  # noqa: F401 (first: a signal during the imports below exits in one line, preemption.py)
+try:  # first: a signal during the imports below exits in one line (preemption.py)
+  import MaxText  # noqa: F401
+except ModuleNotFoundError as e:  # run as a file with the requirements alone: say what installs the package
+  raise SystemExit(f"{e}: run `bash setup.sh` (or `pip install -e .` in this environment) first") from None
 
 # isort: split
 import os
@@ -33,7 +36,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from MaxText import (
   accelerators,
   autofit,
+  checksums,
   compiled_step,
+  console,
   gpu_aot,
   hlo_dump,
   launch,
@@ -136,7 +141,8 @@ def compile_train_step(config: Config, devices: Sequence[Any]) -> tuple[Any, Com
     batch, rng = shaped_inputs(config, mesh)
     start = time.perf_counter()
     try:
-      compiled = steps.jit_train_step(config, mesh, tx, spec, schedule).lower(spec.abstract, batch, rng).compile()
+      with console.Heartbeat("compiling the train step"):
+        compiled = steps.jit_train_step(config, mesh, tx, spec, schedule).lower(spec.abstract, batch, rng).compile()
     except Exception as e:  # XLA reports an HBM overflow as a compile error (RESOURCE_EXHAUSTED)
       _raise_if_out_of_memory(config, devices[0].device_kind, str(e))
       raise
@@ -297,6 +303,23 @@ def print_other_programs(config: Config, devices: Sequence[Any], mesh: Mesh) -> 
     print(line, flush=True)
 
 
+def checksum_line(config: Config, devices: Sequence[Any], mesh: Mesh) -> str:
+  """What computing a checkpoint's checksums (checksums.py, at each save and resume) needs per device, beside the
+  state it reads where it lies."""
+  tx = optimizers.build(config).tx
+  with sharding.activate(config, mesh):
+    spec = state_lib.state_spec(config, tx, mesh, planner.build(config, mesh))
+    try:
+      memory = checksums.lowered(spec.partition.checkpointed(spec.abstract)).compile().memory_analysis()
+    except Exception as e:  # noqa: BLE001 (a side figure: the train step's report above stands)
+      return f"checkpoint checksums: not compiled ({' '.join(str(e).split())[:200]})"
+  mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
+  return (
+    f"checkpoint checksums: per device, temporaries {mib(memory.temp_size_in_bytes)} beside the saved state's "
+    f"{mib(memory.argument_size_in_bytes)} (read in place; outputs {memory.output_size_in_bytes:,} bytes)"
+  )
+
+
 USAGE = launch.Usage(
   command="python3 MaxText/train_compile.py MaxText/configs/base.yml compile_topology=v5e-256 "
   "[compile_topology_num_slices=2] [compiled_trainstep_file=step.pickle] [key=value ...]",
@@ -329,6 +352,7 @@ def main(argv: Sequence[str], usage: launch.Usage = USAGE, overrides: Sequence[s
     if note:
       print(note, flush=True)
     print_other_programs(config, devices, mesh)
+    print(checksum_line(config, devices, mesh), flush=True)
     hlo_dump.publish(config, is_writer=True)
     if config.compiled_trainstep_file:
       compiled_step.save_compiled(config.compiled_trainstep_file, compiled, config, mesh)

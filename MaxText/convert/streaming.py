@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -85,7 +86,19 @@ class StreamedArrayHandler(ocp.type_handlers.NumpyHandler):
         await array[index].write(np.asarray(load(), dtype=value.dtype))
 
 
-ocp.type_handlers.register_type_handler(StreamedArray, StreamedArrayHandler(), override=True)
+def _register() -> None:
+  """Register the handler without orbax's warning that it shares np.ndarray's typestr: it does on purpose (the
+  arrays are read back as numpy arrays), and a user could do nothing about the line on every conversion."""
+  absl = logging.getLogger("absl")
+  quiet = lambda record: "collision on np.ndarray" not in record.getMessage()
+  absl.addFilter(quiet)
+  try:
+    ocp.type_handlers.register_type_handler(StreamedArray, StreamedArrayHandler(), override=True)
+  finally:
+    absl.removeFilter(quiet)
+
+
+_register()
 
 
 def save(path: str, tree: Any) -> None:

@@ -11,6 +11,7 @@ import importlib
 
 from jax.sharding import Mesh
 
+from MaxText.chat_checks import PREFERENCE_OBJECTIVES
 from MaxText.config import DATASET_BACKENDS, Config
 from MaxText.data import preferences, sft
 from MaxText.data.batches import FIELDS, BatchIterator, BatchSource, Iterators
@@ -24,7 +25,7 @@ def make_iterators(config: Config, mesh: Mesh) -> Iterators:
   """Train iterator (endless), eval factory (fresh iterator per call; None without eval data), tokenizer."""
   if config.dataset_type not in DATASET_BACKENDS:
     raise DataError(f"dataset_type={config.dataset_type!r} is not one of {', '.join(sorted(DATASET_BACKENDS))}")
-  if config.objective == "dpo":  # preference pairs, rendered as use_sft renders chats (data/preferences.py)
+  if config.objective in PREFERENCE_OBJECTIVES:  # pairs, rendered as use_sft renders chats (data/preferences.py)
     return preferences.make_iterators(config, mesh)
   if config.use_sft:  # chat/instruction examples, loss on the completion (data/sft.py reads text or hf sources)
     return sft.make_iterators(config, mesh)

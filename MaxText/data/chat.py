@@ -6,6 +6,12 @@ one assistant turn; or lists of messages). It is rendered with a chat template t
 transformers renders it (Jinja2, sandboxed, trim_blocks and lstrip_blocks, the tokenizer's special tokens as
 variables), tokenized once, and each token is marked as completion (it carries loss) or prompt (no loss).
 
+A record whose prompt and completion are both strings, read without a chat template (the tokenizer has none and
+sft_chat_template is empty, or the tokenizer is SentencePiece or tiktoken, which render no template), is plain
+text: its ids are BOS (add_bos), the prompt's, the completion's, EOS (add_eos), each part tokenized on its own as
+other trainers do for their standard (non-conversational) format (tokenize_plain). A conversation (messages) needs a
+chat template: a Hugging Face tokenizer's, or this module's default one.
+
 The completion is every assistant turn (with prompt/completion columns: the assistant turns of the
 completion only). Its character spans come from the template's `{% generation %}` markers when it has them;
 otherwise, for assistant message i, span = what rendering messages[:i + 1] adds to rendering messages[:i]
@@ -80,7 +86,7 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, s
 class ChatTemplate:
   """A compiled chat template and the special tokens it may name (bos_token, eos_token, ...)."""
 
-  def __init__(self, source: str, special_tokens: dict[str, Any], where: str):
+  def __init__(self, source: str, special_tokens: dict[str, Any], where: str, default: bool = False):
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -98,6 +104,7 @@ class ChatTemplate:
         f"The chat template of {where} is not valid Jinja2: {e}; fix it or set sft_chat_template"
       ) from None
     self.source, self.where, self.special_tokens = source, where, dict(special_tokens)
+    self.default = default  # DEFAULT_TEMPLATE, used since no template was found: string rows are plain text
 
   def render_marked(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False) -> str:
     """The template's text, with GEN_START/GEN_END around `{% generation %}` output."""
@@ -131,7 +138,10 @@ def _read_json(path: str) -> dict[str, Any]:
 def load_template(tok: Any, override: str = "") -> ChatTemplate:
   """The chat template of a Hugging Face tokenizer `tok`: the file `override` (sft_chat_template) if set, else
   tokenizer_config.json's `chat_template` or chat_template.jinja next to tok.path, else DEFAULT_TEMPLATE.
-  Special-token variables come from tokenizer_config.json, with bos_token/eos_token filled in from `tok`."""
+  Special-token variables come from tokenizer_config.json, with bos_token/eos_token filled in from `tok`.
+  A SentencePiece or tiktoken tokenizer renders no template (no encode_with_offsets): DEFAULT_TEMPLATE, unused."""
+  if not hasattr(tok, "encode_with_offsets"):
+    return ChatTemplate(DEFAULT_TEMPLATE, {}, "the default template", default=True)
   directory = os.path.dirname(tok.path)
   cfg_path = os.path.join(directory, "tokenizer_config.json")
   cfg = _read_json(cfg_path) if os.path.isfile(cfg_path) else {}
@@ -150,7 +160,7 @@ def load_template(tok: Any, override: str = "") -> ChatTemplate:
   elif not source and os.path.isfile(jinja_path):
     source, where = _read_text(jinja_path, "chat_template.jinja"), jinja_path
   elif not source:
-    source, where = DEFAULT_TEMPLATE, "the default template (docs/sft.md)"
+    return ChatTemplate(DEFAULT_TEMPLATE, specials, "the default template (docs/sft.md)", default=True)
   return ChatTemplate(source, specials, where)
 
 
@@ -187,6 +197,15 @@ def conversation(record: Any, columns: Columns, where: str) -> Conversation:
   if not any(m["role"] == "assistant" for m in messages[first:]):
     raise DataError(f"{where} has no assistant turn to train on; every example needs an assistant reply")
   return Conversation(messages, first)
+
+
+def plain(record: Any, columns: Columns) -> tuple[str, str] | None:
+  """(prompt, completion) of a record without a messages column whose prompt and completion are strings, else
+  None (a conversation)."""
+  if not isinstance(record, dict) or record.get(columns.messages) is not None:
+    return None
+  prompt, completion = record.get(columns.prompt), record.get(columns.completion)
+  return (prompt, completion) if isinstance(prompt, str) and isinstance(completion, str) else None
 
 
 def _turns(value: Any, role: str, column: str, where: str) -> list[dict[str, Any]]:
@@ -253,6 +272,11 @@ def tokenize(
   """The Example of `conv`: tokens of the rendered text (as the tokenizer splits the whole text) and their loss
   mask; a token belongs to the completion when its first character does. rewrite(text) -> (text, map of
   positions), when given, changes the rendered text first (data/images.processor_text)."""
+  if not hasattr(tok, "encode_with_offsets"):
+    raise DataError(
+      f"{where} is a conversation (a list of messages), which needs a chat template, and the tokenizer "
+      f"{tok.path!r} has none (only tokenizer_type=huggingface has one): give 'prompt' and the reply as strings"
+    )
   try:
     text, spans = completion_spans(template, conv, where)
   except DataError as e:  # a template failure names the template; say which example too
@@ -268,3 +292,20 @@ def tokenize(
   if completion_only and not mask.any():
     raise DataError(f"{where}: the assistant turns render to no tokens; check the chat template")
   return Example(np.array(ids, np.int32), mask if completion_only else np.ones_like(mask))
+
+
+def tokenize_plain(
+  tok: Any, text: tuple[str, str], ends: tuple[bool, bool], completion_only: bool, where: str, rewrite: Any = None
+) -> Example:
+  """The Example of a plain (prompt, completion): BOS if ends[0] (and the tokenizer has one), the prompt's ids,
+  the completion's ids, EOS if ends[1]; loss on the completion and its EOS. rewrite(text) -> (text, map), when
+  given, changes the prompt first (data/images.processor_text)."""
+  prompt, completion = text
+  if rewrite is not None:
+    prompt = rewrite(prompt)[0]
+  head = ([tok.bos_id] if ends[0] and tok.bos_id >= 0 else []) + list(tok.encode(prompt))
+  tail = list(tok.encode(completion)) + ([tok.eos_id] if ends[1] and tok.eos_id >= 0 else [])
+  if not tail:
+    raise DataError(f"{where}: the completion is empty and add_eos=false: nothing to train on")
+  mask = np.concatenate([np.full(len(head), 0 if completion_only else 1, np.uint8), np.ones(len(tail), np.uint8)])
+  return Example(np.array(head + tail, np.int32), mask)

@@ -1,4 +1,4 @@
-"""objective=dpo: preference pairs -> batches whose rows hold whole (chosen, rejected) pairs (docs/dpo.md).
+"""objective=dpo | simpo | orpo: preference pairs -> batches whose rows hold whole (chosen, rejected) pairs.
 
 A record (a .jsonl line, a .parquet or Hugging Face dataset row) is either
   {"prompt", "chosen", "rejected"}: the prompt a string (one user turn) or a list of messages, each completion a
@@ -6,7 +6,8 @@ A record (a .jsonl line, a .parquet or Hugging Face dataset row) is either
   {"chosen": [messages], "rejected": [messages]}: two whole conversations; the messages they share from the start
       are the prompt, the assistant turns after it each side's completion.
 Each side is rendered and tokenized as use_sft renders a conversation (chat.py: the tokenizer's chat template,
-sft_chat_template), sources, eval split and packing are use_sft's (sft.py). A pair is one sft.Examples entry,
+sft_chat_template; string prompt and replies without a template as plain text, chat.tokenize_plain), sources, eval
+split and packing are use_sft's (sft.py). A pair is one sft.Examples entry,
 its chosen tokens then its rejected ones; a row then holds whole pairs, pair k as segments 2k - 1 (chosen) and 2k
 (rejected), each segment its own sequence (positions from 0; attention stays inside it) with loss on its
 completion only, which is what dpo.pair_logps reads. A pair longer than max_target_length is cut to fit, the
@@ -85,9 +86,12 @@ def encode_pairs(
   length = config.max_target_length
   tokens, masks, dropped, start = [], [], 0, time.perf_counter()
   for where, record in records:
-    encoded = [
-      chat.tokenize(template, tok, conv, True, f"{where} ({side})") for side, conv in zip(SIDES, sides(record, where))
-    ]
+    convs = sides(record, where)
+    if template.default and all(isinstance(record.get(k), str) for k in ("prompt", *SIDES)):  # plain text
+      ends = (config.add_bos, config.add_eos)
+      encoded = [chat.tokenize_plain(tok, (record["prompt"], record[s]), ends, True, f"{where} ({s})") for s in SIDES]
+    else:
+      encoded = [chat.tokenize(template, tok, conv, True, f"{where} ({side})") for side, conv in zip(SIDES, convs)]
     keep = _fit(len(encoded[0].tokens), len(encoded[1].tokens), length)
     if not all(ex.loss_mask[:n].any() for ex, n in zip(encoded, keep)):
       dropped += 1  # a completion starts past what fits: nothing to compare

@@ -174,7 +174,11 @@ def encode(config: Config, tok: Any, template: chat.ChatTemplate, records: Itera
     for image in row_images if config.use_multimodal else ():  # each one, before anything compiles
       image_records.check(image, config.max_image_pixels, where)
     rewrite = functools.partial(images_lib.processor_text, images=len(row_images), config=config, tok=tok)
-    ex = chat.tokenize(template, tok, chat.conversation(record, columns, where), only, where, rewrite)
+    text = chat.plain(record, columns) if template.default else None
+    if text is not None:  # strings without a chat template: plain text
+      ex = chat.tokenize_plain(tok, text, (config.add_bos, config.add_eos), only, where, rewrite)
+    else:
+      ex = chat.tokenize(template, tok, chat.conversation(record, columns, where), only, where, rewrite)
     ids, loss_mask = ex.tokens, ex.loss_mask
     if row_images or config.use_multimodal:
       blocks, n_tiles = _image_blocks(config, row_images, where)

@@ -263,4 +263,15 @@ def make_iterators(config: Config, mesh: Mesh) -> Iterators:
   train = BatchIterator(train_rows, spec, batch, length)
   eval_batch = sharding.global_batch_size(config, mesh, config.eval_per_device_batch_size or None)
   eval_factory = (lambda: iterator(eval_ids, None, eval_batch, config.eval_steps == -1)) if len(eval_ids) else None
-  return Iterators(train, eval_factory, tok)
+  return Iterators(train, eval_factory, tok, first_words(corpus, tok, eval_ids if len(eval_ids) else train_ids))
+
+
+def first_words(corpus: Corpus, tok: tokenizers.Tokenizer, ids: np.ndarray, words: int = 6) -> str | None:
+  """The first `words` words of the first of documents `ids` that has any (held-out ones: text the model has not
+  trained on), on one line: a prompt in the data's own style for the closing summary's decode command."""
+  for i in ids[:16]:
+    start = corpus.offsets[i]
+    found = tok.decode(corpus.tokens[start : min(start + 8 * words, corpus.offsets[i + 1])]).split()[:words]
+    if found:
+      return " ".join(found)
+  return None

@@ -73,6 +73,7 @@ class DataBatches:
 class Sources(NamedTuple):
   train: Batches
   eval_factory: Any  # () -> an iterator of eval batches; None without eval data
+  sample_prompt: str | None = None  # the data's own prompt for the closing summary's decode command
 
 
 class Objective(Protocol):

@@ -97,7 +97,7 @@ def step_metrics(config: Config, sums: Sums, tokens: jax.Array) -> dict[str, jax
 def data_sources(config: Config, mesh: Any) -> Sources:
   """The data pipeline's train and eval iterators (MaxText.data: pre-training text, use_sft chats, DPO pairs)."""
   iterators = data_lib.make_iterators(config, mesh)
-  return Sources(DataBatches(iterators.train), iterators.eval_factory)
+  return Sources(DataBatches(iterators.train), iterators.eval_factory, iterators.sample_prompt)
 
 
 def token_fields(config: Config) -> dict[str, Field]:

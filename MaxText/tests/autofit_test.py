@@ -98,6 +98,8 @@ def test_the_search_bisects_to_the_largest_fitting_batch_and_writes_a_recipe(tmp
   assert (20.0, winner.remat, 1) in calls and len(calls) <= 6
   printed = capsys.readouterr().out
   assert "the next batch was compiled and does not fit" in printed and f"wrote {out}" in printed
+  progress = re.findall(r"auto-fit: compile (\d)/6: .* s; at most (\w+) left", printed)  # progress and an ETA
+  assert [int(n) for n, _ in progress] == list(range(1, len(calls) + 1)) and progress[-1][1].endswith("s")
   assert re.search(rf"fsdp 8 +{winner.remat} +1 +19 .* yes", printed), printed
   recipe = config.load([str(out), f"base_output_directory={tmp_path}"], {})
   assert recipe.per_device_batch_size == 19 and recipe.remat_policy == winner.remat and recipe.ici_fsdp_parallelism == 8

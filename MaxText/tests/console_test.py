@@ -2,6 +2,7 @@
 
 import io
 import os
+import time
 
 from MaxText import console
 from MaxText.tests.conftest import cfg
@@ -82,6 +83,31 @@ def test_outputs_lines(tmp_path):
 def test_the_decode_command_fits_how_the_run_was_trained(tmp_path):
   """The run's own config.yml, with the checkpoint where decode.py reads it: params, or a LoRA run's adapters."""
   lora = cfg(tmp_path, "l", "lora_rank=4", f"load_parameters_path={tmp_path}")  # the paths must exist
-  assert console.decode_command(lora, "/r/5/state").endswith("config.yml lora_weights_path=/r/5/state")
+  assert "config.yml lora_weights_path=/r/5/state " in console.decode_command(lora, "/r/5/state")
   full = cfg(tmp_path, "f", f"load_full_state_path={tmp_path}")
-  assert console.decode_command(full, "/r/5/state").endswith("load_parameters_path=/r/5/state load_full_state_path=")
+  assert "load_parameters_path=/r/5/state load_full_state_path= " in console.decode_command(full, "/r/5/state")
+
+
+def test_the_decode_command_samples_from_the_data_s_own_words(tmp_path):
+  """A small model decoded greedily mostly repeats one word: the hint samples, from the run's held-out words."""
+  c = cfg(tmp_path, "s")
+  assert console.decode_command(c, "/r/5/state").endswith("/r/5/state decode_sampling_strategy=nucleus")
+  line = console.decode_command(c, "/r/5/state", "def __init__(self, x):")
+  assert line.endswith("/r/5/state 'prompt=def __init__(self, x):' decode_sampling_strategy=nucleus")
+  topk = cfg(tmp_path, "k", "decode_sampling_strategy=topk")  # the run's own choice stays (its config.yml has it)
+  assert "decode_sampling_strategy" not in console.decode_command(topk, "/r/5/state")
+
+
+def test_a_long_compile_says_it_is_still_running_and_a_short_one_says_nothing():
+  out = io.StringIO()
+  with console.Heartbeat("compiling the train step", interval_s=0.05, stream=out):
+    time.sleep(0.18)
+  lines = out.getvalue().splitlines()
+  assert len(lines) >= 2 and lines[0].startswith("compiling the train step: still running, 0s so far (XLA's")
+  assert "Very slow compile?" not in lines[1]
+  quiet = io.StringIO()
+  with console.Heartbeat("compiling", interval_s=5, stream=quiet):
+    pass
+  with console.Heartbeat("compiling", enabled=False, interval_s=0.01, stream=quiet):
+    time.sleep(0.05)
+  assert quiet.getvalue() == ""

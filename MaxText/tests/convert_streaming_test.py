@@ -1,7 +1,10 @@
 """The streaming checkpoint writer (MaxText/convert/streaming.py) and the converter's peak memory."""
 
 import json
+import logging
 import os
+import subprocess
+import sys
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -77,3 +80,23 @@ def _numpy_args(tree):
   if isinstance(tree, dict):
     return {k: _numpy_args(v) for k, v in tree.items()}
   return ocp.RestoreArgs(restore_type=np.ndarray)
+
+
+def test_the_converters_log_no_warning_a_user_cannot_act_on(tmp_path):
+  """Importing the streaming writer (orbax: its handler shares np.ndarray's typestr, on purpose) and reading the
+  tree of a training checkpoint's item directory (orbax: no _CHECKPOINT_METADATA there, by design) print nothing."""
+  imported = subprocess.run([sys.executable, "-c", "import MaxText.convert.streaming"], capture_output=True, text=True)
+  assert imported.returncode == 0 and "WARNING" not in imported.stderr, imported.stderr
+  item = os.path.join(tmp_path, "checkpoints", "1", "state")  # as a train run lays it out
+  ocp.PyTreeCheckpointer().save(item, {"params": {"w": np.ones((2, 3), np.float32)}})
+  if os.path.exists(os.path.join(item, "_CHECKPOINT_METADATA")):  # a step's item directory has none
+    os.remove(os.path.join(item, "_CHECKPOINT_METADATA"))
+  seen = []
+  handler = logging.Handler()
+  handler.emit = seen.append
+  logging.getLogger("absl").addHandler(handler)
+  try:
+    tree = streaming.Reader(item).keys
+  finally:
+    logging.getLogger("absl").removeHandler(handler)
+  assert tree == {("params", "w")} and not [r.getMessage() for r in seen if r.levelno >= logging.WARNING]

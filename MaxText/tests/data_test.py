@@ -139,6 +139,7 @@ def test_eval_split_is_disjoint_and_restarts(tmp_path, corpus):
   assert_same_batches([as_numpy(first)], [as_numpy(again)])
   eval_texts = {its.tokenizer.decode(row) for row in np.asarray(first["inputs"])}
   assert eval_texts == {DOCS[i] for i in eval_ids}  # 8 rows cycle over the 3 eval documents
+  assert its.sample_prompt == " ".join(DOCS[eval_ids[0]].split()[:6])  # the summary's decode prompt: held out
   assert make_iterators(text_config(tmp_path, corpus), mesh_of(cfg, 8)).eval_factory is None
 
 

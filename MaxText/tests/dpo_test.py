@@ -26,7 +26,7 @@ CONVERSATION = [{"role": "user", "content": "1+2="}, {"role": "assistant", "cont
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-  return make_tokenizer(str(tmp_path_factory.mktemp("tok")), template=None)  # the default template
+  return make_tokenizer(str(tmp_path_factory.mktemp("tok")), template=None)  # no template: strings are plain text
 
 
 def sums(wrong=(1,), numbers=range(5)):
@@ -66,9 +66,9 @@ def test_rows_hold_whole_pairs_with_the_loss_on_completions(tmp_path, tok):
     np.testing.assert_array_equal(pos[where], np.arange(where.sum()))  # each side its own sequence
     completion = tok.decode(b["targets"][0][target_seg == s].tolist())  # the answer and the end of turn
     assert completion.startswith(("2", "4") if s % 2 else ("3", "5")), (s, completion)
-  conversations = [[{"role": "user", "content": "1+1="}, {"role": "assistant", "content": a}] for a in "23"]
-  conversations += [reply(a) for a in "45"]
-  expected = {tuple(tok.encode_with_offsets(template.render(m))[0]) for m in conversations}
+  # Strings without a chat template are plain text; the conversation is rendered with the default template.
+  expected = {(tok.bos_id, *tok.encode("1+1="), *tok.encode(a), tok.eos_id) for a in "23"}
+  expected |= {tuple(tok.encode_with_offsets(template.render(reply(a)))[0]) for a in "45"}
   assert {tuple(b["inputs"][0][seg == s].tolist()) for s in (1, 2, 3, 4)} == expected
 
 

@@ -277,6 +277,15 @@ def make_tokenizer(directory, template=CHATML, eos="<|im_end|>"):
   return tokenizers.load_tokenizer(directory, "huggingface")
 
 
+def tiktoken_file(path):
+  """A tiny Llama 3 style tiktoken ranks file at `path` (a pathlib.Path): the 256 bytes, then a few merges."""
+  import base64
+
+  pieces = [bytes([b]) for b in range(256)] + [b"th", b"the", b" the", b"re", b"ur", b"urn"]
+  path.write_text("".join(f"{base64.b64encode(p).decode()} {rank}\n" for rank, p in enumerate(pieces)))
+  return str(path)
+
+
 def write_jsonl(path, records):
   with open(path, "w") as f:
     f.writelines(json.dumps(r) + "\n" for r in records)

@@ -145,3 +145,23 @@ def test_an_explicit_jax_platforms_is_left_alone():
   code = "import os, MaxText; print(repr(os.environ['JAX_PLATFORMS']))"
   out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
   assert out.stdout.strip() == "''", out.stderr
+
+
+@pytest.mark.parametrize("script", ["train.py", "decode.py", "train_compile.py"])
+def test_an_incomplete_install_is_one_line_that_says_what_to_run(tmp_path, script):
+  """`python3 MaxText/train.py` with the package not installed, or with its requirements missing (python -S: no
+  site-packages), says what installs them instead of a bare ModuleNotFoundError."""
+  path = os.path.join(ROOT, "MaxText", script)
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  no_package = subprocess.run([sys.executable, "-S", path], cwd=tmp_path, env=env, capture_output=True, text=True)
+  assert no_package.returncode == 1 and "Traceback" not in no_package.stderr
+  assert (
+    no_package.stderr
+    == "No module named 'MaxText': run `bash setup.sh` (or `pip install -e .` in this environment) first\n"
+  )
+  no_requirements = subprocess.run(
+    [sys.executable, "-S", path], cwd=tmp_path, env={**env, "PYTHONPATH": ROOT}, capture_output=True, text=True
+  )
+  assert no_requirements.returncode == 1 and len(no_requirements.stderr.splitlines()) == 1
+  assert "requirements are not installed (no module 'numpy'" in no_requirements.stderr
+  assert "run `bash setup.sh`" in no_requirements.stderr

@@ -36,6 +36,7 @@ def test_the_printed_decode_command_decodes_the_run(finished):
   line = next(line for line in stdout.splitlines() if line.strip().startswith("generate:"))
   argv = shlex.split(line.split("generate:", 1)[1])
   assert argv[:3] == ["python3", "MaxText/decode.py", os.path.join(run_dir, "config.yml")]
+  assert argv[-1] == "decode_sampling_strategy=nucleus"  # synthetic data: no words of its own, the config's prompt
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
   real = subprocess.run([sys.executable, *argv[1:], "decode_max_new_tokens=2"], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=300)  # fmt: skip

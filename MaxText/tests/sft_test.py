@@ -144,8 +144,8 @@ def test_bad_examples_fail_with_one_line_naming_the_line(tmp_path, tok, record, 
 
 def test_bad_settings_fail_at_load(tmp_path, tok):
   data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "completion": "b"}])
-  with pytest.raises(ConfigError, match="tokenizer_type=huggingface"):
-    sft_config(tmp_path, tok, data, "tokenizer_type=sentencepiece")
+  with pytest.raises(ConfigError, match="sft_chat_template needs tokenizer_type=huggingface"):
+    sft_config(tmp_path, tok, data, "tokenizer_type=sentencepiece", "sft_chat_template=chat.jinja")
   with pytest.raises(ConfigError, match="dataset_type=text with dataset_path"):
     sft_config(tmp_path, tok, data, "dataset_type=synthetic")
   with pytest.raises(ConfigError, match="sft_chat_template='nope.jinja' does not exist"):

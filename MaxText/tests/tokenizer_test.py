@@ -6,6 +6,7 @@ import pytest
 
 from MaxText.data import tokenizer as tokenizers
 from MaxText.data import train_tokenizer
+from MaxText.tests.helpers import tiktoken_file
 
 CODE = "def f(x):\n    return x + 1\n\n\nclass A:\n    pass\n"
 TEXTS = [CODE * 3, "The quick brown fox jumps over the lazy dog.\n" * 5, "héllo wörld, ça va? ✓\n"]
@@ -67,17 +68,8 @@ def test_training_errors(tmp_path):
     tokenizers.train_sentencepiece(["", "  \n"], 400, str(tmp_path))
 
 
-def _tiktoken_file(path):
-  """A tiny Llama 3 style ranks file: the 256 bytes, then a few merges."""
-  import base64
-
-  pieces = [bytes([b]) for b in range(256)] + [b"th", b"the", b" the", b"re", b"ur", b"urn"]
-  path.write_text("".join(f"{base64.b64encode(p).decode()} {rank}\n" for rank, p in enumerate(pieces)))
-  return str(path)
-
-
 def test_tiktoken_llama3_style(tmp_path):
-  tok = tokenizers.load_tokenizer(_tiktoken_file(tmp_path / "tokenizer.model"), "tiktoken")
+  tok = tokenizers.load_tokenizer(tiktoken_file(tmp_path / "tokenizer.model"), "tiktoken")
   assert tok.vocab_size == 262 + 256 and (tok.bos_id, tok.eos_id) == (262, 263)
   for text in TEXTS:
     assert tok.decode(tok.encode(text)) == text
@@ -111,7 +103,7 @@ def test_huggingface_tokenizer_json(tmp_path):
   tok = tokenizers.load_tokenizer(str(tmp_path / "tokenizer.json"), "huggingface")
   assert (tok.bos_id, tok.eos_id) == (2, 1)
   with pytest.raises(ValueError, match="is not a huggingface tokenizer"):
-    tokenizers.load_tokenizer(_tiktoken_file(tmp_path / "ranks.model"), "huggingface")
+    tokenizers.load_tokenizer(tiktoken_file(tmp_path / "ranks.model"), "huggingface")
 
 
 def test_train_command_reads_jsonl(tmp_path):

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText import checkpointing, optimizers, sharding, train
+from MaxText import checkpointing, nonfinite, optimizers, sharding, train
 from MaxText import data as data_lib
 from MaxText import state as state_lib
 from MaxText import train_step as steps
@@ -152,7 +152,7 @@ def test_nan_loss_stops_before_checkpointing(tmp_path, monkeypatch):
 
   monkeypatch.setattr(steps, "jit_train_step", poisoned)
   c = cfg(tmp_path, "nan", "steps=6", "per_device_batch_size=1", "enable_checkpointing=true", "checkpoint_period=1")
-  with pytest.raises(train.NonFiniteLossError, match="step 3"):  # the third step's update made state.step 3
+  with pytest.raises(nonfinite.NonFiniteLossError, match="step 3"):  # the third step's update made state.step 3
     train.run(c)
   assert sorted(os.listdir(c.checkpoint_dir)) == ["1", "2"]
 

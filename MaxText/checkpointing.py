@@ -31,7 +31,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from MaxText import checkpoint_layouts, checksums, config_checks, paths
+from MaxText import checkpoint_layouts, checksums, config_checks, paths, teacher
 from MaxText import state as state_lib
 from MaxText.config import Config, serving_config
 from MaxText.convert import upstream
@@ -230,8 +230,9 @@ def restore_or_init(
   if manager is not None and manager.all_steps():
     restored = _restore_latest_good(config, manager, saved, accept_data)
     state = _with_base(config, tx, spec, restored.state)
-    return restored._replace(state=with_reference(spec, state, lambda: _starting_params(config, tx, spec, saved)))
-  return _start(config, tx, spec, saved)
+    restored = restored._replace(state=with_reference(spec, state, lambda: _starting_params(config, tx, spec, saved)))
+    return teacher.attach(spec, restored, load_params)  # objective=distill: its teacher, read again on resume
+  return teacher.attach(spec, _start(config, tx, spec, saved), load_params)
 
 
 def _start(config: Config, tx: optax.GradientTransformation, spec: StateSpec, saved: TrainState) -> Restored:
@@ -265,7 +266,7 @@ def with_reference(spec: StateSpec, state: TrainState, starting_params: Callable
   the params' shardings (a copy: the train step donates the state, and one buffer cannot be donated twice).
   Checkpoints do not hold it (Partition.checkpointed), so a resume re-reads the run's starting params: the
   same load_parameters_path, load_full_state_path or init_weights_seed give the same reference."""
-  if spec.abstract.reference is None:
+  if spec.abstract.reference is None or spec.teacher is not None:
     return state
   copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=spec.shardings.params)
   return state.replace(reference=copy(starting_params()))

@@ -45,3 +45,12 @@ def test_multimodal_script(tmp_path):
   assert "OK multimodal:" in result.stdout
   for colour in ("red", "green", "blue"):
     assert f"output: '{colour}.'" in result.stdout.lower()
+
+
+@pytest.mark.slow  # ~3 CPU-minutes (teacher, online, top-k generation, offline, scratch runs, each compiling)
+def test_distillation_script(tmp_path):
+  result = subprocess.run(
+    ["bash", "end_to_end/cpu/distillation.sh", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=2400
+  )
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  assert "OK distillation:" in result.stdout and "online: KL to the teacher" in result.stdout

@@ -20,7 +20,7 @@ PROTOCOL = ("name", "reference", "perplexity", "denominator", "fields", "sum_key
 @pytest.mark.quick
 def test_the_registry_names_the_config_choices_and_each_objective_follows_the_protocol():
   assert tuple(objectives.REGISTRY) == config.CHOICES["objective"]
-  assert {"lm", "dpo", "grpo", "simpo", "orpo"} <= set(objectives.REGISTRY)
+  assert {"lm", "dpo", "grpo", "distill", "simpo", "orpo"} <= set(objectives.REGISTRY)
   for name, objective in objectives.REGISTRY.items():
     assert objective.name == name and all(hasattr(objective, key) for key in PROTOCOL), name
     assert objective.denominator in objective.sum_keys(config.load([BASE, *TINY], {}))

@@ -86,7 +86,7 @@ def test_python_m_maxtext_rl_runs_the_trainer_with_objective_grpo(monkeypatch):
 def test_the_alias_reaches_the_config(monkeypatch, tmp_path):
   """train.main with rl's overrides loads objective=grpo, whatever the command line says of it."""
   loaded = []
-  monkeypatch.setattr(train, "run", lambda c, **kwargs: loaded.append(c.objective))
+  monkeypatch.setattr(train, "run", lambda c, **kwargs: loaded.append(c.objective) or {"steps_run": 0})
   args = [BASE, *TINY, f"base_output_directory={tmp_path}", "run_name=alias", "objective=lm"]
   train.main(["rl.py", *args], rl.USAGE, ("objective=grpo",))
   assert loaded == ["grpo"]

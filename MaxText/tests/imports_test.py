@@ -168,3 +168,12 @@ def test_an_incomplete_install_is_one_line_that_says_what_to_run(tmp_path, scrip
   assert no_requirements.returncode == 1 and len(no_requirements.stderr.splitlines()) == 1
   assert "requirements are not installed (no module 'numpy'" in no_requirements.stderr
   assert "run `bash setup.sh`" in no_requirements.stderr
+
+
+def test_a_missing_test_extra_is_one_line_naming_the_setup(monkeypatch):
+  """torch/transformers (the walk-throughs' tiny Hugging Face models, bfloat16 safetensors) are test extras."""
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+  with pytest.raises(SystemExit, match=r"^make_tiny_chat_model.py needs torch, which `TEST=1 bash setup.sh` installs"):
+    MaxText.require_torch("make_tiny_chat_model.py")
+  MaxText.require_torch("this test", ("numpy",))  # present: nothing happens

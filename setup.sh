@@ -105,7 +105,9 @@ if [ "${GPU_AOT:-0}" = "1" ] || [ "${TEST:-0}" = "1" ]; then
   fi
 fi
 say "this repository, editable (pip install -e .)"
-"$PY" -m pip install --quiet --no-deps -e .
+# setuptools warns of same-named folders in the working directory on every editable build (a framed banner):
+# that is this repository's layout by design (MaxText/ is the package), so the notice is kept out.
+PYTHONWARNINGS="ignore:Editable installation" "$PY" -m pip install --quiet --no-deps -e .
 "$PY" -c "import MaxText, jax; print('setup.sh: done: jax', jax.__version__, 'on', jax.default_backend(), jax.devices())"
 [ "$VENV" = .venv ] && [ "${VIRTUAL_ENV:-}" != "$PWD/.venv" ] && say "activate it with: source .venv/bin/activate"
 exit 0

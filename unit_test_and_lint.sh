@@ -1,12 +1,21 @@
 #!/usr/bin/env bash
-# Lint, format check and the whole CPU test suite, in the environment setup.sh made (.venv; PYTHON=...
-# picks another). Run from anywhere; CI calls this.
+# Lint, format check and the CPU test suite, in the environment setup.sh made (.venv; PYTHON=... picks
+# another). Run from anywhere; CI calls this with no arguments (the whole suite).
 #   TEST=1 bash setup.sh && bash unit_test_and_lint.sh [pytest arguments ...]
-# About 38-40 minutes on 2 cores (37m52s of pytest on 2026-11-26), the slow tier (-m slow: AOT compiles of
-# full-size models, multi-process faults, the Slurm job) included; `-m "not slow"` runs the rest.
+# TIER picks the tests (README, "Testing", has the measured times):
+#   TIER=quick  every entry point once and the core maths (pytest marker `quick`): target 3 minutes
+#   TIER=fast   everything but the slow tier (-m "not slow"): target 10 minutes
+#   TIER=all    (default) the whole suite, slow tier included: target 25 minutes
+# Tests share one persistent JAX compilation cache per session (MaxText/tests/conftest.py).
 case "${1:-}" in -h|--help) sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "$0")"
+case "${TIER:-all}" in
+  quick) select="quick and not tpu and not gpu" ;;
+  fast) select="not slow and not tpu and not gpu" ;;
+  all) select="not tpu and not gpu" ;;
+  *) echo "unit_test_and_lint.sh: TIER must be quick, fast or all (got '$TIER')" >&2; exit 2 ;;
+esac
 if [ -z "${PYTHON:-}" ]; then
   if [ -x .venv/bin/python ]; then  # as if activated: subprocesses that run `python3` get the venv too
     export VIRTUAL_ENV="$PWD/.venv" PATH="$PWD/.venv/bin:$PATH"
@@ -20,4 +29,4 @@ fi
 "$PYTHON" -m ruff check .
 "$PYTHON" -m ruff format --check .
 # Two workers fit a 2-core machine; each test process sees 8 fake CPU devices (conftest.py).
-"$PYTHON" -m pytest MaxText/tests -n "${PYTEST_WORKERS:-2}" -m "not tpu and not gpu" --durations=15 "$@"
+"$PYTHON" -m pytest MaxText/tests -n "${PYTEST_WORKERS:-2}" -m "$select" --durations=15 "$@"

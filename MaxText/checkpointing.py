@@ -31,15 +31,15 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from MaxText import checkpoint_layouts, checksums, config_checks, paths
+from MaxText import checkpoint_layouts, checksums, config_checks, paths, teacher
 from MaxText import state as state_lib
 from MaxText.config import Config, serving_config
 from MaxText.convert import upstream
-from MaxText.errors import CheckpointError, ConfigError
+from MaxText.errors import CheckpointError, ConfigError, DataError
 from MaxText.layers import lora
 from MaxText.state import StateSpec, TrainState
 
-ITEMS = ("state", "data", "checksums")  # a step's items; `checksums`: checksums.digests of `state` (none before)
+ITEMS = ("state", "data", "checksums")  # `checksums`: digests of `state` and `data` (checksums.py; none before)
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax names a step directory being written <step>TMP_SUFFIX[...]
 UNREADABLE_DIR = "checkpoints_unreadable"  # next to checkpoints/: where unreadable steps are moved
 NONFINITE_DIR = "checkpoints_nonfinite"  # next to checkpoints/: steps whose own loss is not finite
@@ -121,7 +121,8 @@ def save(
   """Save `state` after `step` completed steps with the iterator state that follows it, and `metadata` (JSON:
   elastic.layout's) in the step's orbax metadata. With async saves this returns once the arrays are copied to
   host memory; an earlier save's write error surfaces here."""
-  table = checksums.digests(state)  # verified when restored: a flipped bit is damage, not a state to train on
+  # Verified when restored: a flipped bit, or an iterator state that is not the one saved, is damage to fall back from.
+  table = checksums.digests(state) | {checksums.DATA_KEY: checksums.json_digest(data_state)}
   args = ocp.args.Composite(
     state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state), checksums=ocp.args.JsonSave(table)
   )
@@ -151,37 +152,15 @@ def committed_steps(directory: str) -> list[int]:
   return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit())
 
 
-def resume_point(config: Config, manager: ocp.CheckpointManager | None, nonfinite_loss_step: int | None) -> str:
-  """Where a rerun with the same run_name begins, for the non-finite error (waits for in-flight saves).
-
-  A checkpoint at `nonfinite_loss_step` gives that non-finite loss again at any learning rate (the loss of
-  a step depends only on the state before it and the batch, both restored): it is recorded, and the
-  rerun moves it to NONFINITE_DIR and resumes from the one before."""
-  if manager is None:
-    return "Checkpointing is off, so a rerun begins at step 0."
-  with contextlib.suppress(CheckpointError):  # a failed save is reported by finish(); here it is just not a step
-    wait_for_saves(manager)
-  steps, note = committed_steps(str(manager.directory)), ""
-  if nonfinite_loss_step in steps:
-    steps.remove(nonfinite_loss_step)
-    if jax.process_index() == 0:
-      (epath.Path(config.run_dir) / NONFINITE_FILE).write_text(json.dumps([nonfinite_loss_step]))
-    note = f" (checkpoint {nonfinite_loss_step} itself gives this loss: the rerun moves it to {NONFINITE_DIR}/)"
-  if not steps:
-    return f"No earlier checkpoint was saved, so a rerun begins at step 0{note}."
-  last = manager.directory / str(steps[-1])
-  return f"A rerun resumes from the last good checkpoint, step {steps[-1]} ({last}){note}."
-
-
 def _set_aside_nonfinite(config: Config, manager: ocp.CheckpointManager) -> None:
-  """Move the checkpoints recorded by resume_point out of the way, once, before resuming."""
+  """Move the checkpoints recorded by nonfinite.advice out of the way, once, before resuming."""
   record = epath.Path(config.run_dir) / NONFINITE_FILE
   if not record.exists():
     return
   present = set(committed_steps(str(manager.directory)))
   for step in json.loads(record.read_text()):
     if step in present:
-      _say(f"checkpoint step {step} gave a non-finite loss; moved it to {_move_aside(config, step, NONFINITE_DIR)}")
+      say(f"checkpoint step {step} gave a non-finite loss; moved it to {move_aside(config, step, NONFINITE_DIR)}")
   if jax.process_count() > 1:  # every process sees the moved directories and the record before it goes
     multihost_utils.sync_global_devices("nonfinite_checkpoints_moved")
   if jax.process_index() == 0:
@@ -230,9 +209,15 @@ def _save_errors(manager: ocp.CheckpointManager) -> Iterator[None]:
 
 
 def restore_or_init(
-  config: Config, tx: optax.GradientTransformation, spec: StateSpec, manager: ocp.CheckpointManager | None
+  config: Config,
+  tx: optax.GradientTransformation,
+  spec: StateSpec,
+  manager: ocp.CheckpointManager | None,
+  accept_data: Callable[[Any], None] | None = None,
 ) -> Restored:
   """The starting state, in order of precedence: this run's latest readable checkpoint, then the load_* paths.
+  `accept_data` (the batch source's set_state) takes a resumed step's iterator state: DataError when it does not
+  fit this run's data (the user's change: it propagates), any other error when it is malformed (damage).
 
   When spec.partition freezes parameters (LoRA: the base) checkpoints hold the trainable ones (the adapters)
   and their optimizer state only; the frozen base always comes from load_parameters_path (or, with
@@ -243,10 +228,11 @@ def restore_or_init(
     _set_aside_nonfinite(config, manager)
   saved = spec.partition.checkpointed(spec.abstract)  # what a checkpoint of this run holds
   if manager is not None and manager.all_steps():
-    restored = _restore_latest_good(config, manager, saved)
+    restored = _restore_latest_good(config, manager, saved, accept_data)
     state = _with_base(config, tx, spec, restored.state)
-    return restored._replace(state=with_reference(spec, state, lambda: _starting_params(config, tx, spec, saved)))
-  return _start(config, tx, spec, saved)
+    restored = restored._replace(state=with_reference(spec, state, lambda: _starting_params(config, tx, spec, saved)))
+    return teacher.attach(spec, restored, load_params)  # objective=distill: its teacher, read again on resume
+  return teacher.attach(spec, _start(config, tx, spec, saved), load_params)
 
 
 def _start(config: Config, tx: optax.GradientTransformation, spec: StateSpec, saved: TrainState) -> Restored:
@@ -280,7 +266,7 @@ def with_reference(spec: StateSpec, state: TrainState, starting_params: Callable
   the params' shardings (a copy: the train step donates the state, and one buffer cannot be donated twice).
   Checkpoints do not hold it (Partition.checkpointed), so a resume re-reads the run's starting params: the
   same load_parameters_path, load_full_state_path or init_weights_seed give the same reference."""
-  if spec.abstract.reference is None:
+  if spec.abstract.reference is None or spec.teacher is not None:
     return state
   copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=spec.shardings.params)
   return state.replace(reference=copy(starting_params()))
@@ -349,33 +335,42 @@ def load_lora_merged(config: Config, mesh: Mesh | None = None) -> nnx.State:
   return merge(base, adapters)
 
 
-def _one_line(error: BaseException, limit: int = 300) -> str:
+def one_line(error: BaseException, limit: int = 300) -> str:
   text = " ".join(f"{type(error).__name__}: {error}".split())
   return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _say(message: str) -> None:
+def say(message: str) -> None:
   if jax.process_index() == 0:
     print(message, flush=True)
 
 
-def _restore_latest_good(config: Config, manager: ocp.CheckpointManager, abstract: TrainState) -> Restored:
-  """Newest step first. A step that fails to restore is named with its reason; once an older step
+def _restore_latest_good(
+  config: Config, manager: ocp.CheckpointManager, abstract: TrainState, accept_data: Callable[[Any], None] | None
+) -> Restored:
+  """Newest step first. A step that fails to restore (its arrays or iterator state unreadable, not matching their
+  checksums, or an iterator state accept_data finds malformed) is named with its reason; once an older step
   restores, the failed newer ones are moved aside so later restarts and saves do not trip on them. When
   no step restores (e.g. the model config changed) nothing is moved and CheckpointError says why."""
   failed: list[tuple[int, str]] = []
   args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore())
   for step in sorted(manager.all_steps(), reverse=True):
+    step_dir, what = paths.join(config.checkpoint_dir, str(step)), f"checkpoint step {step}"
     try:
       restored = manager.restore(step, args=args)
-      checksums.verify(paths.join(config.checkpoint_dir, str(step)), restored.state, f"checkpoint step {step}")
+      checksums.verify(step_dir, restored.state, what)
+      checksums.verify_json(step_dir, restored.data, what)
+      if accept_data is not None:
+        accept_data(restored.data)
+    except DataError:  # an intact iterator state that does not fit this run's data: the user changed it
+      raise
     except Exception as e:  # orbax/tensorstore raise ValueError, KeyError, JSONDecodeError, OSError, ...
-      failed.append((step, _one_line(e)))
-      _say(f"checkpoint step {step} cannot be restored: {failed[-1][1]}")
+      failed.append((step, one_line(e)))
+      say(f"checkpoint step {step} cannot be restored: {failed[-1][1]}")
       continue
     for bad, _ in failed:
-      moved = _move_aside(config, bad, UNREADABLE_DIR)
-      _say(f"moved unreadable checkpoint step {bad} to {moved}; resuming from step {step}")
+      moved = move_aside(config, bad, UNREADABLE_DIR)
+      say(f"moved unreadable checkpoint step {bad} to {moved}; resuming from step {step}")
     if failed:
       if jax.process_count() > 1:  # every process sees the moved directories before anyone saves
         multihost_utils.sync_global_devices("checkpoints_moved_aside")
@@ -389,7 +384,7 @@ def _restore_latest_good(config: Config, manager: ocp.CheckpointManager, abstrac
   )
 
 
-def _move_aside(config: Config, step: int, where: str) -> str:
+def move_aside(config: Config, step: int, where: str) -> str:
   """Rename checkpoints/<step> to <run dir>/<where>/<step>[.N] (writer process); returns the new path."""
   source = epath.Path(config.checkpoint_dir) / str(step)
   aside = epath.Path(config.run_dir) / where

@@ -10,12 +10,14 @@ i the element's position in the whole array), each mod 2^32:
 Every weight is odd, so changing any one bit of any one word changes both sums: a single flipped bit is always
 detected; more damage goes unnoticed only by a 1 in 2^64 chance. The sums run where the shards live (one pass
 over the state, no host copy) and add up across devices exactly, in any order, so a restored array on another
-mesh gives the same digest.
+mesh gives the same digest. The step's `data` item (the iterator state, JSON) is recorded too, as a sha256 of its
+canonical text under DATA_KEY.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 from typing import Any
 
@@ -26,6 +28,7 @@ import numpy as np
 from MaxText import paths
 from MaxText.errors import CheckpointError
 
+DATA_KEY = "data"  # the table's entry for the step's `data` item (the iterator state); no state leaf has this name
 _MIX = np.uint32(0x5BD1E995)
 _GOLDEN = np.uint32(0x9E3779B1)
 
@@ -54,6 +57,12 @@ def _digest(x: jax.Array) -> jax.Array:
 @functools.partial(jax.jit)
 def _digests(tree: Any) -> Any:
   return jax.tree.map(_digest, tree)
+
+
+def lowered(tree: Any) -> Any:
+  """The digest program of `tree`'s arrays (or their jax.ShapeDtypeStruct, with shardings), lowered, not run:
+  train_compile.py reports what it adds per device."""
+  return _digests.lower([x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array | jax.ShapeDtypeStruct)])
 
 
 def key(path: Any) -> str:
@@ -100,3 +109,17 @@ def verify(step_dir: str, tree: Any, what: str, prefix: str = "") -> None:
   if bad:
     more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
     raise CheckpointError(f"{what}: array {bad[0]}{more} does not match the checksum saved with it (damaged data)")
+
+
+def json_digest(value: Any) -> str:
+  """16 hex digits of a JSON value (sha256 of its canonical text, as a JSON round trip leaves it)."""
+  text = json.dumps(json.loads(json.dumps(value)), sort_keys=True, separators=(",", ":"))
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def verify_json(step_dir: str, value: Any, what: str) -> None:
+  """CheckpointError when the iterator state restored from the step at `step_dir` is not the one saved with it
+  (a step without a digest of it is not checked)."""
+  expected = (saved(step_dir) or {}).get(DATA_KEY)
+  if expected is not None and json_digest(value) != expected:
+    raise CheckpointError(f"{what}: the data iterator state does not match the checksum saved with it (damaged)")

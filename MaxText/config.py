@@ -50,7 +50,8 @@ CHOICES = {
   "opt_type": ("adamw", "adam_pax", "sgd", "adafactor", "muon"),  # optimizers.OPTIMIZERS
   "auto_fit_objective": ("tokens_per_step", "tokens_per_second"),  # autofit.rank
   "dpo_loss": ("sigmoid", "ipo"),  # objectives/dpo.py
-  "objective": ("lm", "dpo", "grpo"),  # objectives.REGISTRY
+  "distill_loss": ("forward_kl", "reverse_kl", "mix"),  # objectives/distill.py
+  "objective": ("lm", "dpo", "grpo", "distill"),  # objectives.REGISTRY
 }
 CHOICES["objective"] += ("simpo", "orpo")  # objectives/simpo.py, objectives/orpo.py
 

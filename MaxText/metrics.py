@@ -398,5 +398,8 @@ def format_summary(summary: Mapping[str, Any], config: Config | None = None) -> 
   if config is not None:
     lines += console.outputs_lines(config, summary.get("last_checkpoint"), summary.get("sample_prompt"))
   if summary.get("skipped_steps"):
-    lines.append(f"  skipped steps        {summary['skipped_steps']} (not applied: non-finite or a loss spike)")
+    skipped, mostly = summary["skipped_steps"], ""
+    if 2 * skipped > summary["steps_run"]:  # nonfinite.check_skipped makes such a run exit 1
+      mostly = "; more than half of the steps run: the run exits 1"
+    lines.append(f"  skipped steps        {skipped} (not applied: non-finite or a loss spike{mostly})")
   return "\n".join(lines)

@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText import models, planner, sharding
+from MaxText import models, planner, sharding, teacher
 from MaxText.config import Config
 from MaxText.layers import lora, quantization
 from MaxText.parallel.plan import Plan
@@ -30,7 +30,8 @@ class TrainState:
   params: nnx.State  # model parameters (nnx.Param variables, logical axis names in their metadata)
   opt_state: optax.OptState  # of the trainable params: all of them, or under LoRA the adapters (Partition)
   # An objective with a reference (DPO, GRPO; without LoRA): the run's starting params, sharded like params and
-  # never updated; not saved in checkpoints (a resume re-reads them: checkpointing.with_reference). Else None.
+  # never updated; not saved in checkpoints (a resume re-reads them: checkpointing.with_reference). Distillation:
+  # the frozen teacher's params (teacher.py; read again from teacher_load_parameters_path on resume). Else None.
   reference: nnx.State | None = None
 
 
@@ -92,6 +93,7 @@ class StateSpec(NamedTuple):
   num_trainable: int  # the parameters the optimizer updates: num_params, or under LoRA the adapters'
   plan: Plan  # how the model runs (the graphdef holds it too)
   partition: Partition  # which parameters train: split, combine, what a checkpoint holds
+  teacher: teacher.Teacher | None = None  # objective=distill: the teacher's config and path; its params: reference
 
 
 def build_model(config: Config, seed: int, plan: Plan) -> nnx.Module:
@@ -134,13 +136,16 @@ def _fit(named: NamedSharding, leaf: Any) -> Any:
 
 
 # The objectives whose Objective.reference is true (objectives.REGISTRY; objectives_test checks the two agree).
-REFERENCE_OBJECTIVES = ("dpo", "grpo")
+# distill's reference is its teacher (teacher.TEACHER_OBJECTIVES), another model, kept under LoRA too.
+REFERENCE_OBJECTIVES = ("dpo", "grpo", "distill")
 
 
 def keeps_reference(config: Config) -> bool:
   """Whether the train state holds a reference copy of the params (the objective compares the policy with its
   starting params), except under LoRA, whose reference is the frozen base with the adapters off
-  (train_step.reference_params)."""
+  (train_step.reference_params); a teacher (objective=distill) always."""
+  if config.objective in teacher.TEACHER_OBJECTIVES:
+    return teacher.has_teacher(config)
   return config.objective in REFERENCE_OBJECTIVES and not lora.enabled(config)
 
 
@@ -193,26 +198,32 @@ def state_spec(config: Config, tx: optax.GradientTransformation, mesh: Mesh, pla
   opt_state = jax.eval_shape(tx.init, trainable)
   opt_shardings = _shardings(opt_state, config, mesh)
   step_sharding = _shardings(jax.ShapeDtypeStruct((), jnp.int32), config, mesh)
-  reference = keeps_reference(config)
-  shardings = TrainState(step_sharding, params.shardings, opt_shardings, params.shardings if reference else None)
+  teach = teacher.of(config)
+  reference = param_spec(teach.config, mesh) if teach else params if keeps_reference(config) else None
+  ref_shardings, ref_abstract = (reference.shardings, reference.abstract) if reference else (None, None)
+  shardings = TrainState(step_sharding, params.shardings, opt_shardings, ref_shardings)
   abstract = TrainState(
     step=jax.ShapeDtypeStruct((), jnp.int32, sharding=step_sharding),
     params=params.abstract,
     opt_state=_with_shardings(opt_state, opt_shardings),
-    reference=params.abstract if reference else None,
+    reference=ref_abstract,
   )
   num_params = sum(x.size for x in jax.tree.leaves(params.abstract))
   num_trainable = sum(x.size for x in jax.tree.leaves(trainable))
-  return StateSpec(params.graphdef, abstract, shardings, num_params, num_trainable, params.plan, params.partition)
+  return StateSpec(
+    params.graphdef, abstract, shardings, num_params, num_trainable, params.plan, params.partition, teach
+  )
 
 
 def init_state(config: Config, tx: optax.GradientTransformation, spec: StateSpec) -> TrainState:
-  """Initialise directly into the sharded layout: each device computes only its own shards."""
+  """Initialise directly into the sharded layout: each device computes only its own shards. A teacher
+  (spec.teacher) is not made here: its reference is None until checkpointing reads it."""
+  copy = keeps_reference(config) and spec.teacher is None
 
   def init() -> TrainState:
     params = _model_params(config, config.init_weights_seed, spec.plan)
     opt_state = tx.init(spec.partition.trainable(params))
-    reference = jax.tree.map(jnp.copy, params) if keeps_reference(config) else None
+    reference = jax.tree.map(jnp.copy, params) if copy else None
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, reference=reference)
 
-  return _jit_init(init, spec.shardings)()
+  return _jit_init(init, spec.shardings if spec.teacher is None else spec.shardings.replace(reference=None))()

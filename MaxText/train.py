@@ -14,7 +14,6 @@ except ModuleNotFoundError as e:  # run as a file with the requirements alone: s
 # isort: split
 import contextlib
 import dataclasses
-import math
 import os
 import sys
 import time
@@ -37,6 +36,7 @@ from MaxText import (
   launch,
   memory_fit,
   metrics,
+  nonfinite,
   objectives,
   optimizers,
   paths,
@@ -49,16 +49,9 @@ from MaxText import state as state_lib
 from MaxText import train_step as steps
 from MaxText.config import Config
 from MaxText.errors import CheckpointError, ConfigError
+from MaxText.nonfinite import NonFiniteLossError, SkippedUpdatesError
 from MaxText.objectives import rewards
 from MaxText.objectives.base import Sources
-
-
-class NonFiniteLossError(RuntimeError):
-  """The loss or the update went NaN/inf; that update was not applied and nothing non-finite was saved."""
-
-  def __init__(self, message: str, loss_step: int | None = None):
-    super().__init__(message)
-    self.loss_step = loss_step  # the checkpoint (steps completed) whose state gives the non-finite loss
 
 
 def check_hardware(config: Config) -> None:
@@ -194,11 +187,10 @@ def run(
     data = objective.sources(config, mesh)
     manager = checkpointing.create_manager(config)
     clock.charge()
-    restored = checkpointing.restore_or_init(config, optimizer.tx, spec, manager)
+    restored = checkpointing.restore_or_init(config, optimizer.tx, spec, manager, data.train.set_state)
     clock.restored(restored.source)
-    if restored.data_state is not None:
-      data.train.set_state(restored.data_state)
-    if already_done(config, int(restored.state.step)):
+    start = int(restored.state.step)
+    if already_done(config, start):
       clock.stop()
       return {"steps_run": 0}
     write_config(config)
@@ -209,8 +201,11 @@ def run(
       # process, and the sooner the line is out the likelier it precedes JAX's own abort (docs/failures.md).
       with preemption.lost_processes(config.checkpoint_dir if config.enable_checkpointing else None):
         return train_loop(config, parts)
-    except NonFiniteLossError as e:  # name the checkpoint a restart resumes from (in-flight saves complete first)
-      raise NonFiniteLossError(f"{e} {checkpointing.resume_point(config, manager, e.loss_step)}") from None
+    except NonFiniteLossError as e:  # what to change, and where a rerun resumes (in-flight saves complete first)
+      e.__traceback__ = None  # releases the failed step's state before a checkpoint is read again
+      resumed = start if restored.source.startswith("resume") else None
+      message = nonfinite.advice(config, manager, e, resumed, spec.partition.checkpointed(spec.abstract))
+      raise NonFiniteLossError(message, e.step, e.loss_finite) from None
     finally:  # on success or error, let in-flight (async) checkpoints of good steps complete
       if manager is not None:
         with clock.phase("checkpoint_save"):
@@ -254,22 +249,6 @@ def train_step_fn(
   if compiled is not None:
     return compiled_step.load_compiled(compiled)
   return steps.jit_train_step(config, mesh, optimizer.tx, spec, optimizer.schedule)
-
-
-def check_finite(config: Config, step: int, scalars: dict[str, float]) -> None:
-  """nan_check: stop on a non-finite loss or update (the train step did not apply the update; the loop
-  checks a step before any checkpoint that includes it)."""
-  if not config.nan_check or (math.isfinite(scalars["loss"]) and scalars.get("update_finite", 1.0) > 0):
-    return
-  loss_finite = math.isfinite(scalars["loss"])
-  what = "the update is not finite" if loss_finite else f"loss is {scalars['loss']}"
-  raise NonFiniteLossError(
-    f"{what} at step {step} (grad norm {scalars.get('grad_norm')}); that update was not applied or saved. "
-    "Lower learning_rate (or raise warmup_steps_fraction, set gradient_clipping_threshold, use dtype=float32) "
-    "and rerun with the same run_name.",
-    # `step` counts completed steps; its loss comes from the state after step - 1 updates: that checkpoint.
-    loss_step=None if loss_finite else step - 1,
-  )
 
 
 class Pending(NamedTuple):
@@ -317,7 +296,7 @@ class StepReader:
     self.logger.log(completed, scalars, now - self.mark, dispatch=done.dispatch)
     self.mark = now
     self.profiler.finished(done.step)
-    check_finite(self.config, completed, scalars)
+    nonfinite.check_finite(self.config, completed, scalars)
 
 
 def make_logger(config: Config, parts: LoopParts, start: int, is_writer: bool) -> metrics.MetricLogger:
@@ -469,11 +448,12 @@ def main(argv: Sequence[str], usage: launch.Usage = USAGE, overrides: Sequence[s
     launch.check_outputs(config)  # before any device work: the mistakes that are knowable now
     saved_config.check(config)
     try:
-      run(config, started=started, process_started=process_started)  # raises Stopped after its checkpoint
+      summary = run(config, started=started, process_started=process_started)  # raises Stopped after its checkpoint
+      nonfinite.check_skipped(summary)  # most updates skipped: exits 1 (docs/failures.md)
     except preemption.Stopped as stopped:
       print(stopped.line(), file=sys.stderr, flush=True)
       sys.exit(preemption.EXIT_STOPPED)
-    except NonFiniteLossError as e:  # the message says what to do
+    except (NonFiniteLossError, SkippedUpdatesError) as e:  # the message says what to do
       sys.exit(f"{type(e).__name__}: {e}")
     except rewards.RewardError as e:  # objective=grpo: the user's reward function failed on a row
       sys.exit(f"Reward error: {e} (checkpoints saved before this step are kept)")

@@ -30,11 +30,13 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from MaxText import (
   accelerators,
   autofit,
+  checksums,
   compiled_step,
   console,
   gpu_aot,
@@ -73,6 +75,7 @@ class CompileReport(NamedTuple):
   plan: tuple[str, ...] = ()  # the run plan's lines (planner.describe)
   model_flops: float | None = None  # per device per step, flops.py's count (6·N·T + attention): what MFU counts
   loops: int | None = None  # while loops in the compiled program (scanned layers, pipeline, ...); None: unknown
+  reference_bytes: int = 0  # per device, of argument_bytes: TrainState.reference (DPO's copy, distill's teacher)
 
 
 def topology_devices(config: Config) -> list[Any]:
@@ -114,7 +117,9 @@ def shaped_inputs(config: Config, mesh: Mesh) -> tuple[dict[str, jax.ShapeDtypeS
   shardings = steps.batch_shardings(config, mesh)
   fields = objectives.get(config).fields(config)
   batch = {
-    k: jax.ShapeDtypeStruct(shape[: f.rank], f.dtype, sharding=shardings[k]) for k, f in fields.items() if k != "images"
+    k: jax.ShapeDtypeStruct((*shape[: f.rank - len(f.tail)], *f.tail), f.dtype, sharding=shardings[k])
+    for k, f in fields.items()
+    if k != "images"
   }
   if "images" in shardings:  # use_multimodal: tile slots per row (data/images.slots_per_row)
     size = (config.image_size_for_vit, config.image_size_for_vit, config.num_channels_for_vit)
@@ -145,7 +150,14 @@ def compile_train_step(config: Config, devices: Sequence[Any]) -> tuple[Any, Com
   report = compile_report(compiled, devices, mesh, seconds, tuple(planner.describe(plan, config)))
   tokens = sharding.global_batch_size(config, mesh) * config.max_target_length
   per_token = flops_lib.training_flops_per_token(config, flops_lib.abstract_model(config, spec)).total
+  report = report._replace(reference_bytes=per_device_bytes(spec.abstract.reference))
   return compiled, report._replace(model_flops=per_token * tokens / mesh.size, loops=_while_loops(compiled)), mesh
+
+
+def per_device_bytes(tree: Any) -> int:
+  """The bytes one device holds of `tree`'s jax.ShapeDtypeStruct leaves (each sharded by its .sharding)."""
+  shards = [(x.sharding.shard_shape(x.shape), x.dtype.itemsize) for x in jax.tree.leaves(tree)]
+  return sum(int(np.prod(shape)) * size for shape, size in shards)
 
 
 def _while_loops(compiled: Any) -> int | None:
@@ -181,6 +193,9 @@ def format_report(report: CompileReport) -> str:
     f"  per device: arguments {gib(report.argument_bytes)}, outputs {gib(report.output_bytes)} "
     f"(aliased {gib(report.alias_bytes)}), temporaries {gib(report.temp_bytes)}, total {gib(report.total_bytes)}",
   ]
+  if report.reference_bytes:
+    frozen = gib(report.reference_bytes)
+    lines.append(f"  of the arguments: frozen reference/teacher params {frozen} (no optimizer state)")
   if report.hbm_bytes:
     lines.append(f"  HBM per device {gib(report.hbm_bytes)}: {100 * report.total_bytes / report.hbm_bytes:.0f}% used")
   lines += _flops_lines(report)
@@ -288,6 +303,23 @@ def print_other_programs(config: Config, devices: Sequence[Any], mesh: Mesh) -> 
     print(line, flush=True)
 
 
+def checksum_line(config: Config, devices: Sequence[Any], mesh: Mesh) -> str:
+  """What computing a checkpoint's checksums (checksums.py, at each save and resume) needs per device, beside the
+  state it reads where it lies."""
+  tx = optimizers.build(config).tx
+  with sharding.activate(config, mesh):
+    spec = state_lib.state_spec(config, tx, mesh, planner.build(config, mesh))
+    try:
+      memory = checksums.lowered(spec.partition.checkpointed(spec.abstract)).compile().memory_analysis()
+    except Exception as e:  # noqa: BLE001 (a side figure: the train step's report above stands)
+      return f"checkpoint checksums: not compiled ({' '.join(str(e).split())[:200]})"
+  mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
+  return (
+    f"checkpoint checksums: per device, temporaries {mib(memory.temp_size_in_bytes)} beside the saved state's "
+    f"{mib(memory.argument_size_in_bytes)} (read in place; outputs {memory.output_size_in_bytes:,} bytes)"
+  )
+
+
 USAGE = launch.Usage(
   command="python3 MaxText/train_compile.py MaxText/configs/base.yml compile_topology=v5e-256 "
   "[compile_topology_num_slices=2] [compiled_trainstep_file=step.pickle] [key=value ...]",
@@ -320,6 +352,7 @@ def main(argv: Sequence[str], usage: launch.Usage = USAGE, overrides: Sequence[s
     if note:
       print(note, flush=True)
     print_other_programs(config, devices, mesh)
+    print(checksum_line(config, devices, mesh), flush=True)
     hlo_dump.publish(config, is_writer=True)
     if config.compiled_trainstep_file:
       compiled_step.save_compiled(config.compiled_trainstep_file, compiled, config, mesh)

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+import MaxText
 from MaxText import checkpointing, launch, models, paths
 from MaxText import state as state_lib
 from MaxText.config import Config, serving_config
@@ -121,6 +122,7 @@ def merge_lora(c: Config, directory: str) -> Config:
 
 def _write(c: Config, output: str, dtype: str) -> None:
   """convert() into the local directory `output`."""
+  MaxText.require_torch("writing Hugging Face safetensors", ("torch",))
   import torch  # noqa: PLC0415 (optional dependency; safetensors' torch writer handles bfloat16)
   from safetensors.torch import save_file  # noqa: PLC0415
 

@@ -165,7 +165,17 @@ class BatchIterator:
     return self._source.state(self._next_row)
 
   def set_state(self, state: dict[str, Any]) -> None:
+    """A state this kind of stream does not write (other keys, values that are not counts) is damaged: ValueError.
+    One that does but belongs to another stream (the data changed): the source's DataError."""
+    keys = set(self._source.state(0))
+    fields = state.values() if isinstance(state, dict) else ()
+    if not isinstance(state, dict) or set(state) != keys or not all(_count(v) for v in fields):
+      raise ValueError(f"data iterator state {state} is not a position of this stream (keys {sorted(keys)}): damaged")
     self._next_row = self._source.next_row(state)
+
+
+def _count(value: Any) -> bool:
+  return isinstance(value, int | np.integer) and not isinstance(value, bool) and value >= 0
 
 
 class Iterators(NamedTuple):

@@ -256,8 +256,10 @@ class GrainBatches:
     return {"num_shards": self._count, "shards": [states[str(i)] for i in range(self._count)]}
 
   def set_state(self, state: dict[str, Any]) -> None:
-    count, shards = state.get("num_shards"), state.get("shards", [])
-    if not isinstance(count, int) or count < 1 or len(shards) != count or self._shape[0] % count:
+    count, shards = (state.get("num_shards"), state.get("shards")) if isinstance(state, dict) else (None, None)
+    if type(count) is not int or count < 1 or not isinstance(shards, list) or len(shards) != count:
+      raise ValueError(f"grain iterator state {str(state)[:200]} is not {{num_shards: n, shards: [n states]}}: damaged")
+    if self._shape[0] % count:
       raise DataError(
         f"Data state for {count} shards ({len(shards)} shard states) cannot resume a global batch of "
         f"{self._shape[0]} rows exactly: keep the global batch of the run (elastic_resume=true keeps it)"

@@ -26,6 +26,7 @@ Sums = dict[str, jax.Array]  # float32 scalars (and MoE expert loads) that add u
 class Field(NamedTuple):
   rank: int  # axes; the first is the batch (split over the data axes), the second (if any) max_target_length
   dtype: Any = np.int32
+  tail: tuple[int, ...] = ()  # the sizes of the axes after [batch, max_target_length] (rank 3+)
 
 
 TOKEN_FIELDS = ("inputs", "targets", "inputs_segmentation", "targets_segmentation", "inputs_position")

@@ -10,6 +10,8 @@ from MaxText import planner, sharding
 from MaxText.errors import ConfigError
 from MaxText.layers import attention, kv_cache
 
+pytestmark = pytest.mark.quick  # the whole module is in the quick tier
+
 
 def config(*overrides):
   return config_lib.load(["MaxText/configs/base.yml", "run_name=t", *overrides])

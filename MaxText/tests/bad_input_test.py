@@ -30,6 +30,8 @@ from MaxText.convert import hf_to_maxtext
 from MaxText.data import convert_to_arrayrecord, files, inspect, train_tokenizer
 from MaxText.tests.conftest import BASE, ROOT, TINY
 
+pytestmark = pytest.mark.usefixtures("no_compile_cache")  # these tests count compilations: no cache hits
+
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _compiles = [0]
 

@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from MaxText import checkpointing, optimizers, sharding, train
+from MaxText import checkpointing, objectives, optimizers, sharding, train
 from MaxText import state as state_lib
-from MaxText.errors import CheckpointError, ConfigError
+from MaxText.errors import CheckpointError, ConfigError, DataError
 from MaxText.tests.conftest import BASE, ROOT, TINY, cfg
 
 COMMON = ["per_device_batch_size=1", "enable_checkpointing=true", "checkpoint_period=2", "steps=4"]
@@ -36,14 +36,16 @@ def _copy(trained, tmp_path):
   return cfg(tmp_path, "r", *COMMON)
 
 
-def _restore(c):
+def _restore(c, with_data=False):
+  """restore_or_init as train.run calls it; with_data: the data source takes the iterator state, as in a run."""
   tx = optimizers.build(c).tx
   mesh = sharding.create_mesh(c)
   with sharding.activate(c, mesh):
     spec = state_lib.state_spec(c, tx, mesh)
     manager = checkpointing.create_manager(c)
+    accept = objectives.get(c).sources(c, mesh).train.set_state if with_data else None
     try:
-      return checkpointing.restore_or_init(c, tx, spec, manager)
+      return checkpointing.restore_or_init(c, tx, spec, manager, accept)
     finally:
       if manager is not None:
         manager.close()
@@ -80,6 +82,11 @@ def _garbage_metadata(step_dir):
     f.write("{not json")
 
 
+def _data_state(step_dir, text):
+  with open(os.path.join(step_dir, "data", "metadata"), "w") as f:
+    f.write(text)
+
+
 CORRUPTIONS = {
   "truncated": _truncate,
   "zeroed": _zero,
@@ -87,6 +94,9 @@ CORRUPTIONS = {
   "garbage_metadata": _garbage_metadata,
   "no_state": lambda d: shutil.rmtree(os.path.join(d, "state")),
   "no_data": lambda d: shutil.rmtree(os.path.join(d, "data")),
+  "data_garbage": lambda d: _data_state(d, "{not json"),
+  "data_other_json": lambda d: _data_state(d, '{"rows": [1, 2]}'),
+  "data_other_position": lambda d: _data_state(d, '{"step": 7}'),  # well formed: only its checksum tells
 }
 
 
@@ -102,6 +112,36 @@ def test_unreadable_latest_step_is_moved_aside_and_the_previous_one_resumes(trai
   assert f"moved unreadable checkpoint step 4 to {c.run_dir}/checkpoints_unreadable/4; resuming from step 2" in out
   assert sorted(os.listdir(c.checkpoint_dir)) == ["2"]
   assert os.listdir(os.path.join(c.run_dir, checkpointing.UNREADABLE_DIR)) == ["4"]  # kept, not deleted
+
+
+@pytest.mark.parametrize("text", ['{"rows": [1, 2]}', '{"step": -1}', '["step"]', '{"step": "4"}'])
+def test_a_malformed_data_state_without_checksums_falls_back(trained, tmp_path, capsys, text):
+  # Written before checksums: the data source itself refuses a state it never writes, as damage.
+  c = _copy(trained, tmp_path)
+  for step in ("2", "4"):
+    shutil.rmtree(os.path.join(c.checkpoint_dir, step, "checksums"))
+  _data_state(os.path.join(c.checkpoint_dir, "4"), text)
+  assert _restore(c, with_data=True).source == "resume from step 2"
+  out = capsys.readouterr().out
+  assert "checkpoint step 4 cannot be restored: ValueError: data iterator state" in out and "damaged" in out
+  assert os.listdir(os.path.join(c.run_dir, checkpointing.UNREADABLE_DIR)) == ["4"]
+
+
+def test_a_data_state_of_other_data_is_the_users_change_and_moves_nothing(tmp_path, corpus):
+  # An intact state (its checksum matches) that does not fit this run's corpus: the one-line DataError, as before.
+  glob, model = corpus
+  text = ["dataset_type=text", f"tokenizer_path={model}", "vocab_size=512", "eval_fraction=0", *COMMON, "steps=2"]
+  first = cfg(tmp_path, "d", *text, f"dataset_path={glob}")
+  train.run(first)
+  other = tmp_path / "other"
+  other.mkdir()
+  (other / "a.txt").write_text("a different corpus " * 200)
+  changed = cfg(tmp_path, "d", *text, f"dataset_path={other}/*.txt")
+  with pytest.raises(DataError, match="rows per epoch"):
+    _restore(changed, with_data=True)
+  assert os.listdir(first.checkpoint_dir) == ["2"] and not os.path.exists(
+    os.path.join(first.run_dir, checkpointing.UNREADABLE_DIR)
+  )
 
 
 def test_empty_newer_step_directory_is_moved_aside(trained, tmp_path, capsys):

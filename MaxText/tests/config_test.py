@@ -10,6 +10,8 @@ import yaml
 from MaxText import config
 from MaxText.errors import ConfigError
 
+pytestmark = pytest.mark.quick  # the whole module is in the quick tier
+
 BASE = os.path.join(config.CONFIG_DIR, "base.yml")
 
 

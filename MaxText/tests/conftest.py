@@ -4,11 +4,14 @@ tokenizer, batch checks, meshes over the first N devices), and the helpers that 
 several cooperating processes on 127.0.0.1 (multihost_test, decode_test). Plain helpers that fewer modules
 share live in helpers.py. Test modules import from these two, never from each other (structure_test checks)."""
 
+import atexit
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import uuid
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):  # subprocesses set their own
@@ -27,6 +30,29 @@ from MaxText.data import FIELDS  # noqa: E402
 from MaxText.data import tokenizer as tokenizers  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# One persistent compilation cache per test session, shared by the pytest-xdist workers (they inherit
+# MAXTEXT_TEST_JAX_CACHE from the process that made it): a program that several tests compile (the tiny
+# model's step, each test's fresh jit of it) compiles once. Its key hashes the HLO, the compile options, the
+# devices and the jax/jaxlib versions, so a hit is the same executable. Subprocesses get it only through
+# COMPILE_CACHE_ENV: a compile for a TPU or GPU topology writes entries it cannot read back, and warns.
+# XLA writes no dump on a hit (no_compile_cache). MAXTEXT_TEST_JAX_CACHE=DIR keeps it in DIR; =off: none.
+COMPILE_CACHE = os.environ.get("MAXTEXT_TEST_JAX_CACHE", "")
+if not COMPILE_CACHE:
+  COMPILE_CACHE = os.environ["MAXTEXT_TEST_JAX_CACHE"] = tempfile.mkdtemp(prefix="maxtext-test-jax-cache-")
+  atexit.register(shutil.rmtree, COMPILE_CACHE, ignore_errors=True)
+COMPILE_CACHE_ENV = {}
+if COMPILE_CACHE != "off":
+  # A size limit turns on jax's file lock: parallel processes never read an entry half written.
+  COMPILE_CACHE_ENV = {
+    "JAX_COMPILATION_CACHE_DIR": COMPILE_CACHE,
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_COMPILATION_CACHE_MAX_SIZE": str(8 << 30),
+  }
+  jax.config.update("jax_compilation_cache_dir", COMPILE_CACHE)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_compilation_cache_max_size", 8 << 30)
+
 BASE = os.path.join(ROOT, "MaxText", "configs", "base.yml")
 # The tiny model's sizes: D=64, N=4, K=2, H=16, F=128, L=2, V=256, T=32 (the FLOP tests count them by hand).
 SIZES = [
@@ -62,9 +88,26 @@ DEEPSEEK3_TINY = [
 ]  # fmt: skip
 
 
+def quick_for(values, chosen):
+  """Parametrize's values with `chosen` in the quick tier (pytest -m quick runs that case of the set)."""
+  return [pytest.param(v, marks=pytest.mark.quick) if v == chosen else v for v in values]
+
+
 def sized_config(tmp_path, *overrides):
   """base.yml with the tiny model's SIZES only (every other key at its default), outputs under tmp_path."""
   return config.load([BASE, "run_name=t", f"base_output_directory={tmp_path}", *SIZES, *overrides], {})
+
+
+@pytest.fixture
+def no_compile_cache():
+  """This test's compiles skip the persistent cache (XLA writes its dumps only when it compiles)."""
+  from jax.experimental.compilation_cache import compilation_cache
+
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()
+  yield
+  jax.config.update("jax_enable_compilation_cache", True)
+  compilation_cache.reset_cache()
 
 
 def cfg(tmp_path, name, *overrides):

@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 
 from benchmarks import convert_benchmark
 from MaxText import checkpointing
@@ -43,6 +44,7 @@ def test_streamed_arrays_restore_exactly(tmp_path):
     np.testing.assert_array_equal(got[name], want)
 
 
+@pytest.mark.slow  # over 40 s on 2 busy cores (2026-11-27)
 def test_conversion_memory_stays_far_below_the_model_size(tmp_path):
   """A 0.39 GB Llama (24 layers, largest tensor 8 MB) converts to MaxText (scanned and unrolled) and
   back with peak RSS growth under half the model (the former whole-model converters grew by 2-3x the

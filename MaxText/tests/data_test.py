@@ -30,6 +30,7 @@ from MaxText.tests.helpers import two_process_overrides
 
 
 @pytest.mark.parametrize("devices", [1, 8])
+@pytest.mark.quick
 def test_synthetic_batches(tmp_path, devices):
   cfg = data_config(tmp_path, "dataset_type=synthetic", "per_device_batch_size=2", "eval_per_device_batch_size=1")
   mesh = mesh_of(cfg, devices)
@@ -73,6 +74,7 @@ def test_text_batches(tmp_path, corpus, devices):
   check_batch(next(its.eval_factory()), cfg, mesh, 2 * devices)
 
 
+@pytest.mark.quick
 def test_text_packing_keeps_documents_and_masks_their_ends(tmp_path, corpus):
   cfg = text_config(tmp_path, corpus)
   its = make_iterators(cfg, mesh_of(cfg, 8))

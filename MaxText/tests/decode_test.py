@@ -15,7 +15,7 @@ from flax import nnx
 from MaxText import checkpointing, config, decode
 from MaxText.errors import ConfigError
 from MaxText.inference import Engine, engine, sampling
-from MaxText.tests.conftest import BASE, ROOT, run_processes
+from MaxText.tests.conftest import BASE, ROOT, quick_for, run_processes
 from MaxText.tests.helpers import DECODE_FAMILIES, DECODE_TINY, assert_cache_equals_forward
 
 
@@ -23,7 +23,7 @@ def load(*overrides):
   return config.load([BASE, *DECODE_TINY, *overrides], {})
 
 
-@pytest.mark.parametrize("family", sorted(DECODE_FAMILIES))
+@pytest.mark.parametrize("family", quick_for(sorted(DECODE_FAMILIES), "llama2"))
 def test_forward_equals_prefill_equals_step_by_step(family):
   assert_cache_equals_forward(*DECODE_FAMILIES[family])
 
@@ -34,6 +34,7 @@ def draws(logits, strategy, n=400, **kw):
   return np.asarray(fn(keys))  # [n, B]
 
 
+@pytest.mark.quick
 def test_top_k_never_samples_outside_the_k_most_likely():
   logits = jax.random.normal(jax.random.key(1), (3, 50)) * 3
   got = draws(logits, "topk", top_k=5, temperature=2.0)
@@ -42,6 +43,7 @@ def test_top_k_never_samples_outside_the_k_most_likely():
     assert set(got[:, row]) <= set(top[row]) and len(set(got[:, row])) > 1
 
 
+@pytest.mark.quick
 def test_nucleus_never_samples_outside_the_p_mass():
   probs = np.array([[0.4, 0.25, 0.15, 0.1, 0.05, 0.05]])
   got = draws(jnp.log(jnp.asarray(probs)), "nucleus", nucleus_p=0.75)
@@ -147,6 +149,7 @@ def test_a_relative_params_path_reads_its_metadata_without_a_warning(tiny_engine
   assert not [m for m in said if "item metadata" in m], said
 
 
+@pytest.mark.quick
 def test_decode_command_line(capsys):
   argv = ["decode.py", BASE, *DECODE_TINY, "vocab_size=320", "prompt=I love to", "decode_max_new_tokens=4"]
   decode.main([*argv, "per_device_batch_size=1"])

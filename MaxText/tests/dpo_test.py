@@ -94,6 +94,7 @@ def test_parquet_and_jsonl_pairs_give_the_same_examples(tmp_path, tok):
   assert len(from_jsonl.offsets) == len(pairs) + 1
 
 
+@pytest.mark.quick
 def test_pair_logps_sum_each_segment_and_the_loss_is_ln2_at_equal_models():
   token_logps = np.log(np.array([[0.5, 0.5, 0.25, 0.1, 0.2, 1.0]], np.float32))
   segments = np.array([[0, 1, 1, 2, 0, 0]], np.int32)

@@ -38,6 +38,7 @@ def whole(tmp_path_factory):
   return losses(cfg(tmp_path, "whole"))
 
 
+@pytest.mark.slow  # over 40 s on 2 busy cores (2026-11-27)
 def test_8_to_4_to_8_devices_keeps_the_global_batch_and_the_loss_curve(tmp_path, capsys, corpus):
   glob, model = corpus  # the default pipeline (dataset_type=text) on the test corpus: packed documents
   text = ["dataset_type=text", f"dataset_path={glob}", f"tokenizer_path={model}", "vocab_size=512"]

@@ -13,6 +13,7 @@ from MaxText.layers.moe import MoeBlock
 from MaxText.tests.conftest import sized_config
 
 
+@pytest.mark.quick
 def test_flops_per_token_by_hand(tmp_path):
   cfg = sized_config(tmp_path)  # D=64, N=4, K=2, H=16, F=128, L=2, V=256, T=32, 2 MLP inputs
   # attention projections per layer: q 64*4*16 + k 64*2*16 + v 64*2*16 + o 4*16*64 = 4096+2048+2048+4096 = 12288
@@ -359,6 +360,7 @@ def test_flops_match_xla_cost_analysis(tmp_path, overrides):
   assert 0.88 < ours / xla <= 1.0, (ours, xla)
 
 
+@pytest.mark.quick
 def test_mfu():
   # 1e12 FLOPs per step over 2 devices in 0.5 s: 1e12 FLOP/s per device, a quarter of a 4e12 peak
   assert flops_lib.mfu(1e12, 0.5, 2, 4e12) == pytest.approx(0.25)

@@ -19,6 +19,8 @@ from MaxText.errors import ConfigError
 from MaxText.tests.conftest import cfg
 from MaxText.tests.helpers import checkpoints, start
 
+pytestmark = pytest.mark.usefixtures("no_compile_cache")  # these tests count compilations: no cache hits
+
 CKPT = ["enable_checkpointing=true", "async_checkpointing=false"]
 
 

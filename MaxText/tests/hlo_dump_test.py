@@ -17,6 +17,7 @@ def dumped(directory, pattern="*jit_train_step*after_optimizations.txt") -> list
   return sorted(directory.glob(pattern)) if directory.is_dir() else []
 
 
+@pytest.mark.usefixtures("no_compile_cache")  # XLA dumps only what it compiles
 def test_train_run_leaves_the_optimized_hlo_in_its_run_directory(tmp_path, capsys):
   c = cfg(tmp_path, "dump", "steps=1", "dump_hlo=true")
   train.run(c)
@@ -27,6 +28,7 @@ def test_train_run_leaves_the_optimized_hlo_in_its_run_directory(tmp_path, capsy
   assert f"dump_hlo: the compiled step's HLO is in {tmp_path / 'dump' / 'hlo'}" in capsys.readouterr().out
 
 
+@pytest.mark.usefixtures("no_compile_cache")
 def test_train_compile_on_cpu_copies_a_dump_written_elsewhere(tmp_path, capsys):
   argv = ["train_compile.py", BASE, *TINY, f"base_output_directory={tmp_path}", "run_name=aot"]
   argv += ["compile_topology=cpu", "dump_hlo=true", f"dump_hlo_local_dir={tmp_path / 'xla'}"]

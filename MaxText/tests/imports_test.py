@@ -37,6 +37,7 @@ def parse(path: str) -> ast.Module:
     return ast.parse(f.read(), path)
 
 
+@pytest.mark.quick
 def test_user_errors_are_imported_from_errors_only():
   """The error types have one home: no file imports them from another module or reads them off one."""
   errors = {n.name for n in parse(os.path.join("MaxText", "errors.py")).body if isinstance(n, ast.ClassDef)}
@@ -80,6 +81,7 @@ def _is_sys_path(node: ast.AST) -> bool:
   )
 
 
+@pytest.mark.quick
 def test_no_file_edits_sys_path():
   """Scripts import MaxText as installed (setup.sh: pip install -e .); none reaches for the repository root."""
   edits = [f"{path}:{line}" for path in python_files(ROOT) for line in sys_path_edits(parse(path))]
@@ -106,6 +108,7 @@ def test_reading_sys_path_is_not_an_edit():
   assert not sys_path_edits(ast.parse("import sys, os\nprint(sys.path[0], os.path.join('a', 'b'))"))
 
 
+@pytest.mark.quick
 def test_entry_points_run_main_with_sys_argv():
   """One convention: main(argv) takes sys.argv (the program name first); a script's `__main__` block is
   exactly `main(sys.argv)`."""
@@ -165,3 +168,12 @@ def test_an_incomplete_install_is_one_line_that_says_what_to_run(tmp_path, scrip
   assert no_requirements.returncode == 1 and len(no_requirements.stderr.splitlines()) == 1
   assert "requirements are not installed (no module 'numpy'" in no_requirements.stderr
   assert "run `bash setup.sh`" in no_requirements.stderr
+
+
+def test_a_missing_test_extra_is_one_line_naming_the_setup(monkeypatch):
+  """torch/transformers (the walk-throughs' tiny Hugging Face models, bfloat16 safetensors) are test extras."""
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+  with pytest.raises(SystemExit, match=r"^make_tiny_chat_model.py needs torch, which `TEST=1 bash setup.sh` installs"):
+    MaxText.require_torch("make_tiny_chat_model.py")
+  MaxText.require_torch("this test", ("numpy",))  # present: nothing happens

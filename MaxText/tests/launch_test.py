@@ -17,6 +17,7 @@ from MaxText.tests.conftest import BASE, ROOT
 USAGE = launch.Usage("python3 tool.py CONFIG.yml", "A tool.", keys=("run_name", "steps"), options=(("rows", "n"),))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
   "command",
   [
@@ -48,6 +49,7 @@ def test_usage_shows_keys_with_their_base_yml_comments(capsys):
   assert "rows" in out and "base.yml" in out
 
 
+@pytest.mark.quick
 def test_config_errors_exit_with_one_wording():
   with pytest.raises(SystemExit, match=r"^Config error: .*stpes"):
     launch.start([BASE, "stpes=3"], USAGE)

@@ -78,6 +78,7 @@ def test_the_state_spec_owns_the_trainable_split(tmp_path):
   assert leaf_names(whole) == leaf_names(lora_spec.abstract)
 
 
+@pytest.mark.slow  # over 40 s on 2 busy cores (2026-11-27)
 def test_checkpoint_holds_adapters_only_and_resumes_onto_the_loaded_base(tmp_path):
   base_config = cfg(tmp_path, "base", "init_weights_seed=7")
   mesh = sharding.create_mesh(base_config)

@@ -11,6 +11,8 @@ import pytest
 from MaxText import metrics, plot_metrics
 from MaxText.tests.conftest import sized_config
 
+pytestmark = pytest.mark.usefixtures("no_compile_cache")  # these tests count compilations: no cache hits
+
 
 def make_logger(cfg, **kwargs):
   args = dict(

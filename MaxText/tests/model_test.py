@@ -31,6 +31,7 @@ def tokens(b=2, t=16, seed=0):
   return jnp.asarray(np.random.default_rng(seed).integers(1, 128, (b, t)), jnp.int32)
 
 
+@pytest.mark.quick
 def test_logits_shape_and_params_carry_logical_axes():
   c, model = build()
   assert forward(model, tokens()).shape == (2, 16, 128)
@@ -39,6 +40,7 @@ def test_logits_shape_and_params_carry_logical_axes():
   assert specs and all(name in allowed for spec in specs for name in spec)
 
 
+@pytest.mark.quick
 def test_gqa_param_shapes():
   _, model = build()
   attn = nnx.state(model, nnx.Param)["layers"]["self_attention"]
@@ -46,6 +48,7 @@ def test_gqa_param_shapes():
   assert attn["key"]["kernel"].shape == (2, 64, 2, 16)  # [L, D, K, H]
 
 
+@pytest.mark.quick
 def test_causal():
   _, model = build()
   x = tokens()
@@ -54,6 +57,7 @@ def test_causal():
   assert not np.allclose(forward(model, x)[:, 10:], forward(model, y)[:, 10:])
 
 
+@pytest.mark.quick
 def test_packed_documents_do_not_see_each_other():
   _, model = build()
   a, b = tokens(1, 6, seed=1), tokens(1, 10, seed=2)
@@ -71,12 +75,14 @@ def test_logit_variants(extra):
   assert np.isfinite(np.asarray(forward(model, tokens()), np.float32)).all()
 
 
+@pytest.mark.quick
 def test_scan_and_unrolled_are_the_same_model():
   _, scanned = build("scan_layers=true")
   _, unrolled = build("scan_layers=false")
   np.testing.assert_allclose(forward(scanned, tokens()), forward(unrolled, tokens()), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.quick
 def test_unknown_decoder_block():
   with pytest.raises(ValueError, match="llama2"):
     build("decoder_block=llama9")

@@ -40,6 +40,7 @@ def reference(layer, x):
   return jnp.einsum("XED,XE->XD", out, weights.set(routing.weights)).reshape(x.shape)
 
 
+@pytest.mark.quick
 def test_dropless_matches_dense_reference_and_records_balance_loss():
   layer = block()
   x = jax.random.normal(jax.random.key(0), (2, 8, 16))
@@ -66,6 +67,7 @@ def loop_reference(layer, x, capacity):
   return out.reshape(x.shape), dropped
 
 
+@pytest.mark.quick
 def test_capacity_mask_keeps_earlier_tokens():
   experts = jnp.asarray([[0, 1], [0, 1], [0, 2], [3, 0]])
   keep = moe.capacity_mask(experts, num_experts=4, capacity_factor=1.0)  # capacity = ceil(8 / 4) = 2
@@ -79,6 +81,7 @@ def test_capacity_without_drops_equals_dropless():
   np.testing.assert_allclose(block("capacity_factor=2.0")(x), block()(x), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.quick
 def test_small_capacity_equals_token_loop_and_buffer_is_static():
   layer = block("capacity_factor=0.5")
   x = jax.random.normal(jax.random.key(1), (2, 8, 16))
@@ -164,6 +167,7 @@ def test_expert_widths_scale_once_with_global_parameter_scale(base_moe_mlp_dim, 
 # ---------------------------------------------------------------- auxiliary-loss-free balancing (routed_bias)
 
 
+@pytest.mark.quick
 def test_expert_load_counts_every_assignment_and_is_not_a_loss():
   layer = block("routed_bias=true", "routed_score_func=sigmoid")
   x = jax.random.normal(jax.random.key(0), (2, 8, 16))
@@ -175,6 +179,7 @@ def test_expert_load_counts_every_assignment_and_is_not_a_loss():
   assert set(nnx.state(layer, nnx.All(nnx.Intermediate, nnx.Not(moe.ExpertLoad)))) == {"load_balance_loss"}
 
 
+@pytest.mark.quick
 def test_balance_router_bias_moves_each_bias_one_step_towards_the_mean_load():
   params = {"moe_layers": {"mlp": {"gate_bias": jnp.zeros((2, 4)), "wo": jnp.ones((2, 3))}}}
   loads = {"moe_layers": {"mlp": {"expert_load": jnp.asarray([[8, 0, 4, 4], [4, 4, 4, 4]], jnp.int32)}}}
@@ -221,6 +226,7 @@ def _balance_run(tmp_path, steps, *overrides):
 
 
 @pytest.mark.parametrize("scan", ["true", "false"])
+@pytest.mark.slow  # over 40 s on 2 busy cores (2026-11-27), each
 def test_bias_update_evens_out_a_skewed_router_and_nothing_else_moves_the_bias(tmp_path, scan):
   """The busiest expert's load falls from twice the mean (expert 0's group takes every token) to near it. The
   model trains meanwhile, with weight decay, yet every bias moves by whole steps of +-rate only: the optimizer

@@ -17,9 +17,10 @@ PROTOCOL = ("name", "reference", "perplexity", "denominator", "fields", "sum_key
             "eval_sums", "eval_metrics", "sources", "check")  # fmt: skip
 
 
+@pytest.mark.quick
 def test_the_registry_names_the_config_choices_and_each_objective_follows_the_protocol():
   assert tuple(objectives.REGISTRY) == config.CHOICES["objective"]
-  assert {"lm", "dpo", "grpo", "simpo", "orpo"} <= set(objectives.REGISTRY)
+  assert {"lm", "dpo", "grpo", "distill", "simpo", "orpo"} <= set(objectives.REGISTRY)
   for name, objective in objectives.REGISTRY.items():
     assert objective.name == name and all(hasattr(objective, key) for key in PROTOCOL), name
     assert objective.denominator in objective.sum_keys(config.load([BASE, *TINY], {}))
@@ -33,6 +34,7 @@ def dpo_args(tmp_path, *overrides):
   return [BASE, *TINY, *data, f"tokenizer_path={tmp_path}/tokenizer.json", *overrides]
 
 
+@pytest.mark.quick
 def test_use_dpo_is_an_alias_of_objective_dpo(tmp_path):
   assert config.load([BASE, *TINY], {}).objective == "lm"
   assert config.load(dpo_args(tmp_path, "use_dpo=true"), {}).objective == "dpo"
@@ -42,6 +44,7 @@ def test_use_dpo_is_an_alias_of_objective_dpo(tmp_path):
     config.load(dpo_args(tmp_path, "use_dpo=true", "objective=grpo"), {})
 
 
+@pytest.mark.quick
 def test_a_bad_objective_is_one_line_with_the_choices():
   with pytest.raises(ConfigError) as e:
     config.load([BASE, *TINY, "objective=kto"], {})
@@ -67,6 +70,7 @@ def test_use_dpo_is_read_in_one_place():
   assert readers == ["MaxText/config.py"], readers
 
 
+@pytest.mark.quick
 def test_python_m_maxtext_rl_runs_the_trainer_with_objective_grpo(monkeypatch):
   seen = []
   monkeypatch.setattr(train, "main", lambda argv, usage, overrides: seen.append(("train", argv, overrides)))
@@ -82,12 +86,13 @@ def test_python_m_maxtext_rl_runs_the_trainer_with_objective_grpo(monkeypatch):
 def test_the_alias_reaches_the_config(monkeypatch, tmp_path):
   """train.main with rl's overrides loads objective=grpo, whatever the command line says of it."""
   loaded = []
-  monkeypatch.setattr(train, "run", lambda c, **kwargs: loaded.append(c.objective))
+  monkeypatch.setattr(train, "run", lambda c, **kwargs: loaded.append(c.objective) or {"steps_run": 0})
   args = [BASE, *TINY, f"base_output_directory={tmp_path}", "run_name=alias", "objective=lm"]
   train.main(["rl.py", *args], rl.USAGE, ("objective=grpo",))
   assert loaded == ["grpo"]
 
 
+@pytest.mark.quick
 def test_a_data_iterator_is_a_batch_source():
   class Counter:
     def __init__(self):

@@ -24,6 +24,7 @@ OPT_CASES = {
 }
 
 
+@pytest.mark.quick
 def test_every_opt_type_has_a_builder():
   assert tuple(optimizers.OPTIMIZERS) == config.CHOICES["opt_type"]
 
@@ -110,6 +111,7 @@ def test_factored_and_partitioned_states_shard(tmp_path, opt_type):
   assert any(s.spec != jax.sharding.PartitionSpec() for s in jax.tree.leaves(spec.shardings.opt_state))
 
 
+@pytest.mark.quick
 def test_pax_adam_equals_bias_corrected_adam():
   """Praxis folds Adam's bias correction into its decay rates: the same update up to rounding."""
   grads = [{"w": jax.random.normal(jax.random.key(i), (3, 5))} for i in range(4)]
@@ -121,6 +123,7 @@ def test_pax_adam_equals_bias_corrected_adam():
     np.testing.assert_allclose(got["w"], want["w"], rtol=1e-5)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
   "override, message",
   [

@@ -66,6 +66,7 @@ def test_grpo_raises_the_exact_answer_reward_of_a_briefly_trained_model(tmp_path
   assert all(r["kl"] >= 0 and 0 <= r["clip_fraction"] <= 1 for r in records(c))
 
 
+@pytest.mark.quick
 def test_advantages_are_normalised_within_each_group():
   rewards = np.array([1, 0, 0, 0, 5, 5, 5, 5], np.float32)  # two prompts, G = 4
   adv = rollouts.advantages(rewards, 4)
@@ -73,6 +74,7 @@ def test_advantages_are_normalised_within_each_group():
   np.testing.assert_array_equal(adv[4:], 0)  # equal rewards: no signal
 
 
+@pytest.mark.quick
 def test_the_batch_puts_the_loss_and_old_logprobs_on_completion_tokens_only():
   done = engine_lib.Completion("7", [58, 2], [-0.5, -0.25], "eos")
   batch = rollouts.build_batch([[1, 54, 46, 55, 64]], [done], np.array([1.0]), 10)  # "<bos>3+4=" then "7<eos>"
@@ -90,6 +92,7 @@ def test_step_rows_are_a_fresh_permutation_per_epoch_and_a_function_of_the_step(
   assert rollouts.step_rows(10, 4, 3, seed=0) == rows[12:16]
 
 
+@pytest.mark.quick
 def test_the_loss_at_the_reference_is_minus_the_mean_advantage_and_clips_as_ppo(tmp_path):
   """policy = old = reference: ratio 1, KL 0, loss -mean(A). Old log-probs 1 nat higher make the ratio e^-1 < 1 -
   epsilon: clipped where A < 0 (that token cannot push further down), not where A > 0."""

@@ -76,6 +76,7 @@ def test_prompt_completion_columns_train_only_the_completion(tmp_path, tok):
   assert tok.decode(ex.tokens[ex.loss_mask == 1]).strip() == "Rome."  # the in-prompt reply carries no loss
 
 
+@pytest.mark.quick
 def test_batches_put_loss_on_completion_tokens_only_and_pack_whole_examples(tmp_path, tok):
   records = [
     {"messages": [{"role": "user", "content": f"Q{i}?"}, {"role": "assistant", "content": f"A{i}."}]} for i in range(6)

@@ -9,6 +9,8 @@ from jax.sharding import PartitionSpec
 from MaxText import config, planner, sharding
 from MaxText.errors import ConfigError
 
+pytestmark = pytest.mark.quick  # the whole module is in the quick tier
+
 BASE = os.path.join(config.CONFIG_DIR, "base.yml")
 
 

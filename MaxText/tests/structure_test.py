@@ -9,7 +9,11 @@ share helpers through conftest.py or helpers.py, never by importing each other.
 import ast
 import os
 
+import pytest
+
 from MaxText.tests.conftest import ROOT
+
+pytestmark = pytest.mark.quick  # the whole module is in the quick tier
 
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 60

@@ -17,6 +17,7 @@ def model_path(tmp_path_factory):
   return tokenizers.train_sentencepiece(TEXTS, 400, str(tmp_path_factory.mktemp("tok")))
 
 
+@pytest.mark.quick
 def test_trained_model_ids_and_roundtrip(model_path):
   tok = tokenizers.load_tokenizer(model_path)
   assert model_path.endswith("tokenizer.model")

@@ -182,6 +182,7 @@ def test_one_slice_of_many_hosts_is_one_slice(tmp_path, slices, mesh):
 
 
 @pytest.mark.parametrize("name", ["v5e-3", "v4-12", "v5p-200", "v7x-8", "tpu"])
+@pytest.mark.quick
 def test_unknown_topology_names_fail_with_the_valid_sizes(tmp_path, name):
   with pytest.raises(ConfigError, match="compile_topology"):
     train_compile.topology_devices(cfg(tmp_path, "t", f"compile_topology={name}"))
@@ -200,6 +201,7 @@ def test_unwritable_compiled_trainstep_file_fails_before_compiling(tmp_path, whe
   assert not compiles
 
 
+@pytest.mark.quick
 def test_saved_step_runs_in_train_with_the_same_losses(tmp_path):
   path = os.path.join(tmp_path, "step.pickle")
   common = ["steps=4", "per_device_batch_size=2"]

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText import checkpointing, optimizers, sharding, train
+from MaxText import checkpointing, nonfinite, optimizers, sharding, train
 from MaxText import data as data_lib
 from MaxText import state as state_lib
 from MaxText import train_step as steps
@@ -43,6 +43,7 @@ def test_sharding_is_exact(tmp_path):
     np.testing.assert_allclose(got, ref, rtol=1e-5, err_msg=name)
 
 
+@pytest.mark.slow  # over 40 s on 2 busy cores (2026-11-27)
 def test_scan_remat_and_accumulation_do_not_change_losses(tmp_path):
   variants = [
     ["scan_layers=false"],
@@ -61,6 +62,7 @@ def test_scan_remat_and_accumulation_do_not_change_losses(tmp_path):
     np.testing.assert_allclose(got, ref, rtol=1e-5, err_msg=str(variant))
 
 
+@pytest.mark.slow  # over 40 s on 2 busy cores (2026-11-27)
 def test_maxtext_remat_policies_do_not_change_losses(tmp_path):
   # The attention output ("context") and host offloading (pinned_host memory exists on CPU too).
   ref = run_losses(tmp_path, "ref", "per_device_batch_size=2", "remat_policy=full")
@@ -69,6 +71,7 @@ def test_maxtext_remat_policies_do_not_change_losses(tmp_path):
     np.testing.assert_allclose(got, ref, rtol=1e-5, err_msg=policy)
 
 
+@pytest.mark.quick
 def test_loss_falls_and_metrics_are_complete(tmp_path):
   c = cfg(tmp_path, "m", "steps=12", "per_device_batch_size=1", "vocab_size=16", "enable_tensorboard=true")
   summary = train.run(c)
@@ -152,7 +155,7 @@ def test_nan_loss_stops_before_checkpointing(tmp_path, monkeypatch):
 
   monkeypatch.setattr(steps, "jit_train_step", poisoned)
   c = cfg(tmp_path, "nan", "steps=6", "per_device_batch_size=1", "enable_checkpointing=true", "checkpoint_period=1")
-  with pytest.raises(train.NonFiniteLossError, match="step 3"):  # the third step's update made state.step 3
+  with pytest.raises(nonfinite.NonFiniteLossError, match="step 3"):  # the third step's update made state.step 3
     train.run(c)
   assert sorted(os.listdir(c.checkpoint_dir)) == ["1", "2"]
 
@@ -285,12 +288,14 @@ def _command(tmp_path, *overrides):
   ]
 
 
+@pytest.mark.quick
 def test_typo_in_key_exits_nonzero_naming_the_key(tmp_path):
   result = subprocess.run(_command(tmp_path, "ici_fsdp_parallelizm=2"), cwd=ROOT, capture_output=True, text=True)
   assert result.returncode != 0
   assert "ici_fsdp_parallelism" in result.stderr
 
 
+@pytest.mark.slow  # over 40 s on 2 busy cores (2026-11-27)
 def test_killed_run_resumes_from_last_checkpoint(tmp_path):
   args = ["steps=400", "per_device_batch_size=1", "enable_checkpointing=true", "checkpoint_period=10"]
   args += ["async_checkpointing=false", "log_period=50"]

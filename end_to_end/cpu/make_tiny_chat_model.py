@@ -12,6 +12,8 @@ import json
 import os
 import sys
 
+import MaxText
+
 CHATML = (
   "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
   "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
@@ -58,6 +60,7 @@ def main(argv: list[str]) -> None:
   if len(argv) != 2:
     raise SystemExit(__doc__.split("\n\n")[1].strip())
   out = argv[1]
+  MaxText.require_torch("make_tiny_chat_model.py (a tiny Hugging Face model)")
   import torch
   import transformers
 

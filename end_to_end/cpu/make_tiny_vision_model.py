@@ -15,9 +15,13 @@ import os
 import sys
 
 import numpy as np
-import torch
-import transformers
 from PIL import Image
+
+import MaxText
+
+MaxText.require_torch("make_tiny_vision_model.py (a tiny Hugging Face model)")
+import torch  # noqa: E402
+import transformers  # noqa: E402
 
 CHATML = (  # the same ChatML template as make_tiny_chat_model.py
   "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"

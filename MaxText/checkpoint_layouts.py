@@ -92,6 +92,42 @@ def restore_numpy(path: str, params_tree: Any, kind: str, **more: Any) -> Any:
   return restored if more else upstream.params_of(restored, kind)
 
 
+def with_routing_biases(path: str, tree: Any, params: dict) -> dict:
+  """Upstream params `params` (its Linen names, host arrays) plus the deepseek routing biases (gate/bias) that a
+  Linen train state of `tree` (its metadata) keeps outside them, in nnx_aux (stacked on axis 0 there; moved to
+  the params' scan axis)."""
+  aux = tree.get("nnx_aux")
+  wanted = _gate_biases(aux["model"].get("decoder", {})) if isinstance(aux, dict) and "model" in aux else None
+  if not wanted:
+    return params
+  item = {"nnx_aux": {"model": {"decoder": wanted}}}
+  abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), item)
+  args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
+  restored = ocp.PyTreeCheckpointer().restore(
+    path, args=ocp.args.PyTreeRestore(item=abstract, restore_args=args, partial_restore=True)
+  )["nnx_aux"]["model"]["decoder"]
+  move = lambda k, v: jax.tree.map(lambda b: np.moveaxis(b, 0, upstream.SCAN_AXIS), v) if k in upstream.STACKS else v  # noqa: E731
+  return {**params, "decoder": _merged(params["decoder"], {k: move(k, v) for k, v in restored.items()})}
+
+
+def _gate_biases(tree: Any) -> dict | None:
+  """The subtree of `tree` (a module's variables) holding only its gate/bias leaves, or None without any."""
+  if not isinstance(tree, dict):
+    return None
+  out = {k: v for k, v in {k: _gate_biases(v) for k, v in tree.items() if k != "gate"}.items() if v}
+  if isinstance(tree.get("gate"), dict) and "bias" in tree["gate"]:
+    out["gate"] = {"bias": tree["gate"]["bias"]}
+  return out or None
+
+
+def _merged(tree: dict, more: dict) -> dict:
+  """`tree` with the leaves of `more` (nested dicts) added."""
+  out = dict(tree)
+  for k, v in more.items():
+    out[k] = _merged(out.get(k, {}), v) if isinstance(v, dict) else v
+  return out
+
+
 def placed(path: str, key: str, saved: Any, abstract: Any) -> Any:
   """Host arrays in our names (upstream.to_ours) fitted to `abstract` (nnx.State of abstract arrays, scanned
   or not) and placed on its shardings in its dtypes."""
@@ -115,7 +151,8 @@ def upstream_params(path: str, tree: Any, abstract_params: Any, config: Any) -> 
   if config is None:
     raise ConfigError(f"{path!r} is an upstream MaxText checkpoint; only load_parameters_path reads those")
   fam, kind = upstream.family(config), upstream.layout(tree)
-  saved = upstream.to_ours(restore_numpy(path, upstream.params_of(tree, kind), kind), fam)
+  saved = restore_numpy(path, upstream.params_of(tree, kind), kind)
+  saved = upstream.to_ours(with_routing_biases(path, tree, saved) if kind == "linen" else saved, fam)
   return placed(path, "load_parameters_path", saved, abstract_params)
 
 
@@ -136,7 +173,8 @@ def restore_upstream_state(
     )
   saved = restore_numpy(path, tree["params"]["params"], "linen", step=tree["step"], opt_state=tree["opt_state"])
   count, mu, nu = upstream.adam_of(saved["opt_state"])
-  params = placed(path, key, upstream.to_ours(saved["params"]["params"], fam), abstract.params)
+  params = with_routing_biases(path, tree, saved["params"]["params"])
+  params = placed(path, key, upstream.to_ours(params, fam), abstract.params)
   fit = lambda moment, like: placed(path, key, upstream.to_ours(moment.get("params", moment), fam.for_moments()), like)  # noqa: E731
   opt_state = upstream.with_adam(fresh().opt_state, count, mu, nu, fit)
   if opt_state is None:

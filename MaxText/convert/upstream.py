@@ -11,7 +11,9 @@ stack on axis 1 (its param_scan_axis), ours on axis 0; a gated dense MLP names i
 attention computes q . k with no 1/sqrt(head_dim) (ours applies it), so its query kernels are ours / sqrt(H).
 Its llama3.1 rope (rope_type llama3.1, or a model_name starting llama3.1: our rope_type llama3) rotates
 interleaved pairs (dims 2i, 2i+1) where ours rotates halves (i, i + H/2): the query and key kernels' head
-dimension is reordered on import (evens first, then odds) and back on export.
+dimension is reordered on import (evens first, then odds) and back on export. Its deepseek MLA rotates its rope
+dims in interleaved pairs too (reordered alike); its deepseek layers are two stacks, dense_layers and
+moe_layers (unrolled: dense_layers_<i>, moe_layers_<i>), as ours.
 
 Which of our families map is FAMILIES (by decoder_block); family(config) refuses the others in one line.
 
@@ -34,7 +36,8 @@ from MaxText.errors import ConfigError
 
 SCAN_AXIS = 1  # upstream's param_scan_axis default: where its scanned layers stack
 MOE_BLOCK = "MoeBlock_0"  # upstream's routed-experts module in a mixtral layer (ours: mlp)
-_LAYER = re.compile(r"layers_(\d+)")
+_LAYER = re.compile(r"((?:dense_|moe_)?layers)_(\d+)")  # a layer of an unrolled stack (deepseek: two stacks)
+STACKS = ("layers", "dense_layers", "moe_layers")  # a scanned stack
 
 
 class Family(NamedTuple):
@@ -55,6 +58,10 @@ class Family(NamedTuple):
   moe_inner: str = ""  # a module inside moe_block holding the routed experts (ours: mlp itself)
   sublayers: tuple[str, ...] = ()  # upstream's name suffixes of a layer's sublayers (ours: sublayers/<i>)
   block: int = 0  # ours groups this many of upstream's unrolled layers_<j> as layers/<j // block>/sublayers/<j % block>
+  # MLA (deepseek): (qk_nope_head_dim, kv_lora_rank, qk_rope_head_dim) (family() sets it). Upstream rotates the
+  # rope dims (the query kernels' last R, wkv_a's last R) in interleaved pairs, ours in halves: reordered
+  mla: tuple[int, int, int] = ()
+  gate_bias: bool = False  # routed_bias: upstream's gate/bias (zeros where its tree has none) is our gate_bias
 
   def for_moments(self) -> Family:
     """The same mapping for AdamW moments (gradient statistics: names and orders move, no offset)."""
@@ -82,6 +89,8 @@ FAMILIES = {
   "gpt_oss": Family(
     renames=(("GptOssAttention", "self_attention"),), moe_block="GptOssMlp", block=2, query_scale=False
   ),
+  # V2 and V3: MLA scales its queries explicitly, as ours; a dense first stack, then routed + shared experts
+  "deepseek": Family(moe_block="DeepSeekMoeBlock_0", moe_inner=MOE_BLOCK, query_scale=False),
 }
 
 
@@ -97,6 +106,9 @@ def family(config: Any) -> Family:
     )
   # upstream's LLaMARotaryEmbedding (its rope_type llama3.1, our llama3) rotates interleaved pairs
   fam = FAMILIES[block]._replace(rope_pairs=config.rope_type == "llama3")
+  if block == "deepseek":
+    fam = fam._replace(mla=(config.qk_nope_head_dim, config.kv_lora_rank, config.qk_rope_head_dim))
+    fam = fam._replace(gate_bias=bool(config.routed_bias))
   if block == "llama4":  # ours stacks the layers in blocks of its NoPE and MoE intervals' lcm
     fam = fam._replace(block=math.lcm(config.nope_layer_interval or 1, config.interleave_moe_layer_step))
   # ours multiplies q . k by (query_pre_attn_scalar or head_dim) ** -0.5; a folding upstream by nothing
@@ -144,8 +156,12 @@ def _rename(tree: Any, fam: Family) -> Any:
       out["mlp"] = _rename(value, fam)
     elif fam.moe_inner and key == fam.moe_inner:
       out.update(_rename(value, fam))
+    elif key == "self_attention" and isinstance(value, dict) and fam.mla:
+      out[key] = _rename(_mla(value, fam, 1), fam)
     elif key == "self_attention" and isinstance(value, dict) and "query" in value:
       out[key] = _rename(_attention(value, fam, 1), fam)
+    elif key == "gate" and isinstance(value, dict) and "bias" in value and fam.gate_bias:
+      out["gate"], out["gate_bias"] = {k: v for k, v in value.items() if k != "bias"}, value["bias"]
     elif key in ("wi_0", "wi_1") and isinstance(value, dict):  # a dense gated MLP's kernels
       out.setdefault("wi", {})[key[-1]] = _rename(value, fam)
     elif key == "wi" and isinstance(value, dict):  # a dense MLP with one input projection
@@ -172,6 +188,30 @@ def _attention(attention: dict, fam: Family, direction: int) -> dict:
     for name in ("query", "key"):
       order = _pairs_to_halves(np.shape(out[name]["kernel"])[-1], direction)
       out[name] = {k: np.asarray(v)[..., order] if k in ("kernel", "bias") else v for k, v in out[name].items()}
+  return out
+
+
+def _mla(attention: dict, fam: Family, direction: int) -> dict:
+  """Upstream's MLA self_attention -> ours (direction 1) or back (-1): the rope dims of the query kernel (wq_b, or
+  query without a query LoRA) and of wkv_a reordered, interleaved pairs <-> halves."""
+  nope, rank, rope = fam.mla
+  out = dict(attention)
+  for name, first in (("query", nope), ("wq_b", nope), ("wkv_a", rank)):
+    if name in out:
+      order = np.concatenate([np.arange(first), first + _pairs_to_halves(rope, direction)])
+      out[name] = {**out[name], "kernel": np.asarray(out[name]["kernel"])[..., order]}
+  return out
+
+
+def _with_gate_bias(tree: Any) -> Any:
+  """Our routed-expert modules without a gate_bias (upstream keeps its routing bias out of the params its train
+  writes; it starts at zero) given zeros: [E], or [L, E] for a stack (our layer axis first)."""
+  if not isinstance(tree, dict):
+    return tree
+  out = {k: _with_gate_bias(v) for k, v in tree.items()}
+  if "gate" in out and "wi_0" in out and "gate_bias" not in out:
+    shape = np.shape(out["gate"]["kernel"])
+    out["gate_bias"] = np.zeros(shape[:-2] + shape[-1:], np.asarray(out["gate"]["kernel"]).dtype)
   return out
 
 
@@ -221,15 +261,15 @@ def to_ours(params: dict, fam: Family) -> dict:
   for key, value in params.get("decoder", {}).items():
     match = _LAYER.fullmatch(key)
     if match and fam.block:
-      i, k = divmod(int(match.group(1)), fam.block)
+      i, k = divmod(int(match.group(2)), fam.block)
       out.setdefault("layers", {}).setdefault(str(i), {"sublayers": {}})["sublayers"][str(k)] = _rename(value, fam)
     elif match:
-      out.setdefault("layers", {})[match.group(1)] = _rename(value, fam)
-    elif key == "layers":  # stacked on axis 1: the rope reorder (last axis) is the same before or after
-      out["layers"] = _move_axis(_rename(value, fam), SCAN_AXIS, 0)
+      out.setdefault(match.group(1), {})[match.group(2)] = _rename(value, fam)
+    elif key in STACKS:  # stacked on axis 1: the rope reorder (last axis) is the same before or after
+      out[key] = _move_axis(_rename(value, fam), SCAN_AXIS, 0)
     else:
       out.update(_rename({key: value}, fam))
-  return out
+  return _with_gate_bias(out) if fam.gate_bias else out
 
 
 def _export_names(tree: Any, fam: Family) -> Any:
@@ -243,8 +283,15 @@ def _export_names(tree: Any, fam: Family) -> Any:
       out[renames.get(key, key)] = _offset_norm(value, fam.norm_offset)
     elif key == "token_embedder" and fam.embed_factor != 1:
       out[key] = _scale(value, "embedding", fam.embed_factor, -1)
+    elif key == "self_attention" and isinstance(value, dict) and fam.mla:
+      out[key] = _export_names(_mla(value, fam, -1), fam)
     elif key == "self_attention" and isinstance(value, dict) and "query" in value:
       out[renames.get(key, key)] = _export_names(_attention(value, fam, -1), fam)
+    elif key == "gate_bias":  # upstream's train keeps a zero one out of the params; its converters write gate/bias
+      if np.any(np.asarray(value)):
+        out.setdefault("gate", {})["bias"] = value
+    elif key == "gate" and isinstance(value, dict):
+      out.setdefault("gate", {}).update(_export_names(value, fam))
     elif key == "mlp" and isinstance(value, dict) and "gate" in value and fam.moe_inner:
       moe = _export_names(value, fam)
       shared = {k: moe.pop(k) for k in list(moe) if k == "shared_experts"}
@@ -275,10 +322,10 @@ def from_ours(params: dict, fam: Family) -> dict:
       for i, layer in value.items():
         subs = layer["sublayers"]
         decoder.update({f"layers_{int(i) * fam.block + int(k)}": _export_names(v, fam) for k, v in subs.items()})
-    elif key == "layers" and all(str(k).isdigit() for k in value):
-      decoder.update({f"layers_{k}": _export_names(v, fam) for k, v in value.items()})
-    elif key == "layers":
-      decoder["layers"] = _move_axis(_export_names(value, fam), 0, SCAN_AXIS)
+    elif key in STACKS and all(str(k).isdigit() for k in value):
+      decoder.update({f"{key}_{k}": _export_names(v, fam) for k, v in value.items()})
+    elif key in STACKS:
+      decoder[key] = _move_axis(_export_names(value, fam), 0, SCAN_AXIS)
     else:
       decoder.update(_export_names({key: value}, fam))
   return out

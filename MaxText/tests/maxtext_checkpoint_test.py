@@ -98,16 +98,15 @@ def test_full_state_brings_step_and_adam_moments(tmp_path, name, scan):
   assert int(moments.count) == int(count) == int(raw["step"])
   embedding = moments.mu["token_embedder"]["embedding"].value
   np.testing.assert_array_equal(embedding, mu["params"]["token_embedder"]["embedding"])
-  # layer 1's moment, where each side keeps it (ours: layers[1] or the stack's row 1; upstream: layers_1 or
-  # its stack's axis 1)
-  layers = moments.nu["layers"]
+  # the last stack's layer 0 moment, where each side keeps it (ours: <stack>[0] or the stack's row 0; upstream:
+  # <stack>_0 or its stack's axis 1); deepseek's stacks are dense_layers, moe_layers
+  stack = "moe_layers" if "moe_layers" in moments.nu else "layers"
+  layers = moments.nu[stack]
   ours = (
-    layers[1]["self_attention"]["out"]["kernel"].value
-    if not scan
-    else layers["self_attention"]["out"]["kernel"].value[1]
+    layers["self_attention"]["out"]["kernel"].value[0] if scan else layers[0]["self_attention"]["out"]["kernel"].value
   )
   decoder = nu["params"]["decoder"]
-  theirs = decoder["layers_1"] if "layers_1" in decoder else jax.tree.map(lambda a: a[:, 1], decoder["layers"])
+  theirs = decoder[f"{stack}_0"] if f"{stack}_0" in decoder else jax.tree.map(lambda a: a[:, 0], decoder[stack])
   np.testing.assert_array_equal(np.asarray(ours), theirs["self_attention"]["out"]["kernel"])
 
 
@@ -181,6 +180,28 @@ def test_export_round_trips(tmp_path, name, scan):
     jax.tree.map(same, ours, theirs)
 
 
+def test_deepseek_routing_bias_comes_from_the_train_state_and_goes_back(tmp_path):
+  """Upstream's train keeps deepseek V3's routing bias out of the params (in nnx_aux; zero in the fixture): a
+  train state's is our gate_bias, either way it is loaded; a non-zero one exports as gate/bias (where upstream's
+  converters put it)."""
+  name = "deepseek3_unrolled_full"
+  raw = saved_arrays(fixture(name))
+  bias = np.arange(4, dtype=np.float32) / 10
+  raw["nnx_aux"]["model"]["decoder"]["moe_layers_0"]["DeepSeekMoeBlock_0"]["MoeBlock_0"]["gate"]["bias"] = bias
+  path = str(tmp_path / "biased")
+  ocp.PyTreeCheckpointer().save(path, raw)
+  restored = full_state(tmp_path, name, f"load_full_state_path={path}", "scan_layers=false")
+  np.testing.assert_array_equal(restored.state.params["moe_layers"][0]["mlp"]["gate_bias"].value, bias)
+  c = load(tmp_path, name, f"load_parameters_path={path}", "scan_layers=true")
+  params = checkpointing.load_params(path, state_lib.param_spec(c).abstract, c)
+  np.testing.assert_array_equal(params["moe_layers"]["mlp"]["gate_bias"].value, bias[None])
+  to_upstream.export(c, str(tmp_path / "out"), "float32")
+  decoder = saved_arrays(str(tmp_path / "out"))["params"]["params"]["decoder"]
+  np.testing.assert_array_equal(
+    decoder["moe_layers"]["DeepSeekMoeBlock_0"]["MoeBlock_0"]["gate"]["bias"], bias[:, None]
+  )
+
+
 def test_export_command_as_documented(tmp_path, capsys):
   """docs/checkpoints.md's to_upstream command line; a missing load_parameters_path is one line."""
   name = LLAMA
@@ -218,7 +239,7 @@ def test_upstream_state_of_another_optimizer_says_to_load_params(tmp_path):
     full_state(tmp_path, name, f"load_full_state_path={path}")
 
 
-UNMAPPED = ["deepseek2-16b", "qwen3-next-80b-a3b"]  # families upstream ships whose trees are not mapped (yet)
+UNMAPPED = ["qwen3-next-80b-a3b", "gpt3-175b"]  # families upstream ships whose trees are not mapped (yet)
 
 
 @pytest.mark.parametrize("model_name", UNMAPPED)
@@ -249,4 +270,4 @@ def test_every_entry_point_refuses_an_unmapped_family_in_one_line(tmp_path, entr
   done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert done.returncode == 1, done.stderr[-3000:]
   assert "Traceback" not in done.stderr, done.stderr[-3000:]
-  assert "cannot be mapped onto decoder_block='deepseek'" in done.stderr.strip().splitlines()[-1]
+  assert "cannot be mapped onto decoder_block='qwen3next'" in done.stderr.strip().splitlines()[-1]

@@ -42,6 +42,16 @@ COMMON = {
   "vocab_size": 128,
   "max_target_length": 16,
 }
+MLA = {
+  "first_num_dense_layers": 1,
+  "kv_lora_rank": 8,
+  "qk_nope_head_dim": 8,
+  "qk_rope_head_dim": 4,
+  "v_head_dim": 8,
+  "num_experts": 4,
+  "num_experts_per_tok": 2,
+  "base_moe_mlp_dim": 32,
+}
 MODELS = {
   "llama2": {"model_name": "llama2-7b", **COMMON},
   "llama3.1": {"model_name": "llama3.1-8b", **COMMON},  # upstream rotates interleaved pairs (ours: halves)
@@ -72,6 +82,9 @@ MODELS = {
     "base_moe_mlp_dim": 32,
     "rope_max_timescale": 10000000,  # upstream's; ours (as Hugging Face's config): 1000000
   },
+  # MLA (a query LoRA in V3, none in V2), one dense layer then one MoE layer with shared experts
+  "deepseek3": {"model_name": "deepseek3-671b", **COMMON, **MLA, "q_lora_rank": 8, "shared_experts": 1},
+  "deepseek2": {"model_name": "deepseek2-16b", **COMMON, **MLA, "shared_experts": 2},
   "mixtral": {
     "model_name": "mixtral-8x7b",
     **COMMON,
@@ -85,7 +98,12 @@ MODELS = {
 OURS = {
   "gemma2": {"base_num_decoder_layers": 2 * COMMON["base_num_decoder_layers"]},
   "gemma3": {"query_pre_attn_scalar": COMMON["head_dim"]},
+  "deepseek3": {"n_routing_groups": 1, "topk_routing_group": 1},  # upstream's preset has no groups (ours: 8)
 }
+# Upstream's keys for its logits only. Its from_pretrained fails on deepseek3's routing bias ("Array has been
+# deleted", 0.2.5): a variable its train keeps out of the params and leaves at its zero init here
+# (routed_bias_update_rate 0), so the logits are those of the router without it.
+LOGITS_KEYS = {"deepseek3": {"routed_bias": "false"}}
 UNROLLED_ONLY = {
   "gemma3",
   "llama4",
@@ -106,6 +124,8 @@ KEEP = {  # fixture name -> (model, scan_layers, "full" | "params")
   "llama4_unrolled_params": ("llama4", False, "params"),
   "gpt-oss_unrolled_params": ("gpt-oss", False, "params"),
   "qwen3-moe_unrolled_full": ("qwen3-moe", False, "full"),
+  "deepseek3_unrolled_full": ("deepseek3", False, "full"),
+  "deepseek2_scanned_params": ("deepseek2", True, "params"),
 }
 # Upstream on one CPU device, float32, no distributed init, plain dot-product attention, dropless MoE.
 RUNTIME = [
@@ -184,7 +204,8 @@ def logits(work: str, model: str, scan: bool, checkpoint: str, out: str) -> None
   script = os.path.join(work, "logits.py")
   with open(script, "w") as f:
     f.write(LOGITS.replace("PROMPT", repr(PROMPT)))
-  args = argv(model, scan, run_name="logits", base_output_directory=work, load_parameters_path=checkpoint)
+  extra = LOGITS_KEYS.get(model, {})
+  args = argv(model, scan, run_name="logits", base_output_directory=work, load_parameters_path=checkpoint, **extra)
   with open(os.path.join(work, "logits.log"), "a") as f:
     subprocess.run([sys.executable, script, out, *args], env=ENV, stdout=f, stderr=subprocess.STDOUT, check=True)
 

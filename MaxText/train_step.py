@@ -37,14 +37,17 @@ def sum_zeros(config: Config, objective: Objective) -> dict[str, jax.Array]:
   return {k: jnp.zeros((), jnp.float32) for k in objective.sum_keys(config)}
 
 
-def _grads(graphdef, config, partition, params, frozen, batch, rng, data_axes, reference=None):
+def _grads(graphdef, config, partition, params, frozen, batch, rng, data_axes, reference=None, step=None):
   """Summed gradients with respect to `params` (the trainable part of `partition`; `frozen`, the rest or
   None, gets none) and the objective's loss sums, over gradient_accumulation_steps micro-batches; `reference`:
-  the frozen reference params of an objective that has one (reference_params)."""
+  the frozen reference params of an objective that has one (reference_params); `step` (TrainState.step) goes to
+  an objective whose loss depends on it (uses_step: distill's alpha schedule)."""
   objective = objectives.get(config)
+  extra = {"step": step} if getattr(objective, "uses_step", False) else {}
 
   def loss(trainable, batch, rng):
-    return objective.loss_sums(graphdef, config, partition.combine(trainable, frozen), batch, rng, reference)
+    params = partition.combine(trainable, frozen)
+    return objective.loss_sums(graphdef, config, params, batch, rng, reference, **extra)
 
   grad_fn = jax.grad(loss, has_aux=True)
   micro = config.gradient_accumulation_steps
@@ -136,7 +139,7 @@ def train_step(
   trainable, frozen = partition.split(state.params)
   reference = reference_params(partition, state.params, state.reference) if objective.reference else None
   data_axes = sharding.data_axes(config)
-  grads, sums = _grads(graphdef, config, partition, trainable, frozen, batch, rng, data_axes, reference)
+  grads, sums = _grads(graphdef, config, partition, trainable, frozen, batch, rng, data_axes, reference, state.step)
   if abstract_params is not None and plan is not None:
     grads = lane_friendly(grads, partition.trainable(abstract_params), plan)
   denominator = jnp.maximum(sums[objective.denominator], 1.0)  # tokens, pairs or completions of the global batch

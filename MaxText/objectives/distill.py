@@ -32,7 +32,7 @@ from MaxText.objectives import lm, topk
 from MaxText.objectives.base import Batch, DataBatches, Field, Sources, Sums, loss_tiles
 from MaxText.state import param_spec
 
-SUM_KEYS = ("nll", "z_loss", "load_balance_loss", "tokens", "distill_kl", "teacher_nll")
+SUM_KEYS = ("nll", "z_loss", "load_balance_loss", "tokens", "distill_kl", "teacher_nll", "weighted", "alpha")
 
 
 def kl(student_logits: jax.Array, teacher_logits: jax.Array, temperature: float, kind: str, mix: float) -> jax.Array:
@@ -110,9 +110,21 @@ def teacher_model(config: Config, teacher_params: nnx.State) -> Any:
   return nnx.merge(_teacher_graphdef(config, None if mesh.empty else mesh), teacher_params)
 
 
-def distill_sums(graphdef, config: Config, params, teacher_params, batch: Batch, rng) -> tuple[jax.Array, Sums]:
+def alpha_at(config: Config, step: jax.Array | None) -> jax.Array | float:
+  """The KL's weight at `step` (steps done before this one): distill_alpha, or with distill_alpha_end >= 0 the
+  straight line from distill_alpha at step 0 to distill_alpha_end at the last step (steps - 1)."""
+  if config.distill_alpha_end < 0 or step is None:
+    return config.distill_alpha
+  done = jnp.clip(step.astype(jnp.float32) / max(config.steps - 1, 1), 0.0, 1.0)
+  return config.distill_alpha + (config.distill_alpha_end - config.distill_alpha) * done
+
+
+def distill_sums(
+  graphdef, config: Config, params, teacher_params, batch: Batch, rng, step: jax.Array | None = None
+) -> tuple[jax.Array, Sums]:
   """(objective, aux): objective = sum over target tokens of a T^2 kl + (1 - a) nll + z-loss (+ the MoE
-  balance loss); aux = SUM_KEYS sums (and the routers' expert_load with routed_bias_update_rate)."""
+  balance loss), a = alpha_at(config, step); aux = SUM_KEYS sums (weighted: the first two terms, alpha: a per
+  token) and the routers' expert_load with routed_bias_update_rate."""
   student = nnx.merge(graphdef, params)
   inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
   out = student.forward(*inputs, rng, hidden_only=True)
@@ -136,9 +148,10 @@ def distill_sums(graphdef, config: Config, params, teacher_params, batch: Batch,
     "distill_kl": (divergence * mask).sum(),
     "teacher_nll": (teacher_nll * mask).sum(),
   }
-  alpha, temperature = config.distill_alpha, config.distill_temperature
-  objective = alpha * temperature**2 * aux["distill_kl"] + (1.0 - alpha) * aux["nll"] + aux["z_loss"]
-  objective = objective + config.load_balance_loss_weight * aux["load_balance_loss"]
+  alpha = alpha_at(config, step)
+  aux["weighted"] = alpha * config.distill_temperature**2 * aux["distill_kl"] + (1.0 - alpha) * aux["nll"]
+  aux["alpha"] = alpha * aux["tokens"]
+  objective = aux["weighted"] + aux["z_loss"] + config.load_balance_loss_weight * aux["load_balance_loss"]
   if config.routed_bias_update_rate > 0:
     aux["expert_load"] = out.expert_load
   return objective, aux
@@ -148,6 +161,11 @@ def check(config: Config) -> None:
   """objective=distill's settings, one line each, before anything is built."""
   if not 0.0 <= config.distill_alpha <= 1.0:
     raise ConfigError(f"distill_alpha={config.distill_alpha} is the KL's weight: give a value in [0, 1]")
+  if config.distill_alpha_end != -1 and not 0.0 <= config.distill_alpha_end <= 1.0:
+    raise ConfigError(
+      f"distill_alpha_end={config.distill_alpha_end} is the KL's weight at the last step: give a value in [0, 1], "
+      "or -1 for a constant distill_alpha"
+    )
   if config.distill_temperature <= 0:
     raise ConfigError(f"distill_temperature={config.distill_temperature} must be > 0 (1: the plain softmax)")
   if not 0.0 <= config.distill_mix <= 1.0:
@@ -167,6 +185,7 @@ class Distillation:
 
   name = "distill"
   reference = True  # TrainState.reference holds the teacher
+  uses_step = True  # loss_sums takes the step: distill_alpha_end schedules the KL's weight
   perplexity = False  # the loss mixes the KL in: perplexity would mislead (eval_loss is the plain nll)
   denominator = "tokens"
 
@@ -181,16 +200,15 @@ class Distillation:
   def sum_keys(self, config: Config) -> tuple[str, ...]:
     return SUM_KEYS
 
-  def loss_sums(self, graphdef, config, params, batch, rng, reference):
-    return distill_sums(graphdef, config, params, reference, batch, rng)
+  def loss_sums(self, graphdef, config, params, batch, rng, reference, step=None):
+    return distill_sums(graphdef, config, params, reference, batch, rng, step)
 
   def step_metrics(self, config: Config, sums: Sums, denominator: jax.Array) -> dict[str, jax.Array]:
     """loss: the objective per token (what the step minimises); distill_nll, the hard-label loss; distill_kl;
     teacher_loss, the teacher's own nll on the batch."""
-    alpha, temperature = config.distill_alpha, config.distill_temperature
-    loss = alpha * temperature**2 * sums["distill_kl"] + (1.0 - alpha) * sums["nll"]
     metrics = {
-      "loss": loss / denominator,
+      "loss": sums["weighted"] / denominator,
+      "distill_alpha": sums["alpha"] / denominator,
       "distill_nll": sums["nll"] / denominator,
       "distill_kl": sums["distill_kl"] / denominator,
       "teacher_loss": sums["teacher_nll"] / denominator,

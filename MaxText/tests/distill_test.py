@@ -74,6 +74,7 @@ def test_bad_teachers_are_one_line(tmp_path, teacher_files):
     (distill_config(tmp_path, "", params), "needs teacher_config"),
     (distill_config(tmp_path, "no-such-model", params), "teacher_config='no-such-model'"),
     (distill_config(tmp_path, yml, params, "distill_alpha=1.5"), "distill_alpha=1.5"),
+    (distill_config(tmp_path, yml, params, "distill_alpha_end=2"), r"distill_alpha_end=2.0 is the KL's weight at"),
   ]
   for c, message in cases:
     with pytest.raises(ConfigError, match=message) as e:
@@ -94,7 +95,8 @@ def test_a_teacher_checkpoint_of_another_model_is_one_line(tmp_path, teacher_fil
 
 
 def test_one_step_trains_the_student_only_and_logs_the_teacher(tmp_path, teacher_files):
-  c = distill_config(tmp_path, *teacher_files, "distill_temperature=2.0")
+  # The KL's weight goes from 0.5 at step 0 to 1.0 at the last step (2): 0.75 at the second.
+  c = distill_config(tmp_path, *teacher_files, "distill_temperature=2.0", "distill_alpha_end=1.0", "steps=3")
   mesh = sharding.create_mesh(c)
   optimizer = optimizers.build(c)
   with sharding.activate(c, mesh):
@@ -112,12 +114,18 @@ def test_one_step_trains_the_student_only_and_logs_the_teacher(tmp_path, teacher
     batch = jax.device_put(learnable_batch(c), steps.batch_shardings(c, mesh))
     state, metrics = step(state, batch, jax.random.key(0))
     metrics = jax.device_get(metrics)
+    before_second = jax.device_get(state.reference)
+    state, second = step(state, batch, jax.random.key(1))
+    second = jax.device_get(second)
   for key in ("distill_kl", "distill_nll", "teacher_loss"):
     assert np.isfinite(metrics[key]) and metrics[key] > 0, key
-  expected = c.distill_alpha * 4.0 * metrics["distill_kl"] + (1 - c.distill_alpha) * metrics["distill_nll"]
-  np.testing.assert_allclose(metrics["loss"], expected, rtol=1e-5)
+  for m, alpha in ((metrics, 0.5), (second, 0.75)):
+    np.testing.assert_allclose(m["distill_alpha"], alpha, rtol=1e-6)
+    expected = alpha * 4.0 * m["distill_kl"] + (1 - alpha) * m["distill_nll"]
+    np.testing.assert_allclose(m["loss"], expected, rtol=1e-5)
+  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(before_second)))
   assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.reference)))
-  assert optax.global_norm(jax.device_get(state.params)) > 0 and int(state.step) == 1
+  assert optax.global_norm(jax.device_get(state.params)) > 0 and int(state.step) == 2
 
 
 @pytest.mark.slow  # a second compile of the step (~20 s on 2 busy cores)

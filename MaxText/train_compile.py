@@ -21,11 +21,12 @@ except ModuleNotFoundError as e:  # run as a file with the requirements alone: s
   raise SystemExit(f"{e}: run `bash setup.sh` (or `pip install -e .` in this environment) first") from None
 
 # isort: split
+import contextlib
 import os
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -141,7 +142,7 @@ def compile_train_step(config: Config, devices: Sequence[Any]) -> tuple[Any, Com
     batch, rng = shaped_inputs(config, mesh)
     start = time.perf_counter()
     try:
-      with console.Heartbeat("compiling the train step"):
+      with console.Heartbeat("compiling the train step"), _fresh_if_saved(config):
         compiled = steps.jit_train_step(config, mesh, tx, spec, schedule).lower(spec.abstract, batch, rng).compile()
     except Exception as e:  # XLA reports an HBM overflow as a compile error (RESOURCE_EXHAUSTED)
       _raise_if_out_of_memory(config, devices[0].device_kind, str(e))
@@ -158,6 +159,21 @@ def per_device_bytes(tree: Any) -> int:
   """The bytes one device holds of `tree`'s jax.ShapeDtypeStruct leaves (each sharded by its .sharding)."""
   shards = [(x.sharding.shard_shape(x.shape), x.dtype.itemsize) for x in jax.tree.leaves(tree)]
   return sum(int(np.prod(shape)) * size for shape, size in shards)
+
+
+@contextlib.contextmanager
+def _fresh_if_saved(config: Config) -> Iterator[None]:
+  """With compiled_trainstep_file, compile without jax's persistent compilation cache (JAX_COMPILATION_CACHE_DIR):
+  an executable that cache hands back, serialized again, loads on CPU without its functions ("NOT_FOUND:
+  Function ... not found" at the first step)."""
+  if not config.compiled_trainstep_file or not jax.config.jax_enable_compilation_cache:
+    yield
+    return
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", True)
 
 
 def _while_loops(compiled: Any) -> int | None:

@@ -187,18 +187,19 @@ class Heartbeat:
   def __init__(self, what: str, enabled: bool = True, interval_s: float = HEARTBEAT_S, stream: TextIO | None = None):
     self.what, self.enabled, self.interval_s = what, enabled, interval_s
     self.stream = sys.stdout if stream is None else stream
-    self._done = threading.Event()
+    self._done: threading.Event | None = None  # made on entry when enabled: a disabled one (each later step) is free
     self._thread: threading.Thread | None = None
 
   def __enter__(self) -> Heartbeat:
     if self.enabled:
+      self._done = threading.Event()
       self._thread = threading.Thread(target=self._beat, args=(time.perf_counter(),), daemon=True)
       self._thread.start()
     return self
 
   def __exit__(self, *exc: object) -> None:
-    self._done.set()
     if self._thread is not None:
+      self._done.set()
       self._thread.join()
 
   def _beat(self, began: float) -> None:

@@ -40,14 +40,12 @@ def sum_zeros(config: Config, objective: Objective) -> dict[str, jax.Array]:
 def _grads(graphdef, config, partition, params, frozen, batch, rng, data_axes, reference=None, step=None):
   """Summed gradients with respect to `params` (the trainable part of `partition`; `frozen`, the rest or
   None, gets none) and the objective's loss sums, over gradient_accumulation_steps micro-batches; `reference`:
-  the frozen reference params of an objective that has one (reference_params); `step` (TrainState.step) goes to
-  an objective whose loss depends on it (uses_step: distill's alpha schedule)."""
+  the frozen reference params of an objective that has one (reference_params); `step`: TrainState.step, for a
+  loss that changes over the run (distill's alpha schedule)."""
   objective = objectives.get(config)
-  extra = {"step": step} if getattr(objective, "uses_step", False) else {}
 
   def loss(trainable, batch, rng):
-    params = partition.combine(trainable, frozen)
-    return objective.loss_sums(graphdef, config, params, batch, rng, reference, **extra)
+    return objective.loss_sums(graphdef, config, partition.combine(trainable, frozen), batch, rng, reference, step)
 
   grad_fn = jax.grad(loss, has_aux=True)
   micro = config.gradient_accumulation_steps

@@ -185,7 +185,6 @@ class Distillation:
 
   name = "distill"
   reference = True  # TrainState.reference holds the teacher
-  uses_step = True  # loss_sums takes the step: distill_alpha_end schedules the KL's weight
   perplexity = False  # the loss mixes the KL in: perplexity would mislead (eval_loss is the plain nll)
   denominator = "tokens"
 

@@ -112,7 +112,8 @@ class Preference:
   def sum_keys(self, config: Config) -> tuple[str, ...]:
     return AUX_KEYS
 
-  def loss_sums(self, graphdef, config, params, batch, rng, reference):
+  def loss_sums(self, graphdef, config, params, batch, rng, reference, step=None):
+    del step
     return preference_sums(graphdef, config, params, reference, batch, rng)
 
   def step_metrics(self, config: Config, sums: Sums, denominator: jax.Array) -> dict[str, jax.Array]:

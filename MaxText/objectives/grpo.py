@@ -113,9 +113,9 @@ class GRPO:
   def sum_keys(self, config: Config) -> tuple[str, ...]:
     return SUM_KEYS
 
-  def loss_sums(self, graphdef, config, params, batch, rng, reference):
+  def loss_sums(self, graphdef, config, params, batch, rng, reference, step=None):
     """The reference's log-probs come with each micro-batch; no dropout (rng unused)."""
-    del rng
+    del rng, step
     ref_logp = jax.lax.stop_gradient(token_logprobs(graphdef, config, reference, batch))
     return grpo_sums(graphdef, config, params, ref_logp, batch)
 

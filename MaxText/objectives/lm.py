@@ -123,8 +123,8 @@ class LanguageModel:
   def sum_keys(self, config: Config) -> tuple[str, ...]:
     return sum_keys(config)
 
-  def loss_sums(self, graphdef, config, params, batch, rng, reference=None):
-    del reference
+  def loss_sums(self, graphdef, config, params, batch, rng, reference=None, step=None):
+    del reference, step
     return loss_sums(graphdef, config, params, batch, rng)
 
   def step_metrics(self, config: Config, sums: Sums, denominator: jax.Array) -> dict[str, jax.Array]:

@@ -89,8 +89,8 @@ class PairObjective:
   def sum_keys(self, config: Config) -> tuple[str, ...]:
     return self.keys
 
-  def loss_sums(self, graphdef, config, params, batch, rng, reference):
-    del reference
+  def loss_sums(self, graphdef, config, params, batch, rng, reference, step=None):
+    del reference, step
     return self.pair_sums(config, batch_pairs(graphdef, config, params, batch, rng))
 
   def metrics(self, sums: dict[str, Any]) -> dict[str, Any]:

@@ -165,15 +165,20 @@ def per_device_bytes(tree: Any) -> int:
 def _fresh_if_saved(config: Config) -> Iterator[None]:
   """With compiled_trainstep_file, compile without jax's persistent compilation cache (JAX_COMPILATION_CACHE_DIR):
   an executable that cache hands back, serialized again, loads on CPU without its functions ("NOT_FOUND:
-  Function ... not found" at the first step)."""
+  Function ... not found" at the first step). jax decides once per process whether it uses the cache, so the
+  switch is followed by reset_cache() both ways (the flag alone is ignored after the first compile)."""
   if not config.compiled_trainstep_file or not jax.config.jax_enable_compilation_cache:
     yield
     return
+  from jax.experimental.compilation_cache import compilation_cache  # lazy: only this path needs it
+
   jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()
   try:
     yield
   finally:
     jax.config.update("jax_enable_compilation_cache", True)
+    compilation_cache.reset_cache()
 
 
 def _while_loops(compiled: Any) -> int | None:

@@ -205,6 +205,10 @@ def test_unwritable_compiled_trainstep_file_fails_before_compiling(tmp_path, whe
 def test_saved_step_runs_in_train_with_the_same_losses(tmp_path):
   path = os.path.join(tmp_path, "step.pickle")
   common = ["steps=4", "per_device_batch_size=2"]
+  # The same program compiled first without saving: under a persistent compilation cache (the test session's,
+  # or a user's JAX_COMPILATION_CACHE_DIR) the saving compile below would be a cache hit, and an executable the
+  # cache hands back, serialized again, fails at its first step ("Function ... not found").
+  train_compile.compile_train_step(cfg(tmp_path, "warm", *common, "compile_topology=cpu"), jax.devices())
   c = cfg(tmp_path, "compile", *common, "compile_topology=cpu", f"compiled_trainstep_file={path}")
   compiled, report, mesh = train_compile.compile_train_step(c, train_compile.topology_devices(c))
   assert report.num_devices == 8 and report.total_bytes > 0 and report.flops > 0

@@ -56,6 +56,10 @@ KIMI_K2 = dict(DEEPSEEK_YARN, n_group=1, topk_group=1, routed_scaling_factor=2.8
 LLAMA4 = dict(num_hidden_layers=6, intermediate_size=16, intermediate_size_mlp=48, num_local_experts=4)
 LLAMA4 |= dict(interleave_moe_layer_step=2, attention_chunk_size=4, floor_scale=4, attn_scale=1.0)
 LLAMA4 |= dict(rope_parameters=LLAMA31_ROPE, max_position_embeddings=64)
+# OLMo 3: 5 layers = one scanned block (3 sliding, 1 full) and a remainder of 1; YaRN on the full layer only,
+# another RoPE base on the sliding ones; a window of 4 acts within T tokens.
+OLMO3_ROPE = {"full_attention": YARN, "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}
+OLMO3 = dict(num_hidden_layers=5, sliding_window=4, rope_parameters=OLMO3_ROPE, max_position_embeddings=256)
 FAMILIES = {
   "llama2": ("LlamaConfig", {}),
   "llama-bias": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),
@@ -82,6 +86,7 @@ FAMILIES = {
   "gpt3": ("GPT2Config", {}),
   "qwen3-moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}),
   "llama4": ("Llama4TextConfig", LLAMA4),
+  "olmo3": ("Olmo3Config", OLMO3),
 }
 GPT2 = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16, n_inner=48)
 T = 12

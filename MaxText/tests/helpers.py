@@ -223,6 +223,8 @@ DECODE_FAMILIES = {
   + ["qk_rope_head_dim=4", "v_head_dim=6", "routed_score_func=sigmoid", "n_routing_groups=2", "routed_bias=true"],
   "gpt3": ["decoder_block=gpt3", "mlp_activations=[gelu]", "logits_via_embedding=true", "use_iota_embed=true"]
   + ["trainable_position_size=32"],
+  "olmo3": ["decoder_block=olmo3", "base_num_decoder_layers=5", "sliding_window_size=3", "use_qk_norm=true"]
+  + ["rope_type=yarn", "rope_factor=4.0", "original_max_position_embeddings=8", "local_rope_max_timescale=1000"],
 }
 
 

@@ -1,0 +1,124 @@
+"""OLMo 3's distinctive features, each switched off in our model only: the logits then leave transformers'
+(families_test checks they match with every feature on); config.json features we do not support and another
+family's layout are refused with one line before anything compiles."""
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from MaxText import models
+from MaxText.convert import hf_to_maxtext
+from MaxText.errors import ConfigError
+from MaxText.layers.decoder import Family, alternating_stacks
+from MaxText.models import olmo3
+from MaxText.tests.helpers import T, hf_keys, hf_model, maxtext_logits
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+  """(HF logits on tokens, tokens, the converted model's directory, the HF directory)."""
+  tmp = tmp_path_factory.mktemp("olmo3")
+  model, hf_path = hf_model("olmo3", tmp)
+  tokens = np.random.default_rng(0).integers(0, 64, (2, T))
+  with torch.no_grad():
+    ref = model(torch.tensor(tokens)).logits.numpy()
+  out = os.path.join(tmp, "mt")
+  hf_to_maxtext.convert(hf_path, out)
+  np.testing.assert_allclose(maxtext_logits(out, tokens), ref, rtol=1e-5, atol=1e-5)
+  return ref, tokens, out, hf_path
+
+
+def per_head_norm(self, x):
+  """The q/k norm over each head alone (Qwen3's), with OLMo 3's scales."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * (jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon) ** -0.5
+  return (y * self.scale[...].reshape(x.shape[-2:])).astype(self.dtype)
+
+
+def pre_norm_call(self, x, positions, segment_ids, rng, cache=None):
+  """The norms before the sublayers (Llama's placement), with OLMo 3's weights."""
+  h, cache = self.self_attention(self.post_self_attention_norm(x), positions, segment_ids, None, cache)
+  x = x + h
+  return x + self.mlp(self.post_ffw_norm(x)), cache
+
+
+def all_sliding(config):
+  """Layer 3 local too: four sliding-window layers per block."""
+  return alternating_stacks(config, (olmo3._sliding,) * 4)
+
+
+def yarn_everywhere(config, *, rngs, plan):
+  """Sliding layers with the full layers' RoPE scaling (their own base kept)."""
+  local = config.rope.local_rope_max_timescale
+  return olmo3.PostNormLayer(config, rngs=rngs, plan=plan, rope_max_timescale=local)
+
+
+SWITCHED_OFF = {
+  "sliding_window": (["sliding_window_size=0"], None),
+  "yarn_on_full_layers": (["rope_type=default"], None),
+  "plain_rope_on_sliding_layers": ([], ("_sliding", yarn_everywhere)),
+  "full_attention_every_4th_layer": ([], ("registry", all_sliding)),
+  "qk_norm_across_heads": ([], ("norm", per_head_norm)),
+  "post_norm": ([], ("layer", pre_norm_call)),
+}
+
+
+@pytest.mark.parametrize("feature", sorted(SWITCHED_OFF))
+def test_each_feature_switched_off_leaves_hugging_face(feature, converted, monkeypatch):
+  ref, tokens, out, _ = converted
+  overrides, patch = SWITCHED_OFF[feature]
+  if patch is not None:
+    what, value = patch
+    if what == "_sliding":
+      monkeypatch.setattr(olmo3, "_sliding", value)
+    elif what == "registry":
+      monkeypatch.setitem(models.REGISTRY, "olmo3", Family(stacks=value))
+    elif what == "norm":
+      monkeypatch.setattr(olmo3.HeadsRMSNorm, "__call__", value)
+    else:
+      monkeypatch.setattr(olmo3.PostNormLayer, "__call__", value)
+  got = maxtext_logits(out, tokens, *overrides)
+  assert np.abs(got - ref).max() > 1e-3, feature
+
+
+def test_unsupported_config_json_and_other_families_layouts_are_one_line_errors(converted, tmp_path):
+  _, _, out, hf_path = converted
+  hf = json.load(open(os.path.join(hf_path, "config.json")))
+  bad = {
+    "layer_types": {**hf, "layer_types": ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]},
+    "needs a sliding_window": {**hf, "sliding_window": None},
+    "sliding_attention rope_type 'linear'": {
+      **hf,
+      "rope_parameters": {**hf["rope_parameters"], "sliding_attention": {"rope_type": "linear", "factor": 2.0}},
+    },  # fmt: skip
+  }
+  for message, cfg in bad.items():
+    with pytest.raises(ConfigError, match=message) as e:
+      hf_keys(cfg)
+    assert "\n" not in str(e.value)
+  # An OLMo 3 checkpoint read as Llama's layout (config.json model_type llama): its post-sublayer norms have no place.
+  llama = os.path.join(tmp_path, "as_llama")
+  os.makedirs(llama)
+  for name in os.listdir(hf_path):
+    os.symlink(os.path.join(hf_path, name), os.path.join(llama, name)) if name != "config.json" else None
+  json.dump({**hf, "model_type": "llama", "rope_parameters": hf["rope_parameters"]["full_attention"]},
+            open(os.path.join(llama, "config.json"), "w"))  # fmt: skip
+  with pytest.raises(ConfigError, match=r"post_feedforward_layernorm\.weight \(and 14 more\) does not fit") as e:
+    hf_to_maxtext.convert(llama, os.path.join(tmp_path, "o"))
+  assert "\n" not in str(e.value)
+  # A Llama checkpoint read as OLMo 3's layout (config.json model_type olmo3).
+  _, llama_path = hf_model("llama2", tmp_path / "llama")
+  cfg_path = os.path.join(llama_path, "config.json")
+  json.dump({**json.load(open(cfg_path)), "model_type": "olmo3", "sliding_window": 4}, open(cfg_path, "w"))
+  with pytest.raises(ConfigError, match="input_layernorm.weight .* does not fit|Missing tensor") as e:
+    hf_to_maxtext.convert(llama_path, os.path.join(tmp_path, "o2"))
+  assert "\n" not in str(e.value)
+  # The converted MaxText checkpoint loaded with Llama 2's decoder_block.
+  with pytest.raises(ConfigError, match="load_parameters_path") as e:
+    maxtext_logits(out, np.zeros((1, 4), np.int64), "decoder_block=llama2")
+  assert "\n" not in str(e.value)

@@ -9,12 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import models
+from MaxText import config, models
 from MaxText.convert import hf_to_maxtext
 from MaxText.errors import ConfigError
+from MaxText.layers import embeddings
 from MaxText.layers.decoder import Family, alternating_stacks
+from MaxText.layers.model_config import ModelConfig
 from MaxText.models import olmo3
-from MaxText.tests.helpers import T, hf_keys, hf_model, maxtext_logits
+from MaxText.tests.helpers import T, hf_config, hf_keys, hf_model, maxtext_logits
 
 torch = pytest.importorskip("torch")
 
@@ -122,3 +124,29 @@ def test_unsupported_config_json_and_other_families_layouts_are_one_line_errors(
   with pytest.raises(ConfigError, match="load_parameters_path") as e:
     maxtext_logits(out, np.zeros((1, 4), np.int64), "decoder_block=llama2")
   assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("preset", ["olmo3-7b", "olmo3-32b"])
+def test_presets_export_their_config_and_read_it_back(preset):
+  """Preset -> config.json -> the same keys, also from the released files' legacy form (rope_theta with a
+  rope_scaling for the full layers); RoPE per attention type as transformers computes it for that config.json."""
+  transformers = pytest.importorskip("transformers")
+  c = config.load([os.path.join(config.CONFIG_DIR, "base.yml"), "run_name=t", f"model_name={preset}"], {})
+  hf = hf_config(c, "bfloat16")
+  assert {k: v for k, v in hf_keys(hf).items() if c[k] != v} == {}
+  full = dict(hf["rope_parameters"]["full_attention"])
+  legacy = {k: v for k, v in hf.items() if k not in ("rope_parameters", "layer_types")}
+  legacy |= {"rope_theta": full.pop("rope_theta"), "rope_scaling": full}
+  assert hf_keys(legacy) == hf_keys(hf)
+  hf_cfg = transformers.Olmo3Config(**{k: v for k, v in legacy.items() if k not in ("model_type", "architectures")})
+  assert hf_cfg.layer_types == hf["layer_types"]
+  rope = transformers.models.olmo3.modeling_olmo3.Olmo3RotaryEmbedding(hf_cfg)
+  mc = ModelConfig.from_config(c)
+  for kind, theta, rope_type in (
+    ("full", c.rope_max_timescale, "yarn"),
+    ("sliding", c.local_rope_max_timescale, "default"),
+  ):
+    ours = embeddings.scaled_rope_frequencies(mc, c.head_dim, theta, rope_type)
+    np.testing.assert_allclose(ours, getattr(rope, f"{kind}_attention_inv_freq").numpy(), rtol=1e-6)
+    factor = getattr(rope, f"{kind}_attention_attention_scaling")
+    assert embeddings.rope_attention_factor(mc, rope_type) == pytest.approx(factor, rel=1e-12)

@@ -1,22 +1,36 @@
 """OLMo 3's distinctive features, each switched off in our model only: the logits then leave transformers'
-(families_test checks they match with every feature on); config.json features we do not support and another
+(families_test checks they match with every feature on); presets round-trip config.json; LoRA SFT on the
+converted model trains; config.json features we do not support and another
 family's layout are refused with one line before anything compiles."""
 
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import config, models
+from MaxText import config, models, train
 from MaxText.convert import hf_to_maxtext
 from MaxText.errors import ConfigError
 from MaxText.layers import embeddings
 from MaxText.layers.decoder import Family, alternating_stacks
 from MaxText.layers.model_config import ModelConfig
 from MaxText.models import olmo3
-from MaxText.tests.helpers import T, hf_config, hf_keys, hf_model, maxtext_logits
+from MaxText.tests.conftest import losses
+from MaxText.tests.helpers import (
+  FAMILIES,
+  LORA,
+  OLMO3,
+  T,
+  hf_config,
+  hf_keys,
+  hf_model,
+  make_tokenizer,
+  maxtext_logits,
+  write_jsonl,
+)
 
 torch = pytest.importorskip("torch")
 
@@ -150,3 +164,25 @@ def test_presets_export_their_config_and_read_it_back(preset):
     np.testing.assert_allclose(ours, getattr(rope, f"{kind}_attention_inv_freq").numpy(), rtol=1e-6)
     factor = getattr(rope, f"{kind}_attention_attention_scaling")
     assert embeddings.rope_attention_factor(mc, rope_type) == pytest.approx(factor, rel=1e-12)
+
+
+@pytest.mark.slow  # 135 s on the 2 busy cores (2026-11-27)
+def test_lora_sft_on_the_converted_model_trains(tmp_path, monkeypatch):
+  """A converted tiny OLMo 3 (vocab widened to the chat tokenizer's) fine-tunes with LoRA on chat data: only the
+  adapters train and the loss falls."""
+  monkeypatch.setitem(FAMILIES, "olmo3", ("Olmo3Config", {**OLMO3, "vocab_size": 320}))
+  _, hf_path = hf_model("olmo3", tmp_path)
+  out = os.path.join(tmp_path, "mt")
+  hf_to_maxtext.convert(hf_path, out)
+  tok = make_tokenizer(tmp_path / "tok")
+  data = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": "What is the capital of France?", "completion": "Paris."}])
+  c = config.load(
+    [os.path.join(out, "config.yml"), "run_name=sft", f"base_output_directory={tmp_path}", "use_sft=true"]
+    + ["dataset_type=text", f"dataset_path={data}", "tokenizer_type=huggingface", f"tokenizer_path={tok.path}"]
+    + [f"load_parameters_path={out}/params", "eval_fraction=0", "steps=4", "max_target_length=32", "dtype=float32"]
+    + [*LORA, "enable_checkpointing=false", "log_config=false", "log_period=1", "warmup_steps_fraction=0"],
+    {},
+  )
+  train.run(c, jax.devices()[:1])
+  got = losses(c)
+  assert len(got) == 4 and all(np.isfinite(got)) and got[-1] < got[0], got

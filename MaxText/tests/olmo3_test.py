@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import config, models, planner, sharding, train
+from MaxText import config, flops, models, planner, sharding, train
 from MaxText.convert import hf_to_maxtext
 from MaxText.errors import ConfigError
 from MaxText.layers import embeddings
@@ -227,3 +227,12 @@ def test_layouts_give_the_single_device_loss_and_gradients():
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5, err_msg=str(layout))
     for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
       np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6, err_msg=str(layout))
+
+
+def test_flops_count_the_sliding_layers_window():
+  """olmo3-7b at 8192 tokens: 24 layers attend within 4096 keys (3072 per query on average), 8 to the prefix."""
+  c = config.load([os.path.join(config.CONFIG_DIR, "base.yml"), "run_name=t", "model_name=olmo3-7b"], {})
+  count = flops.forward_count(flops.abstract_model(c), 8192)
+  per_key = 2.0 * 32 * (128 + 128)  # QK^T and AV over 32 heads of 128
+  assert flops.attended_keys(8192, 4096) == 3072
+  assert count.attention == pytest.approx(per_key * (24 * 3072 + 8 * 4096), rel=1e-12)

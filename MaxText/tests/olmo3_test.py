@@ -155,6 +155,8 @@ def test_presets_export_their_config_and_read_it_back(preset):
   legacy = {k: v for k, v in hf.items() if k not in ("rope_parameters", "layer_types")}
   legacy |= {"rope_theta": full.pop("rope_theta"), "rope_scaling": full}
   assert hf_keys(legacy) == hf_keys(hf)
+  with pytest.raises(ConfigError, match="sliding_window_size > 0"):
+    hf_config(c.replace(sliding_window_size=0), "bfloat16")
   hf_cfg = transformers.Olmo3Config(**{k: v for k, v in legacy.items() if k not in ("model_type", "architectures")})
   assert hf_cfg.layer_types == hf["layer_types"]
   rope = transformers.models.olmo3.modeling_olmo3.Olmo3RotaryEmbedding(hf_cfg)

@@ -47,8 +47,10 @@ class Olmo3(hf_mapping.Mapping):
     return hf_mapping.rope_keys(full, "rope_max_timescale", hf) | {"local_rope_max_timescale": sliding["rope_theta"]}
 
   def export_fields(self, c, out: dict[str, Any]) -> None:
-    if c.num_experts > 1 or not c.use_qk_norm:
-      raise ConfigError("olmo3 export needs num_experts <= 1 and use_qk_norm=true (Olmo3ForCausalLM's layers)")
+    if c.num_experts > 1 or not c.use_qk_norm or c.sliding_window_size <= 0:
+      raise ConfigError(
+        "olmo3 export needs num_experts <= 1, use_qk_norm=true and sliding_window_size > 0 (Olmo3ForCausalLM's layers)"
+      )
     out["layer_types"] = layer_types(c.num_decoder_layers)
 
   def export_rope(self, c) -> dict[str, Any]:

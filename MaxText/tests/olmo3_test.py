@@ -1,7 +1,7 @@
-"""OLMo 3's distinctive features, each switched off in our model only: the logits then leave transformers'
-(families_test checks they match with every feature on); presets round-trip config.json; LoRA SFT on the
-converted model trains; config.json features we do not support and another
-family's layout are refused with one line before anything compiles."""
+"""OLMo 3 beyond families_test's parity: each distinctive feature switched off in our model only moves the logits
+off transformers'; config.json features we do not support and other families' layouts are one-line errors; the
+presets round-trip config.json with transformers' RoPE; FLOPs count the windows; (slow) LoRA SFT on the converted
+model trains, and sharded layouts give one device's loss and gradients."""
 
 import json
 import os

@@ -48,6 +48,8 @@ SHAPE_KEYS = (
   ("qk_nope_head_dim", None),
   ("qk_rope_head_dim", None),
   ("v_head_dim", None),
+  ("index_n_heads", None),
+  ("index_head_dim", None),
   ("trainable_position_size", None),
 )
 PARENTS_SEARCHED = 3  # <run dir>/checkpoints/<step>/state: config.yml is three directories up

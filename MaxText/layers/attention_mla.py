@@ -21,8 +21,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.layers import kv_cache
-from MaxText.layers.attention import attend, dot_product_attention
+from MaxText.layers.attention import attend, attention_mask, dot_product_attention
 from MaxText.layers.axes import HEAD_AXES
+from MaxText.layers.indexer import Indexer
 from MaxText.layers.embeddings import apply_rope, rope_attention_factor, scaled_rope_frequencies, yarn_mscale
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.model_config import ModelConfig
@@ -52,16 +53,20 @@ class MLAttention(nnx.Module):
     self.kv_norm = norm(config.mla.kv_lora_rank, **norm_args)
     self.wkv_b = DenseGeneral(config.mla.kv_lora_rank, (n, nope + v), ("kv_lora", "kv_heads", "kv"), **dense)
     self.out = DenseGeneral((n, v), d, ("heads", "kv", "embed"), **dense)
+    # DeepSeek V3.2's lightning indexer (layers/indexer.py): each query attends its index_topk best keys only.
+    self.indexer = Indexer(config, rngs=rngs) if config.mla.index_n_heads else nnx.data(None)
     self.config, self.plan, self.sliding_window = config, plan, sliding_window
     self.dims = (nope, rope, v)
     self.query_scale = (nope + rope) ** -0.5
     if config.rope.rope_type != "default" and config.rope.rope_mscale_all_dim:  # as transformers' DeepSeek V2/V3
       self.query_scale *= yarn_mscale(config.rope.rope_factor, config.rope.rope_mscale_all_dim) ** 2
 
-  def _queries(self, x: jax.Array) -> jax.Array:
+  def _queries(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """x -> (queries [B, T, N, P + R], the normalised query latent [B, T, E] or None without q_lora_rank)."""
     if self.wq_a is None:
-      return self.query(x)
-    return self.wq_b(self.q_norm(self.wq_a(x)))  # [B, T, N, P + R]
+      return self.query(x), None
+    q_latent = self.q_norm(self.wq_a(x))
+    return self.wq_b(q_latent), q_latent
 
   def __call__(
     self,
@@ -75,19 +80,27 @@ class MLAttention(nnx.Module):
     normalised latent and the rotated RoPE key of every position), attends over it and returns it updated."""
     nope, rope, _ = self.dims
     c = self.config
-    q = checkpoint_name(self._queries(x), "query_proj")
+    q, q_latent = self._queries(x)
+    q = checkpoint_name(q, "query_proj")
     q = nn.with_logical_constraint(q, HEAD_AXES)
     latent, k_rope = jnp.split(self.wkv_a(x), [c.mla.kv_lora_rank], axis=-1)  # [B, T, C], [B, T, R]
     latent = self.kv_norm(latent)
     inv_freq = scaled_rope_frequencies(c, rope, c.rope.rope_max_timescale, c.rope.rope_type)
     rope_scale = rope_attention_factor(c, c.rope.rope_type)
     k_rope = apply_rope(k_rope[:, :, None, :], positions, inv_freq, rope_scale)  # one shared head
+    index_keys = None if self.indexer is None else self.indexer.keys(x, positions, inv_freq, rope_scale)
     if cache is None:
       mask = None
     else:
-      cache = kv_cache.write(cache, kv_cache.LatentCache(latent, k_rope[:, :, 0]), positions)
-      latent, k_rope = cache.latent, cache.rope_key[:, :, None]
+      cache = kv_cache.write(cache, kv_cache.LatentCache(latent, k_rope[:, :, 0], index_keys), positions)
+      latent, k_rope, index_keys = cache
+      k_rope = k_rope[:, :, None]
       mask = kv_cache.mask(positions, latent.shape[1], self.sliding_window)
+    if self.indexer is not None:  # the top-k selection narrows the mask (training: the full [B, T, T] mask)
+      if mask is None:
+        mask = attention_mask(segment_ids, self.sliding_window)
+      mask = self.indexer.select(x, q_latent, index_keys, positions, mask[:, 0, 0], (inv_freq, rope_scale))
+      mask = mask[:, None, None]
     kv = checkpoint_name(self.wkv_b(latent), "key_proj")  # [B, S, N, P + V]
     k_nope, v = jnp.split(kv, [nope], axis=-1)
     q_nope, q_rope = jnp.split(q, [nope], axis=-1)
@@ -105,6 +118,9 @@ class MLAttention(nnx.Module):
     c, dtype = self.config, jnp.dtype(self.config.dtype)
     if self.plan.kv_cache_quant:  # users get inference/quantize.check's ConfigError before any device work
       raise ValueError("quantize_kvcache=true is not supported with MLA (deepseek)")
+    index_keys = jnp.zeros((batch, length, c.mla.index_head_dim), dtype) if self.indexer is not None else None
     return kv_cache.LatentCache(
-      jnp.zeros((batch, length, c.mla.kv_lora_rank), dtype), jnp.zeros((batch, length, c.mla.qk_rope_head_dim), dtype)
+      jnp.zeros((batch, length, c.mla.kv_lora_rank), dtype),
+      jnp.zeros((batch, length, c.mla.qk_rope_head_dim), dtype),
+      index_keys,
     )

@@ -43,6 +43,7 @@ class LatentCache(NamedTuple):
 
   latent: jax.Array  # [B, S, C] normalised key/value latent
   rope_key: jax.Array  # [B, S, R] the RoPE key shared by all heads, rotated
+  index_key: jax.Array | None = None  # [B, S, I] DeepSeek V3.2's indexer keys, rotated (layers/indexer.py)
 
 
 def zeros(

@@ -93,6 +93,9 @@ class Mla(Section):
   qk_nope_head_dim: int
   qk_rope_head_dim: int
   v_head_dim: int
+  index_n_heads: int  # DeepSeek V3.2's lightning indexer (layers/indexer.py); 0: off
+  index_head_dim: int
+  index_topk: int
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,6 +51,8 @@ DEEPSEEK3_YARN = dict(DEEPSEEK_YARN, rope_parameters={**YARN, "mscale": 1.0, "ms
 # keep frequencies 0-1 and divide 2-3 by factor (the default betas ramp frequency 1 to 0.625); one expert group.
 KIMI_ROPE = {**YARN, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
 KIMI_K2 = dict(DEEPSEEK_YARN, n_group=1, topk_group=1, routed_scaling_factor=2.827, rope_parameters=KIMI_ROPE)
+# DeepSeek V3.2: the indexer keeps 4 of up to T keys per query, so its selection acts.
+DEEPSEEK32 = dict(DEEPSEEK, index_n_heads=16, index_head_dim=8, index_topk=4)
 # Llama 4: 6 layers = one scanned block of 4 (layer 3 NoPE; layers 1, 3 MoE) and a remainder of 2; chunks of 4
 # and temperature steps every 4 positions, so both act within T tokens; llama3 RoPE scaling as Scout's.
 LLAMA4 = dict(num_hidden_layers=6, intermediate_size=16, intermediate_size_mlp=48, num_local_experts=4)
@@ -80,6 +82,7 @@ FAMILIES = {
   "deepseek-no-q-lora": ("DeepseekV3Config", {**DEEPSEEK, "q_lora_rank": None, "n_group": 1, "topk_group": 1}),
   "deepseek3-yarn": ("DeepseekV3Config", DEEPSEEK3_YARN),
   "kimi-k2": ("DeepseekV3Config", KIMI_K2),
+  "deepseek32": ("DeepseekV32Config", DEEPSEEK32),
   "deepseek2": ("DeepseekV2Config", DEEPSEEK2),
   "deepseek2-lite": ("DeepseekV2Config", DEEPSEEK2_LITE),
   "llama-yarn": ("LlamaConfig", {"rope_parameters": YARN, "max_position_embeddings": 256}),

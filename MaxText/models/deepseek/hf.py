@@ -1,4 +1,5 @@
-"""DeepSeek V2 / V3 (and Kimi K2) <-> DeepseekV2ForCausalLM / DeepseekV3ForCausalLM: multi-head latent
+"""DeepSeek V2 / V3 / V3.2 (and Kimi K2) <-> DeepseekV2ForCausalLM / DeepseekV3ForCausalLM /
+DeepseekV32ForCausalLM (V3 plus the lightning indexer at self_attn.indexer; index_n_heads > 0): multi-head latent
 attention (its rope dims interleaved in the checkpoint, reordered into our halves layout), the router as
 transformers runs it (V3 sigmoid with a selection bias, V2 softmax), the experts named mlp.gate, mlp.experts.E
 plus mlp.shared_experts, and V3's multi-token-prediction modules as checkpoint layers after the decoder's."""
@@ -28,6 +29,20 @@ EXTRA = {
   "qk_rope_head_dim": "qk_rope_head_dim",
   "v_head_dim": "v_head_dim",
 }
+# DeepSeek V3.2's lightning indexer (layers/indexer.py): config.json field -> key, transformers' default.
+INDEX = {"index_n_heads": ("index_n_heads", 64), "index_head_dim": ("index_head_dim", 128)}
+INDEX |= {"index_topk": ("index_topk", 2048)}
+# Its tensors under self_attn.indexer: (name, our path under self_attention.indexer, n_in); its rope dims are in
+# the halves layout already (no permutation).
+INDEX_TENSORS = (
+  ("wq_b.weight", ("wq_b", "kernel"), 1),
+  ("wk.weight", ("wk", "kernel"), 1),
+  ("k_norm.weight", ("k_norm", "scale"), None),
+  ("k_norm.bias", ("k_norm", "bias"), None),
+  ("weights_proj.weight", ("weights_proj", "kernel"), 1),
+)
+V3_TYPES = ("deepseek_v3", "deepseek_v32", "kimi_k2")  # the sigmoid router with a selection bias
+
 # DeepSeek V3's multi-token-prediction module k (k = 0, 1, ...) is checkpoint layer num_hidden_layers + k: these
 # tensors of the module (layers/mtp.py), plus a decoder layer's own, plus copies of the shared embedding and
 # head (mtp_copies).
@@ -43,7 +58,7 @@ def routing(hf: dict[str, Any]) -> dict[str, Any]:
   """DeepSeek's router as transformers runs it: V3 sigmoid scores with a selection bias, groups ranked
   by the sum of their two best experts; V2 softmax scores, no bias, no renormalisation, topk_method
   greedy (no groups) or group_limited_greedy (groups ranked by their best expert)."""
-  if hf["model_type"] in ("deepseek_v3", "kimi_k2"):
+  if hf["model_type"] in V3_TYPES:
     return {"routed_score_func": "sigmoid", "routed_bias": True, "routed_group_score": "top2_sum"}
   method = hf.get("topk_method") or "greedy"
   if method not in ("greedy", "group_limited_greedy"):
@@ -57,6 +72,11 @@ def routing(hf: dict[str, Any]) -> dict[str, Any]:
 def export_arch(c) -> tuple[str, str, dict[str, Any]]:
   """(model_type, architecture, extra config.json fields) of a deepseek config: the router decides."""
   grouped = c.n_routing_groups > 1
+  v3 = c.routed_score_func == "sigmoid" and c.routed_bias and not (grouped and c.routed_group_score != "top2_sum")
+  if c.index_n_heads and v3:
+    return "deepseek_v32", "DeepseekV32ForCausalLM", {}
+  if c.index_n_heads:
+    raise ConfigError("index_n_heads > 0 exports as deepseek_v32, which has V3's router: set routed_score_func=sigmoid")
   if c.routed_score_func == "sigmoid" and c.routed_bias and not (grouped and c.routed_group_score != "top2_sum"):
     return "deepseek_v3", "DeepseekV3ForCausalLM", {"rope_interleave": True}  # the rules re-interleave rope dims
   if c.routed_score_func == "softmax" and not c.routed_bias and not c.norm_topk_prob:
@@ -72,7 +92,7 @@ def export_arch(c) -> tuple[str, str, dict[str, Any]]:
 
 class DeepSeek(hf_mapping.Mapping):
   decoder_block = "deepseek"
-  model_types = ("deepseek_v2", "deepseek_v3", "kimi_k2")  # Kimi K2: V3 under its own (remote-code) config class
+  model_types = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2")  # Kimi K2: V3 under its own (remote-code) config class
   arch = ("deepseek_v3", "DeepseekV3ForCausalLM")  # deepseek_v2 for softmax routing (export_arch)
   extra = EXTRA
   biases = ()
@@ -80,9 +100,13 @@ class DeepSeek(hf_mapping.Mapping):
   def check(self, hf: dict[str, Any]) -> None:
     if not hf.get("rope_interleave", True):
       raise ConfigError("config.json rope_interleave=false is not supported for deepseek_v3")
+    if hf.get("model_type") == "deepseek_v32" and not hf.get("q_lora_rank", 1536):
+      raise ConfigError("config.json q_lora_rank must be > 0 for deepseek_v32 (its indexer reads the query latent)")
 
   def family_keys(self, hf: dict[str, Any]) -> dict[str, Any]:
-    return routing(hf)
+    if hf["model_type"] != "deepseek_v32":
+      return routing(hf)
+    return routing(hf) | {key: hf.get(field, default) for field, (key, default) in INDEX.items()}
 
   def mtp_layers(self, hf: dict[str, Any], tensor_names: Collection[str]) -> int:
     """num_nextn_predict_layers when their tensors are there (DeepSeek's releases), 0 when not (transformers
@@ -92,7 +116,8 @@ class DeepSeek(hf_mapping.Mapping):
     return present.index(False) if False in present else wanted
 
   def export_arch(self, c) -> tuple[str, str, dict[str, Any], dict[str, str]]:
-    return *export_arch(c), self.extra
+    index = {field: key for field, (key, _) in INDEX.items()} if c.index_n_heads else {}
+    return *export_arch(c), self.extra | index
 
   def export_fields(self, c, out: dict[str, Any]) -> None:
     out["num_nextn_predict_layers"] = c.mtp_num_layers  # transformers' default is 1, with no MTP weights to load
@@ -109,6 +134,8 @@ class DeepSeek(hf_mapping.Mapping):
     yield "self_attn.kv_a_proj_with_mqa.weight", ("self_attention", "wkv_a", "kernel"), (), 1, kv_perm
     yield "self_attn.kv_a_layernorm.weight", ("self_attention", "kv_norm", "scale"), (), None, None
     yield "self_attn.kv_b_proj.weight", ("self_attention", "wkv_b", "kernel"), (), 1, None
+    for name, path, n_in in INDEX_TENSORS if c.index_n_heads else ():
+      yield f"self_attn.indexer.{name}", ("self_attention", "indexer", *path), (), n_in, None
 
   def feed_forward_rules(self, c, moe: bool) -> Iterator[tuple]:
     return hf_mapping.routed_experts_rules(c) if moe else hf_mapping.mlp_rules(c, "mlp", ("mlp",))

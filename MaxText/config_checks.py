@@ -287,6 +287,22 @@ def _eval_data_missing(c: dict[str, Any]) -> str:
   return ""
 
 
+def _validate_indexer(c: dict[str, Any]) -> None:
+  """DeepSeek V3.2's lightning indexer (index_n_heads > 0) sits on MLA and reads its query latent."""
+  if not c["index_n_heads"]:
+    return
+  if c["decoder_block"] != "deepseek" or not c["q_lora_rank"]:
+    raise ConfigError(
+      f"index_n_heads={c['index_n_heads']} needs decoder_block=deepseek with q_lora_rank > 0 (got "
+      f"decoder_block={c['decoder_block']}, q_lora_rank={c['q_lora_rank']}); or set index_n_heads=0"
+    )
+  if c["index_topk"] <= 0 or c["index_head_dim"] < c["qk_rope_head_dim"]:
+    raise ConfigError(
+      f"the indexer needs index_topk > 0 and index_head_dim >= qk_rope_head_dim (its rope dims); got "
+      f"index_topk={c['index_topk']}, index_head_dim={c['index_head_dim']}, qk_rope_head_dim={c['qk_rope_head_dim']}"
+    )
+
+
 def _validate_head_dims(c: dict[str, Any]) -> None:
   """RoPE rotates the two halves of each head against each other, so the rotated width must be even."""
   if c["decoder_block"] == "deepseek":
@@ -371,6 +387,7 @@ def validate(c: dict[str, Any]) -> None:
       f"num_query_heads ({c['num_query_heads']}) must be a multiple of num_kv_heads ({c['num_kv_heads']})"
     )
   _validate_head_dims(c)
+  _validate_indexer(c)
   _validate_family_options(c)
   _validate_decoding(c)
   _validate_pipeline(c)

@@ -23,8 +23,8 @@ from jax.ad_checkpoint import checkpoint_name
 from MaxText.layers import kv_cache
 from MaxText.layers.attention import attend, attention_mask, dot_product_attention
 from MaxText.layers.axes import HEAD_AXES
-from MaxText.layers.indexer import Indexer
 from MaxText.layers.embeddings import apply_rope, rope_attention_factor, scaled_rope_frequencies, yarn_mscale
+from MaxText.layers.indexer import Indexer
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.model_config import ModelConfig
 from MaxText.layers.normalizations import RMSNorm

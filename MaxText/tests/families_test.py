@@ -55,6 +55,25 @@ def test_logits_match_hugging_face_and_round_trip_is_exact(family, tmp_path):
     np.testing.assert_array_equal(reloaded(torch.tensor(tokens)).logits.numpy(), ref)
 
 
+def test_deepseek32_parity_needs_the_indexer_selection(tmp_path):
+  """With index_topk >= T (every query attends all its keys, as without the indexer) our logits leave
+  transformers' DeepseekV32, whose indexer keeps 4 of up to 12 keys; bad indexer keys fail in one line."""
+  model, hf_path = hf_model("deepseek32", tmp_path)
+  tokens = np.random.default_rng(0).integers(0, 64, (2, T))
+  with torch.no_grad():
+    ref = model(torch.tensor(tokens)).logits.numpy()
+  out = os.path.join(tmp_path, "mt")
+  hf_to_maxtext.convert(hf_path, out)
+  dense = maxtext_logits(out, tokens, f"index_topk={T}")
+  assert np.abs(dense - ref).max() > 1e-3
+  np.testing.assert_allclose(dense[:, :4], ref[:, :4], rtol=1e-5, atol=1e-5)  # up to 4 keys: no selection
+  base = [os.path.join(out, "config.yml"), "run_name=t"]
+  with pytest.raises(ConfigError, match="q_lora_rank > 0"):
+    config.load([*base, "q_lora_rank=0"], {})
+  with pytest.raises(ConfigError, match="index_topk > 0"):
+    config.load([*base, "index_topk=0"], {})
+
+
 MOE_FAMILIES = ("mixtral", "qwen3-moe", "deepseek3", "deepseek2", "llama4")
 TRAINED = ("llama2", "llama-bias", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "gpt3", *MOE_FAMILIES)
 

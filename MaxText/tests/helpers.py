@@ -224,6 +224,10 @@ DECODE_FAMILIES = {
   "deepseek": ["decoder_block=deepseek", "base_num_decoder_layers=3", "first_num_dense_layers=1", "num_experts=4"]
   + ["num_experts_per_tok=2", "shared_experts=1", "q_lora_rank=12", "kv_lora_rank=8", "qk_nope_head_dim=6"]
   + ["qk_rope_head_dim=4", "v_head_dim=6", "routed_score_func=sigmoid", "n_routing_groups=2", "routed_bias=true"],
+  # DeepSeek V3.2: the indexer keeps 3 of up to 12 keys per query (prefill and cached steps).
+  "deepseek32": ["decoder_block=deepseek", "base_num_decoder_layers=2", "first_num_dense_layers=1", "num_experts=4"]
+  + ["q_lora_rank=12", "kv_lora_rank=8", "qk_nope_head_dim=6", "qk_rope_head_dim=4", "v_head_dim=6"]
+  + ["index_n_heads=16", "index_head_dim=8", "index_topk=3"],
   "gpt3": ["decoder_block=gpt3", "mlp_activations=[gelu]", "logits_via_embedding=true", "use_iota_embed=true"]
   + ["trainable_position_size=32"],
   "olmo3": ["decoder_block=olmo3", "base_num_decoder_layers=5", "sliding_window_size=3", "use_qk_norm=true"]

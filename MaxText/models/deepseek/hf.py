@@ -92,7 +92,8 @@ def export_arch(c) -> tuple[str, str, dict[str, Any]]:
 
 class DeepSeek(hf_mapping.Mapping):
   decoder_block = "deepseek"
-  model_types = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2")  # Kimi K2: V3 under its own (remote-code) config class
+  # Kimi K2: V3 under its own (remote-code) config class
+  model_types = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2")
   arch = ("deepseek_v3", "DeepseekV3ForCausalLM")  # deepseek_v2 for softmax routing (export_arch)
   extra = EXTRA
   biases = ()

@@ -243,3 +243,16 @@ def test_llama4_presets_export_their_config_and_read_it_back(preset):
     hf_keys({**hf, "moe_layers": [0]})
   with pytest.raises(ConfigError, match="text_config and vision_config"):
     hf_keys({**hf, "model_type": "llama4"})
+
+
+def test_deepseek32_preset_exports_its_config_and_reads_it_back():
+  """deepseek32-671b -> a config.json transformers' DeepseekV32Config reads -> the same keys (indexer included);
+  the indexer with V2's softmax router has no Hugging Face class."""
+  c = config.load([os.path.join(config.CONFIG_DIR, "base.yml"), "run_name=t", "model_name=deepseek32-671b"], {})
+  hf = hf_config(c, "bfloat16")
+  assert hf["model_type"] == "deepseek_v32" and hf["index_topk"] == 2048
+  assert {k: v for k, v in hf_keys(hf).items() if c[k] != v} == {}
+  hf_cfg = transformers.DeepseekV32Config(**{k: v for k, v in hf.items() if k not in ("model_type", "architectures")})
+  assert hf_keys(hf_cfg.to_dict()) == hf_keys(hf)
+  with pytest.raises(ConfigError, match="deepseek_v32"):
+    hf_config(c.replace(routed_score_func="softmax", routed_bias=False), "bfloat16")

@@ -40,6 +40,7 @@ PUBLISHED = {  # billions of parameters, as published by the model authors (text
   "qwen3-30b-a3b": 30.5,
   "deepseek2-16b": 15.7,
   "deepseek3-671b": 671.0,
+  "deepseek32-671b": 671.0,  # V3 + 0.85B of indexers; DeepSeek counts it as V3 (685B with the MTP module)
   # Kimi K2: its config.json as transformers counts it (1,026,408,209,408 on the meta device, plus our 23,040
   # router biases, a buffer there); the tech report's "1.04T" is 1.3% above that.
   "kimi-k2-1t": 1026.4,

@@ -301,6 +301,10 @@ def _validate_indexer(c: dict[str, Any]) -> None:
       f"the indexer needs index_topk > 0 and index_head_dim >= qk_rope_head_dim (its rope dims); got "
       f"index_topk={c['index_topk']}, index_head_dim={c['index_head_dim']}, qk_rope_head_dim={c['qk_rope_head_dim']}"
     )
+  if c["ici_context_parallelism"] != 1 or c["dcn_context_parallelism"] != 1:
+    raise ConfigError(
+      "index_n_heads > 0 (the indexer) does not support context parallelism yet; set ici/dcn_context_parallelism=1"
+    )
 
 
 def _validate_head_dims(c: dict[str, Any]) -> None:

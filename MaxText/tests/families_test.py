@@ -72,6 +72,8 @@ def test_deepseek32_parity_needs_the_indexer_selection(tmp_path):
     config.load([*base, "q_lora_rank=0"], {})
   with pytest.raises(ConfigError, match="index_topk > 0"):
     config.load([*base, "index_topk=0"], {})
+  with pytest.raises(ConfigError, match="context parallelism"):
+    config.load([*base, "ici_context_parallelism=2"], {})
 
 
 MOE_FAMILIES = ("mixtral", "qwen3-moe", "deepseek3", "deepseek2", "llama4")

@@ -24,7 +24,7 @@ from MaxText.layers import kv_cache
 from MaxText.layers.attention import attend, attention_mask, dot_product_attention
 from MaxText.layers.axes import HEAD_AXES
 from MaxText.layers.embeddings import apply_rope, rope_attention_factor, scaled_rope_frequencies, yarn_mscale
-from MaxText.layers.indexer import Indexer
+from MaxText.layers.indexer import Indexer, blocked_attention
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.model_config import ModelConfig
 from MaxText.layers.normalizations import RMSNorm
@@ -96,7 +96,9 @@ class MLAttention(nnx.Module):
       latent, k_rope, index_keys = cache
       k_rope = k_rope[:, :, None]
       mask = kv_cache.mask(positions, latent.shape[1], self.sliding_window)
-    if self.indexer is not None:  # the top-k selection narrows the mask (training: the full [B, T, T] mask)
+    chunk = self.plan.attention.query_chunk
+    blocked = self.indexer is not None and mask is None and 0 < chunk < x.shape[1] and x.shape[1] % chunk == 0
+    if self.indexer is not None and not blocked:  # the top-k selection narrows the mask
       if mask is None:
         mask = attention_mask(segment_ids, self.sliding_window)
       mask = self.indexer.select(x, q_latent, index_keys, positions, mask[:, 0, 0], (inv_freq, rope_scale))
@@ -107,7 +109,12 @@ class MLAttention(nnx.Module):
     q_rope = apply_rope(q_rope, positions, inv_freq, rope_scale)
     q = jnp.concatenate([q_nope, q_rope], axis=-1) * self.query_scale
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], rope))], axis=-1)
-    if mask is None:
+    if blocked:
+      rope_args, cap = (inv_freq, rope_scale), c.attention.attn_logits_soft_cap
+      out = blocked_attention(
+        self.indexer, x, q_latent, index_keys, positions, segment_ids, (q, k, v), rope_args, cap, chunk
+      )
+    elif mask is None:
       out = attend(self.plan, q, k, v, segment_ids, self.sliding_window)
     else:
       out = dot_product_attention(q, k, v, mask, c.attention.attn_logits_soft_cap)

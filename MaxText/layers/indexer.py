@@ -7,6 +7,8 @@ RoPE on the first qk_rope_head_dim dims of both in the halves layout (not interl
 checkpoint's indexer weights need no permutation). Scores outside the attention mask (causal, segments) are
 -inf; each query keeps its index_topk best keys (ties: the earlier key) and the MLA softmax sees only those.
 With no more keys than index_topk the selection is everything the mask allows, so it is skipped.
+Training in query blocks (blocked_attention, attention_query_chunk) keeps one block's [B, chunk, S] index scores
+and attention scores live at a time, recomputed in the backward pass, instead of the whole [B, T, S].
 Decoding caches the indexer keys (kv_cache.LatentCache.index_key) and recomputes the selection over them.
 Einsum letters: B, T, S, D as in the legend; H index heads, I index head dim, E q_lora rank.
 """
@@ -17,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from MaxText.layers.attention import dot_product_attention, index_mask
 from MaxText.layers.embeddings import apply_rope
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.model_config import ModelConfig
@@ -69,3 +72,37 @@ class Indexer(nnx.Module):
     _, top = jax.lax.top_k(index, self.topk)  # [B, T, topk]; equal scores: the lower index first
     chosen = jnp.put_along_axis(jnp.zeros(index.shape, bool), top, True, axis=-1, inplace=False)
     return allowed & chosen
+
+
+def blocked_attention(
+  indexer: Indexer,
+  x: jax.Array,
+  q_latent: jax.Array,
+  keys: jax.Array,
+  positions: jax.Array,
+  segment_ids: jax.Array,
+  qkv: tuple[jax.Array, jax.Array, jax.Array],
+  rope: tuple[jax.Array, float],
+  cap: float,
+  chunk: int,
+) -> jax.Array:
+  """Training attention (q [B, T, N, H] scaled, k, v [B, T, 1 or N, H]) with the indexer's selection, in
+  query blocks of `chunk` (dividing T): per block the causal/segment mask, its top-k narrowing, the attention."""
+  q, k, v = qkv
+  b, t = q.shape[:2]
+  n = t // chunk
+  k_index = jnp.arange(t)
+
+  @jax.checkpoint
+  def block(args):
+    x_c, latent_c, pos_c, seg_c, q_c, index_c = args
+    allowed = index_mask(seg_c, segment_ids, index_c, k_index)[:, 0, 0]
+    mask = indexer.select(x_c, latent_c, keys, pos_c, allowed, rope)
+    return dot_product_attention(q_c, k, v, mask[:, None, None], cap)
+
+  def split(a: jax.Array) -> jax.Array:  # [B, T, ...] -> [n, B, chunk, ...]
+    return a.reshape(b, n, chunk, *a.shape[2:]).swapaxes(0, 1)
+
+  args = (split(x), split(q_latent), split(positions), split(segment_ids), split(q), k_index.reshape(n, chunk))
+  out = jax.lax.map(block, args)
+  return out.swapaxes(0, 1).reshape(b, t, *out.shape[3:])

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import checkpointing, config, models, planner, train
+from MaxText import checkpointing, config, models, planner, saved_config, train
 from MaxText.convert import hf_to_maxtext, maxtext_to_hf
 from MaxText.errors import ConfigError
 from MaxText.layers import attention_mla, embeddings
@@ -76,6 +76,9 @@ def test_deepseek32_parity_needs_the_indexer_selection(tmp_path):
     config.load([*base, "index_topk=0"], {})
   with pytest.raises(ConfigError, match="context parallelism"):
     config.load([*base, "ici_context_parallelism=2"], {})
+  v3 = config.load([*base, "index_n_heads=0", f"load_parameters_path={out}/params"], {})  # a V3 config
+  with pytest.raises(ConfigError, match="index_n_heads: 16 -> 0"):
+    saved_config.check(v3)
 
 
 MOE_FAMILIES = ("mixtral", "qwen3-moe", "deepseek3", "deepseek2", "deepseek32", "llama4")
@@ -252,7 +255,8 @@ def test_llama4_presets_export_their_config_and_read_it_back(preset):
 
 def test_deepseek32_preset_exports_its_config_and_reads_it_back():
   """deepseek32-671b -> a config.json transformers' DeepseekV32Config reads -> the same keys (indexer included);
-  the indexer with V2's softmax router has no Hugging Face class."""
+  the indexer with V2's softmax router has no Hugging Face class; layer patterns we do not represent and a
+  missing query latent are one-line errors."""
   c = config.load([os.path.join(config.CONFIG_DIR, "base.yml"), "run_name=t", "model_name=deepseek32-671b"], {})
   hf = hf_config(c, "bfloat16")
   assert hf["model_type"] == "deepseek_v32" and hf["index_topk"] == 2048
@@ -261,3 +265,9 @@ def test_deepseek32_preset_exports_its_config_and_reads_it_back():
   assert hf_keys(hf_cfg.to_dict()) == hf_keys(hf)
   with pytest.raises(ConfigError, match="deepseek_v32"):
     hf_config(c.replace(routed_score_func="softmax", routed_bias=False), "bfloat16")
+  with pytest.raises(ConfigError, match="mlp_layer_types"):
+    hf_keys({**hf, "mlp_layer_types": ["sparse"] * 61})
+  with pytest.raises(ConfigError, match="layer_types"):
+    hf_keys({**hf, "layer_types": ["full_attention"] * 61})
+  with pytest.raises(ConfigError, match="q_lora_rank"):
+    hf_keys({**hf, "q_lora_rank": None})

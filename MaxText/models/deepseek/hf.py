@@ -69,6 +69,18 @@ def routing(hf: dict[str, Any]) -> dict[str, Any]:
   return out | ({"n_routing_groups": 1, "topk_routing_group": 1} if method == "greedy" else {})
 
 
+def check_v32(hf: dict[str, Any]) -> None:
+  """What DeepseekV32's config.json can say that we do not represent: no query latent, MLP or attention layer
+  patterns other than first_k_dense_replace dense layers then MoE, each layer with the indexer."""
+  if not hf.get("q_lora_rank", 1536):
+    raise ConfigError("config.json q_lora_rank must be > 0 for deepseek_v32 (its indexer reads the query latent)")
+  n, k = hf["num_hidden_layers"], min(hf.get("first_k_dense_replace", 3), hf["num_hidden_layers"])
+  if hf.get("mlp_layer_types") not in (None, ["dense"] * k + ["sparse"] * (n - k)):
+    raise ConfigError(f"config.json mlp_layer_types must be first_k_dense_replace={k} dense layers, then sparse")
+  if any(t != "indexed_attention" for t in hf.get("layer_types") or ()):
+    raise ConfigError("config.json layer_types other than indexed_attention are not supported for deepseek_v32")
+
+
 def export_arch(c) -> tuple[str, str, dict[str, Any]]:
   """(model_type, architecture, extra config.json fields) of a deepseek config: the router decides."""
   grouped = c.n_routing_groups > 1
@@ -101,8 +113,8 @@ class DeepSeek(hf_mapping.Mapping):
   def check(self, hf: dict[str, Any]) -> None:
     if not hf.get("rope_interleave", True):
       raise ConfigError("config.json rope_interleave=false is not supported for deepseek_v3")
-    if hf.get("model_type") == "deepseek_v32" and not hf.get("q_lora_rank", 1536):
-      raise ConfigError("config.json q_lora_rank must be > 0 for deepseek_v32 (its indexer reads the query latent)")
+    if hf.get("model_type") == "deepseek_v32":
+      check_v32(hf)
 
   def family_keys(self, hf: dict[str, Any]) -> dict[str, Any]:
     if hf["model_type"] != "deepseek_v32":

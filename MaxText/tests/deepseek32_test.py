@@ -1,5 +1,6 @@
-"""DeepSeek V3.2's lightning indexer under sharding: (slow) fsdp, fsdp x expert and data x fsdp x tensor layouts on
-8 CPU devices give one device's loss and gradients, with the whole-sequence selection and in query blocks."""
+"""DeepSeek V3.2's lightning indexer in training (all slow): fsdp, fsdp x expert and data x fsdp x tensor layouts
+on 8 CPU devices give one device's loss and gradients, with the whole-sequence selection and in query blocks; a
+converted tiny DeepseekV32 fine-tunes with LoRA on chat data."""
 
 import os
 
@@ -9,8 +10,19 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import config, models, planner, sharding
-from MaxText.tests.helpers import DECODE_FAMILIES, DECODE_TINY
+from MaxText import config, models, planner, sharding, train
+from MaxText.convert import hf_to_maxtext
+from MaxText.tests.conftest import losses
+from MaxText.tests.helpers import (
+  DECODE_FAMILIES,
+  DECODE_TINY,
+  DEEPSEEK32,
+  FAMILIES,
+  LORA,
+  hf_model,
+  make_tokenizer,
+  write_jsonl,
+)
 
 LAYOUTS = [
   ["ici_fsdp_parallelism=8"],
@@ -46,3 +58,26 @@ def test_layouts_give_the_single_device_loss_and_gradients(chunk):
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5, err_msg=str(layout))
     for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
       np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6, err_msg=str(layout))
+
+
+@pytest.mark.slow
+def test_lora_sft_on_the_converted_model_trains(tmp_path, monkeypatch):
+  """A converted tiny DeepSeek V3.2 (vocab widened to the chat tokenizer's; the indexer keeps 4 of up to 32 keys)
+  fine-tunes with LoRA on chat data: the loss falls."""
+  pytest.importorskip("torch")
+  monkeypatch.setitem(FAMILIES, "deepseek32", ("DeepseekV32Config", {**DEEPSEEK32, "vocab_size": 320}))
+  _, hf_path = hf_model("deepseek32", tmp_path)
+  out = os.path.join(tmp_path, "mt")
+  hf_to_maxtext.convert(hf_path, out)
+  tok = make_tokenizer(tmp_path / "tok")
+  data = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": "What is the capital of France?", "completion": "Paris."}])
+  c = config.load(
+    [os.path.join(out, "config.yml"), "run_name=sft", f"base_output_directory={tmp_path}", "use_sft=true"]
+    + ["dataset_type=text", f"dataset_path={data}", "tokenizer_type=huggingface", f"tokenizer_path={tok.path}"]
+    + [f"load_parameters_path={out}/params", "eval_fraction=0", "steps=4", "max_target_length=32", "dtype=float32"]
+    + [*LORA, "enable_checkpointing=false", "log_config=false", "log_period=1", "warmup_steps_fraction=0"],
+    {},
+  )
+  train.run(c, jax.devices()[:1])
+  got = losses(c)
+  assert len(got) == 4 and all(np.isfinite(got)) and got[-1] < got[0], got

@@ -12,11 +12,12 @@ from MaxText.convert.hf_mapping import Mapping
 from MaxText.layers import lora
 from MaxText.layers.decoder import Decoder, Family
 from MaxText.layers.model_config import ModelConfig
-from MaxText.models import deepseek, gemma, gemma2, gemma3, gpt3, gpt_oss, llama2, llama4, qwen3next
+from MaxText.models import deepseek, gemma, gemma2, gemma3, glm4_moe, gpt3, gpt_oss, llama2, llama4, qwen3next
 from MaxText.models.deepseek import hf as deepseek_hf
 from MaxText.models.gemma import hf as gemma_hf
 from MaxText.models.gemma2 import hf as gemma2_hf
 from MaxText.models.gemma3 import hf as gemma3_hf
+from MaxText.models.glm4_moe import hf as glm4_moe_hf
 from MaxText.models.gpt3 import hf as gpt3_hf
 from MaxText.models.gpt_oss import hf as gpt_oss_hf
 from MaxText.models.llama2 import hf as llama2_hf
@@ -45,6 +46,7 @@ REGISTRY: dict[str, Family] = {
   "gpt3": gpt3.FAMILY,
   "gpt_oss": gpt_oss.FAMILY,
   "qwen3next": qwen3next.FAMILY,
+  "glm4_moe": glm4_moe.FAMILY,
 }
 # decoder_block -> its Hugging Face mapping ("default" has none).
 HF: dict[str, Mapping] = {
@@ -62,6 +64,7 @@ HF: dict[str, Mapping] = {
     gpt_oss_hf.MAPPING,
     qwen3next_hf.MAPPING,
     gpt3_hf.MAPPING,
+    glm4_moe_hf.MAPPING,
   )
 }
 

@@ -56,6 +56,11 @@ KIMI_K2 = dict(DEEPSEEK_YARN, n_group=1, topk_group=1, routed_scaling_factor=2.8
 LLAMA4 = dict(num_hidden_layers=6, intermediate_size=16, intermediate_size_mlp=48, num_local_experts=4)
 LLAMA4 |= dict(interleave_moe_layer_step=2, attention_chunk_size=4, floor_scale=4, attn_scale=1.0)
 LLAMA4 |= dict(rope_parameters=LLAMA31_ROPE, max_position_embeddings=64)
+# GLM-4.5: q/k/v biases, q/k norms, RoPE on half of each head (transformers' default), a dense first layer, then
+# sigmoid routing with a selection bias in groups, scaled, plus a shared expert.
+GLM45 = dict(num_hidden_layers=3, first_k_dense_replace=1, moe_intermediate_size=16, n_routed_experts=8)
+GLM45 |= dict(num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5)
+GLM45 |= dict(attention_bias=True, use_qk_norm=True)
 FAMILIES = {
   "llama2": ("LlamaConfig", {}),
   "llama-bias": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),
@@ -82,6 +87,7 @@ FAMILIES = {
   "gpt3": ("GPT2Config", {}),
   "qwen3-moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}),
   "llama4": ("Llama4TextConfig", LLAMA4),
+  "glm4_moe": ("Glm4MoeConfig", GLM45),
 }
 GPT2 = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16, n_inner=48)
 T = 12

@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 # top-1 MoE (llama4).
 FAMILIES = ["llama2", "llama-bias", "mistral", "mixtral", "qwen3", "gemma", "gemma2", "gemma3", "deepseek3"]
 FAMILIES += ["deepseek2", "kimi-k2", "gpt3", "llama4"]
+FAMILIES += ["glm4_moe"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -224,6 +224,9 @@ DECODE_FAMILIES = {
   + ["qk_rope_head_dim=4", "v_head_dim=6", "routed_score_func=sigmoid", "n_routing_groups=2", "routed_bias=true"],
   "gpt3": ["decoder_block=gpt3", "mlp_activations=[gelu]", "logits_via_embedding=true", "use_iota_embed=true"]
   + ["trainable_position_size=32"],
+  "glm4_moe": ["decoder_block=glm4_moe", "base_num_decoder_layers=3", "first_num_dense_layers=1", "num_experts=4"]
+  + ["num_experts_per_tok=2", "shared_experts=1", "routed_score_func=sigmoid", "n_routing_groups=2", "routed_bias=true"]
+  + ["attention_bias=true", "use_qk_norm=true", "partial_rotary_factor=0.5", "routed_scaling_factor=2.5"],
 }
 
 

@@ -1,0 +1,83 @@
+"""GLM-4.5 (glm4_moe) features against Hugging Face transformers: the converted tiny model of helpers.FAMILIES
+matches (families_test); each feature switched off in our model alone breaks the match; bad input fails in one
+line before any compile."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from MaxText import config
+from MaxText.convert import hf_to_maxtext
+from MaxText.errors import ConfigError
+from MaxText.tests.helpers import T, hf_config, hf_keys, hf_model, maxtext_logits
+
+torch = pytest.importorskip("torch")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+  """(HF logits on tokens, tokens, the converted directory, the HF directory)."""
+  tmp = tmp_path_factory.mktemp("glm4_moe")
+  model, hf_path = hf_model("glm4_moe", tmp)
+  tokens = np.random.default_rng(0).integers(0, 64, (2, T))
+  with torch.no_grad():
+    ref = model(torch.tensor(tokens)).logits.numpy()
+  out = os.path.join(tmp, "mt")
+  hf_to_maxtext.convert(hf_path, out)
+  return ref, tokens, out, hf_path
+
+
+def test_the_converted_model_matches(converted):
+  ref, tokens, out, _ = converted
+  np.testing.assert_allclose(maxtext_logits(out, tokens), ref, rtol=1e-5, atol=1e-5)
+
+
+# Each override turns one feature off (the parameters it drops are left unread): the logits must then differ.
+FEATURES = {
+  "partial_rope": ["partial_rotary_factor=1.0"],
+  "qkv_biases": ["attention_bias=false"],
+  "qk_norm": ["use_qk_norm=false"],
+  "correction_bias": ["routed_bias=false"],
+  "routed_scaling": ["routed_scaling_factor=1.0"],
+  "expert_groups": ["n_routing_groups=1", "topk_routing_group=1"],
+  "shared_expert": ["shared_experts=0"],
+}
+
+
+# ~10 s each on 2 busy cores: partial RoPE in the default tier, the rest slow.
+@pytest.mark.parametrize(
+  "feature", [f if f == "partial_rope" else pytest.param(f, marks=pytest.mark.slow) for f in sorted(FEATURES)]
+)
+def test_each_feature_switched_off_breaks_the_match(converted, feature):
+  ref, tokens, out, _ = converted
+  got = maxtext_logits(out, tokens, *FEATURES[feature])
+  assert not np.allclose(got, ref, rtol=1e-4, atol=1e-4), feature
+
+
+def test_bad_input_fails_in_one_line(converted, tmp_path):
+  _, _, out, hf_path = converted
+  hf = json.load(open(os.path.join(hf_path, "config.json")))
+  with pytest.raises(ConfigError, match="partial_rotary_factor=0.625 with head_dim=8 does not give an even"):
+    hf_keys({**hf, "partial_rotary_factor": 0.625, "rope_parameters": {"rope_theta": 10000.0}})
+  # The GLM-4.5 checkpoint under DeepSeek V3's config, and a DeepSeek V3 checkpoint under GLM-4.5's.
+  cases = (
+    ("deepseek_v3", "attention_bias=true is not supported for deepseek_v3"),
+    ("glm4_moe", "kv_a_layernorm.weight .and 17 more. does not fit"),
+  )
+  for model_type, error in cases:
+    source = hf_path if model_type == "deepseek_v3" else hf_model("deepseek3", tmp_path)[1]
+    d = os.path.join(tmp_path, model_type)
+    os.makedirs(d)
+    tensors = safetensors_torch.load_file(os.path.join(source, "model.safetensors"))
+    safetensors_torch.save_file(tensors, os.path.join(d, "model.safetensors"))
+    conf = json.load(open(os.path.join(source, "config.json")))
+    json.dump({**conf, "model_type": model_type}, open(os.path.join(d, "config.json"), "w"))
+    with pytest.raises(ConfigError, match=error) as e:
+      hf_to_maxtext.convert(d, os.path.join(tmp_path, f"{model_type}_out"))
+    assert "\n" not in str(e.value)
+  c = config.load([os.path.join(out, "config.yml"), "run_name=t", "routed_score_func=softmax"], {})
+  with pytest.raises(ConfigError, match="glm4_moe exports with"):
+    hf_config(c, "float32")

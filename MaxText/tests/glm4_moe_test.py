@@ -11,7 +11,7 @@ import pytest
 from MaxText import config
 from MaxText.convert import hf_to_maxtext
 from MaxText.errors import ConfigError
-from MaxText.tests.helpers import T, hf_config, hf_keys, hf_model, maxtext_logits
+from MaxText.tests.helpers import T, assert_export_is_exact, hf_config, hf_keys, hf_model, maxtext_logits
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -81,3 +81,26 @@ def test_bad_input_fails_in_one_line(converted, tmp_path):
   c = config.load([os.path.join(out, "config.yml"), "run_name=t", "routed_score_func=softmax"], {})
   with pytest.raises(ConfigError, match="glm4_moe exports with"):
     hf_config(c, "float32")
+
+
+def test_the_checkpoint_mtp_layer_is_read_and_written_back_exactly(converted, tmp_path):
+  """GLM-4.5 ships one multi-token-prediction layer after the decoder's (model.layers.3 here) in DeepSeek V3's
+  layout; transformers skips it. The import reads it into our MTP module (mtp_num_layers=1), the export writes
+  every tensor back bit for bit."""
+  _, _, _, hf_path = converted
+  state = safetensors_torch.load_file(os.path.join(hf_path, "model.safetensors"))
+  layer = {k.replace("layers.2.", "layers.3."): torch.randn_like(v) for k, v in state.items() if "layers.2." in k}
+  d = state["model.norm.weight"].shape[0]
+  layer |= {f"model.layers.3.{n}.weight": torch.randn(d) for n in ("enorm", "hnorm", "shared_head.norm")}
+  layer["model.layers.3.eh_proj.weight"] = torch.randn(d, 2 * d)
+  layer["model.layers.3.embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+  layer["model.layers.3.shared_head.head.weight"] = state["lm_head.weight"].clone()
+  src = os.path.join(tmp_path, "hf")
+  os.makedirs(src)
+  safetensors_torch.save_file({**state, **layer}, os.path.join(src, "model.safetensors"))
+  json.dump(json.load(open(os.path.join(hf_path, "config.json"))), open(os.path.join(src, "config.json"), "w"))
+  out = os.path.join(tmp_path, "mt")
+  hf_to_maxtext.convert(src, out)
+  c = config.load([os.path.join(out, "config.yml"), "run_name=t", f"load_parameters_path={out}/params"], {})
+  assert c.mtp_num_layers == 1
+  assert_export_is_exact(c, src, os.path.join(tmp_path, "back"))

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from MaxText import config
+from MaxText import config, train
 from MaxText.convert import hf_to_maxtext
 from MaxText.errors import ConfigError
 from MaxText.tests.helpers import T, assert_export_is_exact, hf_config, hf_keys, hf_model, maxtext_logits
@@ -104,3 +104,34 @@ def test_the_checkpoint_mtp_layer_is_read_and_written_back_exactly(converted, tm
   c = config.load([os.path.join(out, "config.yml"), "run_name=t", f"load_parameters_path={out}/params"], {})
   assert c.mtp_num_layers == 1
   assert_export_is_exact(c, src, os.path.join(tmp_path, "back"))
+
+
+def train_losses(tmp_path, out, name, *overrides):
+  """Losses of 2 steps of training the converted model (8 CPU devices, float32, synthetic data)."""
+  c = config.load(
+    [os.path.join(out, "config.yml"), f"run_name={name}", f"base_output_directory={tmp_path}"]
+    + [f"load_parameters_path={out}/params", "dataset_type=synthetic", "steps=2", "max_target_length=16"]
+    + ["per_device_batch_size=1", "enable_checkpointing=false", "enable_tensorboard=false", "log_config=false"]
+    + ["log_period=1", "dtype=float32", *overrides],
+    {},
+  )
+  train.run(c)
+  return [json.loads(line)["loss"] for line in open(c.metrics_file)]
+
+
+# The family's sharding: experts over `expert` (all-to-all dispatch), heads over `tensor`, against fsdp over all 8.
+LAYOUTS = {
+  "ep2": ["ici_expert_parallelism=2", "ici_fsdp_parallelism=4"],
+  "ep4-tp2": ["ici_expert_parallelism=4", "ici_tensor_parallelism=2", "ici_fsdp_parallelism=1"],
+}
+
+
+@pytest.mark.slow  # 3 compiled training runs: ~60 s on 2 busy cores
+def test_losses_are_equal_across_layouts_and_lora_trains(converted, tmp_path):
+  _, _, out, _ = converted
+  want = train_losses(tmp_path, out, "fsdp8")
+  assert len(want) == 2 and np.all(np.isfinite(want))
+  for name, layout in LAYOUTS.items():
+    np.testing.assert_allclose(train_losses(tmp_path, out, name, *layout), want, rtol=1e-5, err_msg=name)
+  lora = train_losses(tmp_path, out, "lora", "lora_rank=4")
+  np.testing.assert_allclose(lora[0], want[0], rtol=1e-5)  # the adapters start at zero: the base model's loss

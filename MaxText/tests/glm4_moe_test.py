@@ -11,7 +11,17 @@ import pytest
 from MaxText import config, train
 from MaxText.convert import hf_to_maxtext
 from MaxText.errors import ConfigError
-from MaxText.tests.helpers import T, assert_export_is_exact, hf_config, hf_keys, hf_model, maxtext_logits
+from MaxText.tests.helpers import (
+  FAMILIES,
+  T,
+  assert_export_is_exact,
+  hf_config,
+  hf_keys,
+  hf_model,
+  make_tokenizer,
+  maxtext_logits,
+  write_jsonl,
+)
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -135,3 +145,20 @@ def test_losses_are_equal_across_layouts_and_lora_trains(converted, tmp_path):
     np.testing.assert_allclose(train_losses(tmp_path, out, name, *layout), want, rtol=1e-5, err_msg=name)
   lora = train_losses(tmp_path, out, "lora", "lora_rank=4")
   np.testing.assert_allclose(lora[0], want[0], rtol=1e-5)  # the adapters start at zero: the base model's loss
+
+
+@pytest.mark.slow  # one compiled training run: ~40 s on 2 busy cores
+def test_sft_with_lora_trains_the_converted_model(tmp_path, monkeypatch):
+  """Chat SFT (use_sft) with LoRA adapters on a converted GLM-4.5 whose vocabulary holds the chat tokenizer's."""
+  cls, extra = FAMILIES["glm4_moe"]
+  monkeypatch.setitem(FAMILIES, "glm4_moe", (cls, {**extra, "vocab_size": 320}))
+  _, hf_path = hf_model("glm4_moe", tmp_path)
+  out = os.path.join(tmp_path, "mt")
+  hf_to_maxtext.convert(hf_path, out)
+  tok = make_tokenizer(str(tmp_path / "tok"))
+  data = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": f"Question {i}?", "completion": "Paris."} for i in range(8)])
+  losses = train_losses(
+    tmp_path, out, "sft", "use_sft=true", "dataset_type=text", f"dataset_path={data}", "eval_fraction=0",
+    "tokenizer_type=huggingface", f"tokenizer_path={tok.path}", "lora_rank=4", "max_target_length=32",
+  )  # fmt: skip
+  assert len(losses) == 2 and np.all(np.isfinite(losses))

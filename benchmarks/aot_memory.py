@@ -71,6 +71,15 @@ CASES = (
     "qwen3-next-80b-a3b v5p-128",
     "model_name=qwen3-next-80b-a3b", "compile_topology=v5p-128", "per_device_batch_size=1", "max_target_length=4096",
   ),
+  # GLM-4.5-Air 106B-A12B and GLM-4.5 355B-A32B: GQA with partial RoPE, sigmoid-routed MoE with a shared expert.
+  case(
+    "glm4.5-air-106b-a12b v5p-128",
+    "model_name=glm4.5-air-106b-a12b", "compile_topology=v5p-128", "per_device_batch_size=1", "max_target_length=4096",
+  ),
+  case(
+    "glm4.5-355b-a32b v5p-512",
+    "model_name=glm4.5-355b-a32b", "compile_topology=v5p-512", "per_device_batch_size=1", "max_target_length=4096",
+  ),
   # Expert parallelism (docs/expert_parallelism.md): tokens move to the experts by all-to-all.
   case(
     "mixtral-8x7b v5p-128 expert=8 dropless",

@@ -90,6 +90,13 @@ def problem(config: Any) -> str | None:
       )
     if config.ici_context_parallelism * config.dcn_context_parallelism > 1:
       return "qwen3next: the gated DeltaNet runs over whole sequences; set ici/dcn_context_parallelism=1"
+  if name == "glm4_moe":  # RoPE rotates pairs among the first head_dim * partial_rotary_factor dims
+    rotary = int(config.head_dim * config.partial_rotary_factor)
+    if rotary % 2 or not 0 < rotary <= config.head_dim:
+      return (
+        f"glm4_moe: head_dim={config.head_dim} x partial_rotary_factor={config.partial_rotary_factor} must give an "
+        "even number of rotary dims in (0, head_dim]"
+      )
   if config.mtp_num_layers and REGISTRY[name].mtp_layer is None:
     return (
       f"mtp_num_layers={config.mtp_num_layers} is not available for decoder_block={name} "

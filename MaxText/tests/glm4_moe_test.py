@@ -95,26 +95,85 @@ def test_bad_input_fails_in_one_line(converted, tmp_path):
     hf_config(c, "float32")
 
 
-def test_the_checkpoint_mtp_layer_is_read_and_written_back_exactly(converted, tmp_path):
+MTP_ONLY = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")
+
+
+def mtp_reference(hf_path, tensors, tokens, tmp_path):
+  """Depth-1 MTP logits [B, T, V] in PyTorch, as GLM-4.5's MTP layer computes them (DeepSeek V3's scheme):
+  transformers' own Glm4Moe decoder layer (index 3, MoE) on eh_proj([enorm(embedding of token i+1),
+  hnorm(main hidden state before the final norm)]), then shared_head.norm and the head."""
+  import importlib
+
+  import transformers
+
+  model = transformers.AutoModelForCausalLM.from_pretrained(hf_path, attn_implementation="eager").float().eval()
+  module = importlib.import_module(type(model).__module__)
+  four = os.path.join(tmp_path, "four_layers")  # the MTP layer's decoder layer as a 4th layer
+  transformers.Glm4MoeConfig(**{**model.config.to_dict(), "num_hidden_layers": 4}).save_pretrained(four)
+  kept = {k: v for k, v in tensors.items() if not (k.startswith("model.layers.3.") and k.split(".")[3] in MTP_ONLY)}
+  safetensors_torch.save_file(kept, os.path.join(four, "model.safetensors"))
+  layer = transformers.AutoModelForCausalLM.from_pretrained(four, attn_implementation="eager").float().eval()
+  layer = layer.model.layers[3]
+  d, eps = model.config.hidden_size, model.config.rms_norm_eps
+  norms = {n: module.Glm4MoeRMSNorm(d, eps=eps) for n in ("enorm", "hnorm", "shared_head.norm")}
+  for n, norm in norms.items():
+    norm.weight.data = tensors[f"model.layers.3.{n}.weight"]
+  captured = {}
+  hook = model.model.norm.register_forward_hook(lambda mod, args, out: captured.setdefault("h", args[0]))
+  ids = torch.tensor(tokens)
+  b, t = tokens.shape
+  with torch.no_grad():
+    model(ids)
+    hook.remove()
+    ahead = torch.nn.functional.pad(ids[:, 1:], (0, 1))
+    x = torch.cat([norms["enorm"](model.model.embed_tokens(ahead)), norms["hnorm"](captured["h"])], dim=-1)
+    x = x @ tensors["model.layers.3.eh_proj.weight"].T
+    positions = torch.arange(t)[None].expand(b, t)
+    mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+    out = layer(
+      x, attention_mask=mask, position_ids=positions, position_embeddings=model.model.rotary_emb(x, positions)
+    )
+    out = out[0] if isinstance(out, tuple) else out
+    return (norms["shared_head.norm"](out) @ model.lm_head.weight.T).numpy()
+
+
+def test_the_checkpoint_mtp_layer_matches_pytorch_and_is_written_back_exactly(converted, tmp_path):
   """GLM-4.5 ships one multi-token-prediction layer after the decoder's (model.layers.3 here) in DeepSeek V3's
-  layout; transformers skips it. The import reads it into our MTP module (mtp_num_layers=1), the export writes
-  every tensor back bit for bit."""
-  _, _, _, hf_path = converted
+  layout; transformers skips it. The import reads it into our MTP module (mtp_num_layers=1), whose logits match
+  a PyTorch reference built from transformers' decoder layer; the export writes every tensor back bit for bit."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from MaxText import checkpointing
+  from MaxText import state as state_lib
+
+  _, tokens, _, hf_path = converted
   state = safetensors_torch.load_file(os.path.join(hf_path, "model.safetensors"))
-  layer = {k.replace("layers.2.", "layers.3."): torch.randn_like(v) for k, v in state.items() if "layers.2." in k}
+  torch.manual_seed(1)
+  layer = {k.replace("layers.2.", "layers.3."): torch.randn_like(v) * 0.3 for k, v in state.items() if "layers.2." in k}
   d = state["model.norm.weight"].shape[0]
-  layer |= {f"model.layers.3.{n}.weight": torch.randn(d) for n in ("enorm", "hnorm", "shared_head.norm")}
-  layer["model.layers.3.eh_proj.weight"] = torch.randn(d, 2 * d)
+  layer |= {f"model.layers.3.{n}.weight": torch.randn(d) * 0.5 + 1.0 for n in ("enorm", "hnorm", "shared_head.norm")}
+  layer["model.layers.3.eh_proj.weight"] = torch.randn(d, 2 * d) * 0.2
   layer["model.layers.3.embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
   layer["model.layers.3.shared_head.head.weight"] = state["lm_head.weight"].clone()
+  tensors = {**state, **layer}
   src = os.path.join(tmp_path, "hf")
   os.makedirs(src)
-  safetensors_torch.save_file({**state, **layer}, os.path.join(src, "model.safetensors"))
+  safetensors_torch.save_file(tensors, os.path.join(src, "model.safetensors"))
   json.dump(json.load(open(os.path.join(hf_path, "config.json"))), open(os.path.join(src, "config.json"), "w"))
   out = os.path.join(tmp_path, "mt")
   hf_to_maxtext.convert(src, out)
-  c = config.load([os.path.join(out, "config.yml"), "run_name=t", f"load_parameters_path={out}/params"], {})
+  c = config.load(
+    [os.path.join(out, "config.yml"), "run_name=t", "dtype=float32", f"load_parameters_path={out}/params"], {}
+  )
   assert c.mtp_num_layers == 1
+  spec = state_lib.param_spec(c)
+  m = nnx.merge(spec.graphdef, checkpointing.load_params(c.load_parameters_path, spec.abstract))
+  b, t = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+  hidden = m.forward(jnp.asarray(tokens), positions, jnp.ones((b, t), jnp.int32), mtp=True).mtp[0]
+  want = mtp_reference(src, tensors, tokens, tmp_path)
+  np.testing.assert_allclose(np.asarray(m.logits(hidden)), want, atol=1e-4)
   assert_export_is_exact(c, src, os.path.join(tmp_path, "back"))
 
 

@@ -12,7 +12,7 @@ from MaxText.convert.hf_mapping import Mapping
 from MaxText.layers import lora
 from MaxText.layers.decoder import Decoder, Family
 from MaxText.layers.model_config import ModelConfig
-from MaxText.models import deepseek, gemma, gemma2, gemma3, glm4_moe, gpt3, gpt_oss, llama2, llama4, qwen3next
+from MaxText.models import deepseek, gemma, gemma2, gemma3, glm4_moe, gpt3, gpt_oss, llama2, llama4, olmo3, qwen3next
 from MaxText.models.deepseek import hf as deepseek_hf
 from MaxText.models.gemma import hf as gemma_hf
 from MaxText.models.gemma2 import hf as gemma2_hf
@@ -24,6 +24,7 @@ from MaxText.models.llama2 import hf as llama2_hf
 from MaxText.models.llama4 import hf as llama4_hf
 from MaxText.models.mistral import hf as mistral_hf
 from MaxText.models.mixtral import hf as mixtral_hf
+from MaxText.models.olmo3 import hf as olmo3_hf
 from MaxText.models.qwen3 import hf as qwen3_hf
 from MaxText.models.qwen3next import hf as qwen3next_hf
 
@@ -47,6 +48,7 @@ REGISTRY: dict[str, Family] = {
   "gpt_oss": gpt_oss.FAMILY,
   "qwen3next": qwen3next.FAMILY,
   "glm4_moe": glm4_moe.FAMILY,
+  "olmo3": olmo3.FAMILY,
 }
 # decoder_block -> its Hugging Face mapping ("default" has none).
 HF: dict[str, Mapping] = {
@@ -65,6 +67,7 @@ HF: dict[str, Mapping] = {
     qwen3next_hf.MAPPING,
     gpt3_hf.MAPPING,
     glm4_moe_hf.MAPPING,
+    olmo3_hf.MAPPING,
   )
 }
 

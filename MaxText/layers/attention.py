@@ -287,7 +287,8 @@ class Attention(nnx.Module):
     if self.query_norm is not None:
       q, k = self.query_norm(q), self.key_norm(k)
     if self.use_rope:
-      inv_freq = scaled_rope_frequencies(self.config, q.shape[-1], self.rope_max_timescale, self.rope_type)
+      rotary = int(q.shape[-1] * self.config.rope.partial_rotary_factor)  # partial RoPE below 1 (minimax_m2)
+      inv_freq = scaled_rope_frequencies(self.config, rotary, self.rope_max_timescale, self.rope_type)
       scale = rope_attention_factor(self.config, self.rope_type)
       q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
     q = q * self.query_scale

@@ -127,7 +127,11 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: f
   (dims i and i + H/2 form a pair).
 
   The halves layout is Hugging Face's Llama convention, so converted checkpoints need no permutation.
+  Partial RoPE: when inv_freq covers fewer than H/2 pairs, only the first 2 * len(inv_freq) dims rotate.
   """
+  rotary = 2 * inv_freq.shape[-1]
+  if rotary < x.shape[-1]:
+    return jnp.concatenate([apply_rope(x[..., :rotary], positions, inv_freq, scale), x[..., rotary:]], axis=-1)
   angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
   sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
   if scale != 1.0:

@@ -56,6 +56,8 @@ KIMI_K2 = dict(DEEPSEEK_YARN, n_group=1, topk_group=1, routed_scaling_factor=2.8
 LLAMA4 = dict(num_hidden_layers=6, intermediate_size=16, intermediate_size_mlp=48, num_local_experts=4)
 LLAMA4 |= dict(interleave_moe_layer_step=2, attention_chunk_size=4, floor_scale=4, attn_scale=1.0)
 LLAMA4 |= dict(rope_parameters=LLAMA31_ROPE, max_position_embeddings=64)
+# MiniMax M2: every layer a sigmoid-routed MoE with a selection bias; q/k norms over all heads; RoPE on 4 of 8 dims.
+MINIMAX_M2 = dict(num_local_experts=4, num_experts_per_tok=2, rotary_dim=4, bos_token_id=1, eos_token_id=2)
 FAMILIES = {
   "llama2": ("LlamaConfig", {}),
   "llama-bias": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),
@@ -82,6 +84,7 @@ FAMILIES = {
   "gpt3": ("GPT2Config", {}),
   "qwen3-moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}),
   "llama4": ("Llama4TextConfig", LLAMA4),
+  "minimax-m2": ("MiniMaxM2Config", MINIMAX_M2),
 }
 GPT2 = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16, n_inner=48)
 T = 12

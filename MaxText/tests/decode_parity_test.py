@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 # YaRN with beta_fast = beta_slow), learned positions, chunked local / NoPE global layers with input-weighted
 # top-1 MoE (llama4).
 FAMILIES = ["llama2", "llama-bias", "mistral", "mixtral", "qwen3", "gemma", "gemma2", "gemma3", "deepseek3"]
-FAMILIES += ["deepseek2", "kimi-k2", "gpt3", "llama4"]
+FAMILIES += ["deepseek2", "kimi-k2", "gpt3", "llama4", "minimax-m2"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -221,6 +221,8 @@ DECODE_FAMILIES = {
   + ["qk_rope_head_dim=4", "v_head_dim=6", "routed_score_func=sigmoid", "n_routing_groups=2", "routed_bias=true"],
   "gpt3": ["decoder_block=gpt3", "mlp_activations=[gelu]", "logits_via_embedding=true", "use_iota_embed=true"]
   + ["trainable_position_size=32"],
+  "minimax-m2": ["decoder_block=minimax_m2", "num_experts=4", "num_experts_per_tok=2", "use_qk_norm=true"]
+  + ["routed_score_func=sigmoid", "routed_bias=true", "partial_rotary_factor=0.5"],
 }
 
 

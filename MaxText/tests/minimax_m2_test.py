@@ -10,12 +10,26 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import config
+from MaxText import config, train
 from MaxText.convert import hf_to_maxtext
 from MaxText.errors import ConfigError
 from MaxText.models import minimax_m2
-from MaxText.tests.conftest import BASE
-from MaxText.tests.helpers import PROMPTS, T, hf_config, hf_greedy, hf_keys, hf_model, load_converted, maxtext_logits
+from MaxText.tests.conftest import BASE, cfg, losses
+from MaxText.tests.helpers import (
+  FAMILIES,
+  LORA,
+  MINIMAX_M2,
+  PROMPTS,
+  T,
+  hf_config,
+  hf_greedy,
+  hf_keys,
+  hf_model,
+  load_converted,
+  make_tokenizer,
+  maxtext_logits,
+  write_jsonl,
+)
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -125,3 +139,57 @@ def test_export_writes_rotary_dim_and_refuses_a_router_the_class_cannot_run():
   assert out["rotary_dim"] == c.head_dim // 2 and out["rope_parameters"]["partial_rotary_factor"] == 0.5
   with pytest.raises(ConfigError, match="routed_bias=true"):
     hf_config(config.load([*base, *keys, "routed_score_func=sigmoid"], {}), "float32")
+
+
+def test_preset_exports_the_published_config_and_reads_it_back():
+  c = config.load([BASE, "run_name=t", "model_name=minimax-m2-230b"], {})
+  out = hf_config(c, "bfloat16")
+  assert out["rotary_dim"] == 64 and out["num_local_experts"] == 256 and out["model_type"] == "minimax_m2"
+  keys = hf_keys(out)
+  for key, value in keys.items():
+    assert c[key] == value, key
+
+
+@pytest.mark.slow  # about 60 s on 2 busy cores
+def test_converted_model_fine_tunes_with_lora_and_sft(tmp_path, monkeypatch):
+  """The converted model (vocabulary widened to the chat tokenizer's ids) trains under LoRA, then under SFT on
+  chat data."""
+  monkeypatch.setitem(FAMILIES, "minimax-m2", ("MiniMaxM2Config", {**MINIMAX_M2, "vocab_size": 320}))
+  _, hf_path = hf_model("minimax-m2", tmp_path)
+  out = os.path.join(tmp_path, "mt")
+  hf_to_maxtext.convert(hf_path, out)
+  tok = make_tokenizer(str(tmp_path / "tok"))
+  data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "What is it?", "completion": "Paris."}] * 8)
+  common = [os.path.join(out, "config.yml"), f"base_output_directory={tmp_path}", f"load_parameters_path={out}/params"]
+  common += ["steps=2", "max_target_length=32", "per_device_batch_size=1", "enable_checkpointing=false"]
+  common += ["log_period=1", "dtype=float32", "tokenizer_type=huggingface", f"tokenizer_path={tok.path}"]
+  for name, extra in (("lora", ["dataset_type=synthetic", *LORA]), ("sft", ["dataset_type=text", "use_sft=true"])):
+    c = config.load([*common, f"run_name={name}", *extra, f"dataset_path={data}", "eval_fraction=0"], {})
+    train.run(c)
+    assert len(losses(c)) == 2 and all(np.isfinite(losses(c))), name
+
+
+# The family at TINY's sizes with 8 experts (top-2) and a bias nudged each step, so routing is live.
+MINIMAX_TINY = ["decoder_block=minimax_m2", "num_experts=8", "num_experts_per_tok=2", "use_qk_norm=true"]
+MINIMAX_TINY += ["routed_score_func=sigmoid", "routed_bias=true", "partial_rotary_factor=0.5", "steps=3"]
+MINIMAX_TINY += ["routed_bias_update_rate=0.01", "per_device_batch_size=2"]
+
+
+@pytest.mark.slow  # four short runs, about 130 s on 2 busy cores
+def test_losses_equal_across_layouts_on_eight_devices(tmp_path):
+  """Global batch 16: expert parallel (the experts over 4 or 8 devices, tokens moved by all-to-all), tensor
+  parallel (heads split: the q/k norms reduce across devices) give fsdp's losses."""
+  ref = run(tmp_path, "fsdp8", "ici_fsdp_parallelism=8")
+  others = {
+    "ep4": run(tmp_path, "ep4", "ici_expert_parallelism=4", "ici_fsdp_parallelism=2"),
+    "ep8": run(tmp_path, "ep8", "ici_expert_parallelism=8", "ici_fsdp_parallelism=1"),
+    "tp2": run(tmp_path, "tp2", "ici_tensor_parallelism=2", "ici_fsdp_parallelism=4"),
+  }
+  for name, got in others.items():
+    np.testing.assert_allclose(got, ref, rtol=1e-5, err_msg=name)
+
+
+def run(tmp_path, name, *overrides, devices=None):
+  c = cfg(tmp_path, name, *MINIMAX_TINY, *overrides)
+  train.run(c, devices)
+  return losses(c)

@@ -51,6 +51,7 @@ PUBLISHED = {  # billions of parameters, as published by the model authors (text
   "gpt-oss-20b": 20.91,
   "gpt-oss-120b": 116.83,
   "qwen3-next-80b-a3b": 79.67,  # 80B published; transformers counts 79,674,391,296 for its config.json
+  "minimax-m2-230b": 228.69,  # 230B published; transformers counts 228,689,748,992 (+ 15,872 router biases)
 }
 
 

@@ -71,6 +71,11 @@ CASES = (
     "qwen3-next-80b-a3b v5p-128",
     "model_name=qwen3-next-80b-a3b", "compile_topology=v5p-128", "per_device_batch_size=1", "max_target_length=4096",
   ),
+  # MiniMax M2 (229B, 62 layers of 256 experts top-8): 12 bytes per parameter of state over 64 chips.
+  case(
+    "minimax-m2-230b v5p-128",
+    "model_name=minimax-m2-230b", "compile_topology=v5p-128", "per_device_batch_size=1", "max_target_length=4096",
+  ),
   # Expert parallelism (docs/expert_parallelism.md): tokens move to the experts by all-to-all.
   case(
     "mixtral-8x7b v5p-128 expert=8 dropless",

@@ -90,6 +90,12 @@ def problem(config: Any) -> str | None:
       )
     if config.ici_context_parallelism * config.dcn_context_parallelism > 1:
       return "qwen3next: the gated DeltaNet runs over whole sequences; set ici/dcn_context_parallelism=1"
+  rotary = config.head_dim * config.partial_rotary_factor
+  if config.partial_rotary_factor != 1.0 and not (0 < rotary <= config.head_dim and rotary % 2 == 0):
+    return (
+      f"partial_rotary_factor={config.partial_rotary_factor} must rotate an even number of head_dim={config.head_dim} "
+      "dims (0 < factor <= 1)"
+    )
   if config.mtp_num_layers and REGISTRY[name].mtp_layer is None:
     return (
       f"mtp_num_layers={config.mtp_num_layers} is not available for decoder_block={name} "

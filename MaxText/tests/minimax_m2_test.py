@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import config, train
+from MaxText import config, planner, train
 from MaxText.convert import hf_to_maxtext
 from MaxText.errors import ConfigError
 from MaxText.models import minimax_m2
@@ -139,6 +139,8 @@ def test_export_writes_rotary_dim_and_refuses_a_router_the_class_cannot_run():
   assert out["rotary_dim"] == c.head_dim // 2 and out["rope_parameters"]["partial_rotary_factor"] == 0.5
   with pytest.raises(ConfigError, match="routed_bias=true"):
     hf_config(config.load([*base, *keys, "routed_score_func=sigmoid"], {}), "float32")
+  with pytest.raises(ConfigError, match="partial_rotary_factor=0.3 must rotate an even number"):
+    planner.build(config.load([*base, *keys, "partial_rotary_factor=0.3"], {}))  # before anything is built
 
 
 def test_preset_exports_the_published_config_and_reads_it_back():

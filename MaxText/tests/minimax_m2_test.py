@@ -195,3 +195,13 @@ def run(tmp_path, name, *overrides, devices=None):
   c = cfg(tmp_path, name, *MINIMAX_TINY, *overrides)
   train.run(c, devices)
   return losses(c)
+
+
+def test_flops_of_the_preset_count_eight_routed_experts_and_the_router():
+  """Per layer: q, k, v, o (3072 x (6144 + 2 x 1024) + 6144 x 3072), the router (3072 x 256) and 8 experts
+  (3 x 3072 x 1536 each), 6 FLOPs per weight per token in training, over 62 layers."""
+  from MaxText import flops  # noqa: PLC0415
+
+  c = config.load([BASE, "run_name=t", "model_name=minimax-m2-230b", "max_target_length=4096"], {})
+  per_layer = 3072 * (6144 + 2 * 1024) + 6144 * 3072 + 3072 * 256 + 8 * 3 * 3072 * 1536
+  assert flops.training_flops_per_token(c).matmul == 6 * 62 * per_layer

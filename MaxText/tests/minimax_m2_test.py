@@ -48,6 +48,11 @@ def converted(tmp_path_factory):
   return model, hf_path, out, tokens, ref
 
 
+# The release's FP8 block scaling (dequantized on import, convert/fp8.py).
+RELEASE_FP8 = {"quant_method": "fp8", "fmt": "float8_e4m3fn", "weight_block_size": [128, 128]}
+RELEASE_FP8 |= {"activation_scheme": "dynamic", "modules_to_not_convert": ["gate", "e_score_correction_bias"]}
+
+
 def mismatch(got, ref):
   return np.max(np.abs(got - ref)) > 1e-3
 
@@ -112,7 +117,8 @@ def test_unsupported_config_fields_and_other_families_fail_in_one_line(converted
   ):
     with pytest.raises(ConfigError, match=match):
       hf_keys({**cfg, field: value})
-  keys = hf_keys({k: v for k, v in cfg.items() if k != "rope_parameters"} | {"rope_theta": 5e6, "rotary_dim": 2})
+  published = {"rope_theta": 5e6, "rotary_dim": 2, "quantization_config": RELEASE_FP8}
+  keys = hf_keys({k: v for k, v in cfg.items() if k != "rope_parameters"} | published)
   assert keys["partial_rotary_factor"] == 0.25 and keys["rope_max_timescale"] == 5e6  # the published form
   # This checkpoint read as Mixtral (same expert names): the bias and q/k norms do not fit, named in one line.
   as_mixtral = os.path.join(tmp_path, "as_mixtral")

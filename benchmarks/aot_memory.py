@@ -76,6 +76,11 @@ CASES = (
     "minimax-m2-230b v5p-128",
     "model_name=minimax-m2-230b", "compile_topology=v5p-128", "per_device_batch_size=1", "max_target_length=4096",
   ),
+  case(
+    "minimax-m2-230b v5p-128 expert=8 capacity",
+    "model_name=minimax-m2-230b", "compile_topology=v5p-128", "per_device_batch_size=1", "max_target_length=4096",
+    "ici_expert_parallelism=8", "capacity_factor=1.0", "capacity_group=sequence",
+  ),
   # Expert parallelism (docs/expert_parallelism.md): tokens move to the experts by all-to-all.
   case(
     "mixtral-8x7b v5p-128 expert=8 dropless",

@@ -211,3 +211,12 @@ def test_flops_of_the_preset_count_eight_routed_experts_and_the_router():
   c = config.load([BASE, "run_name=t", "model_name=minimax-m2-230b", "max_target_length=4096"], {})
   per_layer = 3072 * (6144 + 2 * 1024) + 6144 * 3072 + 3072 * 256 + 8 * 3 * 3072 * 1536
   assert flops.training_flops_per_token(c).matmul == 6 * 62 * per_layer
+
+
+@pytest.mark.slow  # two short runs, about 125 s on 2 busy cores
+def test_pipeline_stages_give_fsdp_losses(tmp_path):
+  """Four layers over 2 pipeline stages (the bias fixed: its load-driven update is refused under pipelining)."""
+  fixed = ["routed_bias_update_rate=0", "base_num_decoder_layers=4"]
+  ref = run(tmp_path, "fsdp8", *fixed, "ici_fsdp_parallelism=8")
+  got = run(tmp_path, "pp2", *fixed, "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4")
+  np.testing.assert_allclose(got, ref, rtol=1e-5)

@@ -145,6 +145,8 @@ def test_export_writes_rotary_dim_and_refuses_a_router_the_class_cannot_run():
   assert out["rotary_dim"] == c.head_dim // 2 and out["rope_parameters"]["partial_rotary_factor"] == 0.5
   with pytest.raises(ConfigError, match="routed_bias=true"):
     hf_config(config.load([*base, *keys, "routed_score_func=sigmoid"], {}), "float32")
+  with pytest.raises(ConfigError, match="partial_rotary_factor=0.5 has no Hugging Face export for llama2"):
+    hf_config(config.load([*base, "decoder_block=llama2", "partial_rotary_factor=0.5"], {}), "float32")
   with pytest.raises(ConfigError, match="partial_rotary_factor=0.3 must rotate an even number"):
     planner.build(config.load([*base, *keys, "partial_rotary_factor=0.3"], {}))  # before anything is built
 

@@ -81,6 +81,15 @@ CASES = (
     "model_name=minimax-m2-230b", "compile_topology=v5p-128", "per_device_batch_size=1", "max_target_length=4096",
     "ici_expert_parallelism=8", "capacity_factor=1.0", "capacity_group=sequence",
   ),
+  # OLMo 3: 3 sliding-window (4096) : 1 full layers, post-norm, q/k norms across heads; its pre-training length.
+  case(
+    "olmo3-7b v5p-64",
+    "model_name=olmo3-7b", "compile_topology=v5p-64", "per_device_batch_size=2", "max_target_length=8192",
+  ),
+  case(
+    "olmo3-32b v5p-128",
+    "model_name=olmo3-32b", "compile_topology=v5p-128", "per_device_batch_size=1", "max_target_length=8192",
+  ),
   # Expert parallelism (docs/expert_parallelism.md): tokens move to the experts by all-to-all.
   case(
     "mixtral-8x7b v5p-128 expert=8 dropless",

@@ -12,7 +12,7 @@ from MaxText.convert.hf_mapping import Mapping
 from MaxText.layers import lora
 from MaxText.layers.decoder import Decoder, Family
 from MaxText.layers.model_config import ModelConfig
-from MaxText.models import deepseek, gemma, gemma2, gemma3, gpt3, gpt_oss, llama2, llama4, minimax_m2, qwen3next
+from MaxText.models import deepseek, gemma, gemma2, gemma3, gpt3, gpt_oss, llama2, llama4, minimax_m2, olmo3, qwen3next
 from MaxText.models.deepseek import hf as deepseek_hf
 from MaxText.models.gemma import hf as gemma_hf
 from MaxText.models.gemma2 import hf as gemma2_hf
@@ -24,6 +24,7 @@ from MaxText.models.llama4 import hf as llama4_hf
 from MaxText.models.minimax_m2 import hf as minimax_m2_hf
 from MaxText.models.mistral import hf as mistral_hf
 from MaxText.models.mixtral import hf as mixtral_hf
+from MaxText.models.olmo3 import hf as olmo3_hf
 from MaxText.models.qwen3 import hf as qwen3_hf
 from MaxText.models.qwen3next import hf as qwen3next_hf
 
@@ -46,6 +47,7 @@ REGISTRY: dict[str, Family] = {
   "gpt3": gpt3.FAMILY,
   "gpt_oss": gpt_oss.FAMILY,
   "qwen3next": qwen3next.FAMILY,
+  "olmo3": olmo3.FAMILY,
   "minimax_m2": minimax_m2.FAMILY,
 }
 # decoder_block -> its Hugging Face mapping ("default" has none).
@@ -64,6 +66,7 @@ HF: dict[str, Mapping] = {
     gpt_oss_hf.MAPPING,
     qwen3next_hf.MAPPING,
     gpt3_hf.MAPPING,
+    olmo3_hf.MAPPING,
     minimax_m2_hf.MAPPING,
   )
 }

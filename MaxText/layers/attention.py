@@ -222,8 +222,8 @@ class Attention(nnx.Module):
   `norm` builds the q/k norms (Gemma's 1+w or plain RMSNorm), `qk_norm` overrides it for them alone
   (llama4's weightless norm) and `use_qk_norm` (None: config.attention.use_qk_norm) turns them on per layer. Biases
   on q/k/v/o come from config.attention.attention_bias or `use_bias` (gpt3, which also has no RoPE: `use_rope`);
-  `out_bias=False` leaves o without one (glm4_moe). `partial_rope`: RoPE rotates only the first
-  config.rope.partial_rotary_factor of each head's dims (halves layout within them; glm4_moe).
+  `out_bias=False` leaves o without one (glm4_moe). RoPE rotates only the first
+  config.rope.partial_rotary_factor of each head's dims (halves layout within them; glm4_moe, minimax_m2).
   Layers without RoPE scale their queries by position when config.attention.temperature_tuning (llama4's NoPE layers).
   config.attention.attention_sink adds `sinks` [N], one learned softmax logit per query head (gpt-oss).
   """
@@ -244,7 +244,6 @@ class Attention(nnx.Module):
     use_qk_norm: bool | None = None,
     qk_norm: Callable[..., nnx.Module] | None = None,
     out_bias: bool | None = None,
-    partial_rope: bool = False,
   ):
     dt, wdt = jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
     d, n, k, h = config.emb_dim, config.num_query_heads, config.num_kv_heads, config.head_dim
@@ -254,7 +253,7 @@ class Attention(nnx.Module):
     self.value = DenseGeneral(d, (k, h), ("embed", "kv_heads", "kv"), **dense)
     out_dense = dense if out_bias is None else dense | {"use_bias": out_bias}
     self.out = DenseGeneral((n, h), d, ("heads", "kv", "embed"), **out_dense)
-    self.rotary_dim = int(h * config.rope.partial_rotary_factor) if partial_rope else h
+    self.rotary_dim = int(h * config.rope.partial_rotary_factor)  # partial RoPE below 1 (glm4_moe, minimax_m2)
     self.query_norm = self.key_norm = nnx.data(None)
     if config.attention.use_qk_norm if use_qk_norm is None else use_qk_norm:
       norm_args = dict(epsilon=config.norms.normalization_layer_epsilon, dtype=dt, weight_dtype=wdt)
@@ -328,7 +327,7 @@ class Attention(nnx.Module):
     return checkpoint_name(self.out(out), "out_proj"), cache
 
   def rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-    """RoPE over the first rotary_dim dims of each head of x [B, T, N, H] (all of them unless partial_rope)."""
+    """RoPE over the first rotary_dim dims of each head of x [B, T, N, H] (all of them at partial_rotary_factor 1)."""
     r = self.rotary_dim
     inv_freq = scaled_rope_frequencies(self.config, r, self.rope_max_timescale, self.rope_type)
     scale = rope_attention_factor(self.config, self.rope_type)

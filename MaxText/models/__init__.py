@@ -12,7 +12,9 @@ from MaxText.convert.hf_mapping import Mapping
 from MaxText.layers import lora
 from MaxText.layers.decoder import Decoder, Family
 from MaxText.layers.model_config import ModelConfig
-from MaxText.models import deepseek, gemma, gemma2, gemma3, glm4_moe, gpt3, gpt_oss, llama2, llama4, olmo3, qwen3next
+from MaxText.models import (
+  deepseek, gemma, gemma2, gemma3, glm4_moe, gpt3, gpt_oss, llama2, llama4, minimax_m2, olmo3, qwen3next,
+)
 from MaxText.models.deepseek import hf as deepseek_hf
 from MaxText.models.gemma import hf as gemma_hf
 from MaxText.models.gemma2 import hf as gemma2_hf
@@ -22,6 +24,7 @@ from MaxText.models.gpt3 import hf as gpt3_hf
 from MaxText.models.gpt_oss import hf as gpt_oss_hf
 from MaxText.models.llama2 import hf as llama2_hf
 from MaxText.models.llama4 import hf as llama4_hf
+from MaxText.models.minimax_m2 import hf as minimax_m2_hf
 from MaxText.models.mistral import hf as mistral_hf
 from MaxText.models.mixtral import hf as mixtral_hf
 from MaxText.models.olmo3 import hf as olmo3_hf
@@ -49,6 +52,7 @@ REGISTRY: dict[str, Family] = {
   "qwen3next": qwen3next.FAMILY,
   "glm4_moe": glm4_moe.FAMILY,
   "olmo3": olmo3.FAMILY,
+  "minimax_m2": minimax_m2.FAMILY,
 }
 # decoder_block -> its Hugging Face mapping ("default" has none).
 HF: dict[str, Mapping] = {
@@ -68,6 +72,7 @@ HF: dict[str, Mapping] = {
     gpt3_hf.MAPPING,
     glm4_moe_hf.MAPPING,
     olmo3_hf.MAPPING,
+    minimax_m2_hf.MAPPING,
   )
 }
 
@@ -93,13 +98,12 @@ def problem(config: Any) -> str | None:
       )
     if config.ici_context_parallelism * config.dcn_context_parallelism > 1:
       return "qwen3next: the gated DeltaNet runs over whole sequences; set ici/dcn_context_parallelism=1"
-  if name == "glm4_moe":  # RoPE rotates pairs among the first head_dim * partial_rotary_factor dims
-    rotary = int(config.head_dim * config.partial_rotary_factor)
-    if rotary % 2 or not 0 < rotary <= config.head_dim:
-      return (
-        f"glm4_moe: head_dim={config.head_dim} x partial_rotary_factor={config.partial_rotary_factor} must give an "
-        "even number of rotary dims in (0, head_dim]"
-      )
+  rotary = config.head_dim * config.partial_rotary_factor
+  if config.partial_rotary_factor != 1.0 and not (0 < rotary <= config.head_dim and rotary % 2 == 0):
+    return (
+      f"partial_rotary_factor={config.partial_rotary_factor} must rotate an even number of head_dim={config.head_dim} "
+      "dims (0 < factor <= 1)"
+    )
   if config.mtp_num_layers and REGISTRY[name].mtp_layer is None:
     return (
       f"mtp_num_layers={config.mtp_num_layers} is not available for decoder_block={name} "

@@ -65,6 +65,8 @@ GLM45 |= dict(attention_bias=True, use_qk_norm=True)
 # another RoPE base on the sliding ones; a window of 4 acts within T tokens.
 OLMO3_ROPE = {"full_attention": YARN, "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}
 OLMO3 = dict(num_hidden_layers=5, sliding_window=4, rope_parameters=OLMO3_ROPE, max_position_embeddings=256)
+# MiniMax M2: every layer a sigmoid-routed MoE with a selection bias; q/k norms over all heads; RoPE on 4 of 8 dims.
+MINIMAX_M2 = dict(num_local_experts=4, num_experts_per_tok=2, rotary_dim=4, bos_token_id=1, eos_token_id=2)
 FAMILIES = {
   "llama2": ("LlamaConfig", {}),
   "llama-bias": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),
@@ -93,6 +95,7 @@ FAMILIES = {
   "llama4": ("Llama4TextConfig", LLAMA4),
   "glm4_moe": ("Glm4MoeConfig", GLM45),
   "olmo3": ("Olmo3Config", OLMO3),
+  "minimax-m2": ("MiniMaxM2Config", MINIMAX_M2),
 }
 GPT2 = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16, n_inner=48)
 T = 12
@@ -234,6 +237,8 @@ DECODE_FAMILIES = {
   + ["attention_bias=true", "use_qk_norm=true", "partial_rotary_factor=0.5", "routed_scaling_factor=2.5"],
   "olmo3": ["decoder_block=olmo3", "base_num_decoder_layers=5", "sliding_window_size=3", "use_qk_norm=true"]
   + ["rope_type=yarn", "rope_factor=4.0", "original_max_position_embeddings=8", "local_rope_max_timescale=1000"],
+  "minimax-m2": ["decoder_block=minimax_m2", "num_experts=4", "num_experts_per_tok=2", "use_qk_norm=true"]
+  + ["routed_score_func=sigmoid", "routed_bias=true", "partial_rotary_factor=0.5"],
 }
 
 

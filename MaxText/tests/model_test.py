@@ -116,6 +116,7 @@ FAMILY_PRESETS = {
   + ["first_num_dense_layers=1", "base_num_decoder_layers=3"],
   # one 3 sliding : 1 full cycle and a remainder layer; a window of 4 inside the 16 tokens
   "olmo3": ["model_name=olmo3-7b", "base_num_decoder_layers=5", "sliding_window_size=4"],
+  "minimax_m2": ["model_name=minimax-m2-230b", *MOE],  # q/k norms across heads, RoPE on half of each head
 }
 FAMILY_TINY = ["base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=4", "base_mlp_dim=128", "head_dim=16"]
 FAMILY_TINY += ["base_num_decoder_layers=2", "vocab_size=512", "max_target_length=16", "dtype=float32"]

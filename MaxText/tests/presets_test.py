@@ -57,6 +57,7 @@ PUBLISHED = {  # billions of parameters, as published by the model authors (text
   # OLMo 3: transformers' count of the presets' config.json (7,298,011,136 and 32,233,522,176; 7B and 32B published)
   "olmo3-7b": 7.30,
   "olmo3-32b": 32.23,
+  "minimax-m2-230b": 228.69,  # 230B published; transformers counts 228,689,748,992 (+ 15,872 router biases)
 }
 
 

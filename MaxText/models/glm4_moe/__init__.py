@@ -13,7 +13,7 @@ from MaxText.layers.decoder_layer import DecoderLayer
 from MaxText.layers.mlp import MlpBlock
 from MaxText.layers.model_config import ModelConfig
 
-ATTENTION = functools.partial(Attention, out_bias=False, partial_rope=True)
+ATTENTION = functools.partial(Attention, out_bias=False)
 # The layer after the dense ones: MoE when num_experts > 1 (DecoderLayer's default), else a dense MLP.
 MOE_LAYER = functools.partial(DecoderLayer, attention=ATTENTION)
 

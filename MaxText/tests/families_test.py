@@ -81,7 +81,8 @@ def test_deepseek32_parity_needs_the_indexer_selection(tmp_path):
     saved_config.check(v3)
 
 
-MOE_FAMILIES = ("mixtral", "qwen3-moe", "deepseek3", "deepseek2", "deepseek32", "llama4")
+MOE_FAMILIES = ("mixtral", "qwen3-moe", "deepseek3", "deepseek2", "llama4", "glm4_moe", "minimax-m2")
+MOE_FAMILIES += ("deepseek32",)
 TRAINED = ("llama2", "llama-bias", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "gpt3", *MOE_FAMILIES)
 
 

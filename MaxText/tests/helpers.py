@@ -58,10 +58,17 @@ DEEPSEEK32 = dict(DEEPSEEK, index_n_heads=16, index_head_dim=8, index_topk=4)
 LLAMA4 = dict(num_hidden_layers=6, intermediate_size=16, intermediate_size_mlp=48, num_local_experts=4)
 LLAMA4 |= dict(interleave_moe_layer_step=2, attention_chunk_size=4, floor_scale=4, attn_scale=1.0)
 LLAMA4 |= dict(rope_parameters=LLAMA31_ROPE, max_position_embeddings=64)
+# GLM-4.5: q/k/v biases, q/k norms, RoPE on half of each head (transformers' default), a dense first layer, then
+# sigmoid routing with a selection bias in groups, scaled, plus a shared expert.
+GLM45 = dict(num_hidden_layers=3, first_k_dense_replace=1, moe_intermediate_size=16, n_routed_experts=8)
+GLM45 |= dict(num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5)
+GLM45 |= dict(attention_bias=True, use_qk_norm=True)
 # OLMo 3: 5 layers = one scanned block (3 sliding, 1 full) and a remainder of 1; YaRN on the full layer only,
 # another RoPE base on the sliding ones; a window of 4 acts within T tokens.
 OLMO3_ROPE = {"full_attention": YARN, "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}
 OLMO3 = dict(num_hidden_layers=5, sliding_window=4, rope_parameters=OLMO3_ROPE, max_position_embeddings=256)
+# MiniMax M2: every layer a sigmoid-routed MoE with a selection bias; q/k norms over all heads; RoPE on 4 of 8 dims.
+MINIMAX_M2 = dict(num_local_experts=4, num_experts_per_tok=2, rotary_dim=4, bos_token_id=1, eos_token_id=2)
 FAMILIES = {
   "llama2": ("LlamaConfig", {}),
   "llama-bias": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),
@@ -89,7 +96,9 @@ FAMILIES = {
   "gpt3": ("GPT2Config", {}),
   "qwen3-moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}),
   "llama4": ("Llama4TextConfig", LLAMA4),
+  "glm4_moe": ("Glm4MoeConfig", GLM45),
   "olmo3": ("Olmo3Config", OLMO3),
+  "minimax-m2": ("MiniMaxM2Config", MINIMAX_M2),
 }
 GPT2 = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16, n_inner=48)
 T = 12
@@ -230,8 +239,13 @@ DECODE_FAMILIES = {
   + ["index_n_heads=16", "index_head_dim=8", "index_topk=3"],
   "gpt3": ["decoder_block=gpt3", "mlp_activations=[gelu]", "logits_via_embedding=true", "use_iota_embed=true"]
   + ["trainable_position_size=32"],
+  "glm4_moe": ["decoder_block=glm4_moe", "base_num_decoder_layers=3", "first_num_dense_layers=1", "num_experts=4"]
+  + ["num_experts_per_tok=2", "shared_experts=1", "routed_score_func=sigmoid", "n_routing_groups=2", "routed_bias=true"]
+  + ["attention_bias=true", "use_qk_norm=true", "partial_rotary_factor=0.5", "routed_scaling_factor=2.5"],
   "olmo3": ["decoder_block=olmo3", "base_num_decoder_layers=5", "sliding_window_size=3", "use_qk_norm=true"]
   + ["rope_type=yarn", "rope_factor=4.0", "original_max_position_embeddings=8", "local_rope_max_timescale=1000"],
+  "minimax-m2": ["decoder_block=minimax_m2", "num_experts=4", "num_experts_per_tok=2", "use_qk_norm=true"]
+  + ["routed_score_func=sigmoid", "routed_bias=true", "partial_rotary_factor=0.5"],
 }
 
 

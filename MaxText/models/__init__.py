@@ -12,7 +12,7 @@ from MaxText.convert.hf_mapping import Mapping
 from MaxText.layers import lora
 from MaxText.layers.decoder import Decoder, Family
 from MaxText.layers.model_config import ModelConfig
-from MaxText.models import deepseek, gemma, gemma2, gemma3, gpt3, gpt_oss, llama2, llama4, qwen3next
+from MaxText.models import deepseek, gemma, gemma2, gemma3, gpt3, gpt_oss, llama2, llama4, qwen3_5, qwen3next
 from MaxText.models.deepseek import hf as deepseek_hf
 from MaxText.models.gemma import hf as gemma_hf
 from MaxText.models.gemma2 import hf as gemma2_hf
@@ -24,6 +24,7 @@ from MaxText.models.llama4 import hf as llama4_hf
 from MaxText.models.mistral import hf as mistral_hf
 from MaxText.models.mixtral import hf as mixtral_hf
 from MaxText.models.qwen3 import hf as qwen3_hf
+from MaxText.models.qwen3_5 import hf as qwen3_5_hf
 from MaxText.models.qwen3next import hf as qwen3next_hf
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ REGISTRY: dict[str, Family] = {
   "gpt3": gpt3.FAMILY,
   "gpt_oss": gpt_oss.FAMILY,
   "qwen3next": qwen3next.FAMILY,
+  "qwen3_5": qwen3_5.FAMILY,
 }
 # decoder_block -> its Hugging Face mapping ("default" has none).
 HF: dict[str, Mapping] = {
@@ -61,6 +63,7 @@ HF: dict[str, Mapping] = {
     llama4_hf.MAPPING,
     gpt_oss_hf.MAPPING,
     qwen3next_hf.MAPPING,
+    qwen3_5_hf.MAPPING,
     gpt3_hf.MAPPING,
   )
 }
@@ -79,14 +82,14 @@ def problem(config: Any) -> str | None:
     return f"Unknown decoder_block {name!r}; choose one of {', '.join(sorted(REGISTRY))}"
   if REGISTRY[name].learned_positions and config.trainable_position_size <= 0:
     return f"decoder_block={name} needs trainable_position_size > 0"
-  if name == "qwen3next":  # the gated DeltaNet (layers/gated_deltanet.py)
+  if name in ("qwen3next", "qwen3_5"):  # the gated DeltaNet (layers/gated_deltanet.py)
     if config.full_attention_interval < 1 or config.linear_num_value_heads % max(config.linear_num_key_heads, 1):
       return (
-        "qwen3next needs full_attention_interval >= 1 and linear_num_value_heads a multiple of linear_num_key_heads; "
+        f"{name} needs full_attention_interval >= 1 and linear_num_value_heads a multiple of linear_num_key_heads; "
         f"got {config.full_attention_interval}, {config.linear_num_value_heads}, {config.linear_num_key_heads}"
       )
     if config.ici_context_parallelism * config.dcn_context_parallelism > 1:
-      return "qwen3next: the gated DeltaNet runs over whole sequences; set ici/dcn_context_parallelism=1"
+      return f"{name}: the gated DeltaNet runs over whole sequences; set ici/dcn_context_parallelism=1"
   if config.mtp_num_layers and REGISTRY[name].mtp_layer is None:
     return (
       f"mtp_num_layers={config.mtp_num_layers} is not available for decoder_block={name} "

@@ -56,6 +56,12 @@ KIMI_K2 = dict(DEEPSEEK_YARN, n_group=1, topk_group=1, routed_scaling_factor=2.8
 LLAMA4 = dict(num_hidden_layers=6, intermediate_size=16, intermediate_size_mlp=48, num_local_experts=4)
 LLAMA4 |= dict(interleave_moe_layer_step=2, attention_chunk_size=4, floor_scale=4, attn_scale=1.0)
 LLAMA4 |= dict(rope_parameters=LLAMA31_ROPE, max_position_embeddings=64)
+# Qwen3.5-MoE: 5 layers = one scanned block of 4 (3 gated DeltaNet, 1 gated attention) and a remainder of 1;
+# 2 key heads serving 4 value heads; half the head dims rotated.
+QWEN35 = dict(num_hidden_layers=5, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+QWEN35 |= dict(shared_expert_intermediate_size=16, linear_num_key_heads=2, linear_num_value_heads=4)
+QWEN35 |= dict(linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4, max_position_embeddings=64)
+QWEN35 |= dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
 FAMILIES = {
   "llama2": ("LlamaConfig", {}),
   "llama-bias": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),
@@ -82,6 +88,7 @@ FAMILIES = {
   "gpt3": ("GPT2Config", {}),
   "qwen3-moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}),
   "llama4": ("Llama4TextConfig", LLAMA4),
+  "qwen3.5-moe": ("Qwen3_5MoeTextConfig", QWEN35),
 }
 GPT2 = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16, n_inner=48)
 T = 12

@@ -225,6 +225,10 @@ DECODE_FAMILIES = {
   + ["qk_rope_head_dim=4", "v_head_dim=6", "routed_score_func=sigmoid", "n_routing_groups=2", "routed_bias=true"],
   "gpt3": ["decoder_block=gpt3", "mlp_activations=[gelu]", "logits_via_embedding=true", "use_iota_embed=true"]
   + ["trainable_position_size=32"],
+  "qwen3_5": ["decoder_block=qwen3_5", "full_attention_interval=2", "num_experts=4", "num_experts_per_tok=2"]
+  + ["base_moe_mlp_dim=16", "shared_experts=1", "shared_expert_gate=true", "linear_num_key_heads=2"]
+  + ["linear_num_value_heads=4", "linear_key_head_dim=8", "linear_value_head_dim=6", "linear_chunk_size=4"]
+  + ["partial_rotary_factor=0.5", "use_qk_norm=true"],
 }
 
 

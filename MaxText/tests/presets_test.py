@@ -51,6 +51,11 @@ PUBLISHED = {  # billions of parameters, as published by the model authors (text
   "gpt-oss-20b": 20.91,
   "gpt-oss-120b": 116.83,
   "qwen3-next-80b-a3b": 79.67,  # 80B published; transformers counts 79,674,391,296 for its config.json
+  # Qwen3.5-MoE text models (35B, 122B, 397B published with the vision tower): transformers' count of the presets'
+  # Qwen3_5MoeTextConfig, 34,660,610,688, 122,111,526,912 and 396,346,350,336, equals ours
+  "qwen3.5-35b-a3b": 34.66,
+  "qwen3.5-122b-a10b": 122.11,
+  "qwen3.5-397b-a17b": 396.35,
 }
 
 

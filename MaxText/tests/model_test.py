@@ -111,6 +111,9 @@ FAMILY_PRESETS = {
   # three gated DeltaNet layers and one gated attention layer; chunks of 4
   "qwen3next": ["model_name=qwen3-next-80b-a3b", *MOE, "base_num_decoder_layers=4", "linear_num_key_heads=2"]
   + ["linear_num_value_heads=4", "linear_key_head_dim=16", "linear_value_head_dim=16", "linear_chunk_size=4"],
+  # the same cycle with the DeltaNet's projections separate (Qwen3.5)
+  "qwen3_5": ["model_name=qwen3.5-35b-a3b", *MOE, "base_num_decoder_layers=4", "linear_num_key_heads=2"]
+  + ["linear_num_value_heads=4", "linear_key_head_dim=16", "linear_value_head_dim=16", "linear_chunk_size=4"],
 }
 FAMILY_TINY = ["base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=4", "base_mlp_dim=128", "head_dim=16"]
 FAMILY_TINY += ["base_num_decoder_layers=2", "vocab_size=512", "max_target_length=16", "dtype=float32"]

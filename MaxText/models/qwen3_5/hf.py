@@ -27,12 +27,18 @@ ABSENT = ("intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_onl
 class Qwen35Moe(qwen3next_hf.Qwen3Next):
   decoder_block = "qwen3_5"
   model_types = ("qwen3_5_moe_text",)
+  multimodal_type = "qwen3_5_moe"  # Qwen3_5MoeForConditionalGeneration: refused with a one-line error (check)
   arch = ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM")
   extra = {k: v for k, v in qwen3next_hf.EXTRA.items() if k != "norm_topk_prob"}
   fixed = {**qwen3next_hf.Qwen3Next.fixed, "norm_topk_prob": True}
   required_fields = ("hidden_size", "num_attention_heads", "num_hidden_layers", "num_experts", "vocab_size")
 
   def check(self, hf: dict[str, Any]) -> None:
+    if hf.get("model_type") == self.multimodal_type:
+      raise ConfigError(
+        "model_type=qwen3_5_moe is the image-text checkpoint (Qwen3_5MoeForConditionalGeneration), not supported; "
+        "save its text model as Qwen3_5MoeForCausalLM (model_type qwen3_5_moe_text) and convert that"
+      )
     if not hf.get("num_experts"):
       raise ConfigError("qwen3_5_moe_text config.json needs num_experts (every layer is MoE)")
 

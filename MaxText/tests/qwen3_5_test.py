@@ -1,0 +1,124 @@
+"""Qwen3.5-MoE beyond families_test's logits and round trip (helpers.FAMILIES "qwen3.5-moe"): the separate
+DeltaNet projections are Qwen3-Next's maths in another layout; greedy decoding against transformers with and
+without the cache; each distinctive config value switched off in our model only breaks parity; bad input."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from MaxText import config, planner
+from MaxText.convert import hf_to_maxtext
+from MaxText.errors import ConfigError
+from MaxText.inference import Engine
+from MaxText.layers import gated_deltanet
+from MaxText.layers.model_config import ModelConfig
+from MaxText.tests.helpers import PARITY_NEW, PROMPTS, T, hf_greedy, hf_model, maxtext_logits
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+BASE = os.path.join(config.CONFIG_DIR, "base.yml")
+LAYER = ["base_emb_dim=32", "linear_num_key_heads=2", "linear_num_value_heads=4", "linear_key_head_dim=8"]
+LAYER += ["linear_value_head_dim=6", "linear_chunk_size=4", "dtype=float32", "run_name=t"]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+  """(the tiny HF model, its directory, the converted MaxText directory)."""
+  tmp = tmp_path_factory.mktemp("qwen35")
+  model, hf_path = hf_model("qwen3.5-moe", tmp)
+  out = os.path.join(tmp, "mt")
+  hf_to_maxtext.convert(hf_path, out)
+  return model, hf_path, out
+
+
+def test_split_projections_are_the_fused_layer_regrouped():
+  """Qwen3-Next's fused in_proj_qkvz/in_proj_ba (grouped per key head) regrouped into Qwen3.5's in_proj_qkv
+  (all q, all k, all v), in_proj_z, in_proj_b, in_proj_a give the same outputs."""
+  layers = {}
+  for block, cls in (("qwen3next", gated_deltanet.GatedDeltaNet), ("qwen3_5", gated_deltanet.SplitGatedDeltaNet)):
+    c = config.load([BASE, f"decoder_block={block}", *LAYER], {})
+    with nnx.use_eager_sharding(False):
+      layers[block] = cls(ModelConfig.from_config(c), rngs=nnx.Rngs(0), plan=planner.build(c))
+  fused, split = layers["qwen3next"], layers["qwen3_5"]
+  d, hk, hv, dk, dv = 32, 2, 4, 8, 6
+  qkvz, ba = fused.in_proj_qkvz.kernel[...], fused.in_proj_ba.kernel[...]  # [D, Hk, G], [D, Hk, 2r]
+  q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + 2 * dv], axis=-1)
+  split.in_proj_qkv.kernel[...] = jnp.concatenate([a.reshape(d, -1) for a in (q, k, v)], axis=-1)
+  split.in_proj_z.kernel[...] = z.reshape(d, hv, dv)
+  split.in_proj_b.kernel[...], split.in_proj_a.kernel[...] = (u.reshape(d, hv) for u in jnp.split(ba, 2, axis=-1))
+  for name in ("conv1d", "dt_bias", "A_log"):
+    getattr(split, name)[...] = getattr(fused, name)[...]
+  split.norm.scale[...], split.out.kernel[...] = fused.norm.scale[...], fused.out.kernel[...]
+  assert hk * 2 == hv
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 9, d)), jnp.float32)
+  positions, segments = jnp.broadcast_to(jnp.arange(9), (2, 9)), jnp.ones((2, 9), jnp.int32)
+  run = nnx.jit(lambda m, *args: m(*args)[0])
+  want = run(fused, x, positions, segments)
+  np.testing.assert_allclose(run(split, x, positions, segments), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow  # two engine compiles and three forward compiles on the 2 shared cores
+def test_greedy_tokens_equal_hugging_face_with_and_without_cache(converted):
+  """Batched prompts of 3, 9 and 6 tokens (right-padded here, left-padded by HF): 16 greedy tokens with the
+  recurrent state and KV caches equal HF's, and re-running the whole sequence each step picks the same."""
+  model, _, out = converted
+  c = config.load(
+    [os.path.join(out, "config.yml"), "run_name=t", "dtype=float32", f"load_parameters_path={out}/params"]
+    + ["max_target_length=32", "max_prefill_predict_length=16", "ici_fsdp_parallelism=1", "ici_data_parallelism=-1"],
+    {},
+  )
+  got = Engine.load(c).generate(PROMPTS, PARITY_NEW, strategy="greedy", stop_tokens=[])
+  want = hf_greedy(model, PROMPTS)
+  for row, completion in enumerate(got.completions):
+    np.testing.assert_array_equal(completion.tokens, want[row], err_msg=f"prompt {row}")
+  for row, prompt in enumerate(PROMPTS):
+    seq = np.array([prompt + list(got.completions[row].tokens)])
+    logits = maxtext_logits(out, seq)[0]
+    np.testing.assert_array_equal(logits[len(prompt) - 1 : -1].argmax(-1), got.completions[row].tokens)
+
+
+@pytest.mark.slow  # one forward compile per case
+@pytest.mark.parametrize(
+  "off",
+  [
+    "partial_rotary_factor=1.0",  # RoPE over the whole head instead of its first half
+    "norm_topk_prob=false",  # the chosen experts' softmax weights not renormalised
+    "shared_expert_gate=false",  # the shared expert's output not scaled by its sigmoid gate (the gate then unused)
+  ],
+)
+def test_each_feature_switched_off_breaks_parity(converted, off):
+  """The converted model with one feature's key changed in ours only no longer matches transformers (the same
+  model unchanged does: families_test)."""
+  model, _, out = converted
+  tokens = np.random.default_rng(0).integers(0, 64, (2, T))
+  with torch.no_grad():
+    ref = model(torch.tensor(tokens)).logits.numpy()
+  assert np.max(np.abs(maxtext_logits(out, tokens, off) - ref)) > 1e-3
+
+
+def test_other_families_checkpoints_and_unsupported_configs_are_one_line_errors(tmp_path):
+  """A Qwen3.5 checkpoint named Qwen3-Next (its separate DeltaNet tensors are not Qwen3-Next's fused ones),
+  the image-text checkpoint, a layer pattern that is not periodic, no experts: ConfigErrors before any compile."""
+  _, hf_path = hf_model("qwen3.5-moe", tmp_path)
+  path = os.path.join(hf_path, "config.json")
+  cfg = json.load(open(path))
+
+  def convert(**changes):
+    json.dump({**cfg, **changes}, open(path, "w"))
+    hf_to_maxtext.convert(hf_path, os.path.join(tmp_path, "out"))
+
+  with pytest.raises(ConfigError, match=r"Tensor model\.layers\.0\.linear_attn\.in_proj_.* does not fit config"):
+    convert(model_type="qwen3_next", intermediate_size=48)
+  with pytest.raises(ConfigError, match="image-text checkpoint"):
+    convert(model_type="qwen3_5_moe", text_config={**cfg, "model_type": "qwen3_5_moe_text"})
+  with pytest.raises(ConfigError, match="is not every 4th layer full attention"):
+    convert(layer_types=["linear_attention"] * 3 + ["full_attention", "full_attention"])
+  with pytest.raises(ConfigError, match="needs num_experts"):
+    convert(num_experts=0)
+  jax.clear_caches()

@@ -11,13 +11,23 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import config, planner
+from MaxText import config, planner, train
 from MaxText.convert import hf_to_maxtext
 from MaxText.errors import ConfigError
 from MaxText.inference import Engine
 from MaxText.layers import gated_deltanet
 from MaxText.layers.model_config import ModelConfig
-from MaxText.tests.helpers import PARITY_NEW, PROMPTS, T, hf_greedy, hf_model, maxtext_logits
+from MaxText.tests.helpers import (
+  PARITY_NEW,
+  PROMPTS,
+  QWEN35,
+  T,
+  hf_greedy,
+  hf_model,
+  make_tokenizer,
+  maxtext_logits,
+  write_jsonl,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -100,6 +110,30 @@ def test_each_feature_switched_off_breaks_parity(converted, off):
   with torch.no_grad():
     ref = model(torch.tensor(tokens)).logits.numpy()
   assert np.max(np.abs(maxtext_logits(out, tokens, off) - ref)) > 1e-3
+
+
+@pytest.mark.slow  # one training compile
+def test_lora_sft_of_the_converted_model_trains(tmp_path, monkeypatch):
+  """SFT with LoRA adapters on the DeltaNet's and the attention's projections of a converted model (its vocab the
+  tokenizer's): the loss falls."""
+  monkeypatch.setitem(QWEN35, "vocab_size", 320)
+  _, hf_path = hf_model("qwen3.5-moe", tmp_path)
+  out = os.path.join(tmp_path, "mt")
+  hf_to_maxtext.convert(hf_path, out)
+  tok = make_tokenizer(os.path.join(tmp_path, "tok"))
+  data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "What is the capital of France?", "completion": "Paris."}] * 8)
+  targets = ".*self_attention/(query|key|value|out|in_proj_qkv|in_proj_z)"
+  c = config.load(
+    [os.path.join(out, "config.yml"), "run_name=lora", f"base_output_directory={tmp_path}"]
+    + [f"load_parameters_path={out}/params", "dataset_type=text", "use_sft=true", f"dataset_path={data}"]
+    + ["tokenizer_type=huggingface", f"tokenizer_path={tok.path}", "eval_fraction=0", "steps=6", "log_period=1"]
+    + ["max_target_length=32", "per_device_batch_size=1", "enable_checkpointing=false", "dtype=float32"]
+    + ["lora_rank=4", "lora_alpha=8", f"lora_target_modules={targets}", "learning_rate=3e-2", "log_config=false"],
+    {},
+  )
+  train.run(c)
+  rows = [json.loads(line) for line in open(c.metrics_file)]
+  assert len(rows) == 6 and rows[-1]["loss"] < rows[0]["loss"]
 
 
 def test_other_families_checkpoints_and_unsupported_configs_are_one_line_errors(tmp_path):

@@ -2,6 +2,7 @@
 DeltaNet projections are Qwen3-Next's maths in another layout; greedy decoding against transformers with and
 without the cache; each distinctive config value switched off in our model only breaks parity; bad input."""
 
+import functools
 import json
 import os
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import config, planner, train
+from MaxText import config, models, planner, sharding, train
 from MaxText.convert import hf_to_maxtext
 from MaxText.errors import ConfigError
 from MaxText.inference import Engine
@@ -134,6 +135,41 @@ def test_lora_sft_of_the_converted_model_trains(tmp_path, monkeypatch):
   train.run(c)
   rows = [json.loads(line) for line in open(c.metrics_file)]
   assert len(rows) == 6 and rows[-1]["loss"] < rows[0]["loss"]
+
+
+TINY35 = ["decoder_block=qwen3_5", "base_emb_dim=32", "base_num_query_heads=4", "base_num_kv_heads=2", "head_dim=8"]
+TINY35 += ["base_num_decoder_layers=4", "num_experts=8", "num_experts_per_tok=2", "base_moe_mlp_dim=16"]
+TINY35 += ["shared_experts=1", "shared_expert_gate=true", "partial_rotary_factor=0.5", "use_qk_norm=true", *LAYER[1:]]
+TINY35 += ["vocab_size=64", "weight_dtype=float32"]
+
+
+@pytest.mark.slow  # one compile per layout
+@pytest.mark.parametrize(
+  "layout",
+  [["ici_expert_parallelism=2", "ici_fsdp_parallelism=4"], ["ici_expert_parallelism=8", "ici_fsdp_parallelism=1"]]
+  + [["ici_tensor_parallelism=2", "ici_fsdp_parallelism=4"], ["ici_fsdp_parallelism=8"]],
+)
+def test_layouts_on_8_devices_give_the_single_device_loss(layout):
+  """Expert, tensor and FSDP parallel over the 8 CPU devices: the loss of a 4-layer Qwen3.5-MoE (3 split DeltaNet
+  layers, 1 gated attention, 8 experts) equals the unsharded one."""
+  c = config.load([BASE, *TINY35, *layout], {})
+  mesh = sharding.create_mesh(c)
+  graphdef, params = nnx.split(models.build(c, nnx.Rngs(params=0), planner.build(c)), nnx.Param)
+  sharded = nnx.split(models.build(c, nnx.Rngs(params=0), planner.build(c, mesh)), nnx.Param)[0]
+  tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (8, 17)), jnp.int32)
+  positions, segments = jnp.broadcast_to(jnp.arange(16), (8, 16)), jnp.ones((8, 16), jnp.int32)
+
+  def loss(g, p):
+    logits = nnx.merge(g, p)(tokens[:, :-1], positions, segments)
+    return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, tokens[:, 1:, None], -1)[..., 0])
+
+  expected = jax.jit(functools.partial(loss, graphdef))(params)
+  with sharding.activate(c, mesh):
+    placed = jax.device_put(
+      params, sharding.logical_to_mesh(nnx.get_partition_spec(params), mesh, sharding.axis_rules(c))
+    )
+    got = jax.jit(functools.partial(loss, sharded))(placed)
+  np.testing.assert_allclose(float(got), float(expected), rtol=1e-6)
 
 
 def test_other_families_checkpoints_and_unsupported_configs_are_one_line_errors(tmp_path):

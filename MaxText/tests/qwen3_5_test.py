@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import config, models, planner, sharding, train
+from MaxText import config, flops, models, planner, sharding, train
 from MaxText.convert import hf_to_maxtext
 from MaxText.errors import ConfigError
 from MaxText.inference import Engine
@@ -170,6 +170,22 @@ def test_layouts_on_8_devices_give_the_single_device_loss(layout):
     )
     got = jax.jit(functools.partial(loss, sharded))(placed)
   np.testing.assert_allclose(float(got), float(expected), rtol=1e-6)
+
+
+def test_flops_count_linear_attention_layers_as_such():
+  """qwen3.5-35b-a3b: 30 DeltaNet layers whose cost does not grow with the length, 10 causal attention layers;
+  the matmuls are 6 x the active parameters (8 of 256 experts + the shared one) but the embedding and head."""
+  base = [BASE, "run_name=t", "model_name=qwen3.5-35b-a3b"]
+  count = lambda t: flops.training_flops_per_token(config.load([*base, f"max_target_length={t}"], {}))  # noqa: E731
+  short, long = count(2048), count(4096)
+  full = lambda t: 2.0 * t / 2 * 16 * (256 + 256)  # noqa: E731  causal: T / 2 keys per query
+  np.testing.assert_allclose(long.attention - short.attention, 3 * 10 * (full(4096) - full(2048)), rtol=1e-6)
+  d, e = 2048, 3 * 2048 * 512  # one expert's (or the shared one's) parameters
+  deltanet = d * (2 * 16 * 128 + 32 * 128) + d * 32 * 128 + 2 * d * 32 + 32 * 128 * d
+  attention = d * 16 * 256 * 2 + 2 * d * 2 * 256 + 16 * 256 * d
+  per_layer = 9 * e + d * 256 + d  # routed and shared experts, router, shared expert gate
+  active = 30 * deltanet + 10 * attention + 40 * per_layer
+  np.testing.assert_allclose(short.matmul, 6 * active, rtol=1e-6)
 
 
 def test_other_families_checkpoints_and_unsupported_configs_are_one_line_errors(tmp_path):

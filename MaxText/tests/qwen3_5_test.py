@@ -22,6 +22,7 @@ from MaxText.tests.helpers import (
   PARITY_NEW,
   PROMPTS,
   QWEN35,
+  SMALL,
   T,
   hf_greedy,
   hf_model,
@@ -72,6 +73,28 @@ def test_split_projections_are_the_fused_layer_regrouped():
   run = nnx.jit(lambda m, *args: m(*args)[0])
   want = run(fused, x, positions, segments)
   np.testing.assert_allclose(run(split, x, positions, segments), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow  # 26 s at load average 9 on the 2 shared cores
+def test_image_text_checkpoint_imports_its_text_model(tmp_path):
+  """The releases are Qwen3_5MoeForConditionalGeneration (text model under model.language_model., a vision tower
+  under model.visual.): the text model converts, with the logits of that model on text."""
+  text = {k: v for k, v in {**SMALL, **QWEN35}.items() if k != "intermediate_size"}
+  vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4)
+  cfg = transformers.Qwen3_5MoeConfig(text_config=text, vision_config={**vision, "num_position_embeddings": 16})
+  torch.manual_seed(0)
+  model = transformers.Qwen3_5MoeForConditionalGeneration(cfg).float().eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "norm" in name:
+        p.copy_(torch.randn_like(p) * 0.5 + 1.0)
+  hf_path, out = os.path.join(tmp_path, "hf"), os.path.join(tmp_path, "mt")
+  model.save_pretrained(hf_path)
+  tokens = np.random.default_rng(0).integers(0, 64, (2, T))
+  with torch.no_grad():
+    ref = model(input_ids=torch.tensor(tokens)).logits.numpy()
+  hf_to_maxtext.convert(hf_path, out)
+  np.testing.assert_allclose(maxtext_logits(out, tokens), ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow  # two engine compiles and three forward compiles on the 2 shared cores
@@ -190,7 +213,8 @@ def test_flops_count_linear_attention_layers_as_such():
 
 def test_other_families_checkpoints_and_unsupported_configs_are_one_line_errors(tmp_path):
   """A Qwen3.5 checkpoint named Qwen3-Next (its separate DeltaNet tensors are not Qwen3-Next's fused ones),
-  the image-text checkpoint, a layer pattern that is not periodic, no experts: ConfigErrors before any compile."""
+  an image-text config without text_config, a layer pattern that is not periodic, no experts: ConfigErrors
+  before any compile."""
   _, hf_path = hf_model("qwen3.5-moe", tmp_path)
   path = os.path.join(hf_path, "config.json")
   cfg = json.load(open(path))
@@ -201,8 +225,8 @@ def test_other_families_checkpoints_and_unsupported_configs_are_one_line_errors(
 
   with pytest.raises(ConfigError, match=r"Tensor model\.layers\.0\.linear_attn\.in_proj_.* does not fit config"):
     convert(model_type="qwen3_next", intermediate_size=48)
-  with pytest.raises(ConfigError, match="image-text checkpoint"):
-    convert(model_type="qwen3_5_moe", text_config={**cfg, "model_type": "qwen3_5_moe_text"})
+  with pytest.raises(ConfigError, match="needs a text_config object"):
+    convert(model_type="qwen3_5_moe")
   with pytest.raises(ConfigError, match="is not every 4th layer full attention"):
     convert(layer_types=["linear_attention"] * 3 + ["full_attention", "full_attention"])
   with pytest.raises(ConfigError, match="needs num_experts"):

@@ -1,6 +1,8 @@
 """Qwen3.5-MoE beyond families_test's logits and round trip (helpers.FAMILIES "qwen3.5-moe"): the separate
-DeltaNet projections are Qwen3-Next's maths in another layout; greedy decoding against transformers with and
-without the cache; each distinctive config value switched off in our model only breaks parity; bad input."""
+DeltaNet projections are Qwen3-Next's maths in another layout; the releases' image-text checkpoints import their
+text model; greedy decoding against transformers with and without the cache; each distinctive config value
+switched off in our model only breaks parity; LoRA SFT of the converted model; expert/tensor/FSDP layouts on 8
+devices; FLOPs of the 35B preset; bad input."""
 
 import functools
 import json

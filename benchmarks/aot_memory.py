@@ -71,6 +71,34 @@ CASES = (
     "qwen3-next-80b-a3b v5p-128",
     "model_name=qwen3-next-80b-a3b", "compile_topology=v5p-128", "per_device_batch_size=1", "max_target_length=4096",
   ),
+  # GLM-4.5-Air 106B-A12B and GLM-4.5 355B-A32B: GQA with partial RoPE, sigmoid-routed MoE with a shared expert.
+  case(
+    "glm4.5-air-106b-a12b v5p-128",
+    "model_name=glm4.5-air-106b-a12b", "compile_topology=v5p-128", "per_device_batch_size=1", "max_target_length=4096",
+  ),
+  case(
+    "glm4.5-355b-a32b v5p-512",
+    "model_name=glm4.5-355b-a32b", "compile_topology=v5p-512", "per_device_batch_size=1", "max_target_length=4096",
+  ),
+  # MiniMax M2 (229B, 62 layers of 256 experts top-8): 12 bytes per parameter of state over 64 chips.
+  case(
+    "minimax-m2-230b v5p-128",
+    "model_name=minimax-m2-230b", "compile_topology=v5p-128", "per_device_batch_size=1", "max_target_length=4096",
+  ),
+  case(
+    "minimax-m2-230b v5p-128 expert=8 capacity",
+    "model_name=minimax-m2-230b", "compile_topology=v5p-128", "per_device_batch_size=1", "max_target_length=4096",
+    "ici_expert_parallelism=8", "capacity_factor=1.0", "capacity_group=sequence",
+  ),
+  # OLMo 3: 3 sliding-window (4096) : 1 full layers, post-norm, q/k norms across heads; its pre-training length.
+  case(
+    "olmo3-7b v5p-64",
+    "model_name=olmo3-7b", "compile_topology=v5p-64", "per_device_batch_size=2", "max_target_length=8192",
+  ),
+  case(
+    "olmo3-32b v5p-128",
+    "model_name=olmo3-32b", "compile_topology=v5p-128", "per_device_batch_size=1", "max_target_length=8192",
+  ),
   # Qwen3.5-35B-A3B: 30 gated DeltaNet (separate projections) + 10 gated attention layers, 256 experts per layer.
   case(
     "qwen3.5-35b-a3b v5p-64",

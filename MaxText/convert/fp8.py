@@ -22,6 +22,7 @@ import numpy as np
 from MaxText.errors import ConfigError
 
 SCALE_SUFFIX = "_scale_inv"
+FP8_FMTS = ("e4m3", "float8_e4m3fn")  # DeepSeek V3's name and MiniMax M2's for the same format
 FP8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 
 
@@ -33,7 +34,7 @@ def block_size(hf: dict[str, Any]) -> tuple[int, int] | None:
   if not qc or (isinstance(qc, dict) and qc.get("quant_method") == "mxfp4"):  # MXFP4: convert/mxfp4.py
     return None
   block = qc.get("weight_block_size") if isinstance(qc, dict) else None
-  fp8 = isinstance(qc, dict) and qc.get("quant_method") == "fp8" and qc.get("fmt", "e4m3") == "e4m3"
+  fp8 = isinstance(qc, dict) and qc.get("quant_method") == "fp8" and qc.get("fmt", "e4m3") in FP8_FMTS
   if not fp8 or not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
     raise ConfigError(
       f"config.json quantization_config {qc!r} is not supported: only FP8 block-scaled checkpoints "

@@ -270,6 +270,10 @@ class Mapping:
       out["query_pre_attn_scalar"] = int(out["query_pre_attn_scalar"])
     out[self.activation_field] = next(k for k, v in ACTIVATIONS.items() if v == list(c.mlp_activations))
     rope = self.export_rope(c)
+    if c.partial_rotary_factor != 1.0 and "partial_rotary_factor" not in rope:
+      raise ConfigError(
+        f"partial_rotary_factor={c.partial_rotary_factor} has no Hugging Face export for {c.decoder_block}"
+      )
     if c.rope_type == "yarn":  # the length yarn extends to; transformers checks it against factor
       out["max_position_embeddings"] = int(c.original_max_position_embeddings * c.rope_factor)
     out["rope_parameters"] = rope

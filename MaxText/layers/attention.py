@@ -221,7 +221,9 @@ class Attention(nnx.Module):
   `rope_max_timescale` (None: config.rope.rope_max_timescale) let a family make local and global layers;
   `norm` builds the q/k norms (Gemma's 1+w or plain RMSNorm), `qk_norm` overrides it for them alone
   (llama4's weightless norm) and `use_qk_norm` (None: config.attention.use_qk_norm) turns them on per layer. Biases
-  on q/k/v/o come from config.attention.attention_bias or `use_bias` (gpt3, which also has no RoPE: `use_rope`).
+  on q/k/v/o come from config.attention.attention_bias or `use_bias` (gpt3, which also has no RoPE: `use_rope`);
+  `out_bias=False` leaves o without one (glm4_moe). RoPE rotates only the first
+  config.rope.partial_rotary_factor of each head's dims (halves layout within them; glm4_moe, minimax_m2).
   Layers without RoPE scale their queries by position when config.attention.temperature_tuning (llama4's NoPE layers).
   config.attention.attention_sink adds `sinks` [N], one learned softmax logit per query head (gpt-oss).
   """
@@ -241,6 +243,7 @@ class Attention(nnx.Module):
     chunk_window: int | None = None,
     use_qk_norm: bool | None = None,
     qk_norm: Callable[..., nnx.Module] | None = None,
+    out_bias: bool | None = None,
   ):
     dt, wdt = jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
     d, n, k, h = config.emb_dim, config.num_query_heads, config.num_kv_heads, config.head_dim
@@ -248,7 +251,9 @@ class Attention(nnx.Module):
     self.query = DenseGeneral(d, (n, h), ("embed", "q_heads", "kv"), **dense)
     self.key = DenseGeneral(d, (k, h), ("embed", "kv_heads", "kv"), **dense)
     self.value = DenseGeneral(d, (k, h), ("embed", "kv_heads", "kv"), **dense)
-    self.out = DenseGeneral((n, h), d, ("heads", "kv", "embed"), **dense)
+    out_dense = dense if out_bias is None else dense | {"use_bias": out_bias}
+    self.out = DenseGeneral((n, h), d, ("heads", "kv", "embed"), **out_dense)
+    self.rotary_dim = int(h * config.rope.partial_rotary_factor)  # partial RoPE below 1 (glm4_moe, minimax_m2)
     self.query_norm = self.key_norm = nnx.data(None)
     if config.attention.use_qk_norm if use_qk_norm is None else use_qk_norm:
       norm_args = dict(epsilon=config.norms.normalization_layer_epsilon, dtype=dt, weight_dtype=wdt)
@@ -287,9 +292,7 @@ class Attention(nnx.Module):
     if self.query_norm is not None:
       q, k = self.query_norm(q), self.key_norm(k)
     if self.use_rope:
-      inv_freq = scaled_rope_frequencies(self.config, q.shape[-1], self.rope_max_timescale, self.rope_type)
-      scale = rope_attention_factor(self.config, self.rope_type)
-      q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
+      q, k = self.rope(q, positions), self.rope(k, positions)
     q = q * self.query_scale
     if self.temperature_tuning:
       q = q * temperature_scale(positions, self.config)[:, :, None, None].astype(q.dtype)
@@ -322,6 +325,15 @@ class Attention(nnx.Module):
       out = dot_product_attention(q, keys, values, mask, self.config.attention.attn_logits_soft_cap, sinks)
     out = checkpoint_name(nn.with_logical_constraint(out, HEAD_AXES), "context")
     return checkpoint_name(self.out(out), "out_proj"), cache
+
+  def rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """RoPE over the first rotary_dim dims of each head of x [B, T, N, H] (all of them at partial_rotary_factor 1)."""
+    r = self.rotary_dim
+    inv_freq = scaled_rope_frequencies(self.config, r, self.rope_max_timescale, self.rope_type)
+    scale = rope_attention_factor(self.config, self.rope_type)
+    if r == x.shape[-1]:
+      return apply_rope(x, positions, inv_freq, scale)
+    return jnp.concatenate([apply_rope(x[..., :r], positions, inv_freq, scale), x[..., r:]], axis=-1)
 
   def init_cache(self, batch: int, length: int) -> kv_cache.KVCache:
     """An empty decode cache of `length` slots (int8/fp8 with scales under quantize_kvcache)."""

@@ -20,7 +20,11 @@ from MaxText.config_checks import check_choice
 
 DecoderBlock = Literal[
   "default", "llama2", "mistral", "mixtral", "qwen3", "gemma", "gemma2", "gemma3", "deepseek", "llama4", "gpt3",
-  "gpt_oss", "qwen3next", "qwen3_5",
+  "gpt_oss", "qwen3next",
+  "glm4_moe",
+  "olmo3",
+  "minimax_m2",
+  "qwen3_5",
 ]  # fmt: skip  # models.REGISTRY's keys (model_config_test checks)
 Dtype = Literal["bfloat16", "float32", "float16"]
 WeightDtype = Literal["float32", "bfloat16"]

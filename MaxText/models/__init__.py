@@ -12,17 +12,22 @@ from MaxText.convert.hf_mapping import Mapping
 from MaxText.layers import lora
 from MaxText.layers.decoder import Decoder, Family
 from MaxText.layers.model_config import ModelConfig
-from MaxText.models import deepseek, gemma, gemma2, gemma3, gpt3, gpt_oss, llama2, llama4, qwen3_5, qwen3next
+from MaxText.models import (
+  deepseek, gemma, gemma2, gemma3, glm4_moe, gpt3, gpt_oss, llama2, llama4, minimax_m2, olmo3, qwen3_5, qwen3next,
+)
 from MaxText.models.deepseek import hf as deepseek_hf
 from MaxText.models.gemma import hf as gemma_hf
 from MaxText.models.gemma2 import hf as gemma2_hf
 from MaxText.models.gemma3 import hf as gemma3_hf
+from MaxText.models.glm4_moe import hf as glm4_moe_hf
 from MaxText.models.gpt3 import hf as gpt3_hf
 from MaxText.models.gpt_oss import hf as gpt_oss_hf
 from MaxText.models.llama2 import hf as llama2_hf
 from MaxText.models.llama4 import hf as llama4_hf
+from MaxText.models.minimax_m2 import hf as minimax_m2_hf
 from MaxText.models.mistral import hf as mistral_hf
 from MaxText.models.mixtral import hf as mixtral_hf
+from MaxText.models.olmo3 import hf as olmo3_hf
 from MaxText.models.qwen3 import hf as qwen3_hf
 from MaxText.models.qwen3_5 import hf as qwen3_5_hf
 from MaxText.models.qwen3next import hf as qwen3next_hf
@@ -46,6 +51,9 @@ REGISTRY: dict[str, Family] = {
   "gpt3": gpt3.FAMILY,
   "gpt_oss": gpt_oss.FAMILY,
   "qwen3next": qwen3next.FAMILY,
+  "glm4_moe": glm4_moe.FAMILY,
+  "olmo3": olmo3.FAMILY,
+  "minimax_m2": minimax_m2.FAMILY,
   "qwen3_5": qwen3_5.FAMILY,
 }
 # decoder_block -> its Hugging Face mapping ("default" has none).
@@ -65,6 +73,9 @@ HF: dict[str, Mapping] = {
     qwen3next_hf.MAPPING,
     qwen3_5_hf.MAPPING,
     gpt3_hf.MAPPING,
+    glm4_moe_hf.MAPPING,
+    olmo3_hf.MAPPING,
+    minimax_m2_hf.MAPPING,
   )
 }
 
@@ -90,6 +101,12 @@ def problem(config: Any) -> str | None:
       )
     if config.ici_context_parallelism * config.dcn_context_parallelism > 1:
       return f"{name}: the gated DeltaNet runs over whole sequences; set ici/dcn_context_parallelism=1"
+  rotary = config.head_dim * config.partial_rotary_factor
+  if config.partial_rotary_factor != 1.0 and not (0 < rotary <= config.head_dim and rotary % 2 == 0):
+    return (
+      f"partial_rotary_factor={config.partial_rotary_factor} must rotate an even number of head_dim={config.head_dim} "
+      "dims (0 < factor <= 1)"
+    )
   if config.mtp_num_layers and REGISTRY[name].mtp_layer is None:
     return (
       f"mtp_num_layers={config.mtp_num_layers} is not available for decoder_block={name} "

@@ -17,9 +17,11 @@ torch = pytest.importorskip("torch")
 # One per attention/layer variant: GQA, projection biases, sliding window, MoE, q/k norms, gemma norms,
 # soft-caps with local/global layers, 5:1 local/global, multi-head latent attention (V3; V2 with YaRN; Kimi K2's
 # YaRN with beta_fast = beta_slow), learned positions, chunked local / NoPE global layers with input-weighted
-# top-1 MoE (llama4).
+# top-1 MoE (llama4), post-norm layers with q/k norms across heads and YaRN on full layers only (olmo3), partial
+# RoPE with q/k norms across heads and sigmoid + bias routing in every layer (minimax-m2).
 FAMILIES = ["llama2", "llama-bias", "mistral", "mixtral", "qwen3", "gemma", "gemma2", "gemma3", "deepseek3"]
-FAMILIES += ["deepseek2", "kimi-k2", "gpt3", "llama4"]
+FAMILIES += ["deepseek2", "kimi-k2", "gpt3", "llama4", "olmo3"]
+FAMILIES += ["glm4_moe", "minimax-m2"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

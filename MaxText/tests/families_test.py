@@ -55,7 +55,7 @@ def test_logits_match_hugging_face_and_round_trip_is_exact(family, tmp_path):
     np.testing.assert_array_equal(reloaded(torch.tensor(tokens)).logits.numpy(), ref)
 
 
-MOE_FAMILIES = ("mixtral", "qwen3-moe", "deepseek3", "deepseek2", "llama4")
+MOE_FAMILIES = ("mixtral", "qwen3-moe", "deepseek3", "deepseek2", "llama4", "glm4_moe", "minimax-m2")
 TRAINED = ("llama2", "llama-bias", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "gpt3", *MOE_FAMILIES)
 
 

@@ -56,6 +56,17 @@ KIMI_K2 = dict(DEEPSEEK_YARN, n_group=1, topk_group=1, routed_scaling_factor=2.8
 LLAMA4 = dict(num_hidden_layers=6, intermediate_size=16, intermediate_size_mlp=48, num_local_experts=4)
 LLAMA4 |= dict(interleave_moe_layer_step=2, attention_chunk_size=4, floor_scale=4, attn_scale=1.0)
 LLAMA4 |= dict(rope_parameters=LLAMA31_ROPE, max_position_embeddings=64)
+# GLM-4.5: q/k/v biases, q/k norms, RoPE on half of each head (transformers' default), a dense first layer, then
+# sigmoid routing with a selection bias in groups, scaled, plus a shared expert.
+GLM45 = dict(num_hidden_layers=3, first_k_dense_replace=1, moe_intermediate_size=16, n_routed_experts=8)
+GLM45 |= dict(num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5)
+GLM45 |= dict(attention_bias=True, use_qk_norm=True)
+# OLMo 3: 5 layers = one scanned block (3 sliding, 1 full) and a remainder of 1; YaRN on the full layer only,
+# another RoPE base on the sliding ones; a window of 4 acts within T tokens.
+OLMO3_ROPE = {"full_attention": YARN, "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}
+OLMO3 = dict(num_hidden_layers=5, sliding_window=4, rope_parameters=OLMO3_ROPE, max_position_embeddings=256)
+# MiniMax M2: every layer a sigmoid-routed MoE with a selection bias; q/k norms over all heads; RoPE on 4 of 8 dims.
+MINIMAX_M2 = dict(num_local_experts=4, num_experts_per_tok=2, rotary_dim=4, bos_token_id=1, eos_token_id=2)
 # Qwen3.5-MoE: 5 layers = one scanned block of 4 (3 gated DeltaNet, 1 gated attention) and a remainder of 1;
 # 2 key heads serving 4 value heads; half the head dims rotated.
 QWEN35 = dict(num_hidden_layers=5, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
@@ -88,6 +99,9 @@ FAMILIES = {
   "gpt3": ("GPT2Config", {}),
   "qwen3-moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}),
   "llama4": ("Llama4TextConfig", LLAMA4),
+  "glm4_moe": ("Glm4MoeConfig", GLM45),
+  "olmo3": ("Olmo3Config", OLMO3),
+  "minimax-m2": ("MiniMaxM2Config", MINIMAX_M2),
   "qwen3.5-moe": ("Qwen3_5MoeTextConfig", QWEN35),
 }
 GPT2 = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16, n_inner=48)
@@ -225,6 +239,13 @@ DECODE_FAMILIES = {
   + ["qk_rope_head_dim=4", "v_head_dim=6", "routed_score_func=sigmoid", "n_routing_groups=2", "routed_bias=true"],
   "gpt3": ["decoder_block=gpt3", "mlp_activations=[gelu]", "logits_via_embedding=true", "use_iota_embed=true"]
   + ["trainable_position_size=32"],
+  "glm4_moe": ["decoder_block=glm4_moe", "base_num_decoder_layers=3", "first_num_dense_layers=1", "num_experts=4"]
+  + ["num_experts_per_tok=2", "shared_experts=1", "routed_score_func=sigmoid", "n_routing_groups=2", "routed_bias=true"]
+  + ["attention_bias=true", "use_qk_norm=true", "partial_rotary_factor=0.5", "routed_scaling_factor=2.5"],
+  "olmo3": ["decoder_block=olmo3", "base_num_decoder_layers=5", "sliding_window_size=3", "use_qk_norm=true"]
+  + ["rope_type=yarn", "rope_factor=4.0", "original_max_position_embeddings=8", "local_rope_max_timescale=1000"],
+  "minimax-m2": ["decoder_block=minimax_m2", "num_experts=4", "num_experts_per_tok=2", "use_qk_norm=true"]
+  + ["routed_score_func=sigmoid", "routed_bias=true", "partial_rotary_factor=0.5"],
   "qwen3_5": ["decoder_block=qwen3_5", "full_attention_interval=2", "num_experts=4", "num_experts_per_tok=2"]
   + ["base_moe_mlp_dim=16", "shared_experts=1", "shared_expert_gate=true", "linear_num_key_heads=2"]
   + ["linear_num_value_heads=4", "linear_key_head_dim=8", "linear_value_head_dim=6", "linear_chunk_size=4"]

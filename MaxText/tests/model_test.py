@@ -111,6 +111,12 @@ FAMILY_PRESETS = {
   # three gated DeltaNet layers and one gated attention layer; chunks of 4
   "qwen3next": ["model_name=qwen3-next-80b-a3b", *MOE, "base_num_decoder_layers=4", "linear_num_key_heads=2"]
   + ["linear_num_value_heads=4", "linear_key_head_dim=16", "linear_value_head_dim=16", "linear_chunk_size=4"],
+  # a dense first layer, then MoE with 4 groups of 2 experts, top-2 of 2 groups
+  "glm4_moe": ["model_name=glm4.5-355b-a32b", *MOE, "num_experts=8", "n_routing_groups=4", "topk_routing_group=2"]
+  + ["first_num_dense_layers=1", "base_num_decoder_layers=3"],
+  # one 3 sliding : 1 full cycle and a remainder layer; a window of 4 inside the 16 tokens
+  "olmo3": ["model_name=olmo3-7b", "base_num_decoder_layers=5", "sliding_window_size=4"],
+  "minimax_m2": ["model_name=minimax-m2-230b", *MOE],  # q/k norms across heads, RoPE on half of each head
   # the same cycle with the DeltaNet's projections separate (Qwen3.5)
   "qwen3_5": ["model_name=qwen3.5-35b-a3b", *MOE, "base_num_decoder_layers=4", "linear_num_key_heads=2"]
   + ["linear_num_value_heads=4", "linear_key_head_dim=16", "linear_value_head_dim=16", "linear_chunk_size=4"],

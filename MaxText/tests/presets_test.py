@@ -51,6 +51,13 @@ PUBLISHED = {  # billions of parameters, as published by the model authors (text
   "gpt-oss-20b": 20.91,
   "gpt-oss-120b": 116.83,
   "qwen3-next-80b-a3b": 79.67,  # 80B published; transformers counts 79,674,391,296 for its config.json
+  # GLM-4.5: transformers' count of the released config.json plus our router biases (a buffer there), no MTP layer
+  "glm4.5-355b-a32b": 352.80,  # 355B published (with the MTP layer)
+  "glm4.5-air-106b-a12b": 106.85,
+  # OLMo 3: transformers' count of the presets' config.json (7,298,011,136 and 32,233,522,176; 7B and 32B published)
+  "olmo3-7b": 7.30,
+  "olmo3-32b": 32.23,
+  "minimax-m2-230b": 228.69,  # 230B published; transformers counts 228,689,748,992 (+ 15,872 router biases)
   # Qwen3.5-MoE text models (35B, 122B, 397B published with the vision tower): transformers' count of the presets'
   # Qwen3_5MoeTextConfig, 34,660,610,688, 122,111,526,912 and 396,346,350,336, equals ours
   "qwen3.5-35b-a3b": 34.66,

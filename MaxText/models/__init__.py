@@ -13,7 +13,19 @@ from MaxText.layers import lora
 from MaxText.layers.decoder import Decoder, Family
 from MaxText.layers.model_config import ModelConfig
 from MaxText.models import (
-  deepseek, gemma, gemma2, gemma3, glm4_moe, gpt3, gpt_oss, llama2, llama4, minimax_m2, olmo3, qwen3_5, qwen3next,
+  deepseek,
+  gemma,
+  gemma2,
+  gemma3,
+  glm4_moe,
+  gpt3,
+  gpt_oss,
+  llama2,
+  llama4,
+  minimax_m2,
+  olmo3,
+  qwen3_5,
+  qwen3next,
 )
 from MaxText.models.deepseek import hf as deepseek_hf
 from MaxText.models.gemma import hf as gemma_hf

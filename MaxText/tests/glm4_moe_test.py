@@ -83,7 +83,7 @@ def test_bad_input_fails_in_one_line(converted, tmp_path):
     with pytest.raises(ConfigError, match=error) as e:
       hf_to_maxtext.convert(d, os.path.join(tmp_path, f"{model_type}_out"))
     assert "\n" not in str(e.value)
-  with pytest.raises(ConfigError, match="partial_rotary_factor=0.625 must give an even number of rotary dims"):
+  with pytest.raises(ConfigError, match="partial_rotary_factor=0.625 must rotate an even number of head_dim=8 dims"):
     planner.build(config.load([os.path.join(out, "config.yml"), "run_name=t", "partial_rotary_factor=0.625"], {}))
   c = config.load([os.path.join(out, "config.yml"), "run_name=t", "routed_score_func=softmax"], {})
   with pytest.raises(ConfigError, match="glm4_moe exports with"):

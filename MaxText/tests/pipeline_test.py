@@ -1,6 +1,7 @@
 """Pipeline parallelism (layers/pipeline.py): the pipelined step computes the unpipelined step's losses
 and gradients, with the same parameters, on 8 CPU devices; bad pipeline settings fail with ConfigError."""
 
+import functools
 import json
 import os
 import re
@@ -61,14 +62,21 @@ def loss_and_grads(c, params, data):
     return fn(placed, data)
 
 
-def check_same(reference, *overrides, rows=8, layers=4, extra=()):
-  """The loss and gradients of the pipelined config (overrides) equal the unpipelined one's."""
+@functools.cache
+def unpipelined(reference: tuple, rows: int, layers: int, extra: tuple):
+  """The reference config's parameters (on the host), batch, loss and gradients; computed once per module for
+  the cases that share them (several schedules pipeline the same 4- and 8-layer stacks)."""
   base = load(f"base_num_decoder_layers={layers}", *extra, *reference)
-  piped = load(f"base_num_decoder_layers={layers}", *extra, *overrides)
-  params = state.init_params(base, state.param_spec(base, sharding.create_mesh(base)))
-  params = jax.device_get(params)
+  params = jax.device_get(state.init_params(base, state.param_spec(base, sharding.create_mesh(base))))
   data = batch(rows, base.max_target_length, base.vocab_size)
   want_loss, want_grads = loss_and_grads(base, params, data)
+  return params, data, float(want_loss), jax.device_get(want_grads)
+
+
+def check_same(reference, *overrides, rows=8, layers=4, extra=()):
+  """The loss and gradients of the pipelined config (overrides) equal the unpipelined one's."""
+  params, data, want_loss, want_grads = unpipelined(tuple(reference), rows, layers, tuple(extra))
+  piped = load(f"base_num_decoder_layers={layers}", *extra, *overrides)
   got_loss, got_grads = loss_and_grads(piped, params, data)
   np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
   for got, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):

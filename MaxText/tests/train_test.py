@@ -26,9 +26,19 @@ def run_losses(tmp_path, name, *overrides, devices=None):
   return losses(c)
 
 
-def test_sharding_is_exact(tmp_path):
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  """The losses of the run the exactness tests compare against: fsdp 8 (base.yml's -1 on 8 devices), batch 2
+  per device, scanned layers, remat_policy=full (base.yml's defaults), 5 steps. Trained once per module."""
+  c = cfg(tmp_path_factory.mktemp("reference"), "ref", "steps=5", "per_device_batch_size=2")
+  assert (c.ici_fsdp_parallelism, c.scan_layers, c.remat_policy) == (-1, True, "full")
+  train.run(c)
+  return losses(c)
+
+
+def test_sharding_is_exact(tmp_path, reference):
   """Same global batch (16) on four meshes: per-step float32 losses equal within 1e-5 relative."""
-  ref = run_losses(tmp_path, "fsdp8", "ici_fsdp_parallelism=8", "per_device_batch_size=2")
+  ref = reference  # fsdp 8
   others = {
     "fsdp4_tp2": run_losses(
       tmp_path, "tp", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", "per_device_batch_size=2"
@@ -44,7 +54,7 @@ def test_sharding_is_exact(tmp_path):
 
 
 @pytest.mark.slow  # over 40 s on 2 busy cores (2026-11-27)
-def test_scan_remat_and_accumulation_do_not_change_losses(tmp_path):
+def test_scan_remat_and_accumulation_do_not_change_losses(tmp_path, reference):
   variants = [
     ["scan_layers=false"],
     ["remat_policy=minimal"],
@@ -56,16 +66,16 @@ def test_scan_remat_and_accumulation_do_not_change_losses(tmp_path):
     ["num_vocab_tiling=4"],  # logits and loss in 4 sequence pieces
     ["attention_query_chunk=8", "attention=dot_product"],  # attention in 4 query blocks
   ]
-  ref = run_losses(tmp_path, "ref", "per_device_batch_size=2", "remat_policy=full", "scan_layers=true")
+  ref = reference  # remat_policy=full, scan_layers=true
   for i, variant in enumerate(variants):
     got = run_losses(tmp_path, f"variant{i}", "per_device_batch_size=2", *variant)
     np.testing.assert_allclose(got, ref, rtol=1e-5, err_msg=str(variant))
 
 
 @pytest.mark.slow  # over 40 s on 2 busy cores (2026-11-27)
-def test_maxtext_remat_policies_do_not_change_losses(tmp_path):
+def test_maxtext_remat_policies_do_not_change_losses(tmp_path, reference):
   # The attention output ("context") and host offloading (pinned_host memory exists on CPU too).
-  ref = run_losses(tmp_path, "ref", "per_device_batch_size=2", "remat_policy=full")
+  ref = reference  # remat_policy=full
   for policy in ("minimal_flash", "save_dot_except_mlpwi", "qkv_proj_offloaded", "minimal_offloaded"):
     got = run_losses(tmp_path, policy, "per_device_batch_size=2", f"remat_policy={policy}")
     np.testing.assert_allclose(got, ref, rtol=1e-5, err_msg=policy)

@@ -99,6 +99,15 @@ CASES = (
     "olmo3-32b v5p-128",
     "model_name=olmo3-32b", "compile_topology=v5p-128", "per_device_batch_size=1", "max_target_length=8192",
   ),
+  # Qwen3.5-35B-A3B: 30 gated DeltaNet (separate projections) + 10 gated attention layers, 256 experts per layer.
+  case(
+    "qwen3.5-35b-a3b v5p-64",
+    "model_name=qwen3.5-35b-a3b", "compile_topology=v5p-64", "per_device_batch_size=1", "max_target_length=4096",
+  ),
+  case(
+    "qwen3.5-122b-a10b v5p-128",
+    "model_name=qwen3.5-122b-a10b", "compile_topology=v5p-128", "per_device_batch_size=1", "max_target_length=4096",
+  ),
   # Expert parallelism (docs/expert_parallelism.md): tokens move to the experts by all-to-all.
   case(
     "mixtral-8x7b v5p-128 expert=8 dropless",

@@ -151,9 +151,14 @@ def _convert(hf_path: str, output: str, scan_layers: bool, dtype: str, final: st
   mapping = mappings.of_block(c.decoder_block)
   rules = mapping.rules(c, models.family(model).stacks(model), abstract)
   raw, packed = mxfp4.unpack_index(tensor_index(hf_path))  # MXFP4 blocks+scales pairs as one tensor
-  real = {hf_mapping.canonical_name(name): name for name in raw}  # multimodal checkpoints name tensors variously
-  index = {hf_mapping.canonical_name(name): v for name, v in raw.items()}
-  packed = {hf_mapping.canonical_name(name) for name in packed}
+
+  def canonical(name: str) -> str:  # multimodal checkpoints name tensors variously; a text-only import reads
+    name = hf_mapping.canonical_name(name)  # an image-text checkpoint's text model as the text model's own names
+    return name if c.use_multimodal else name.removeprefix(hf_mapping.TEXT_PREFIX)
+
+  real = {canonical(name): name for name in raw}
+  index = {canonical(name): v for name, v in raw.items()}
+  packed = {canonical(name) for name in packed}
   block = fp8.block_size(read_hf_config(hf_path))
   expected = {r.hf_name for r in rules}
   if block:  # each FP8 weight's block scales travel with it

@@ -1,6 +1,6 @@
-"""Qwen3-Next's two token mixers: the gated DeltaNet (linear attention with a short causal convolution and a
-decaying matrix state updated by the delta rule) and gated full attention (a sigmoid output gate per query
-channel, RoPE on the first partial_rotary_factor of each head).
+"""Qwen3-Next's and Qwen3.5's two token mixers: the gated DeltaNet (linear attention with a short causal
+convolution and a decaying matrix state updated by the delta rule) and gated full attention (a sigmoid output
+gate per query channel, RoPE on the first partial_rotary_factor of each head).
 
 Gated delta rule, per value head, state S [Dk, Dv], for each token t (q, k L2-normalised, q scaled by Dk^-0.5):
     S <- exp(g_t) S;   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t
@@ -134,18 +134,33 @@ class GatedDeltaNet(nnx.Module):
     self.kernel_size, self.chunk = config.linear.linear_conv_kernel_dim, config.linear.linear_chunk_size
     self.ratio = self.hv // self.hk
     self.conv_dim = 2 * self.hk * self.dk + self.hv * self.dv
-    dense = dict(dtype=dt, weight_dtype=wdt, rngs=rngs)
-    group = 2 * self.dk + 2 * self.ratio * self.dv
-    self.in_proj_qkvz = DenseGeneral(d, (self.hk, group), ("embed", "q_heads", "kv"), **dense)
-    self.in_proj_ba = DenseGeneral(d, (self.hk, 2 * self.ratio), ("embed", "q_heads", None), **dense)
+    self._projections(d, dict(dtype=dt, weight_dtype=wdt, rngs=rngs))
     fan_in = nnx.initializers.lecun_normal(in_axis=-1, out_axis=0)
     self.conv1d = nnx.Param(fan_in(rngs.params(), (self.conv_dim, 1, self.kernel_size), wdt), out_sharding=(None,) * 3)
     self.dt_bias = nnx.Param(jnp.ones((self.hv,), wdt), out_sharding=(None,))
     a = jax.random.uniform(rngs.params(), (self.hv,), jnp.float32, 1.0, 16.0)
     self.A_log = nnx.Param(jnp.log(a).astype(wdt), out_sharding=(None,))
     self.norm = GatedRMSNorm(self.dv, epsilon=config.norms.normalization_layer_epsilon, dtype=dt, weight_dtype=wdt)
-    self.out = DenseGeneral((self.hv, self.dv), d, ("heads", "kv", "embed"), **dense)
+    self.out = DenseGeneral((self.hv, self.dv), d, ("heads", "kv", "embed"), dtype=dt, weight_dtype=wdt, rngs=rngs)
     self.dtype = dt
+
+  def _projections(self, d: int, dense: dict[str, Any]) -> None:
+    group = 2 * self.dk + 2 * self.ratio * self.dv
+    self.in_proj_qkvz = DenseGeneral(d, (self.hk, group), ("embed", "q_heads", "kv"), **dense)
+    self.in_proj_ba = DenseGeneral(d, (self.hk, 2 * self.ratio), ("embed", "q_heads", None), **dense)
+
+  def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """x [B, T, D] -> (the convolution's input [B, T, C]: all q heads, all k heads, all v heads; z [B, T, Hv, Dv];
+    the beta and decay logits [B, T, Hv])."""
+    b, t, _ = x.shape
+    dk, dv, r = self.dk, self.dv, self.ratio
+    qkvz = self.in_proj_qkvz(x)  # [B, T, Hk, G]
+    ba = self.in_proj_ba(x)  # [B, T, Hk, 2r]
+    q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
+    z = z.reshape(b, t, self.hv, dv)
+    beta_logit, a = (u.reshape(b, t, self.hv) for u in jnp.split(ba, 2, axis=-1))
+    mixed = jnp.concatenate([q.reshape(b, t, -1), k.reshape(b, t, -1), v.reshape(b, t, -1)], axis=-1)
+    return mixed, z, beta_logit, a
 
   def _conv(self, mixed: jax.Array, segment_ids: jax.Array, history: jax.Array) -> jax.Array:
     """Depthwise causal convolution + silu: mixed [B, T, C] after `history` [B, K-1, C] -> [B, T, C]."""
@@ -169,12 +184,7 @@ class GatedDeltaNet(nnx.Module):
   ) -> tuple[jax.Array, RecurrentState | None]:
     b, t, _ = x.shape
     hk, hv, dk, dv, r = self.hk, self.hv, self.dk, self.dv, self.ratio
-    qkvz = self.in_proj_qkvz(x)  # [B, T, Hk, G]
-    ba = self.in_proj_ba(x)  # [B, T, Hk, 2r]
-    q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
-    z = z.reshape(b, t, hv, dv)
-    beta_logit, a = (u.reshape(b, t, hv) for u in jnp.split(ba, 2, axis=-1))
-    mixed = jnp.concatenate([q.reshape(b, t, -1), k.reshape(b, t, -1), v.reshape(b, t, -1)], axis=-1)
+    mixed, z, beta_logit, a = self._project(x)
     history = jnp.zeros((b, self.kernel_size - 1, self.conv_dim), mixed.dtype) if cache is None else cache.conv
     conv = self._conv(mixed, segment_ids, history)
     q, k, v = jnp.split(conv.astype(jnp.float32), [hk * dk, 2 * hk * dk], axis=-1)
@@ -219,6 +229,21 @@ class GatedDeltaNet(nnx.Module):
     c, dk, dv = self.chunk, self.dk, self.dv
     per_head = 4 * c * dk + c * (dk + dv) + 2 * c * dv + 6 * dk * dv
     return float(self.hv * per_head + 2 * self.kernel_size * self.conv_dim)
+
+
+class SplitGatedDeltaNet(GatedDeltaNet):
+  """The gated DeltaNet with Qwen3.5's separate projections (Hugging Face's layout, so checkpoints convert
+  without reordering): in_proj_qkv [D, C] (all q heads, all k heads, all v heads: the convolution's channel
+  order), in_proj_z [D, Hv, Dv], in_proj_b and in_proj_a [D, Hv]. The maths is GatedDeltaNet's."""
+
+  def _projections(self, d: int, dense: dict[str, Any]) -> None:
+    self.in_proj_qkv = DenseGeneral(d, self.conv_dim, ("embed", "mlp"), **dense)
+    self.in_proj_z = DenseGeneral(d, (self.hv, self.dv), ("embed", "q_heads", "kv"), **dense)
+    self.in_proj_b = DenseGeneral(d, self.hv, ("embed", "q_heads"), **dense)
+    self.in_proj_a = DenseGeneral(d, self.hv, ("embed", "q_heads"), **dense)
+
+  def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
 
 
 class GatedAttention(Attention):

@@ -24,6 +24,7 @@ DecoderBlock = Literal[
   "glm4_moe",
   "olmo3",
   "minimax_m2",
+  "qwen3_5",
 ]  # fmt: skip  # models.REGISTRY's keys (model_config_test checks)
 Dtype = Literal["bfloat16", "float32", "float16"]
 WeightDtype = Literal["float32", "bfloat16"]

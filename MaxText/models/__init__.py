@@ -24,6 +24,7 @@ from MaxText.models import (
   llama4,
   minimax_m2,
   olmo3,
+  qwen3_5,
   qwen3next,
 )
 from MaxText.models.deepseek import hf as deepseek_hf
@@ -40,6 +41,7 @@ from MaxText.models.mistral import hf as mistral_hf
 from MaxText.models.mixtral import hf as mixtral_hf
 from MaxText.models.olmo3 import hf as olmo3_hf
 from MaxText.models.qwen3 import hf as qwen3_hf
+from MaxText.models.qwen3_5 import hf as qwen3_5_hf
 from MaxText.models.qwen3next import hf as qwen3next_hf
 
 if TYPE_CHECKING:
@@ -64,6 +66,7 @@ REGISTRY: dict[str, Family] = {
   "glm4_moe": glm4_moe.FAMILY,
   "olmo3": olmo3.FAMILY,
   "minimax_m2": minimax_m2.FAMILY,
+  "qwen3_5": qwen3_5.FAMILY,
 }
 # decoder_block -> its Hugging Face mapping ("default" has none).
 HF: dict[str, Mapping] = {
@@ -80,6 +83,7 @@ HF: dict[str, Mapping] = {
     llama4_hf.MAPPING,
     gpt_oss_hf.MAPPING,
     qwen3next_hf.MAPPING,
+    qwen3_5_hf.MAPPING,
     gpt3_hf.MAPPING,
     glm4_moe_hf.MAPPING,
     olmo3_hf.MAPPING,
@@ -101,14 +105,14 @@ def problem(config: Any) -> str | None:
     return f"Unknown decoder_block {name!r}; choose one of {', '.join(sorted(REGISTRY))}"
   if REGISTRY[name].learned_positions and config.trainable_position_size <= 0:
     return f"decoder_block={name} needs trainable_position_size > 0"
-  if name == "qwen3next":  # the gated DeltaNet (layers/gated_deltanet.py)
+  if name in ("qwen3next", "qwen3_5"):  # the gated DeltaNet (layers/gated_deltanet.py)
     if config.full_attention_interval < 1 or config.linear_num_value_heads % max(config.linear_num_key_heads, 1):
       return (
-        "qwen3next needs full_attention_interval >= 1 and linear_num_value_heads a multiple of linear_num_key_heads; "
+        f"{name} needs full_attention_interval >= 1 and linear_num_value_heads a multiple of linear_num_key_heads; "
         f"got {config.full_attention_interval}, {config.linear_num_value_heads}, {config.linear_num_key_heads}"
       )
     if config.ici_context_parallelism * config.dcn_context_parallelism > 1:
-      return "qwen3next: the gated DeltaNet runs over whole sequences; set ici/dcn_context_parallelism=1"
+      return f"{name}: the gated DeltaNet runs over whole sequences; set ici/dcn_context_parallelism=1"
   rotary = config.head_dim * config.partial_rotary_factor
   if config.partial_rotary_factor != 1.0 and not (0 < rotary <= config.head_dim and rotary % 2 == 0):
     return (

@@ -69,6 +69,12 @@ OLMO3_ROPE = {"full_attention": YARN, "sliding_attention": {"rope_type": "defaul
 OLMO3 = dict(num_hidden_layers=5, sliding_window=4, rope_parameters=OLMO3_ROPE, max_position_embeddings=256)
 # MiniMax M2: every layer a sigmoid-routed MoE with a selection bias; q/k norms over all heads; RoPE on 4 of 8 dims.
 MINIMAX_M2 = dict(num_local_experts=4, num_experts_per_tok=2, rotary_dim=4, bos_token_id=1, eos_token_id=2)
+# Qwen3.5-MoE: 5 layers = one scanned block of 4 (3 gated DeltaNet, 1 gated attention) and a remainder of 1;
+# 2 key heads serving 4 value heads; half the head dims rotated.
+QWEN35 = dict(num_hidden_layers=5, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+QWEN35 |= dict(shared_expert_intermediate_size=16, linear_num_key_heads=2, linear_num_value_heads=4)
+QWEN35 |= dict(linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4, max_position_embeddings=64)
+QWEN35 |= dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
 FAMILIES = {
   "llama2": ("LlamaConfig", {}),
   "llama-bias": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),
@@ -99,6 +105,7 @@ FAMILIES = {
   "glm4_moe": ("Glm4MoeConfig", GLM45),
   "olmo3": ("Olmo3Config", OLMO3),
   "minimax-m2": ("MiniMaxM2Config", MINIMAX_M2),
+  "qwen3.5-moe": ("Qwen3_5MoeTextConfig", QWEN35),
 }
 GPT2 = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16, n_inner=48)
 T = 12
@@ -246,6 +253,10 @@ DECODE_FAMILIES = {
   + ["rope_type=yarn", "rope_factor=4.0", "original_max_position_embeddings=8", "local_rope_max_timescale=1000"],
   "minimax-m2": ["decoder_block=minimax_m2", "num_experts=4", "num_experts_per_tok=2", "use_qk_norm=true"]
   + ["routed_score_func=sigmoid", "routed_bias=true", "partial_rotary_factor=0.5"],
+  "qwen3_5": ["decoder_block=qwen3_5", "full_attention_interval=2", "num_experts=4", "num_experts_per_tok=2"]
+  + ["base_moe_mlp_dim=16", "shared_experts=1", "shared_expert_gate=true", "linear_num_key_heads=2"]
+  + ["linear_num_value_heads=4", "linear_key_head_dim=8", "linear_value_head_dim=6", "linear_chunk_size=4"]
+  + ["partial_rotary_factor=0.5", "use_qk_norm=true"],
 }
 
 

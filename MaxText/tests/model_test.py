@@ -117,6 +117,9 @@ FAMILY_PRESETS = {
   # one 3 sliding : 1 full cycle and a remainder layer; a window of 4 inside the 16 tokens
   "olmo3": ["model_name=olmo3-7b", "base_num_decoder_layers=5", "sliding_window_size=4"],
   "minimax_m2": ["model_name=minimax-m2-230b", *MOE],  # q/k norms across heads, RoPE on half of each head
+  # the same cycle with the DeltaNet's projections separate (Qwen3.5)
+  "qwen3_5": ["model_name=qwen3.5-35b-a3b", *MOE, "base_num_decoder_layers=4", "linear_num_key_heads=2"]
+  + ["linear_num_value_heads=4", "linear_key_head_dim=16", "linear_value_head_dim=16", "linear_chunk_size=4"],
 }
 FAMILY_TINY = ["base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=4", "base_mlp_dim=128", "head_dim=16"]
 FAMILY_TINY += ["base_num_decoder_layers=2", "vocab_size=512", "max_target_length=16", "dtype=float32"]

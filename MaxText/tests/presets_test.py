@@ -59,6 +59,11 @@ PUBLISHED = {  # billions of parameters, as published by the model authors (text
   "olmo3-7b": 7.30,
   "olmo3-32b": 32.23,
   "minimax-m2-230b": 228.69,  # 230B published; transformers counts 228,689,748,992 (+ 15,872 router biases)
+  # Qwen3.5-MoE text models (35B, 122B, 397B published with the vision tower): transformers' count of the presets'
+  # Qwen3_5MoeTextConfig, 34,660,610,688, 122,111,526,912 and 396,346,350,336, equals ours
+  "qwen3.5-35b-a3b": 34.66,
+  "qwen3.5-122b-a10b": 122.11,
+  "qwen3.5-397b-a17b": 396.35,
 }
 
 

@@ -1,0 +1,236 @@
+"""Qwen3.5-MoE beyond families_test's logits and round trip (helpers.FAMILIES "qwen3.5-moe"): the separate
+DeltaNet projections are Qwen3-Next's maths in another layout; the releases' image-text checkpoints import their
+text model; greedy decoding against transformers with and without the cache; each distinctive config value
+switched off in our model only breaks parity; LoRA SFT of the converted model; expert/tensor/FSDP layouts on 8
+devices; FLOPs of the 35B preset; bad input."""
+
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from MaxText import config, flops, models, planner, sharding, train
+from MaxText.convert import hf_to_maxtext
+from MaxText.errors import ConfigError
+from MaxText.inference import Engine
+from MaxText.layers import gated_deltanet
+from MaxText.layers.model_config import ModelConfig
+from MaxText.tests.helpers import (
+  PARITY_NEW,
+  PROMPTS,
+  QWEN35,
+  SMALL,
+  T,
+  hf_greedy,
+  hf_model,
+  make_tokenizer,
+  maxtext_logits,
+  write_jsonl,
+)
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+BASE = os.path.join(config.CONFIG_DIR, "base.yml")
+LAYER = ["base_emb_dim=32", "linear_num_key_heads=2", "linear_num_value_heads=4", "linear_key_head_dim=8"]
+LAYER += ["linear_value_head_dim=6", "linear_chunk_size=4", "dtype=float32", "run_name=t"]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+  """(the tiny HF model, its directory, the converted MaxText directory)."""
+  tmp = tmp_path_factory.mktemp("qwen35")
+  model, hf_path = hf_model("qwen3.5-moe", tmp)
+  out = os.path.join(tmp, "mt")
+  hf_to_maxtext.convert(hf_path, out)
+  return model, hf_path, out
+
+
+def test_split_projections_are_the_fused_layer_regrouped():
+  """Qwen3-Next's fused in_proj_qkvz/in_proj_ba (grouped per key head) regrouped into Qwen3.5's in_proj_qkv
+  (all q, all k, all v), in_proj_z, in_proj_b, in_proj_a give the same outputs."""
+  layers = {}
+  for block, cls in (("qwen3next", gated_deltanet.GatedDeltaNet), ("qwen3_5", gated_deltanet.SplitGatedDeltaNet)):
+    c = config.load([BASE, f"decoder_block={block}", *LAYER], {})
+    with nnx.use_eager_sharding(False):
+      layers[block] = cls(ModelConfig.from_config(c), rngs=nnx.Rngs(0), plan=planner.build(c))
+  fused, split = layers["qwen3next"], layers["qwen3_5"]
+  d, hk, hv, dk, dv = 32, 2, 4, 8, 6
+  qkvz, ba = fused.in_proj_qkvz.kernel[...], fused.in_proj_ba.kernel[...]  # [D, Hk, G], [D, Hk, 2r]
+  q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + 2 * dv], axis=-1)
+  split.in_proj_qkv.kernel[...] = jnp.concatenate([a.reshape(d, -1) for a in (q, k, v)], axis=-1)
+  split.in_proj_z.kernel[...] = z.reshape(d, hv, dv)
+  split.in_proj_b.kernel[...], split.in_proj_a.kernel[...] = (u.reshape(d, hv) for u in jnp.split(ba, 2, axis=-1))
+  for name in ("conv1d", "dt_bias", "A_log"):
+    getattr(split, name)[...] = getattr(fused, name)[...]
+  split.norm.scale[...], split.out.kernel[...] = fused.norm.scale[...], fused.out.kernel[...]
+  assert hk * 2 == hv
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 9, d)), jnp.float32)
+  positions, segments = jnp.broadcast_to(jnp.arange(9), (2, 9)), jnp.ones((2, 9), jnp.int32)
+  run = nnx.jit(lambda m, *args: m(*args)[0])
+  want = run(fused, x, positions, segments)
+  np.testing.assert_allclose(run(split, x, positions, segments), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow  # 26 s at load average 9 on the 2 shared cores
+def test_image_text_checkpoint_imports_its_text_model(tmp_path):
+  """The releases are Qwen3_5MoeForConditionalGeneration (text model under model.language_model., a vision tower
+  under model.visual.): the text model converts, with the logits of that model on text."""
+  text = {k: v for k, v in {**SMALL, **QWEN35}.items() if k != "intermediate_size"}
+  vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4)
+  cfg = transformers.Qwen3_5MoeConfig(text_config=text, vision_config={**vision, "num_position_embeddings": 16})
+  torch.manual_seed(0)
+  model = transformers.Qwen3_5MoeForConditionalGeneration(cfg).float().eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "norm" in name:
+        p.copy_(torch.randn_like(p) * 0.5 + 1.0)
+  hf_path, out = os.path.join(tmp_path, "hf"), os.path.join(tmp_path, "mt")
+  model.save_pretrained(hf_path)
+  tokens = np.random.default_rng(0).integers(0, 64, (2, T))
+  with torch.no_grad():
+    ref = model(input_ids=torch.tensor(tokens)).logits.numpy()
+  hf_to_maxtext.convert(hf_path, out)
+  np.testing.assert_allclose(maxtext_logits(out, tokens), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # two engine compiles and three forward compiles on the 2 shared cores
+def test_greedy_tokens_equal_hugging_face_with_and_without_cache(converted):
+  """Batched prompts of 3, 9 and 6 tokens (right-padded here, left-padded by HF): 16 greedy tokens with the
+  recurrent state and KV caches equal HF's, and re-running the whole sequence each step picks the same."""
+  model, _, out = converted
+  c = config.load(
+    [os.path.join(out, "config.yml"), "run_name=t", "dtype=float32", f"load_parameters_path={out}/params"]
+    + ["max_target_length=32", "max_prefill_predict_length=16", "ici_fsdp_parallelism=1", "ici_data_parallelism=-1"],
+    {},
+  )
+  got = Engine.load(c).generate(PROMPTS, PARITY_NEW, strategy="greedy", stop_tokens=[])
+  want = hf_greedy(model, PROMPTS)
+  for row, completion in enumerate(got.completions):
+    np.testing.assert_array_equal(completion.tokens, want[row], err_msg=f"prompt {row}")
+  for row, prompt in enumerate(PROMPTS):
+    seq = np.array([prompt + list(got.completions[row].tokens)])
+    logits = maxtext_logits(out, seq)[0]
+    np.testing.assert_array_equal(logits[len(prompt) - 1 : -1].argmax(-1), got.completions[row].tokens)
+
+
+@pytest.mark.slow  # one forward compile per case
+@pytest.mark.parametrize(
+  "off",
+  [
+    "partial_rotary_factor=1.0",  # RoPE over the whole head instead of its first half
+    "norm_topk_prob=false",  # the chosen experts' softmax weights not renormalised
+    "shared_expert_gate=false",  # the shared expert's output not scaled by its sigmoid gate (the gate then unused)
+  ],
+)
+def test_each_feature_switched_off_breaks_parity(converted, off):
+  """The converted model with one feature's key changed in ours only no longer matches transformers (the same
+  model unchanged does: families_test)."""
+  model, _, out = converted
+  tokens = np.random.default_rng(0).integers(0, 64, (2, T))
+  with torch.no_grad():
+    ref = model(torch.tensor(tokens)).logits.numpy()
+  assert np.max(np.abs(maxtext_logits(out, tokens, off) - ref)) > 1e-3
+
+
+@pytest.mark.slow  # one training compile
+def test_lora_sft_of_the_converted_model_trains(tmp_path, monkeypatch):
+  """SFT with LoRA adapters on the DeltaNet's and the attention's projections of a converted model (its vocab the
+  tokenizer's): the loss falls."""
+  monkeypatch.setitem(QWEN35, "vocab_size", 320)
+  _, hf_path = hf_model("qwen3.5-moe", tmp_path)
+  out = os.path.join(tmp_path, "mt")
+  hf_to_maxtext.convert(hf_path, out)
+  tok = make_tokenizer(os.path.join(tmp_path, "tok"))
+  data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "What is the capital of France?", "completion": "Paris."}] * 8)
+  targets = ".*self_attention/(query|key|value|out|in_proj_qkv|in_proj_z)"
+  c = config.load(
+    [os.path.join(out, "config.yml"), "run_name=lora", f"base_output_directory={tmp_path}"]
+    + [f"load_parameters_path={out}/params", "dataset_type=text", "use_sft=true", f"dataset_path={data}"]
+    + ["tokenizer_type=huggingface", f"tokenizer_path={tok.path}", "eval_fraction=0", "steps=6", "log_period=1"]
+    + ["max_target_length=32", "per_device_batch_size=1", "enable_checkpointing=false", "dtype=float32"]
+    + ["lora_rank=4", "lora_alpha=8", f"lora_target_modules={targets}", "learning_rate=3e-2", "log_config=false"],
+    {},
+  )
+  train.run(c)
+  rows = [json.loads(line) for line in open(c.metrics_file)]
+  assert len(rows) == 6 and rows[-1]["loss"] < rows[0]["loss"]
+
+
+TINY35 = ["decoder_block=qwen3_5", "base_emb_dim=32", "base_num_query_heads=4", "base_num_kv_heads=2", "head_dim=8"]
+TINY35 += ["base_num_decoder_layers=4", "num_experts=8", "num_experts_per_tok=2", "base_moe_mlp_dim=16"]
+TINY35 += ["shared_experts=1", "shared_expert_gate=true", "partial_rotary_factor=0.5", "use_qk_norm=true", *LAYER[1:]]
+TINY35 += ["vocab_size=64", "weight_dtype=float32"]
+
+
+@pytest.mark.slow  # one compile per layout
+@pytest.mark.parametrize(
+  "layout",
+  [["ici_expert_parallelism=2", "ici_fsdp_parallelism=4"], ["ici_expert_parallelism=8", "ici_fsdp_parallelism=1"]]
+  + [["ici_tensor_parallelism=2", "ici_fsdp_parallelism=4"], ["ici_fsdp_parallelism=8"]],
+)
+def test_layouts_on_8_devices_give_the_single_device_loss(layout):
+  """Expert, tensor and FSDP parallel over the 8 CPU devices: the loss of a 4-layer Qwen3.5-MoE (3 split DeltaNet
+  layers, 1 gated attention, 8 experts) equals the unsharded one."""
+  c = config.load([BASE, *TINY35, *layout], {})
+  mesh = sharding.create_mesh(c)
+  graphdef, params = nnx.split(models.build(c, nnx.Rngs(params=0), planner.build(c)), nnx.Param)
+  sharded = nnx.split(models.build(c, nnx.Rngs(params=0), planner.build(c, mesh)), nnx.Param)[0]
+  tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (8, 17)), jnp.int32)
+  positions, segments = jnp.broadcast_to(jnp.arange(16), (8, 16)), jnp.ones((8, 16), jnp.int32)
+
+  def loss(g, p):
+    logits = nnx.merge(g, p)(tokens[:, :-1], positions, segments)
+    return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, tokens[:, 1:, None], -1)[..., 0])
+
+  expected = jax.jit(functools.partial(loss, graphdef))(params)
+  with sharding.activate(c, mesh):
+    placed = jax.device_put(
+      params, sharding.logical_to_mesh(nnx.get_partition_spec(params), mesh, sharding.axis_rules(c))
+    )
+    got = jax.jit(functools.partial(loss, sharded))(placed)
+  np.testing.assert_allclose(float(got), float(expected), rtol=1e-6)
+
+
+def test_flops_count_linear_attention_layers_as_such():
+  """qwen3.5-35b-a3b: 30 DeltaNet layers whose cost does not grow with the length, 10 causal attention layers;
+  the matmuls are 6 x the active parameters (8 of 256 experts + the shared one) but the embedding and head."""
+  base = [BASE, "run_name=t", "model_name=qwen3.5-35b-a3b"]
+  count = lambda t: flops.training_flops_per_token(config.load([*base, f"max_target_length={t}"], {}))  # noqa: E731
+  short, long = count(2048), count(4096)
+  full = lambda t: 2.0 * t / 2 * 16 * (256 + 256)  # noqa: E731  causal: T / 2 keys per query
+  np.testing.assert_allclose(long.attention - short.attention, 3 * 10 * (full(4096) - full(2048)), rtol=1e-6)
+  d, e = 2048, 3 * 2048 * 512  # one expert's (or the shared one's) parameters
+  deltanet = d * (2 * 16 * 128 + 32 * 128) + d * 32 * 128 + 2 * d * 32 + 32 * 128 * d
+  attention = d * 16 * 256 * 2 + 2 * d * 2 * 256 + 16 * 256 * d
+  per_layer = 9 * e + d * 256 + d  # routed and shared experts, router, shared expert gate
+  active = 30 * deltanet + 10 * attention + 40 * per_layer
+  np.testing.assert_allclose(short.matmul, 6 * active, rtol=1e-6)
+
+
+def test_other_families_checkpoints_and_unsupported_configs_are_one_line_errors(tmp_path):
+  """A Qwen3.5 checkpoint named Qwen3-Next (its separate DeltaNet tensors are not Qwen3-Next's fused ones),
+  an image-text config without text_config, a layer pattern that is not periodic, no experts: ConfigErrors
+  before any compile."""
+  _, hf_path = hf_model("qwen3.5-moe", tmp_path)
+  path = os.path.join(hf_path, "config.json")
+  cfg = json.load(open(path))
+
+  def convert(**changes):
+    json.dump({**cfg, **changes}, open(path, "w"))
+    hf_to_maxtext.convert(hf_path, os.path.join(tmp_path, "out"))
+
+  with pytest.raises(ConfigError, match=r"Tensor model\.layers\.0\.linear_attn\.in_proj_.* does not fit config"):
+    convert(model_type="qwen3_next", intermediate_size=48)
+  with pytest.raises(ConfigError, match="needs a text_config object"):
+    convert(model_type="qwen3_5_moe")
+  with pytest.raises(ConfigError, match="is not every 4th layer full attention"):
+    convert(layer_types=["linear_attention"] * 3 + ["full_attention", "full_attention"])
+  with pytest.raises(ConfigError, match="needs num_experts"):
+    convert(num_experts=0)
+  jax.clear_caches()

@@ -120,9 +120,10 @@ def problem(config: Any) -> str | None:
       "dims (0 < factor <= 1)"
     )
   if config.mtp_num_layers and REGISTRY[name].mtp_layer is None:
+    with_mtp = ", ".join(sorted(block for block, family in REGISTRY.items() if family.mtp_layer is not None))
     return (
       f"mtp_num_layers={config.mtp_num_layers} is not available for decoder_block={name} "
-      "(multi-token prediction: deepseek and the llama2 family); set mtp_num_layers=0"
+      f"(multi-token prediction: {with_mtp}); set mtp_num_layers=0"
     )
   return None
 

@@ -23,7 +23,7 @@ from MaxText.layers.axes import HEAD_AXES, KV_HEAD_AXES
 from MaxText.layers.embeddings import apply_rope, rope_attention_factor, scaled_rope_frequencies
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.model_config import ModelConfig
-from MaxText.layers.normalizations import RMSNorm
+from MaxText.layers.normalizations import HeadsRMSNorm, RMSNorm
 from MaxText.parallel import ops
 
 if TYPE_CHECKING:
@@ -340,3 +340,16 @@ class Attention(nnx.Module):
     c = self.config
     quant = kv_cache.QUANT_DTYPES[self.plan.kv_cache_quant] if self.plan.kv_cache_quant else None
     return kv_cache.zeros(batch, length, c.num_kv_heads, c.head_dim, jnp.dtype(c.dtype), quant)
+
+
+class HeadsNormAttention(Attention):
+  """The shared attention whose q/k norms (use_qk_norm) run over each token's whole projected query and key, all
+  heads together (HeadsRMSNorm; olmo3, minimax_m2), instead of per head."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, plan: Plan, **kwargs):
+    super().__init__(config, rngs=rngs, plan=plan, **{**kwargs, "use_qk_norm": False})
+    if config.attention.use_qk_norm:
+      args = dict(epsilon=config.norms.normalization_layer_epsilon, dtype=jnp.dtype(config.dtype))
+      args["weight_dtype"] = jnp.dtype(config.weight_dtype)
+      self.query_norm = HeadsRMSNorm(config.num_query_heads, config.head_dim, **args)
+      self.key_norm = HeadsRMSNorm(config.num_kv_heads, config.head_dim, **args)

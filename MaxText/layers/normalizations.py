@@ -25,6 +25,20 @@ class RMSNorm(nnx.Module):
     return (y * (self.scale_offset + self.scale[...].astype(jnp.float32))).astype(self.dtype)
 
 
+class HeadsRMSNorm(nnx.Module):
+  """RMSNorm of x [..., N, H] over its last two axes together (a token's whole projected query or key, all heads),
+  scale [N * H] as transformers' flat q_norm/k_norm stores it (olmo3, minimax_m2); float32, returned in `dtype`."""
+
+  def __init__(self, heads: int, head_dim: int, *, epsilon: float, dtype: jnp.dtype, weight_dtype: jnp.dtype):
+    self.scale = nnx.Param(jnp.ones((heads * head_dim,), weight_dtype), out_sharding=("norm",))
+    self.epsilon, self.dtype = epsilon, dtype
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32).reshape(*x.shape[:-2], -1)
+    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
+    return (y * self.scale[...].astype(jnp.float32)).reshape(x.shape).astype(self.dtype)
+
+
 def gemma_rms_norm(dim: int, **kwargs) -> RMSNorm:
   """Gemma's RMSNorm: multiplier 1 + w."""
   return RMSNorm(dim, scale_offset=1.0, **kwargs)

@@ -13,7 +13,7 @@ from flax import nnx
 from MaxText import config, planner, train
 from MaxText.convert import hf_to_maxtext
 from MaxText.errors import ConfigError
-from MaxText.models import minimax_m2
+from MaxText.layers import normalizations
 from MaxText.tests.conftest import BASE, cfg, losses
 from MaxText.tests.helpers import (
   FAMILIES,
@@ -86,7 +86,7 @@ def test_qk_norm_per_head_instead_of_across_heads_breaks_parity(converted, monke
     y = x32 / jnp.sqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.epsilon)
     return (y * self.scale[...].reshape(x.shape[-2:])).astype(self.dtype)
 
-  monkeypatch.setattr(minimax_m2.HeadsRMSNorm, "__call__", per_head)
+  monkeypatch.setattr(normalizations.HeadsRMSNorm, "__call__", per_head)
   assert mismatch(maxtext_logits(out, tokens), ref)
 
 

@@ -15,7 +15,7 @@ from flax import nnx
 from MaxText import config, flops, models, planner, sharding, train
 from MaxText.convert import hf_to_maxtext
 from MaxText.errors import ConfigError
-from MaxText.layers import embeddings
+from MaxText.layers import embeddings, normalizations
 from MaxText.layers.decoder import Family, alternating_stacks
 from MaxText.layers.model_config import ModelConfig
 from MaxText.models import olmo3
@@ -98,7 +98,7 @@ def test_each_feature_switched_off_leaves_hugging_face(feature, converted, monke
     elif what == "registry":
       monkeypatch.setitem(models.REGISTRY, "olmo3", Family(stacks=value))
     elif what == "norm":
-      monkeypatch.setattr(olmo3.HeadsRMSNorm, "__call__", value)
+      monkeypatch.setattr(normalizations.HeadsRMSNorm, "__call__", value)
     else:
       monkeypatch.setattr(olmo3.PostNormLayer, "__call__", value)
   got = maxtext_logits(out, tokens, *overrides)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from MaxText.layers.attention import Attention
+from MaxText.layers.attention import HeadsNormAttention
 from MaxText.layers.axes import ACTIVATION_AXES
 from MaxText.layers.decoder import Family, Stack, alternating_stacks, dropout
 from MaxText.layers.mlp import MlpBlock
@@ -27,32 +27,6 @@ if TYPE_CHECKING:
 SLIDING_PER_FULL = 3  # layer i is full attention when (i + 1) % 4 == 0 (Olmo3Config's default layer_types)
 
 
-class HeadsRMSNorm(nnx.Module):
-  """RMSNorm of x [..., N, H] over its last two axes together, scale [N * H] (transformers' q_norm/k_norm of
-  the flat projection), in float32."""
-
-  def __init__(self, heads: int, head_dim: int, *, epsilon: float, dtype: jnp.dtype, weight_dtype: jnp.dtype):
-    self.scale = nnx.Param(jnp.ones((heads * head_dim,), weight_dtype), out_sharding=("norm",))
-    self.epsilon, self.dtype = epsilon, dtype
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=(-2, -1), keepdims=True) + self.epsilon)
-    return (y * self.scale[...].astype(jnp.float32).reshape(x.shape[-2:])).astype(self.dtype)
-
-
-class Olmo3Attention(Attention):
-  """The shared attention with its q/k norms (use_qk_norm) over all heads at once (HeadsRMSNorm)."""
-
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, plan: Plan, **kwargs):
-    super().__init__(config, rngs=rngs, plan=plan, **{**kwargs, "use_qk_norm": False})
-    if config.attention.use_qk_norm:
-      args = dict(epsilon=config.norms.normalization_layer_epsilon, dtype=jnp.dtype(config.dtype))
-      args["weight_dtype"] = jnp.dtype(config.weight_dtype)
-      self.query_norm = HeadsRMSNorm(config.num_query_heads, config.head_dim, **args)
-      self.key_norm = HeadsRMSNorm(config.num_kv_heads, config.head_dim, **args)
-
-
 class PostNormLayer(nnx.Module):
   """x [B, T, D] -> [B, T, D]: x + norm(attention(x)), then x + norm(mlp(x)); the DecoderLayer contract and
   parameter names (post_self_attention_norm, post_ffw_norm), without the pre-norms."""
@@ -64,7 +38,7 @@ class PostNormLayer(nnx.Module):
     args = dict(epsilon=config.norms.normalization_layer_epsilon, dtype=jnp.dtype(config.dtype))
     args["weight_dtype"] = jnp.dtype(config.weight_dtype)
     window = config.attention.sliding_window_size if sliding_window is None else sliding_window
-    self.self_attention = Olmo3Attention(
+    self.self_attention = HeadsNormAttention(
       config, rngs=rngs, plan=plan, sliding_window=window, rope_max_timescale=rope_max_timescale, rope_type=rope_type
     )
     self.post_self_attention_norm = RMSNorm(config.emb_dim, **args)

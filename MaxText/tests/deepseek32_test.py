@@ -11,17 +11,13 @@ import pytest
 from flax import nnx
 
 from MaxText import config, models, planner, sharding, train
-from MaxText.convert import hf_to_maxtext
 from MaxText.tests.conftest import losses
 from MaxText.tests.helpers import (
   DECODE_FAMILIES,
   DECODE_TINY,
   DEEPSEEK32,
   FAMILIES,
-  LORA,
-  hf_model,
-  make_tokenizer,
-  write_jsonl,
+  converted_lora_chat_sft,
 )
 
 LAYOUTS = [
@@ -66,18 +62,7 @@ def test_lora_sft_on_the_converted_model_trains(tmp_path, monkeypatch):
   fine-tunes with LoRA on chat data: the loss falls."""
   pytest.importorskip("torch")
   monkeypatch.setitem(FAMILIES, "deepseek32", ("DeepseekV32Config", {**DEEPSEEK32, "vocab_size": 320}))
-  _, hf_path = hf_model("deepseek32", tmp_path)
-  out = os.path.join(tmp_path, "mt")
-  hf_to_maxtext.convert(hf_path, out)
-  tok = make_tokenizer(tmp_path / "tok")
-  data = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": "What is the capital of France?", "completion": "Paris."}])
-  c = config.load(
-    [os.path.join(out, "config.yml"), "run_name=sft", f"base_output_directory={tmp_path}", "use_sft=true"]
-    + ["dataset_type=text", f"dataset_path={data}", "tokenizer_type=huggingface", f"tokenizer_path={tok.path}"]
-    + [f"load_parameters_path={out}/params", "eval_fraction=0", "steps=4", "max_target_length=32", "dtype=float32"]
-    + [*LORA, "enable_checkpointing=false", "log_config=false", "log_period=1", "warmup_steps_fraction=0"],
-    {},
-  )
+  c = converted_lora_chat_sft("deepseek32", tmp_path)
   train.run(c, jax.devices()[:1])
   got = losses(c)
   assert len(got) == 4 and all(np.isfinite(got)) and got[-1] < got[0], got

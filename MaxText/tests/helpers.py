@@ -341,6 +341,23 @@ def sft_config(tmp_path, tok, data, *overrides):
 LORA = ["lora_rank=4", "lora_alpha=8", "per_device_batch_size=1", "learning_rate=3e-2"]
 
 
+def converted_lora_chat_sft(family, tmp_path):
+  """The config of 4 LoRA steps of chat SFT on a converted tiny `family` (its FAMILIES entry; the caller widens
+  its vocab to the chat tokenizer's 320), single-row chat data, float32."""
+  _, hf_path = hf_model(family, tmp_path)
+  out = os.path.join(tmp_path, "mt")
+  hf_to_maxtext.convert(hf_path, out)
+  tok = make_tokenizer(tmp_path / "tok")
+  data = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": "What is the capital of France?", "completion": "Paris."}])
+  return config.load(
+    [os.path.join(out, "config.yml"), "run_name=sft", f"base_output_directory={tmp_path}", "use_sft=true"]
+    + ["dataset_type=text", f"dataset_path={data}", "tokenizer_type=huggingface", f"tokenizer_path={tok.path}"]
+    + [f"load_parameters_path={out}/params", "eval_fraction=0", "steps=4", "max_target_length=32", "dtype=float32"]
+    + [*LORA, "enable_checkpointing=false", "log_config=false", "log_period=1", "warmup_steps_fraction=0"],
+    {},
+  )
+
+
 def learnable_batch(c, seed=0):
   """A fixed learnable batch [8, T]: each target is its input + 1."""
   tokens = np.random.default_rng(seed).integers(0, c.vocab_size, (8, c.max_target_length), dtype=np.int32)

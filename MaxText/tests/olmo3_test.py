@@ -24,15 +24,13 @@ from MaxText.tests.helpers import (
   DECODE_FAMILIES,
   DECODE_TINY,
   FAMILIES,
-  LORA,
   OLMO3,
   T,
+  converted_lora_chat_sft,
   hf_config,
   hf_keys,
   hf_model,
-  make_tokenizer,
   maxtext_logits,
-  write_jsonl,
 )
 
 torch = pytest.importorskip("torch")
@@ -176,18 +174,7 @@ def test_lora_sft_on_the_converted_model_trains(tmp_path, monkeypatch):
   """A converted tiny OLMo 3 (vocab widened to the chat tokenizer's) fine-tunes with LoRA on chat data: only the
   adapters train and the loss falls."""
   monkeypatch.setitem(FAMILIES, "olmo3", ("Olmo3Config", {**OLMO3, "vocab_size": 320}))
-  _, hf_path = hf_model("olmo3", tmp_path)
-  out = os.path.join(tmp_path, "mt")
-  hf_to_maxtext.convert(hf_path, out)
-  tok = make_tokenizer(tmp_path / "tok")
-  data = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": "What is the capital of France?", "completion": "Paris."}])
-  c = config.load(
-    [os.path.join(out, "config.yml"), "run_name=sft", f"base_output_directory={tmp_path}", "use_sft=true"]
-    + ["dataset_type=text", f"dataset_path={data}", "tokenizer_type=huggingface", f"tokenizer_path={tok.path}"]
-    + [f"load_parameters_path={out}/params", "eval_fraction=0", "steps=4", "max_target_length=32", "dtype=float32"]
-    + [*LORA, "enable_checkpointing=false", "log_config=false", "log_period=1", "warmup_steps_fraction=0"],
-    {},
-  )
+  c = converted_lora_chat_sft("olmo3", tmp_path)
   train.run(c, jax.devices()[:1])
   got = losses(c)
   assert len(got) == 4 and all(np.isfinite(got)) and got[-1] < got[0], got

@@ -17,6 +17,7 @@ from MaxText.models import (
   gemma,
   gemma2,
   gemma3,
+  gemma4,
   glm4_moe,
   gpt3,
   gpt_oss,
@@ -31,6 +32,7 @@ from MaxText.models.deepseek import hf as deepseek_hf
 from MaxText.models.gemma import hf as gemma_hf
 from MaxText.models.gemma2 import hf as gemma2_hf
 from MaxText.models.gemma3 import hf as gemma3_hf
+from MaxText.models.gemma4 import hf as gemma4_hf
 from MaxText.models.glm4_moe import hf as glm4_moe_hf
 from MaxText.models.gpt3 import hf as gpt3_hf
 from MaxText.models.gpt_oss import hf as gpt_oss_hf
@@ -67,6 +69,7 @@ REGISTRY: dict[str, Family] = {
   "olmo3": olmo3.FAMILY,
   "minimax_m2": minimax_m2.FAMILY,
   "qwen3_5": qwen3_5.FAMILY,
+  "gemma4": gemma4.FAMILY,
 }
 # decoder_block -> its Hugging Face mapping ("default" has none).
 HF: dict[str, Mapping] = {
@@ -88,6 +91,7 @@ HF: dict[str, Mapping] = {
     glm4_moe_hf.MAPPING,
     olmo3_hf.MAPPING,
     minimax_m2_hf.MAPPING,
+    gemma4_hf.MAPPING,
   )
 }
 

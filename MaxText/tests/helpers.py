@@ -75,6 +75,15 @@ QWEN35 = dict(num_hidden_layers=5, num_experts=4, num_experts_per_tok=2, moe_int
 QWEN35 |= dict(shared_expert_intermediate_size=16, linear_num_key_heads=2, linear_num_value_heads=4)
 QWEN35 |= dict(linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4, max_position_embeddings=64)
 QWEN35 |= dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+# Gemma 4: 4 layers = one scanned block (sliding, full) of 2 repeats; the full layers with head dim 16, one kv head,
+# no v_proj (K = V) and proportional RoPE on a quarter of their dims; a window of 4 acts within T tokens.
+GEMMA4_ROPE = {
+  "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 10000.0},
+  "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+}
+GEMMA4 = dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=4)
+GEMMA4 |= dict(global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=0)
+GEMMA4 |= dict(final_logit_softcapping=3.0, rope_parameters=GEMMA4_ROPE, hidden_activation="gelu_pytorch_tanh")
 FAMILIES = {
   "llama2": ("LlamaConfig", {}),
   "llama-bias": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),
@@ -106,6 +115,7 @@ FAMILIES = {
   "olmo3": ("Olmo3Config", OLMO3),
   "minimax-m2": ("MiniMaxM2Config", MINIMAX_M2),
   "qwen3.5-moe": ("Qwen3_5MoeTextConfig", QWEN35),
+  "gemma4": ("Gemma4TextConfig", GEMMA4),
 }
 GPT2 = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16, n_inner=48)
 T = 12
@@ -257,6 +267,10 @@ DECODE_FAMILIES = {
   + ["base_moe_mlp_dim=16", "shared_experts=1", "shared_expert_gate=true", "linear_num_key_heads=2"]
   + ["linear_num_value_heads=4", "linear_key_head_dim=8", "linear_value_head_dim=6", "linear_chunk_size=4"]
   + ["partial_rotary_factor=0.5", "use_qk_norm=true"],
+  "gemma4": ["decoder_block=gemma4", "base_num_decoder_layers=4", "full_attention_interval=2", "sliding_window_size=3"]
+  + ["global_head_dim=16", "global_num_kv_heads=1", "attention_k_eq_v=true", "rope_type=proportional"]
+  + ["partial_rotary_factor=0.25", *GEMMA, "use_post_attn_norm=true", "use_post_ffw_norm=true", "use_qk_norm=true"]
+  + ["final_logits_soft_cap=3.0"],
 }
 
 

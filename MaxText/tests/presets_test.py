@@ -64,6 +64,9 @@ PUBLISHED = {  # billions of parameters, as published by the model authors (text
   "qwen3.5-35b-a3b": 34.66,
   "qwen3.5-122b-a10b": 122.11,
   "qwen3.5-397b-a17b": 396.35,
+  # Gemma 4 31B: transformers counts 30,697,345,280 for the preset's config.json (31B published); ours adds the
+  # 60 per-layer scalars (a buffer there)
+  "gemma4-31b": 30.70,
 }
 
 

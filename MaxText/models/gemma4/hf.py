@@ -15,12 +15,13 @@ from MaxText.models.gemma2 import hf as gemma2_hf
 
 DEFAULT_GLOBAL_HEAD_DIM = 512  # Gemma4TextConfig's when config.json gives neither per_layer_config nor global_head_dim
 DEFAULT_PERIOD = 6  # Gemma4TextConfig's layer_types when config.json has none: 5 sliding, then 1 full
-# Features of Gemma4TextConfig this project does not build yet: field -> the value that turns them off.
+# Features of Gemma4TextConfig this project does not build yet: field -> (Gemma4TextConfig's default, the values
+# that leave them off; the first is what an export writes).
 UNSUPPORTED = {
-  "hidden_size_per_layer_input": 0,  # per-layer embeddings (PLE)
-  "num_kv_shared_layers": 0,  # late layers reusing earlier layers' K/V
-  "enable_moe_block": False,  # the MoE block beside the dense MLP
-  "use_bidirectional_attention": None,
+  "hidden_size_per_layer_input": (256, (0, None)),  # per-layer embeddings (PLE)
+  "num_kv_shared_layers": (0, (0,)),  # late layers reusing earlier layers' K/V
+  "enable_moe_block": (False, (False, None)),  # the MoE block beside the dense MLP
+  "use_bidirectional_attention": (None, (None, False, "vision")),  # "all": no causal mask ("vision": images only)
 }
 
 
@@ -67,10 +68,10 @@ class Gemma4(gemma2_hf.Gemma2):
   fixed = {"use_post_attn_norm": True, "use_post_ffw_norm": True, "use_qk_norm": True}
 
   def check(self, hf: dict[str, Any]) -> None:
-    for field, off in UNSUPPORTED.items():
-      value = hf.get(field, 256 if field == "hidden_size_per_layer_input" else off)  # Gemma4TextConfig's defaults
-      if value not in (off, None):
-        raise ConfigError(f"gemma4 config.json {field}={value!r} is not supported yet; set {off!r}")
+    for field, (default, off) in UNSUPPORTED.items():
+      value = hf.get(field, default)
+      if value not in off:
+        raise ConfigError(f"gemma4 config.json {field}={value!r} is not supported yet; set {off[0]!r}")
 
   def family_keys(self, hf: dict[str, Any]) -> dict[str, Any]:
     head_dim, kv = global_shape(hf)
@@ -112,7 +113,7 @@ class Gemma4(gemma2_hf.Gemma2):
       str(i): {"head_dim": head_dim, "num_key_value_heads": kv} for i in range(n) if (i + 1) % period == 0
     }
     out["attention_k_eq_v"] = c.attention_k_eq_v
-    out |= {field: off for field, off in UNSUPPORTED.items() if off is not None}
+    out |= {field: off[0] for field, (_, off) in UNSUPPORTED.items() if off[0] is not None}
 
   def gemma4_layer_rules(self, c, full: bool) -> Iterator[tuple]:
     yield "input_layernorm.weight", ("pre_self_attention_layer_norm", "scale"), (), None, None

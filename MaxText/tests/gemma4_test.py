@@ -1,0 +1,148 @@
+"""Gemma 4 beyond families_test's parity: each distinctive feature switched off in our model only moves the logits
+off transformers'; config.json features we do not support and other families' layouts are one-line errors; the
+preset round-trips config.json (also from the released files' global_head_dim form) with transformers' RoPE."""
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from MaxText import config
+from MaxText.convert import hf_to_maxtext
+from MaxText.errors import ConfigError
+from MaxText.layers import normalizations
+from MaxText.layers.model_config import ModelConfig
+from MaxText.models import gemma4
+from MaxText.tests.helpers import T, hf_config, hf_keys, hf_model, maxtext_logits
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+  """(HF logits on tokens, tokens, the converted model's directory, the HF directory); the HF model's per-layer
+  scalars random and its logits 100 times larger, so that the scalars and the soft-cap count."""
+  tmp = tmp_path_factory.mktemp("gemma4")
+  model, hf_path = hf_model("gemma4", tmp)
+  with torch.no_grad():
+    for name, b in model.named_buffers():
+      if name.endswith("layer_scalar"):
+        b.copy_(torch.rand_like(b) + 0.5)
+    model.lm_head.weight.mul_(100.0)
+  model.save_pretrained(hf_path)
+  tokens = np.random.default_rng(0).integers(0, 64, (2, T))
+  with torch.no_grad():
+    ref = model(torch.tensor(tokens)).logits.numpy()
+  out = os.path.join(tmp, "mt")
+  hf_to_maxtext.convert(hf_path, out)
+  np.testing.assert_allclose(maxtext_logits(out, tokens), ref, rtol=1e-5, atol=1e-5)
+  return ref, tokens, out, hf_path
+
+
+def unscaled_call(self, x, positions, segment_ids, rng, cache=None):
+  return gemma4.DecoderLayer.__call__(self, x, positions, segment_ids, rng, cache)
+
+
+def scaled_project(self, x, positions):
+  q, k, v = ORIGINAL_PROJECT(self, x, positions)
+  return q * q.shape[-1] ** -0.5, k, v
+
+
+def unnormed_values(self, x):
+  return x
+
+
+ORIGINAL_PROJECT = gemma4.Gemma4Attention.project
+SWITCHED_OFF = {
+  "sliding_window": (["sliding_window_size=0"], None),
+  "proportional_rope_on_full_layers": (["rope_type=default"], None),
+  "sliding_layers_rope_base": (["local_rope_max_timescale=10000"], None),
+  "final_logit_soft_cap": (["final_logits_soft_cap=0"], None),
+  "full_attention_every_2nd_layer": (["full_attention_interval=4"], None),
+  "layer_scalar": ([], (gemma4.Gemma4Layer, "__call__", unscaled_call)),
+  "attention_scale_1": ([], (gemma4.Gemma4Attention, "project", scaled_project)),
+  "value_norm": ([], (normalizations.UnitRMSNorm, "__call__", unnormed_values)),
+  "norm_x_times_w": ([], (gemma4, "RMSNorm", normalizations.gemma_rms_norm)),
+}
+
+
+@pytest.mark.parametrize("feature", sorted(SWITCHED_OFF))
+def test_each_feature_switched_off_leaves_hugging_face(feature, converted, monkeypatch):
+  ref, tokens, out, _ = converted
+  overrides, patch = SWITCHED_OFF[feature]
+  if patch is not None:
+    monkeypatch.setattr(*patch)
+  try:
+    got = maxtext_logits(out, tokens, *overrides)
+  except ValueError:  # the other layer pattern's parameters do not fit the checkpoint: as different as can be
+    assert feature == "full_attention_every_2nd_layer"
+    return
+  assert np.abs(got - ref).max() > 1e-3, feature
+
+
+def test_unsupported_config_json_and_other_families_layouts_are_one_line_errors(converted, tmp_path):
+  _, _, out, hf_path = converted
+  hf = json.load(open(os.path.join(hf_path, "config.json")))
+  rope = hf["rope_parameters"]
+  bad = {
+    "hidden_size_per_layer_input=256 is not": {k: v for k, v in hf.items() if k != "hidden_size_per_layer_input"},
+    "num_kv_shared_layers=2 is not supported": {**hf, "num_kv_shared_layers": 2},
+    "enable_moe_block=True is not supported": {**hf, "enable_moe_block": True},
+    "use_bidirectional_attention='all' is not supported": {**hf, "use_bidirectional_attention": "all"},
+    "layer_types": {**hf, "layer_types": ["sliding_attention", "full_attention", "full_attention", "full_attention"]},
+    "per_layer_config": {**hf, "per_layer_config": {"1": {"head_dim": 16}, "3": {"head_dim": 32}}},
+    "factor=2.0 is not supported": {
+      **hf, "rope_parameters": {**rope, "full_attention": {**rope["full_attention"], "factor": 2.0}}
+    },
+    "sliding_attention rope_type 'linear'": {
+      **hf, "rope_parameters": {**rope, "sliding_attention": {"rope_type": "linear", "factor": 2.0}}
+    },
+  }  # fmt: skip
+  for message, cfg in bad.items():
+    with pytest.raises(ConfigError, match=message) as e:
+      hf_keys(cfg)
+    assert "\n" not in str(e.value)
+  # A Gemma 3 checkpoint read as Gemma 4's layout (config.json model_type gemma4_text).
+  _, gemma3_path = hf_model("gemma3", tmp_path / "gemma3")
+  cfg_path = os.path.join(gemma3_path, "config.json")
+  gemma3 = json.load(open(cfg_path))
+  as_gemma4 = {**gemma3, "model_type": "gemma4_text", "hidden_size_per_layer_input": 0, "per_layer_config": None}
+  as_gemma4 |= {"layer_types": ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"]}
+  json.dump(as_gemma4, open(cfg_path, "w"))
+  with pytest.raises(ConfigError, match="layer_types") as e:
+    hf_to_maxtext.convert(gemma3_path, os.path.join(tmp_path, "o"))
+  assert "\n" not in str(e.value)
+  json.dump({**as_gemma4, "num_hidden_layers": 6, "layer_types": None}, open(cfg_path, "w"))
+  with pytest.raises(ConfigError, match="does not fit|Missing tensor") as e:
+    hf_to_maxtext.convert(gemma3_path, os.path.join(tmp_path, "o2"))
+  assert "\n" not in str(e.value)
+  # The converted MaxText checkpoint loaded with Gemma 3's decoder_block.
+  with pytest.raises(ConfigError, match="load_parameters_path") as e:
+    maxtext_logits(out, np.zeros((1, 4), np.int64), "decoder_block=gemma3")
+  assert "\n" not in str(e.value)
+
+
+def test_preset_exports_its_config_and_reads_it_back():
+  """Preset -> config.json -> the same keys, also from the released files' form (global_head_dim and
+  num_global_key_value_heads in place of per_layer_config); RoPE per attention type as transformers computes it."""
+  transformers = pytest.importorskip("transformers")
+  c = config.load([os.path.join(config.CONFIG_DIR, "base.yml"), "run_name=t", "model_name=gemma4-31b"], {})
+  hf = hf_config(c, "bfloat16")
+  assert {k: v for k, v in hf_keys(hf).items() if c[k] != v} == {}
+  released = {k: v for k, v in hf.items() if k not in ("per_layer_config", "layer_types")}
+  released |= {"global_head_dim": 512, "num_global_key_value_heads": 4}
+  assert hf_keys(released) == hf_keys(hf)
+  with pytest.raises(ConfigError, match="multiple of full_attention_interval"):
+    hf_config(c.replace(base_num_decoder_layers=61), "bfloat16")
+  hf_cfg = transformers.Gemma4TextConfig(
+    **{k: v for k, v in released.items() if k not in ("model_type", "architectures")}
+  )
+  assert hf_cfg.layer_types == hf["layer_types"]
+  rope = transformers.models.gemma4.modeling_gemma4.Gemma4TextRotaryEmbedding(hf_cfg)
+  mc = ModelConfig.from_config(c)
+  full = gemma4.proportional_frequencies(512, mc.rope.partial_rotary_factor, mc.rope.rope_max_timescale)
+  np.testing.assert_allclose(full, rope.full_attention_inv_freq.numpy(), rtol=1e-6)
+  sliding = 1.0 / (mc.rope.local_rope_max_timescale ** (jnp.arange(0, 256, 2) / 256))
+  np.testing.assert_allclose(sliding, rope.sliding_attention_inv_freq.numpy(), rtol=1e-6)

@@ -70,6 +70,7 @@ class Attention(Section):
   global_head_dim: int  # gemma4's full-attention layers
   global_num_kv_heads: int
   attention_k_eq_v: bool
+  num_kv_shared_layers: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +110,7 @@ class Mla(Section):
 class Mlp(Section):
   mlp_activations: tuple[Activation, ...]
   mlp_bias: bool
+  use_double_wide_mlp: bool  # gemma4's kv-sharing layers
 
 
 @dataclasses.dataclass(frozen=True)

@@ -117,6 +117,13 @@ def problem(config: Any) -> str | None:
       )
     if config.ici_context_parallelism * config.dcn_context_parallelism > 1:
       return f"{name}: the gated DeltaNet runs over whole sequences; set ici/dcn_context_parallelism=1"
+  if name == "gemma4" and config.num_kv_shared_layers:  # the sharing layers' unit starts with a whole cycle
+    first, period = config.num_decoder_layers - config.num_kv_shared_layers, config.full_attention_interval
+    if first < period or first % period:
+      return (
+        f"gemma4 num_kv_shared_layers={config.num_kv_shared_layers} must leave a positive multiple of "
+        f"full_attention_interval={period} layers before it (num_decoder_layers={config.num_decoder_layers})"
+      )
   rotary = config.head_dim * config.partial_rotary_factor
   if config.partial_rotary_factor != 1.0 and not (0 < rotary <= config.head_dim and rotary % 2 == 0):
     return (

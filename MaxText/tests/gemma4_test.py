@@ -1,6 +1,7 @@
 """Gemma 4 beyond families_test's parity: each distinctive feature switched off in our model only moves the logits
 off transformers'; config.json features we do not support and other families' layouts are one-line errors; the
-preset round-trips config.json (also from the released files' global_head_dim form) with transformers' RoPE."""
+preset round-trips config.json (also from the released files' global_head_dim form) with transformers' RoPE;
+kv-sharing layers match transformers, and do not when they attend to their own keys and values."""
 
 import json
 import os
@@ -9,13 +10,24 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import config
+from MaxText import config, planner
 from MaxText.convert import hf_to_maxtext
 from MaxText.errors import ConfigError
 from MaxText.layers import normalizations
 from MaxText.layers.model_config import ModelConfig
 from MaxText.models import gemma4
-from MaxText.tests.helpers import T, hf_config, hf_keys, hf_model, maxtext_logits
+from MaxText.tests.helpers import (
+  DECODE_FAMILIES,
+  DECODE_TINY,
+  FAMILIES,
+  GEMMA4_KV_SHARED,
+  T,
+  assert_export_is_exact,
+  hf_config,
+  hf_keys,
+  hf_model,
+  maxtext_logits,
+)
 
 torch = pytest.importorskip("torch")
 
@@ -88,7 +100,7 @@ def test_unsupported_config_json_and_other_families_layouts_are_one_line_errors(
   rope = hf["rope_parameters"]
   bad = {
     "hidden_size_per_layer_input=256 is not": {k: v for k, v in hf.items() if k != "hidden_size_per_layer_input"},
-    "num_kv_shared_layers=2 is not supported": {**hf, "num_kv_shared_layers": 2},
+    "num_kv_shared_layers=3 must leave": {**hf, "num_kv_shared_layers": 3},
     "enable_moe_block=True is not supported": {**hf, "enable_moe_block": True},
     "use_bidirectional_attention='all' is not supported": {**hf, "use_bidirectional_attention": "all"},
     "layer_types": {**hf, "layer_types": ["sliding_attention", "full_attention", "full_attention", "full_attention"]},
@@ -118,6 +130,11 @@ def test_unsupported_config_json_and_other_families_layouts_are_one_line_errors(
   with pytest.raises(ConfigError, match="does not fit|Missing tensor") as e:
     hf_to_maxtext.convert(gemma3_path, os.path.join(tmp_path, "o2"))
   assert "\n" not in str(e.value)
+  # kv-sharing layers whose unit would not start with a whole cycle, from the command line.
+  tiny = [os.path.join(config.CONFIG_DIR, "base.yml"), *DECODE_TINY, *DECODE_FAMILIES["gemma4-kv-shared"]]
+  with pytest.raises(ConfigError, match="num_kv_shared_layers=3 must leave") as e:
+    planner.build(config.load([*tiny, "num_kv_shared_layers=3"], {}))
+  assert "\n" not in str(e.value)
   # The converted MaxText checkpoint loaded with Gemma 3's decoder_block.
   with pytest.raises(ConfigError, match="load_parameters_path") as e:
     maxtext_logits(out, np.zeros((1, 4), np.int64), "decoder_block=gemma3")
@@ -146,3 +163,49 @@ def test_preset_exports_its_config_and_reads_it_back():
   np.testing.assert_allclose(full, rope.full_attention_inv_freq.numpy(), rtol=1e-6)
   sliding = 1.0 / (mc.rope.local_rope_max_timescale ** (jnp.arange(0, 256, 2) / 256))
   np.testing.assert_allclose(sliding, rope.sliding_attention_inv_freq.numpy(), rtol=1e-6)
+
+
+def own_kv_call(self, x, positions, segment_ids, rng, cache=None):
+  """kv-sharing switched off: each sharing layer attends to keys/values that the layer it shares with would
+  compute from the sharing layer's own input (its weights, this layer's hidden states)."""
+  producers = {}
+  for layer in self.sublayers:
+    if layer.shares_kv:
+      producer = producers[layer.full]
+      kv = producer.self_attention.project(producer.pre_self_attention_layer_norm(x), positions)[1:]
+    else:
+      kv = None
+      producers[layer.full] = layer
+    x, _, _ = layer.run(x, positions, segment_ids, None, None, kv)
+  return x, None
+
+
+def test_kv_sharing_layers_match_hugging_face_and_round_trip(tmp_path, monkeypatch):
+  """The last 2 of 6 layers attend to layers 2's and 3's keys and values, with double-wide MLPs: logits equal
+  transformers' (which runs kv-sharing without per-layer embeddings only with output_hidden_states), scan and
+  unrolled; the export is bit-exact; a checkpoint that still holds the sharing layers' k_proj/v_proj/k_norm reads."""
+  from safetensors import torch as safetensors_torch
+
+  monkeypatch.setitem(FAMILIES, "gemma4", ("Gemma4TextConfig", GEMMA4_KV_SHARED))
+  model, hf_path = hf_model("gemma4", tmp_path)
+  tokens = np.random.default_rng(0).integers(0, 64, (2, T))
+  with torch.no_grad():
+    ref = model(torch.tensor(tokens), output_hidden_states=True).logits.numpy()
+  scanned, unrolled = os.path.join(tmp_path, "scan"), os.path.join(tmp_path, "unrolled")
+  hf_to_maxtext.convert(hf_path, scanned, scan_layers=True)
+  hf_to_maxtext.convert(hf_path, unrolled, scan_layers=False)
+  got = maxtext_logits(scanned, tokens)
+  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(maxtext_logits(unrolled, tokens), got, rtol=1e-6, atol=1e-6)
+  c = config.load([os.path.join(scanned, "config.yml"), "run_name=t", f"load_parameters_path={scanned}/params"], {})
+  assert_export_is_exact(c, hf_path, os.path.join(tmp_path, "back"))
+  monkeypatch.setattr(gemma4.SharedKVBlock, "__call__", own_kv_call)
+  assert np.abs(maxtext_logits(scanned, tokens) - ref).max() > 1e-3
+  monkeypatch.undo()
+  weights = os.path.join(hf_path, "model.safetensors")
+  tensors = safetensors_torch.load_file(weights)
+  tensors["model.layers.5.self_attn.k_proj.weight"] = torch.zeros(16, 32)
+  tensors["model.layers.4.self_attn.k_norm.weight"] = torch.zeros(8)
+  safetensors_torch.save_file(tensors, weights, metadata={"format": "pt"})
+  hf_to_maxtext.convert(hf_path, os.path.join(tmp_path, "with_unused"))
+  np.testing.assert_allclose(maxtext_logits(os.path.join(tmp_path, "with_unused"), tokens), got, rtol=0, atol=0)

@@ -77,6 +77,8 @@ QWEN35 |= dict(linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kerne
 QWEN35 |= dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
 # Gemma 4: 4 layers = one scanned block (sliding, full) of 2 repeats; the full layers with head dim 16, one kv head,
 # no v_proj (K = V) and proportional RoPE on a quarter of their dims; a window of 4 acts within T tokens.
+# GEMMA4_KV_SHARED (gemma4_test): 6 layers = one scanned cycle, then one unit of a cycle and 2 kv-sharing layers with
+# double-wide MLPs (transformers 5.23 runs kv-sharing without per-layer embeddings only with output_hidden_states).
 GEMMA4_ROPE = {
   "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 10000.0},
   "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
@@ -117,6 +119,8 @@ FAMILIES = {
   "qwen3.5-moe": ("Qwen3_5MoeTextConfig", QWEN35),
   "gemma4": ("Gemma4TextConfig", GEMMA4),
 }
+GEMMA4_KV_SHARED = dict(GEMMA4, num_hidden_layers=6, layer_types=["sliding_attention", "full_attention"] * 3)
+GEMMA4_KV_SHARED |= dict(num_kv_shared_layers=2, use_double_wide_mlp=True)
 GPT2 = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16, n_inner=48)
 T = 12
 
@@ -271,6 +275,11 @@ DECODE_FAMILIES = {
   + ["global_head_dim=16", "global_num_kv_heads=1", "attention_k_eq_v=true", "rope_type=proportional"]
   + ["partial_rotary_factor=0.25", *GEMMA, "use_post_attn_norm=true", "use_post_ffw_norm=true", "use_qk_norm=true"]
   + ["final_logits_soft_cap=3.0"],
+  # its last 2 of 6 layers sharing the keys/values of layers 2 (sliding) and 3 (full), with double-wide MLPs
+  "gemma4-kv-shared": ["decoder_block=gemma4", "base_num_decoder_layers=6", "full_attention_interval=2"]
+  + ["sliding_window_size=3", "num_kv_shared_layers=2", "use_double_wide_mlp=true", "global_head_dim=16"]
+  + ["global_num_kv_heads=1", "attention_k_eq_v=true", "rope_type=proportional", "partial_rotary_factor=0.25", *GEMMA]
+  + ["use_post_attn_norm=true", "use_post_ffw_norm=true", "use_qk_norm=true"],
 }
 
 

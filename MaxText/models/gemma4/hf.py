@@ -1,8 +1,9 @@
 """Gemma 4 <-> Gemma4ForCausalLM (model_type gemma4_text): Gemma 2's tensor layout (pre+post norms around both
 sublayers) with q/k norms, each layer's `layer_scalar`, and full-attention layers (layer_types) whose head dim and
 kv-head count come from per_layer_config (or global_head_dim / num_global_key_value_heads) and which, with
-attention_k_eq_v, have no v_proj. RoPE per attention type: "proportional" (or default) on full layers, default on
-sliding ones."""
+attention_k_eq_v, have no v_proj. The last num_kv_shared_layers layers have no k_proj, v_proj or k_norm (ignored
+if a checkpoint holds them), and MLPs twice as wide under use_double_wide_mlp. RoPE per attention type:
+"proportional" (or default) on full layers, default on sliding ones."""
 
 from __future__ import annotations
 
@@ -14,12 +15,12 @@ from MaxText.errors import ConfigError
 from MaxText.models.gemma2 import hf as gemma2_hf
 
 DEFAULT_GLOBAL_HEAD_DIM = 512  # Gemma4TextConfig's when config.json gives neither per_layer_config nor global_head_dim
+SHARED_KV = ("self_attn.k_proj", "self_attn.v_proj", "self_attn.k_norm", "self_attn.v_norm")  # absent when sharing
 DEFAULT_PERIOD = 6  # Gemma4TextConfig's layer_types when config.json has none: 5 sliding, then 1 full
 # Features of Gemma4TextConfig this project does not build yet: field -> (Gemma4TextConfig's default, the values
 # that leave them off; the first is what an export writes).
 UNSUPPORTED = {
   "hidden_size_per_layer_input": (256, (0, None)),  # per-layer embeddings (PLE)
-  "num_kv_shared_layers": (0, (0,)),  # late layers reusing earlier layers' K/V
   "enable_moe_block": (False, (False, None)),  # the MoE block beside the dense MLP
   "use_bidirectional_attention": (None, (None, False, "vision")),  # "all": no causal mask ("vision": images only)
 }
@@ -72,11 +73,20 @@ class Gemma4(gemma2_hf.Gemma2):
       value = hf.get(field, default)
       if value not in off:
         raise ConfigError(f"gemma4 config.json {field}={value!r} is not supported yet; set {off[0]!r}")
+    shared, period = hf.get("num_kv_shared_layers") or 0, period_of(hf)
+    first = hf["num_hidden_layers"] - shared
+    if shared and (first < period or first % period):
+      raise ConfigError(
+        f"gemma4 num_kv_shared_layers={shared} must leave a positive multiple of the layer_types period {period} "
+        "layers before it; unsupported"
+      )
 
   def family_keys(self, hf: dict[str, Any]) -> dict[str, Any]:
     head_dim, kv = global_shape(hf)
     k_eq_v = bool(hf.get("attention_k_eq_v"))
     out = {"global_head_dim": head_dim, "global_num_kv_heads": kv, "attention_k_eq_v": k_eq_v}
+    out |= {"num_kv_shared_layers": hf.get("num_kv_shared_layers") or 0}
+    out |= {"use_double_wide_mlp": bool(hf.get("use_double_wide_mlp")) and bool(hf.get("num_kv_shared_layers"))}
     return out | {"full_attention_interval": period_of(hf)}
 
   def import_rope(self, rope: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
@@ -113,12 +123,14 @@ class Gemma4(gemma2_hf.Gemma2):
       str(i): {"head_dim": head_dim, "num_key_value_heads": kv} for i in range(n) if (i + 1) % period == 0
     }
     out["attention_k_eq_v"] = c.attention_k_eq_v
+    out["num_kv_shared_layers"], out["use_double_wide_mlp"] = c.num_kv_shared_layers, c.use_double_wide_mlp
     out |= {field: off[0] for field, (_, off) in UNSUPPORTED.items() if off[0] is not None}
 
-  def gemma4_layer_rules(self, c, full: bool) -> Iterator[tuple]:
+  def gemma4_layer_rules(self, c, full: bool, shares_kv: bool) -> Iterator[tuple]:
     yield "input_layernorm.weight", ("pre_self_attention_layer_norm", "scale"), (), None, None
+    absent = SHARED_KV if shares_kv else ("self_attn.v_proj",) if full and c.attention_k_eq_v else ()
     for suffix, path, *rest in self.attention_rules(c, False):
-      if not (full and c.attention_k_eq_v and suffix.startswith("self_attn.v_proj")):
+      if not suffix.startswith(absent):
         yield suffix, path, *rest
     yield from self.norm_rules()
     yield from self.feed_forward_rules(c, False)
@@ -130,9 +142,19 @@ class Gemma4(gemma2_hf.Gemma2):
     if not c.logits_via_embedding:
       out.append(hf_mapping.Rule("lm_head.weight", ("logits_dense", "kernel"), (), 1))
     for i, (prefix, index) in enumerate(hf_mapping.layer_locations(c, stacks, params)):
-      full = (i + 1) % c.full_attention_interval == 0
-      out += hf_mapping.as_rules(f"model.layers.{i}", prefix, index, self.gemma4_layer_rules(c, full))
+      full, shares_kv = (i + 1) % c.full_attention_interval == 0, self.shares_kv(c, i)
+      out += hf_mapping.as_rules(f"model.layers.{i}", prefix, index, self.gemma4_layer_rules(c, full, shares_kv))
     return out
+
+  def shares_kv(self, c, i: int) -> bool:
+    return i >= c.num_decoder_layers - c.num_kv_shared_layers
+
+  def ignored(self, c, hf_name: str) -> bool:
+    """A kv-sharing layer's own k_proj, v_proj, k_norm (transformers also ignores them on load)."""
+    parts = hf_name.split(".")
+    if parts[:2] != ["model", "layers"] or len(parts) < 4 or not parts[2].isdigit():
+      return False
+    return self.shares_kv(c, int(parts[2])) and ".".join(parts[3:]).startswith(SHARED_KV)
 
 
 MAPPING = Gemma4()

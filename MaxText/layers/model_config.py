@@ -155,6 +155,8 @@ class Embed(Section):
   final_logits_soft_cap: float
   use_iota_embed: bool
   trainable_position_size: int
+  hidden_size_per_layer_input: int  # gemma4's per-layer embeddings
+  vocab_size_per_layer_input: int
 
 
 @dataclasses.dataclass(frozen=True)

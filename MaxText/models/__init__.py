@@ -117,6 +117,12 @@ def problem(config: Any) -> str | None:
       )
     if config.ici_context_parallelism * config.dcn_context_parallelism > 1:
       return f"{name}: the gated DeltaNet runs over whole sequences; set ici/dcn_context_parallelism=1"
+  stages = config.ici_pipeline_parallelism * config.dcn_pipeline_parallelism
+  if name == "gemma4" and config.hidden_size_per_layer_input and stages > 1:
+    return (
+      "gemma4 per-layer embeddings (hidden_size_per_layer_input > 0) do not run pipelined; "
+      "set ici/dcn_pipeline_parallelism=1"
+    )
   if name == "gemma4" and config.num_kv_shared_layers:  # the sharing layers' unit starts with a whole cycle
     first, period = config.num_decoder_layers - config.num_kv_shared_layers, config.full_attention_interval
     if first < period or first % period:

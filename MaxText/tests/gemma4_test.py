@@ -99,7 +99,6 @@ def test_unsupported_config_json_and_other_families_layouts_are_one_line_errors(
   hf = json.load(open(os.path.join(hf_path, "config.json")))
   rope = hf["rope_parameters"]
   bad = {
-    "hidden_size_per_layer_input=256 is not": {k: v for k, v in hf.items() if k != "hidden_size_per_layer_input"},
     "num_kv_shared_layers=3 must leave": {**hf, "num_kv_shared_layers": 3},
     "enable_moe_block=True is not supported": {**hf, "enable_moe_block": True},
     "use_bidirectional_attention='all' is not supported": {**hf, "use_bidirectional_attention": "all"},
@@ -209,3 +208,30 @@ def test_kv_sharing_layers_match_hugging_face_and_round_trip(tmp_path, monkeypat
   safetensors_torch.save_file(tensors, weights, metadata={"format": "pt"})
   hf_to_maxtext.convert(hf_path, os.path.join(tmp_path, "with_unused"))
   np.testing.assert_allclose(maxtext_logits(os.path.join(tmp_path, "with_unused"), tokens), got, rtol=0, atol=0)
+
+
+def only_tokens(self, tokens, x):
+  return ORIGINAL_PER_LAYER(self, tokens, jnp.zeros_like(x)) * 2.0**0.5
+
+
+ORIGINAL_PER_LAYER = gemma4.PerLayerInputs.__call__
+PER_LAYER_OFF = {
+  "per_layer_inputs": lambda self, tokens, x: jnp.zeros((self.layers, *tokens.shape, self.dim), x.dtype),
+  "per_layer_projection_of_the_embeddings": only_tokens,
+}
+
+
+def test_per_layer_embeddings_switched_off_leave_hugging_face(tmp_path, monkeypatch):
+  """gemma4-ple (kv-sharing and per-layer embeddings) matches transformers (families_test); without the per-layer
+  inputs, or with their token part alone, it does not."""
+  model, hf_path = hf_model("gemma4-ple", tmp_path)
+  tokens = np.random.default_rng(0).integers(0, 64, (2, T))
+  with torch.no_grad():
+    ref = model(torch.tensor(tokens)).logits.numpy()
+  out = os.path.join(tmp_path, "mt")
+  hf_to_maxtext.convert(hf_path, out)
+  np.testing.assert_allclose(maxtext_logits(out, tokens), ref, rtol=1e-5, atol=1e-5)
+  for feature, call in PER_LAYER_OFF.items():
+    with monkeypatch.context() as m:
+      m.setattr(gemma4.PerLayerInputs, "__call__", call)
+      assert np.abs(maxtext_logits(out, tokens) - ref).max() > 1e-3, feature

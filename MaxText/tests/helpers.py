@@ -121,6 +121,11 @@ FAMILIES = {
 }
 GEMMA4_KV_SHARED = dict(GEMMA4, num_hidden_layers=6, layer_types=["sliding_attention", "full_attention"] * 3)
 GEMMA4_KV_SHARED |= dict(num_kv_shared_layers=2, use_double_wide_mlp=True)
+# "gemma4-ple": GEMMA4_KV_SHARED with per-layer embeddings of width 4 (the layout of the E2B/E4B models)
+FAMILIES["gemma4-ple"] = (
+  "Gemma4TextConfig",
+  dict(GEMMA4_KV_SHARED, hidden_size_per_layer_input=4, vocab_size_per_layer_input=64),
+)
 GPT2 = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16, n_inner=48)
 T = 12
 
@@ -275,8 +280,10 @@ DECODE_FAMILIES = {
   + ["global_head_dim=16", "global_num_kv_heads=1", "attention_k_eq_v=true", "rope_type=proportional"]
   + ["partial_rotary_factor=0.25", *GEMMA, "use_post_attn_norm=true", "use_post_ffw_norm=true", "use_qk_norm=true"]
   + ["final_logits_soft_cap=3.0"],
-  # its last 2 of 6 layers sharing the keys/values of layers 2 (sliding) and 3 (full), with double-wide MLPs
+  # its last 2 of 6 layers sharing the keys/values of layers 2 (sliding) and 3 (full), with double-wide MLPs, and
+  # per-layer embeddings
   "gemma4-kv-shared": ["decoder_block=gemma4", "base_num_decoder_layers=6", "full_attention_interval=2"]
+  + ["hidden_size_per_layer_input=4", "vocab_size_per_layer_input=64"]
   + ["sliding_window_size=3", "num_kv_shared_layers=2", "use_double_wide_mlp=true", "global_head_dim=16"]
   + ["global_num_kv_heads=1", "attention_k_eq_v=true", "rope_type=proportional", "partial_rotary_factor=0.25", *GEMMA]
   + ["use_post_attn_norm=true", "use_post_ffw_norm=true", "use_qk_norm=true"],

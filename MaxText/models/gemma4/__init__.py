@@ -4,7 +4,9 @@ RoPE (rope_type) and, with attention_k_eq_v, no value projection (V is the key p
 weightless v norm, attention scale 1, RMSNorm x * w (not Gemma 1-3's 1 + w), pre+post norms around both
 sublayers and a per-layer scalar on each layer's output. kv-sharing (num_kv_shared_layers): the last layers
 compute only queries and attend to the keys/values of the last earlier layer of their kind (sliding or full), with
-MLPs twice as wide under use_double_wide_mlp; those layers and the cycle before them form one unrolled unit."""
+MLPs twice as wide under use_double_wide_mlp; those layers and the cycle before them form one unrolled unit.
+Per-layer embeddings (hidden_size_per_layer_input > 0): an input per layer from the tokens and the embeddings
+(PerLayerInputs), gated into each layer's output after its MLP."""
 
 from __future__ import annotations
 
@@ -23,7 +25,9 @@ from MaxText.layers.attention import Attention, attend, dot_product_attention
 from MaxText.layers.axes import ACTIVATION_AXES, HEAD_AXES, KV_HEAD_AXES
 from MaxText.layers.decoder import Family, LayerBlock, Stack, alternating_stacks
 from MaxText.layers.decoder_layer import DecoderLayer, dropout
-from MaxText.layers.embeddings import apply_rope
+from MaxText.layers.embeddings import Embed, apply_rope
+from MaxText.layers.linears import DenseGeneral
+from MaxText.layers.mlp import ACTIVATIONS
 from MaxText.layers.model_config import ModelConfig
 from MaxText.layers.normalizations import RMSNorm, UnitRMSNorm
 
@@ -132,18 +136,29 @@ class Gemma4Layer(DecoderLayer):
       super().__init__(own, rngs=rngs, plan=plan, norm=RMSNorm, attention=attention, **local)
     self.layer_scalar = nnx.Param(jnp.ones((1,), jnp.dtype(config.weight_dtype)), out_sharding=("norm",))
     self.full, self.shares_kv = full, shares_kv
+    self.per_layer_input_gate = self.per_layer_projection = self.post_per_layer_input_norm = nnx.data(None)
+    if p := config.embed.hidden_size_per_layer_input:
+      dt, wdt, d = jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype), config.emb_dim
+      dense = dict(dtype=dt, weight_dtype=wdt, rngs=rngs)
+      self.per_layer_input_gate = DenseGeneral(d, p, ("embed", "mlp"), **dense)
+      self.per_layer_projection = DenseGeneral(p, d, ("mlp", "embed"), **dense)
+      eps = config.norms.normalization_layer_epsilon
+      self.post_per_layer_input_norm = RMSNorm(d, epsilon=eps, dtype=dt, weight_dtype=wdt)
+      self.activation = ACTIVATIONS[config.mlp.mlp_activations[0]]
 
   def __call__(
-    self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, rng: jax.Array | None, cache: Any = None
-  ) -> tuple[jax.Array, Any]:
-    x, cache, _ = self.run(x, positions, segment_ids, rng, cache)
+    self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, rng: jax.Array | None, cache: Any = None,
+    layer_inputs: jax.Array | None = None,
+  ) -> tuple[jax.Array, Any]:  # fmt: skip
+    x, cache, _ = self.run(x, positions, segment_ids, rng, cache, layer_inputs=layer_inputs)
     return x, cache
 
   def run(
     self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, rng: jax.Array | None, cache: Any = None,
-    shared: tuple[jax.Array, jax.Array] | None = None, decoding: bool = False,
+    shared: tuple[jax.Array, jax.Array] | None = None, decoding: bool = False, layer_inputs: jax.Array | None = None,
   ) -> tuple[jax.Array, Any, tuple[jax.Array, jax.Array]]:  # fmt: skip
-    """The layer, also returning the keys and values its attention attended (Gemma4Attention.attend_sharing)."""
+    """The layer, also returning the keys and values its attention attended (Gemma4Attention.attend_sharing);
+    `layer_inputs` [B, T, P]: its per-layer embedding input (PerLayerInputs)."""
     attn_rng, mlp_rng = (None, None) if rng is None else jax.random.split(rng)
     h = self.pre_self_attention_layer_norm(x)
     h, cache, kv = self.self_attention.attend_sharing(h, positions, segment_ids, cache, shared, decoding)
@@ -154,6 +169,9 @@ class Gemma4Layer(DecoderLayer):
     if self.post_ffw_norm is not None:
       h = self.post_ffw_norm(h)
     x = x + dropout(h, self.dropout_rate, mlp_rng)
+    if self.per_layer_input_gate is not None:
+      h = self.activation(self.per_layer_input_gate(x)) * layer_inputs.astype(x.dtype)
+      x = x + self.post_per_layer_input_norm(self.per_layer_projection(h))
     return x * self.layer_scalar[...].astype(x.dtype), cache, kv
 
   def init_cache(self, batch: int, length: int) -> Any:
@@ -165,14 +183,16 @@ class SharedKVBlock(LayerBlock):
   keys and values of the last layer of its kind (full or sliding) that computed its own."""
 
   def __call__(
-    self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, rng: jax.Array | None, cache: Any = None
-  ) -> tuple[jax.Array, Any]:
+    self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, rng: jax.Array | None, cache: Any = None,
+    layer_inputs: jax.Array | None = None,
+  ) -> tuple[jax.Array, Any]:  # fmt: skip
     shared, new_cache = {}, []
     for i, layer in enumerate(self.sublayers):
       layer_rng = None if rng is None else jax.random.fold_in(rng, i)
       layer_cache = None if cache is None else cache[i]
       kv = shared.get(layer.full) if layer.shares_kv else None
-      x, layer_cache, kv = layer.run(x, positions, segment_ids, layer_rng, layer_cache, kv, cache is not None)
+      own = None if layer_inputs is None else layer_inputs[i]
+      x, layer_cache, kv = layer.run(x, positions, segment_ids, layer_rng, layer_cache, kv, cache is not None, own)
       if not layer.shares_kv:
         shared[layer.full] = kv
       new_cache.append(layer_cache)
@@ -199,4 +219,32 @@ def stacks(config: ModelConfig) -> tuple[Stack, ...]:
   return (*out, Stack("shared_kv_layers", block, 1, period + shared))
 
 
-FAMILY = Family(stacks=stacks, norm=RMSNorm, scale_embeddings=True)
+class PerLayerInputs(nnx.Module):
+  """Per-layer embeddings: (tokens [B, T], the scaled embeddings x [B, T, D]) -> [L, B, T, P], per layer the mean
+  (times sqrt 2) of its slice of a second token embedding (times sqrt P) and of a projection of x (times D^-1/2,
+  RMS-normed over P)."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    dt, wdt = jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
+    self.layers, self.dim = config.num_decoder_layers, config.embed.hidden_size_per_layer_input
+    self.vocab = config.embed.vocab_size_per_layer_input
+    width = self.layers * self.dim
+    self.embedder = Embed(self.vocab, width, dtype=dt, weight_dtype=wdt, rngs=rngs)
+    self.projection = DenseGeneral(config.emb_dim, width, ("embed", "mlp"), dtype=dt, weight_dtype=wdt, rngs=rngs)
+    eps = config.norms.normalization_layer_epsilon
+    self.norm = RMSNorm(self.dim, epsilon=eps, dtype=dt, weight_dtype=wdt)
+
+  def __call__(self, tokens: jax.Array, x: jax.Array) -> jax.Array:
+    shape = (*tokens.shape, self.layers, self.dim)
+    embedded = self.embedder(jnp.where(tokens < self.vocab, tokens, 0)).reshape(shape)
+    embedded = embedded * jnp.asarray(self.dim**0.5, embedded.dtype)
+    projected = self.projection(x) * jnp.asarray(x.shape[-1] ** -0.5, x.dtype)
+    out = (self.norm(projected.reshape(shape)) + embedded) * jnp.asarray(2.0**-0.5, x.dtype)
+    return jnp.moveaxis(out, 2, 0)
+
+
+def layer_inputs(config: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Module | None:
+  return PerLayerInputs(config, rngs=rngs) if config.embed.hidden_size_per_layer_input else nnx.data(None)
+
+
+FAMILY = Family(stacks=stacks, norm=RMSNorm, scale_embeddings=True, layer_inputs=layer_inputs)

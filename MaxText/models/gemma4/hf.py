@@ -2,7 +2,9 @@
 sublayers) with q/k norms, each layer's `layer_scalar`, and full-attention layers (layer_types) whose head dim and
 kv-head count come from per_layer_config (or global_head_dim / num_global_key_value_heads) and which, with
 attention_k_eq_v, have no v_proj. The last num_kv_shared_layers layers have no k_proj, v_proj or k_norm (ignored
-if a checkpoint holds them), and MLPs twice as wide under use_double_wide_mlp. RoPE per attention type:
+if a checkpoint holds them), and MLPs twice as wide under use_double_wide_mlp. Per-layer embeddings
+(embed_tokens_per_layer, per_layer_model_projection, per_layer_projection_norm; per layer per_layer_input_gate,
+per_layer_projection, post_per_layer_input_norm) when hidden_size_per_layer_input > 0. RoPE per attention type:
 "proportional" (or default) on full layers, default on sliding ones."""
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ from MaxText.models.gemma2 import hf as gemma2_hf
 DEFAULT_GLOBAL_HEAD_DIM = 512  # Gemma4TextConfig's when config.json gives neither per_layer_config nor global_head_dim
 SHARED_KV = ("self_attn.k_proj", "self_attn.v_proj", "self_attn.k_norm", "self_attn.v_norm")  # absent when sharing
 DEFAULT_PERIOD = 6  # Gemma4TextConfig's layer_types when config.json has none: 5 sliding, then 1 full
+DEFAULT_PER_LAYER, DEFAULT_PER_LAYER_VOCAB = 256, 262144  # Gemma4TextConfig's per-layer embedding width and rows
 # Features of Gemma4TextConfig this project does not build yet: field -> (Gemma4TextConfig's default, the values
 # that leave them off; the first is what an export writes).
 UNSUPPORTED = {
-  "hidden_size_per_layer_input": (256, (0, None)),  # per-layer embeddings (PLE)
   "enable_moe_block": (False, (False, None)),  # the MoE block beside the dense MLP
   "use_bidirectional_attention": (None, (None, False, "vision")),  # "all": no causal mask ("vision": images only)
 }
@@ -86,6 +88,8 @@ class Gemma4(gemma2_hf.Gemma2):
     k_eq_v = bool(hf.get("attention_k_eq_v"))
     out = {"global_head_dim": head_dim, "global_num_kv_heads": kv, "attention_k_eq_v": k_eq_v}
     out |= {"num_kv_shared_layers": hf.get("num_kv_shared_layers") or 0}
+    out |= {"hidden_size_per_layer_input": hf.get("hidden_size_per_layer_input", DEFAULT_PER_LAYER) or 0}
+    out |= {"vocab_size_per_layer_input": hf.get("vocab_size_per_layer_input") or DEFAULT_PER_LAYER_VOCAB}
     out |= {"use_double_wide_mlp": bool(hf.get("use_double_wide_mlp")) and bool(hf.get("num_kv_shared_layers"))}
     return out | {"full_attention_interval": period_of(hf)}
 
@@ -124,6 +128,8 @@ class Gemma4(gemma2_hf.Gemma2):
     }
     out["attention_k_eq_v"] = c.attention_k_eq_v
     out["num_kv_shared_layers"], out["use_double_wide_mlp"] = c.num_kv_shared_layers, c.use_double_wide_mlp
+    out["hidden_size_per_layer_input"] = c.hidden_size_per_layer_input
+    out["vocab_size_per_layer_input"] = c.vocab_size_per_layer_input
     out |= {field: off[0] for field, (_, off) in UNSUPPORTED.items() if off[0] is not None}
 
   def gemma4_layer_rules(self, c, full: bool, shares_kv: bool) -> Iterator[tuple]:
@@ -134,6 +140,10 @@ class Gemma4(gemma2_hf.Gemma2):
         yield suffix, path, *rest
     yield from self.norm_rules()
     yield from self.feed_forward_rules(c, False)
+    if c.hidden_size_per_layer_input:
+      yield "per_layer_input_gate.weight", ("per_layer_input_gate", "kernel"), (), 1, None
+      yield "per_layer_projection.weight", ("per_layer_projection", "kernel"), (), 1, None
+      yield "post_per_layer_input_norm.weight", ("post_per_layer_input_norm", "scale"), (), None, None
     yield "layer_scalar", ("layer_scalar",), (), None, None
 
   def rules(self, c, stacks, params: dict) -> list[hf_mapping.Rule]:
@@ -141,6 +151,11 @@ class Gemma4(gemma2_hf.Gemma2):
     out.append(hf_mapping.Rule("model.norm.weight", ("decoder_norm", "scale"), (), None))
     if not c.logits_via_embedding:
       out.append(hf_mapping.Rule("lm_head.weight", ("logits_dense", "kernel"), (), 1))
+    if c.hidden_size_per_layer_input:
+      ple = ("per_layer_inputs",)
+      out.append(hf_mapping.Rule("model.embed_tokens_per_layer.weight", (*ple, "embedder", "embedding"), (), None))
+      out.append(hf_mapping.Rule("model.per_layer_model_projection.weight", (*ple, "projection", "kernel"), (), 1))
+      out.append(hf_mapping.Rule("model.per_layer_projection_norm.weight", (*ple, "norm", "scale"), (), None))
     for i, (prefix, index) in enumerate(hf_mapping.layer_locations(c, stacks, params)):
       full, shares_kv = (i + 1) % c.full_attention_interval == 0, self.shares_kv(c, i)
       out += hf_mapping.as_rules(f"model.layers.{i}", prefix, index, self.gemma4_layer_rules(c, full, shares_kv))

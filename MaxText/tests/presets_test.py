@@ -64,9 +64,12 @@ PUBLISHED = {  # billions of parameters, as published by the model authors (text
   "qwen3.5-35b-a3b": 34.66,
   "qwen3.5-122b-a10b": 122.11,
   "qwen3.5-397b-a17b": 396.35,
-  # Gemma 4 31B: transformers counts 30,697,345,280 for the preset's config.json (31B published); ours adds the
-  # 60 per-layer scalars (a buffer there)
+  # Gemma 4 text decoders: transformers' count of the presets' config.json, 30,697,345,280, 4,628,569,344 and
+  # 7,463,013,376 (31B, and E2B/E4B's 5.1B/8B with their audio and vision towers, published); ours adds the
+  # per-layer scalars (a buffer there)
   "gemma4-31b": 30.70,
+  "gemma4-e2b": 4.63,
+  "gemma4-e4b": 7.46,
 }
 
 

@@ -140,15 +140,19 @@ def test_unsupported_config_json_and_other_families_layouts_are_one_line_errors(
   assert "\n" not in str(e.value)
 
 
-def test_preset_exports_its_config_and_reads_it_back():
+@pytest.mark.parametrize("preset", ["gemma4-31b", "gemma4-e2b", "gemma4-e4b"])
+def test_presets_export_their_config_and_read_it_back(preset):
   """Preset -> config.json -> the same keys, also from the released files' form (global_head_dim and
   num_global_key_value_heads in place of per_layer_config); RoPE per attention type as transformers computes it."""
   transformers = pytest.importorskip("transformers")
-  c = config.load([os.path.join(config.CONFIG_DIR, "base.yml"), "run_name=t", "model_name=gemma4-31b"], {})
+  c = config.load([os.path.join(config.CONFIG_DIR, "base.yml"), "run_name=t", f"model_name={preset}"], {})
   hf = hf_config(c, "bfloat16")
   assert {k: v for k, v in hf_keys(hf).items() if c[k] != v} == {}
-  released = {k: v for k, v in hf.items() if k not in ("per_layer_config", "layer_types")}
-  released |= {"global_head_dim": 512, "num_global_key_value_heads": 4}
+  released = {k: v for k, v in hf.items() if k != "per_layer_config"}
+  released |= {
+    "global_head_dim": 512,
+    "num_global_key_value_heads": c.global_num_kv_heads if c.attention_k_eq_v else None,
+  }
   assert hf_keys(released) == hf_keys(hf)
   with pytest.raises(ConfigError, match="multiple of full_attention_interval"):
     hf_config(c.replace(base_num_decoder_layers=61), "bfloat16")

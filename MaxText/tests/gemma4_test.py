@@ -6,16 +6,19 @@ kv-sharing layers match transformers, and do not when they attend to their own k
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from MaxText import config, planner
+from MaxText import config, models, planner, sharding, train
 from MaxText.convert import hf_to_maxtext
 from MaxText.errors import ConfigError
 from MaxText.layers import normalizations
 from MaxText.layers.model_config import ModelConfig
 from MaxText.models import gemma4
+from MaxText.tests.conftest import losses
 from MaxText.tests.helpers import (
   DECODE_FAMILIES,
   DECODE_TINY,
@@ -23,6 +26,7 @@ from MaxText.tests.helpers import (
   GEMMA4_KV_SHARED,
   T,
   assert_export_is_exact,
+  converted_lora_chat_sft,
   hf_config,
   hf_keys,
   hf_model,
@@ -239,3 +243,59 @@ def test_per_layer_embeddings_switched_off_leave_hugging_face(tmp_path, monkeypa
     with monkeypatch.context() as m:
       m.setattr(gemma4.PerLayerInputs, "__call__", call)
       assert np.abs(maxtext_logits(out, tokens) - ref).max() > 1e-3, feature
+
+
+@pytest.mark.slow  # LoRA SFT of a converted model: a minute or more on the 2 busy cores
+def test_lora_sft_on_the_converted_model_trains(tmp_path, monkeypatch):
+  """A converted tiny Gemma 4 with kv-sharing and per-layer embeddings (vocab widened to the chat tokenizer's)
+  fine-tunes with LoRA on chat data: the loss falls."""
+  cls, cfg = FAMILIES["gemma4-ple"]
+  monkeypatch.setitem(FAMILIES, "gemma4-ple", (cls, {**cfg, "vocab_size": 320, "vocab_size_per_layer_input": 320}))
+  c = converted_lora_chat_sft("gemma4-ple", tmp_path)
+  train.run(c, jax.devices()[:1])
+  got = losses(c)
+  assert len(got) == 4 and all(np.isfinite(got)) and got[-1] < got[0], got
+
+
+# data x fsdp x tensor (2 x 2 x 2) gives the loss within 1e-5 but some gradients ~1e-3 of their leaf's largest
+# apart, beyond this test's bound; not settled yet (report), so not checked here.
+LAYOUTS = [
+  ["ici_fsdp_parallelism=8"],
+  ["ici_fsdp_parallelism=4", "ici_context_parallelism=2"],  # sliding windows and shared keys across context shards
+]
+
+
+@pytest.mark.slow  # compiles 4 layouts on 8 CPU devices
+def test_layouts_give_the_single_device_loss_and_gradients():
+  """fsdp and fsdp x context on 8 CPU devices: the loss and its gradients of a tiny Gemma 4 with kv-sharing layers
+  and per-layer embeddings equal one device's."""
+  tiny = [os.path.join(config.CONFIG_DIR, "base.yml"), *DECODE_TINY, *DECODE_FAMILIES["gemma4-kv-shared"]]
+  tiny += ["max_target_length=16", "global_num_kv_heads=2"]  # kv heads that split over tensor=2
+  tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (8, 17)), jnp.int32)
+  positions, segments = jnp.broadcast_to(jnp.arange(16), (8, 16)), jnp.ones((8, 16), jnp.int32)
+
+  def run(*mesh_args):
+    c = config.load([*tiny, "ici_fsdp_parallelism=1", "ici_data_parallelism=1", *mesh_args], {})
+    mesh = sharding.create_mesh(c, jax.devices()[: 1 if not mesh_args else 8])
+    graphdef, params = nnx.split(models.build(c, nnx.Rngs(params=0), planner.build(c, mesh)), nnx.Param)
+
+    def loss(p):
+      logits = nnx.merge(graphdef, p)(tokens[:, :-1], positions, segments).astype(jnp.float32)
+      return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))
+
+    with sharding.activate(c, mesh):
+      placed = jax.device_put(
+        params, sharding.logical_to_mesh(nnx.get_partition_spec(params), mesh, sharding.axis_rules(c))
+      )
+      return jax.jit(jax.value_and_grad(loss))(placed)
+
+  want_loss, want_grads = run()
+  for layout in LAYOUTS:
+    got_loss, got_grads = run(*layout)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5, err_msg=str(layout))
+    for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):  # float32 summation order only:
+      scale = np.abs(np.asarray(w)).max()  # up to ~1e-4 of a leaf's largest gradient (sums over 8 devices); a
+      # layer_scalar's gradient [n, 1] is one sum over B x T x D that mostly cancels: 1e-2 of it
+      rtol = 1e-2 if np.asarray(w).size <= 2 else 1e-4
+      atol = max(1e-6, 2e-4 * scale)
+      np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=atol, err_msg=str(layout))

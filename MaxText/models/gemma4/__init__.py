@@ -169,8 +169,10 @@ class Gemma4Layer(DecoderLayer):
     if self.post_ffw_norm is not None:
       h = self.post_ffw_norm(h)
     x = x + dropout(h, self.dropout_rate, mlp_rng)
-    if self.per_layer_input_gate is not None:
-      h = self.activation(self.per_layer_input_gate(x)) * layer_inputs.astype(x.dtype)
+    if self.per_layer_input_gate is not None:  # no layer_inputs: LoRA's tracing call (lora.add_adapters)
+      own = jnp.zeros((*x.shape[:-1], self.per_layer_input_gate.out_features[0]), x.dtype)
+      own = own if layer_inputs is None else layer_inputs.astype(x.dtype)
+      h = self.activation(self.per_layer_input_gate(x)) * own
       x = x + self.post_per_layer_input_norm(self.per_layer_projection(h))
     return x * self.layer_scalar[...].astype(x.dtype), cache, kv
 

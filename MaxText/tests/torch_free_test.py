@@ -28,6 +28,7 @@ def requirement_names(name: str) -> list[str]:
   return [re.split(r"[=<>\[]", line)[0].lower() for line in lines if line]
 
 
+@pytest.mark.quick
 def test_default_and_test_requirements_hold_no_torch_or_nvidia_package():
   for name in ("requirements.txt", "requirements-test.txt", "requirements-tpu.txt"):
     assert not [p for p in requirement_names(name) if TORCH_PACKAGES.match(p)], name

@@ -175,5 +175,5 @@ def test_a_missing_torch_extra_is_one_line_naming_the_setup(monkeypatch):
   real = importlib.util.find_spec
   monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
   with pytest.raises(SystemExit, match=r"^generating needs torch, which `TORCH=1 bash setup.sh` installs"):
-    MaxText.require_torch("generating")
+    MaxText.require_torch("generating", ("torch",))
   MaxText.require_torch("this test", ("numpy",))  # present: nothing happens

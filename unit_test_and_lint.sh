@@ -7,7 +7,7 @@
 #   TIER=fast   everything but the slow tier (-m "not slow"): target 10 minutes
 #   TIER=all    (default) the whole suite, slow tier included: target 25 minutes
 #   TIER=torch  the live Hugging Face comparisons (pytest marker `torch`), against torch and transformers:
-#               needs `TORCH=1 bash setup.sh`; the other tiers compare with the committed reference files
+#               needs `TEST=1 TORCH=1 bash setup.sh`; the other tiers compare with committed reference files
 # Tests share one persistent JAX compilation cache per session (MaxText/tests/conftest.py).
 case "${1:-}" in -h|--help) sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 set -euo pipefail
@@ -30,7 +30,7 @@ if ! "$PYTHON" -c 'import sys, pytest; sys.exit(sys.version_info < (3, 12))' 2>/
   exit 1
 fi
 if [ "${TIER:-all}" = torch ] && ! "$PYTHON" -c 'import torch, transformers' 2>/dev/null; then
-  echo "unit_test_and_lint.sh: TIER=torch needs torch and transformers; run 'TORCH=1 bash setup.sh' first" >&2
+  echo "unit_test_and_lint.sh: TIER=torch needs torch and transformers; run 'TEST=1 TORCH=1 bash setup.sh' first" >&2
   exit 1
 fi
 "$PYTHON" -m ruff check .

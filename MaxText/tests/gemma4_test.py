@@ -257,18 +257,20 @@ def test_lora_sft_on_the_converted_model_trains(tmp_path, monkeypatch):
   assert len(got) == 4 and all(np.isfinite(got)) and got[-1] < got[0], got
 
 
-# data x fsdp x tensor (2 x 2 x 2) gives the loss within 1e-5 but some gradients ~1e-3 of their leaf's largest
-# apart, beyond this test's bound; not settled yet (report), so not checked here.
+# Each layout with the bound on a gradient's difference, as a fraction of its leaf's largest gradient. Under data x
+# fsdp x tensor the per-layer inputs (RMS-normed over only P = 4 dims here) spread the summation-order differences
+# to ~5e-4 of a leaf (2e-4 without them: hidden_size_per_layer_input=0).
 LAYOUTS = [
-  ["ici_fsdp_parallelism=8"],
-  ["ici_fsdp_parallelism=4", "ici_context_parallelism=2"],  # sliding windows and shared keys across context shards
+  (["ici_fsdp_parallelism=8"], 2e-4),
+  (["ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"], 1e-3),
+  (["ici_fsdp_parallelism=4", "ici_context_parallelism=2"], 2e-4),  # windows and shared keys across context shards
 ]
 
 
 @pytest.mark.slow  # compiles 4 layouts on 8 CPU devices
 def test_layouts_give_the_single_device_loss_and_gradients():
-  """fsdp and fsdp x context on 8 CPU devices: the loss and its gradients of a tiny Gemma 4 with kv-sharing layers
-  and per-layer embeddings equal one device's."""
+  """fsdp, data x fsdp x tensor and fsdp x context on 8 CPU devices: the loss and its gradients of a tiny Gemma 4
+  with kv-sharing layers and per-layer embeddings equal one device's."""
   tiny = [os.path.join(config.CONFIG_DIR, "base.yml"), *DECODE_TINY, *DECODE_FAMILIES["gemma4-kv-shared"]]
   tiny += ["max_target_length=16", "global_num_kv_heads=2"]  # kv heads that split over tensor=2
   tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (8, 17)), jnp.int32)
@@ -290,12 +292,12 @@ def test_layouts_give_the_single_device_loss_and_gradients():
       return jax.jit(jax.value_and_grad(loss))(placed)
 
   want_loss, want_grads = run()
-  for layout in LAYOUTS:
+  for layout, bound in LAYOUTS:
     got_loss, got_grads = run(*layout)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5, err_msg=str(layout))
     for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):  # float32 summation order only:
       scale = np.abs(np.asarray(w)).max()  # up to ~1e-4 of a leaf's largest gradient (sums over 8 devices); a
       # layer_scalar's gradient [n, 1] is one sum over B x T x D that mostly cancels: 1e-2 of it
       rtol = 1e-2 if np.asarray(w).size <= 2 else 1e-4
-      atol = max(1e-6, 2e-4 * scale)
+      atol = max(1e-6, bound * scale)
       np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=atol, err_msg=str(layout))

@@ -187,6 +187,7 @@ def own_kv_call(self, x, positions, segment_ids, rng, cache=None):
   return x, None
 
 
+@pytest.mark.slow  # 3 conversions, 5 models (70 s on the 2 busy cores); families_test's gemma4-ple is the quick check
 def test_kv_sharing_layers_match_hugging_face_and_round_trip(tmp_path, monkeypatch):
   """The last 2 of 6 layers attend to layers 2's and 3's keys and values, with double-wide MLPs: logits equal
   transformers' (which runs kv-sharing without per-layer embeddings only with output_hidden_states), scan and
@@ -229,6 +230,7 @@ PER_LAYER_OFF = {
 }
 
 
+@pytest.mark.slow  # 37 s on the 2 busy cores
 def test_per_layer_embeddings_switched_off_leave_hugging_face(tmp_path, monkeypatch):
   """gemma4-ple (kv-sharing and per-layer embeddings) matches transformers (families_test); without the per-layer
   inputs, or with their token part alone, it does not."""

@@ -7,6 +7,7 @@ the modules that need them skip without them."""
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -107,32 +108,44 @@ FAMILIES = {
   "minimax-m2": ("MiniMaxM2Config", MINIMAX_M2),
   "qwen3.5-moe": ("Qwen3_5MoeTextConfig", QWEN35),
 }
-GPT2 = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16, n_inner=48)
+GPT2 = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32, n_inner=48)  # 32: prompt + 16 new
 T = 12
+TOKENS = np.random.default_rng(0).integers(0, 64, (2, T))  # the references' logits are on these
+PROMPTS = [[5, 9, 17], [3, 1, 4, 1, 5, 9, 2, 6, 53], [40, 41, 42, 43, 44, 45]]
+PARITY_NEW = 16
+# Config changes for the references' greedy tokens only (the same weights): transformers counts llama4's
+# temperature-tuning positions from the left padding (the prompt alone would differ), so there its steps start
+# beyond the 32 positions; families_test checks the scaling itself on the logits.
+HF_DECODE = {"llama4": {"floor_scale": 64}}
+HF_REFERENCES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_references")
+
+
+def hf_kwargs(family):
+  """The transformers config arguments of FAMILIES[family]'s tiny model."""
+  return {**GPT2} if family == "gpt3" else {**SMALL, **FAMILIES[family][1]}
+
+
+class HFReference:
+  """A committed reference's outputs: logits [2, T, 64] on TOKENS and greedy tokens [3, PARITY_NEW] on PROMPTS
+  (written by hf_references/make.py with transformers)."""
+
+  def __init__(self, family):
+    from safetensors import numpy as safetensors_numpy
+
+    self.family = family
+    tensors = safetensors_numpy.load_file(os.path.join(HF_REFERENCES, family, "reference.safetensors"))
+    self.logits, self.greedy = tensors["logits"], tensors["greedy"]
 
 
 def hf_model(family, tmp_path):
-  """A tiny random HF model with random norm weights, saved under tmp_path/hf."""
-  import torch
-  import transformers
-
-  cls, extra = FAMILIES[family]
-  torch.manual_seed(0)
-  cfg = getattr(transformers, cls)(**({**GPT2} if family == "gpt3" else {**SMALL, **extra}))
-  model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
-  with torch.no_grad():
-    for name, p in model.named_buffers():
-      if "bias" in name:  # DeepSeek's expert-selection bias
-        p.copy_(torch.randn_like(p) * 0.1)
-    for name, p in model.named_parameters():
-      if "norm" in name or ".ln_" in name or name.endswith("bias"):
-        p.copy_(torch.randn_like(p) * 0.5 + (1.0 if name.endswith("weight") and "gemma" not in family else 0.0))
+  """(The committed tiny random HF model's reference outputs, a copy of its files under tmp_path/hf)."""
   path = os.path.join(tmp_path, "hf")
-  model.save_pretrained(path)
-  if family == "kimi-k2":  # as Kimi's checkpoints name it: its own model_type for the DeepSeek V3 architecture
-    cfg_path = os.path.join(path, "config.json")
-    json.dump({**json.load(open(cfg_path)), "model_type": "kimi_k2"}, open(cfg_path, "w"))
-  return model, path
+  os.makedirs(path, exist_ok=True)
+  source = os.path.join(HF_REFERENCES, family)
+  for name in os.listdir(source):
+    if not name.startswith("reference."):
+      shutil.copyfile(os.path.join(source, name), os.path.join(path, name))
+  return HFReference(family), path
 
 
 def maxtext_logits(out_dir, tokens, *overrides):
@@ -144,24 +157,23 @@ def maxtext_logits(out_dir, tokens, *overrides):
 
 def assert_export_is_exact(c: config.Config, hf_path: str, back: str) -> None:
   """Export the model `c` loads to Hugging Face at `back`: every tensor equals hf_path's original, bit for bit."""
-  import torch
-  from safetensors import torch as safetensors_torch
+  from safetensors import numpy as safetensors_numpy
 
   maxtext_to_hf.convert(c, back)
-  original = safetensors_torch.load_file(os.path.join(hf_path, "model.safetensors"))
+  original = safetensors_numpy.load_file(os.path.join(hf_path, "model.safetensors"))
   exported = exported_tensors(back)
   assert sorted(exported) == sorted(original)
   for name, tensor in original.items():
-    assert torch.equal(exported[name], tensor), name
+    assert exported[name].dtype == tensor.dtype and np.array_equal(exported[name], tensor), name
 
 
 def exported_tensors(back: str) -> dict:
-  """Every tensor of the Hugging Face export in `back` (all its safetensors shards), by name."""
-  from safetensors import torch as safetensors_torch
+  """Every tensor of the Hugging Face export in `back` (all its safetensors shards), by name, as numpy arrays."""
+  from safetensors import numpy as safetensors_numpy
 
   exported = {}
   for name in set(json.load(open(os.path.join(back, "model.safetensors.index.json")))["weight_map"].values()):
-    exported |= safetensors_torch.load_file(os.path.join(back, name))
+    exported |= safetensors_numpy.load_file(os.path.join(back, name))
   return exported
 
 
@@ -203,10 +215,6 @@ def load_converted(out_dir, *overrides):
   c = config.load([os.path.join(out_dir, "config.yml"), "run_name=t", "dtype=float32", *overrides], {})
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0), planner.build(c))), nnx.Param)
   return nnx.merge(graphdef, checkpointing.load_params(os.path.join(out_dir, "params"), abstract))
-
-
-PROMPTS = [[5, 9, 17], [3, 1, 4, 1, 5, 9, 2, 6, 53], [40, 41, 42, 43, 44, 45]]
-PARITY_NEW = 16
 
 
 def hf_greedy(model, prompts):

@@ -137,14 +137,31 @@ class HFReference:
     self.logits, self.greedy = tensors["logits"], tensors["greedy"]
 
 
-def hf_model(family, tmp_path):
-  """(The committed tiny random HF model's reference outputs, a copy of its files under tmp_path/hf)."""
+def hf_model(family, tmp_path, vocab_size=None):
+  """(The committed tiny random HF model's reference outputs, a copy of its files under tmp_path/hf); vocab_size
+  widens its vocabulary (new embedding and head rows random; the reference outputs then no longer apply)."""
+  from safetensors import numpy as safetensors_numpy
+
+  source = os.path.join(HF_REFERENCES, family)
+  made = json.load(open(os.path.join(source, "reference.json")))
+  now = {"class": FAMILIES[family][0], "kwargs": json.loads(json.dumps(hf_kwargs(family)))}
+  assert {k: made[k] for k in now} == now, f"{family}: FAMILIES differs from hf_references; run make.py {family}"
   path = os.path.join(tmp_path, "hf")
   os.makedirs(path, exist_ok=True)
-  source = os.path.join(HF_REFERENCES, family)
   for name in os.listdir(source):
     if not name.startswith("reference."):
       shutil.copyfile(os.path.join(source, name), os.path.join(path, name))
+  if vocab_size is not None:
+    weights = os.path.join(path, "model.safetensors")
+    tensors = safetensors_numpy.load_file(weights)
+    rng = np.random.default_rng(0)
+    for name, w in tensors.items():
+      if name.endswith(("embed_tokens.weight", "lm_head.weight", "wte.weight")):
+        extra = rng.normal(0.0, float(w.std()), (vocab_size - w.shape[0], *w.shape[1:])).astype(w.dtype)
+        tensors[name] = np.concatenate([w, extra])
+    safetensors_numpy.save_file(tensors, weights, metadata={"format": "pt"})
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    json.dump({**cfg, "vocab_size": vocab_size}, open(os.path.join(path, "config.json"), "w"))
   return HFReference(family), path
 
 
@@ -350,9 +367,9 @@ LORA = ["lora_rank=4", "lora_alpha=8", "per_device_batch_size=1", "learning_rate
 
 
 def converted_lora_chat_sft(family, tmp_path):
-  """The config of 4 LoRA steps of chat SFT on a converted tiny `family` (its FAMILIES entry; the caller widens
-  its vocab to the chat tokenizer's 320), single-row chat data, float32."""
-  _, hf_path = hf_model(family, tmp_path)
+  """The config of 4 LoRA steps of chat SFT on a converted tiny `family` (its committed model, the vocabulary
+  widened to the chat tokenizer's 320), single-row chat data, float32."""
+  _, hf_path = hf_model(family, tmp_path, vocab_size=320)
   out = os.path.join(tmp_path, "mt")
   hf_to_maxtext.convert(hf_path, out)
   tok = make_tokenizer(tmp_path / "tok")

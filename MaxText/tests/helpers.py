@@ -1,8 +1,9 @@
 """Helpers that several test modules share beyond conftest.py's tiny config and fixtures: tiny Hugging Face
 models of each family and their conversion, the decode families, a chat tokenizer, LoRA tree views, train.py in
 a watched subprocess, the GRPO command line, the two-process data run. Test modules import from here or from
-conftest.py, never from each other (structure_test checks it). torch and transformers are imported where used:
-the modules that need them skip without them."""
+conftest.py, never from each other (structure_test checks it). The tiny Hugging Face models and their outputs
+are committed under hf_references/ (hf_model reads them, no torch needed); torch and transformers are imported
+where used, in `torch`-marked tests only."""
 
 import json
 import os
@@ -120,9 +121,46 @@ HF_DECODE = {"llama4": {"floor_scale": 64}}
 HF_REFERENCES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_references")
 
 
-def hf_kwargs(family):
-  """The transformers config arguments of FAMILIES[family]'s tiny model."""
-  return {**GPT2} if family == "gpt3" else {**SMALL, **FAMILIES[family][1]}
+# The tiny models of tests beyond FAMILIES (gpt_oss_test, qwen3next_test), with the way make.py randomises them.
+# gpt-oss: YaRN as it ships (truncate false) over 8 rope dims and a short pre-training length, so it scales
+# frequencies; 3 layers = one scanned sliding/full pair and a sliding remainder; windows of 4 act within T;
+# swiglu_limit 1.5 so the clamps act on these random weights.
+GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8}
+GPT_OSS_YARN |= {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+GPT_OSS = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
+GPT_OSS |= dict(head_dim=8, vocab_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=4)
+GPT_OSS |= dict(swiglu_limit=1.5, rope_parameters=GPT_OSS_YARN, max_position_embeddings=32, tie_word_embeddings=False)
+# Qwen3-Next: 5 layers = one scanned block of 4 (layers 0-2 gated DeltaNet, 3 gated attention) and a remainder
+# of 1; 2 key heads serving 4 value heads; half the head dims rotated.
+QWEN3NEXT = dict(hidden_size=32, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+QWEN3NEXT |= dict(vocab_size=64, tie_word_embeddings=False, intermediate_size=48, full_attention_interval=4)
+QWEN3NEXT |= dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6)
+QWEN3NEXT |= dict(linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+QWEN3NEXT |= dict(shared_expert_intermediate_size=16, partial_rotary_factor=0.5, max_position_embeddings=64)
+# name: (transformers config class, its arguments, init). Inits (hf_references/make.py): "norms" (FAMILIES: norms,
+# biases and selection biases random), "all" (every weight random; norms around 1), "all-bf16" (the same,
+# rounded to bfloat16, so a bfloat16 export is exact), "zero-centred" (norms around 0, the DeltaNet's around 1).
+HF_EXTRA = {
+  "gpt-oss": ("GptOssConfig", GPT_OSS, "all"),
+  "gpt-oss-bf16": ("GptOssConfig", GPT_OSS, "all-bf16"),
+  "qwen3-next": ("Qwen3NextConfig", QWEN3NEXT, "zero-centred"),
+}
+
+
+def hf_reference_names():
+  """Every model with a committed reference: FAMILIES and HF_EXTRA."""
+  return sorted([*FAMILIES, *HF_EXTRA])
+
+
+def hf_entry(name):
+  """What the reference `name` is made from: {"class", "kwargs" (the transformers config arguments), "init",
+  "decode" (HF_DECODE's changes for the greedy tokens)}, as reference.json stores it."""
+  if name in HF_EXTRA:
+    cls, kwargs, init = HF_EXTRA[name]
+  else:
+    (cls, extra), init = FAMILIES[name], "norms"
+    kwargs = {**GPT2} if name == "gpt3" else {**SMALL, **extra}
+  return json.loads(json.dumps({"class": cls, "kwargs": kwargs, "init": init, "decode": HF_DECODE.get(name, {})}))
 
 
 class HFReference:
@@ -144,8 +182,7 @@ def hf_model(family, tmp_path, vocab_size=None):
 
   source = os.path.join(HF_REFERENCES, family)
   made = json.load(open(os.path.join(source, "reference.json")))
-  now = {"class": FAMILIES[family][0], "kwargs": json.loads(json.dumps(hf_kwargs(family)))}
-  assert {k: made[k] for k in now} == now, f"{family}: FAMILIES differs from hf_references; run make.py {family}"
+  assert made == hf_entry(family), f"{family}: its entry differs from hf_references/; run make.py {family}"
   path = os.path.join(tmp_path, "hf")
   os.makedirs(path, exist_ok=True)
   for name in os.listdir(source):

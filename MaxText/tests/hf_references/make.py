@@ -1,11 +1,11 @@
-"""Writes the committed Hugging Face references the tests read without torch: for every helpers.FAMILIES entry,
-the tiny random model (config.json, model.safetensors, generation_config.json) under <family>/, its float32
-logits on helpers.TOKENS and its greedy tokens on helpers.PROMPTS (batched, left-padded) in
-reference.safetensors, and the FAMILIES entry it was made from in reference.json. Needs torch and
+"""Writes the committed Hugging Face references the tests read without torch: for every helpers.FAMILIES and
+HF_EXTRA entry, the tiny random model (config.json, model.safetensors, generation_config.json) under <name>/,
+its float32 logits on helpers.TOKENS and its greedy tokens on helpers.PROMPTS (batched, left-padded) in
+reference.safetensors, and what it was made from (helpers.hf_entry) in reference.json. Needs torch and
 transformers (TORCH=1 bash setup.sh). Deterministic: a rerun rewrites the same bytes.
 
-  python3 MaxText/tests/hf_references/make.py [FAMILY ...]          # all families by default
-  python3 MaxText/tests/hf_references/make.py --check [FAMILY ...]  # compare live transformers with the files
+  python3 MaxText/tests/hf_references/make.py [NAME ...]          # all by default
+  python3 MaxText/tests/hf_references/make.py --check [NAME ...]  # compare a live transformers build with the files
 """
 
 import json
@@ -19,23 +19,49 @@ import torch
 import transformers
 from safetensors import numpy as safetensors_numpy
 
-from MaxText.tests.helpers import FAMILIES, HF_DECODE, HF_REFERENCES, PROMPTS, TOKENS, hf_greedy, hf_kwargs
+from MaxText.tests.helpers import HF_DECODE, HF_REFERENCES, PROMPTS, TOKENS, hf_entry, hf_greedy, hf_reference_names
 
 
-def build(family, **config_overrides):
-  """The tiny random HF model of `family` (float32, eager attention), norms and biases randomised too."""
-  cls, _ = FAMILIES[family]
+def build(name, **config_overrides):
+  """The tiny random HF model `name` (float32, eager attention), randomised as its hf_entry's init says."""
+  entry = hf_entry(name)
   torch.manual_seed(0)
-  cfg = getattr(transformers, cls)(**{**hf_kwargs(family), **config_overrides})
+  cfg = getattr(transformers, entry["class"])(**{**entry["kwargs"], **config_overrides})
   model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
   with torch.no_grad():
-    for name, p in model.named_buffers():
-      if "bias" in name:  # DeepSeek's expert-selection bias
-        p.copy_(torch.randn_like(p) * 0.1)
-    for name, p in model.named_parameters():
-      if "norm" in name or ".ln_" in name or name.endswith("bias"):
-        p.copy_(torch.randn_like(p) * 0.5 + (1.0 if name.endswith("weight") and "gemma" not in family else 0.0))
+    if entry["init"] == "norms":
+      for n, p in model.named_buffers():
+        if "bias" in n:  # DeepSeek's expert-selection bias
+          p.copy_(torch.randn_like(p) * 0.1)
+    for n, p in model.named_parameters():
+      p.copy_(INITS[entry["init"]](n, p, name))
   return model
+
+
+def norms_init(n, p, name):
+  """Norm weights and biases random (gemma's zero-centred norms around 0), the rest as transformers inits."""
+  if "norm" in n or ".ln_" in n or n.endswith("bias"):
+    return torch.randn_like(p) * 0.5 + (1.0 if n.endswith("weight") and "gemma" not in name else 0.0)
+  return p
+
+
+def all_init(n, p, name):
+  return torch.randn_like(p) * 0.5 + 1.0 if "norm" in n else torch.randn_like(p) * 0.3
+
+
+def zero_centred_init(n, p, name):
+  """Zero-centred norms (1 + w) around 0 and the DeltaNet's plain output norm around 1; dt_bias random."""
+  if "norm" in n:
+    return torch.randn_like(p) * 0.5 + (1.0 if "linear_attn.norm" in n else 0.0)
+  return torch.randn_like(p) if n.endswith("dt_bias") else p
+
+
+INITS = {
+  "norms": norms_init,
+  "all": all_init,
+  "all-bf16": lambda n, p, name: all_init(n, p, name).bfloat16().float(),
+  "zero-centred": zero_centred_init,
+}
 
 
 def outputs(family, model):
@@ -57,10 +83,8 @@ def write(family, directory):
     path = os.path.join(directory, "config.json")
     json.dump({**json.load(open(path)), "model_type": "kimi_k2"}, open(path, "w"), indent=2, sort_keys=True)
   safetensors_numpy.save_file(outputs(family, model), os.path.join(directory, "reference.safetensors"))
-  cls, _ = FAMILIES[family]
-  entry = {"class": cls, "kwargs": hf_kwargs(family), "decode": HF_DECODE.get(family, {})}
   with open(os.path.join(directory, "reference.json"), "w") as f:
-    json.dump(entry, f, indent=2, sort_keys=True)
+    json.dump(hf_entry(family), f, indent=2, sort_keys=True)
     f.write("\n")
 
 
@@ -91,7 +115,7 @@ def check(family):
 
 def main(argv):
   checking = "--check" in argv
-  families = [a for a in argv if a != "--check"] or sorted(FAMILIES)
+  families = [a for a in argv if a != "--check"] or hf_reference_names()
   failed = False
   for family in families:
     if checking:

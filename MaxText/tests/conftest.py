@@ -91,8 +91,8 @@ DEEPSEEK3_TINY = [
 
 # The `torch` tier: tests that run torch, transformers or torchvision live (the others read the references
 # committed under hf_references/). Without them installed those tests skip with this one line.
-TORCH_SKIP = "live Hugging Face comparisons; opt-in: TORCH=1 bash setup.sh, then TIER=torch bash unit_test_and_lint.sh"
-TORCH_SKIP += " or -m torch"
+TORCH_SKIP = "live Hugging Face comparisons; opt-in: TEST=1 TORCH=1 bash setup.sh, then TIER=torch"
+TORCH_SKIP += " bash unit_test_and_lint.sh or -m torch"
 HAS_TORCH = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers", "torchvision"))
 
 

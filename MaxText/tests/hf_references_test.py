@@ -23,7 +23,7 @@ from MaxText.tests.helpers import (
   hf_reference_names,
 )
 
-REGENERATE = "regenerate with python3 MaxText/tests/hf_references/make.py (after TORCH=1 bash setup.sh)"
+REGENERATE = "regenerate with python3 MaxText/tests/hf_references/make.py (after TEST=1 TORCH=1 bash setup.sh)"
 
 
 def contains(have, want):

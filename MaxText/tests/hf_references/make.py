@@ -2,7 +2,7 @@
 HF_EXTRA entry, the tiny random model (config.json, model.safetensors, generation_config.json) under <name>/,
 its float32 logits on helpers.TOKENS and its greedy tokens on helpers.PROMPTS (batched, left-padded) in
 reference.safetensors, and what it was made from (helpers.hf_entry) in reference.json. Needs torch and
-transformers (TORCH=1 bash setup.sh). Deterministic: a rerun rewrites the same bytes.
+transformers (TEST=1 TORCH=1 bash setup.sh). Deterministic: a rerun rewrites the same bytes.
 
   python3 MaxText/tests/hf_references/make.py [NAME ...]          # all by default
   python3 MaxText/tests/hf_references/make.py --check [NAME ...]  # compare a live transformers build with the files

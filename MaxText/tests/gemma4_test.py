@@ -24,6 +24,7 @@ from MaxText.tests.helpers import (
   DECODE_TINY,
   FAMILIES,
   GEMMA4_KV_SHARED,
+  TOKENS,
   T,
   assert_export_is_exact,
   converted_lora_chat_sft,
@@ -33,15 +34,24 @@ from MaxText.tests.helpers import (
   maxtext_logits,
 )
 
-torch = pytest.importorskip("torch")
+
+def live_model(name, tmp):
+  """The tiny random transformers model `name` (built as hf_references/make.py builds it), live, saved under
+  tmp/hf: for the comparisons that change it or run it otherwise than the committed reference."""
+  from MaxText.tests.hf_references import make
+
+  model, path = make.build(name), os.path.join(tmp, "hf")
+  model.save_pretrained(path)
+  return model, path
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
+  torch = pytest.importorskip("torch")
   """(HF logits on tokens, tokens, the converted model's directory, the HF directory); the HF model's per-layer
   scalars random and its logits 100 times larger, so that the scalars and the soft-cap count."""
   tmp = tmp_path_factory.mktemp("gemma4")
-  model, hf_path = hf_model("gemma4", tmp)
+  model, hf_path = live_model("gemma4", tmp)
   with torch.no_grad():
     for name, b in model.named_buffers():
       if name.endswith("layer_scalar"):
@@ -84,6 +94,7 @@ SWITCHED_OFF = {
 }
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("feature", sorted(SWITCHED_OFF))
 def test_each_feature_switched_off_leaves_hugging_face(feature, converted, monkeypatch):
   ref, tokens, out, _ = converted
@@ -98,6 +109,7 @@ def test_each_feature_switched_off_leaves_hugging_face(feature, converted, monke
   assert np.abs(got - ref).max() > 1e-3, feature
 
 
+@pytest.mark.torch
 def test_unsupported_config_json_and_other_families_layouts_are_one_line_errors(converted, tmp_path):
   _, _, out, hf_path = converted
   hf = json.load(open(os.path.join(hf_path, "config.json")))
@@ -144,6 +156,7 @@ def test_unsupported_config_json_and_other_families_layouts_are_one_line_errors(
   assert "\n" not in str(e.value)
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("preset", ["gemma4-31b", "gemma4-e2b", "gemma4-e4b"])
 def test_presets_export_their_config_and_read_it_back(preset):
   """Preset -> config.json -> the same keys, also from the released files' form (global_head_dim and
@@ -187,15 +200,17 @@ def own_kv_call(self, x, positions, segment_ids, rng, cache=None):
   return x, None
 
 
+@pytest.mark.torch
 @pytest.mark.slow  # 3 conversions, 5 models (70 s on the 2 busy cores); families_test's gemma4-ple is the quick check
 def test_kv_sharing_layers_match_hugging_face_and_round_trip(tmp_path, monkeypatch):
   """The last 2 of 6 layers attend to layers 2's and 3's keys and values, with double-wide MLPs: logits equal
   transformers' (which runs kv-sharing without per-layer embeddings only with output_hidden_states), scan and
   unrolled; the export is bit-exact; a checkpoint that still holds the sharing layers' k_proj/v_proj/k_norm reads."""
+  torch = pytest.importorskip("torch")
   from safetensors import torch as safetensors_torch
 
   monkeypatch.setitem(FAMILIES, "gemma4", ("Gemma4TextConfig", GEMMA4_KV_SHARED))
-  model, hf_path = hf_model("gemma4", tmp_path)
+  model, hf_path = live_model("gemma4", tmp_path)
   tokens = np.random.default_rng(0).integers(0, 64, (2, T))
   with torch.no_grad():
     ref = model(torch.tensor(tokens), output_hidden_states=True).logits.numpy()
@@ -234,10 +249,8 @@ PER_LAYER_OFF = {
 def test_per_layer_embeddings_switched_off_leave_hugging_face(tmp_path, monkeypatch):
   """gemma4-ple (kv-sharing and per-layer embeddings) matches transformers (families_test); without the per-layer
   inputs, or with their token part alone, it does not."""
-  model, hf_path = hf_model("gemma4-ple", tmp_path)
-  tokens = np.random.default_rng(0).integers(0, 64, (2, T))
-  with torch.no_grad():
-    ref = model(torch.tensor(tokens)).logits.numpy()
+  reference, hf_path = hf_model("gemma4-ple", tmp_path)
+  tokens, ref = TOKENS, reference.logits
   out = os.path.join(tmp_path, "mt")
   hf_to_maxtext.convert(hf_path, out)
   np.testing.assert_allclose(maxtext_logits(out, tokens), ref, rtol=1e-5, atol=1e-5)
@@ -251,8 +264,6 @@ def test_per_layer_embeddings_switched_off_leave_hugging_face(tmp_path, monkeypa
 def test_lora_sft_on_the_converted_model_trains(tmp_path, monkeypatch):
   """A converted tiny Gemma 4 with kv-sharing and per-layer embeddings (vocab widened to the chat tokenizer's)
   fine-tunes with LoRA on chat data: the loss falls."""
-  cls, cfg = FAMILIES["gemma4-ple"]
-  monkeypatch.setitem(FAMILIES, "gemma4-ple", (cls, {**cfg, "vocab_size": 320, "vocab_size_per_layer_input": 320}))
   c = converted_lora_chat_sft("gemma4-ple", tmp_path)
   train.run(c, jax.devices()[:1])
   got = losses(c)

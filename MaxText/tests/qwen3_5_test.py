@@ -145,8 +145,11 @@ def test_each_feature_switched_off_breaks_parity(converted, off):
   assert np.max(np.abs(maxtext_logits(out, TOKENS, off) - reference.logits)) > 1e-3
 
 
+LORA_LR = {"qwen3.5-moe": 3e-2, "qwen3.5": 1e-2}  # the dense reference model's loss jumps about at 3e-2
+
+
 @pytest.mark.slow  # one training compile
-@pytest.mark.parametrize("family", ["qwen3.5-moe", "qwen3.5"])
+@pytest.mark.parametrize("family", sorted(LORA_LR))
 def test_lora_sft_of_the_converted_model_trains(tmp_path, family):
   """SFT with LoRA adapters on the DeltaNet's and the attention's projections of a converted model (its vocab the
   tokenizer's), MoE and dense: the loss falls."""
@@ -161,7 +164,8 @@ def test_lora_sft_of_the_converted_model_trains(tmp_path, family):
     + [f"load_parameters_path={out}/params", "dataset_type=text", "use_sft=true", f"dataset_path={data}"]
     + ["tokenizer_type=huggingface", f"tokenizer_path={tok.path}", "eval_fraction=0", "steps=6", "log_period=1"]
     + ["max_target_length=32", "per_device_batch_size=1", "enable_checkpointing=false", "dtype=float32"]
-    + ["lora_rank=4", "lora_alpha=8", f"lora_target_modules={targets}", "learning_rate=3e-2", "log_config=false"],
+    + ["lora_rank=4", "lora_alpha=8", f"lora_target_modules={targets}", f"learning_rate={LORA_LR[family]}"]
+    + ["log_config=false"],
     {},
   )
   train.run(c)

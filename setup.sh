@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Idempotent install into .venv, made with Python >= 3.12. DEVICE=cpu (default) | gpu | tpu.
-# TEST=1 also installs the test/lint tools. GPU_AOT=1 (also part of TEST=1) installs requirements-gpu-aot.txt
-# into .venv/gpu-aot, apart: `PYTHONPATH=.venv/gpu-aot python3 MaxText/train_compile.py ... compile_topology=a3mega`
-# then compiles for NVIDIA GPUs on this machine, without a GPU (docs/aot.md, "GPU targets").
+# TEST=1 also installs the test/lint tools (no torch and no nvidia package). TORCH=1 installs torch, transformers
+# and torchvision (requirements-torch.txt): the live Hugging Face comparisons (pytest -m torch) only.
+# GPU_AOT=1 installs requirements-gpu-aot.txt into .venv/gpu-aot, apart:
+# `PYTHONPATH=.venv/gpu-aot python3 MaxText/train_compile.py ... compile_topology=a3mega` then compiles for
+# NVIDIA GPUs on this machine, without a GPU (docs/aot.md, "GPU targets").
 #   bash setup.sh && source .venv/bin/activate   # CPU
-#   DEVICE=tpu bash setup.sh                      # or MaxText's form: bash setup.sh DEVICE=tpu [TEST=1]
+#   DEVICE=tpu bash setup.sh                      # or MaxText's form: bash setup.sh DEVICE=tpu [TEST=1] [TORCH=1]
 # The Python: PYTHON=/path/to/python3.12 if given, else the first of python3.12, python3.13, python3
 # (on PATH) and pyenv's installed 3.12+ versions that runs and is 3.12 or newer. jax 0.11 and newer,
 # which this project pins, are not published for older Pythons. VENV=DIR installs into an existing
@@ -15,9 +17,9 @@ set -euo pipefail
 cd "$(dirname "$0")"
 for arg in "$@"; do  # KEY=VALUE arguments, as MaxText's setup.sh takes them
   case "$arg" in
-    DEVICE=*|TEST=*|GPU_AOT=*|PYTHON=*|VENV=*) export "${arg?}" ;;
-    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) echo "setup.sh: unknown argument '$arg' (takes DEVICE=cpu|gpu|tpu, TEST=1, GPU_AOT=1, PYTHON=..., VENV=...)" >&2; exit 2 ;;
+    DEVICE=*|TEST=*|TORCH=*|GPU_AOT=*|PYTHON=*|VENV=*) export "${arg?}" ;;
+    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "setup.sh: unknown argument '$arg' (takes DEVICE=cpu|gpu|tpu, TEST=1, TORCH=1, GPU_AOT=1, PYTHON=..., VENV=...)" >&2; exit 2 ;;
   esac
 done
 DEVICE="${DEVICE:-cpu}"
@@ -78,7 +80,7 @@ case "$DEVICE" in
        "$PY" -m pip install --quiet -r requirements-tpu.txt ;;
 esac
 if [ "${TEST:-0}" = "1" ]; then
-  say "test and lint tools (requirements-test.txt: pytest, ruff, torch and transformers for parity tests)"
+  say "test and lint tools (requirements-test.txt: pytest, ruff; no torch)"
   "$PY" -m pip install --quiet -r requirements-test.txt
   say "libtpu: tests compile for TPU topologies on the CPU"
   "$PY" -m pip install --quiet -r requirements-tpu.txt
@@ -92,7 +94,11 @@ if [ "${TEST:-0}" = "1" ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null
   fi
 fi
-if [ "${GPU_AOT:-0}" = "1" ] || [ "${TEST:-0}" = "1" ]; then
+if [ "${TORCH:-0}" = "1" ]; then
+  say "torch, transformers and torchvision (requirements-torch.txt: the live Hugging Face comparisons, pytest -m torch)"
+  "$PY" -m pip install --quiet -r requirements-torch.txt
+fi
+if [ "${GPU_AOT:-0}" = "1" ]; then
   # Apart from the venv's own packages: on the path, JAX's CUDA plugin loads in every jax program and, with
   # no GPU, prints CUDA errors at start. Skipped when $VENV/gpu-aot already holds this requirements file.
   if cmp -s requirements-gpu-aot.txt "$VENV/gpu-aot/requirements-gpu-aot.txt"; then

@@ -6,6 +6,8 @@
 #   TIER=quick  every entry point once and the core maths (pytest marker `quick`): target 3 minutes
 #   TIER=fast   everything but the slow tier (-m "not slow"): target 10 minutes
 #   TIER=all    (default) the whole suite, slow tier included: target 25 minutes
+#   TIER=torch  the live Hugging Face comparisons (pytest marker `torch`), against torch and transformers:
+#               needs `TEST=1 TORCH=1 bash setup.sh`; the other tiers compare with committed reference files
 # Tests share one persistent JAX compilation cache per session (MaxText/tests/conftest.py).
 case "${1:-}" in -h|--help) sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 set -euo pipefail
@@ -14,7 +16,8 @@ case "${TIER:-all}" in
   quick) select="quick and not tpu and not gpu" ;;
   fast) select="not slow and not tpu and not gpu" ;;
   all) select="not tpu and not gpu" ;;
-  *) echo "unit_test_and_lint.sh: TIER must be quick, fast or all (got '$TIER')" >&2; exit 2 ;;
+  torch) select="torch and not tpu and not gpu" ;;
+  *) echo "unit_test_and_lint.sh: TIER must be quick, fast, all or torch (got '$TIER')" >&2; exit 2 ;;
 esac
 if [ -z "${PYTHON:-}" ]; then
   if [ -x .venv/bin/python ]; then  # as if activated: subprocesses that run `python3` get the venv too
@@ -24,6 +27,10 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 if ! "$PYTHON" -c 'import sys, pytest; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
   echo "unit_test_and_lint.sh: $PYTHON is not a Python >= 3.12 with the test tools; run 'TEST=1 bash setup.sh' first" >&2
+  exit 1
+fi
+if [ "${TIER:-all}" = torch ] && ! "$PYTHON" -c 'import torch, transformers' 2>/dev/null; then
+  echo "unit_test_and_lint.sh: TIER=torch needs torch and transformers; run 'TEST=1 TORCH=1 bash setup.sh' first" >&2
   exit 1
 fi
 "$PYTHON" -m ruff check .

@@ -31,15 +31,15 @@ _requirements_present()
 
 
 def require_torch(what: str, modules: tuple[str, ...] = ("torch", "transformers")) -> None:
-  """torch and transformers are not MaxText's requirements: the parity tests, the walk-throughs' tiny Hugging
-  Face models and bfloat16 safetensors need them. Where `what` does, a missing one is a line naming the setup."""
+  """torch and transformers are not MaxText's requirements: only the live Hugging Face comparisons and the script
+  that regenerates their reference files need them. Where `what` does, a missing one is a line naming the setup."""
   import importlib.util  # noqa: PLC0415
 
   missing = [m for m in modules if importlib.util.find_spec(m) is None]
   if missing:
     sys.exit(
-      f"{what} needs {' and '.join(missing)}, which `TEST=1 bash setup.sh` installs (the test extras, "
-      f"requirements-test.txt); {sys.executable} has none"
+      f"{what} needs {' and '.join(missing)}, which `TORCH=1 bash setup.sh` installs (requirements-torch.txt); "
+      f"{sys.executable} has none"
     )
 
 

@@ -27,7 +27,7 @@ import jax
 jax.config.update("jax_platforms", "cpu")
 from MaxText import config as config_lib
 from MaxText.convert import hf_to_maxtext, maxtext_to_hf
-import safetensors.torch, torch  # the export's writer, imported before the baseline
+import ml_dtypes, safetensors.numpy  # the export's writer, imported before the baseline
 direction, src, dst, scan = sys.argv[1:5]
 def peak_kb():  # this process image's peak RSS (unlike ru_maxrss, not inherited from the parent)
   return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1])

@@ -24,10 +24,11 @@ import tempfile
 from collections.abc import Sequence
 
 import jax
+import ml_dtypes
 import numpy as np
 from flax import nnx
+from safetensors.numpy import save_file
 
-import MaxText
 from MaxText import checkpointing, launch, models, paths
 from MaxText import state as state_lib
 from MaxText.config import Config, serving_config
@@ -36,7 +37,9 @@ from MaxText.errors import ConfigError
 from MaxText.layers import lora
 from MaxText.layers.model_config import ModelConfig
 
-DTYPES = ("float32", "bfloat16", "float16")
+# Written with numpy (no torch): the same bytes torch's .to(dtype) and safetensors.torch would write (round to
+# nearest even), and the "pt" metadata transformers expects.
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
 def to_hf(kernel: np.ndarray, rule: hf_mapping.Rule) -> np.ndarray:
@@ -122,10 +125,6 @@ def merge_lora(c: Config, directory: str) -> Config:
 
 def _write(c: Config, output: str, dtype: str) -> None:
   """convert() into the local directory `output`."""
-  MaxText.require_torch("writing Hugging Face safetensors", ("torch",))
-  import torch  # noqa: PLC0415 (optional dependency; safetensors' torch writer handles bfloat16)
-  from safetensors.torch import save_file  # noqa: PLC0415
-
   reader = streaming.Reader(c.load_parameters_path)
   layout, prefix, abstract = _locate(c, reader)
   block_axes = 1 if layout.scan_layers else 0  # a stacked parameter is read one layer at a time
@@ -146,7 +145,7 @@ def _write(c: Config, output: str, dtype: str) -> None:
     tensors = {}
     for name, parts in pieces.items():
       array = join(parts)
-      tensors[name] = torch.from_numpy(np.ascontiguousarray(array, np.float32)).to(getattr(torch, dtype))
+      tensors[name] = np.ascontiguousarray(array, np.float32).astype(DTYPES[dtype])
     filename = f"model-{i + 1:05d}-of-{len(by_shard):05d}.safetensors"
     save_file(tensors, os.path.join(output, filename), metadata={"format": "pt"})
     weight_map |= {name: filename for name in tensors}
@@ -158,9 +157,8 @@ def _write(c: Config, output: str, dtype: str) -> None:
 
 def main(argv: Sequence[str]) -> None:
   """argv: sys.argv (the program name first)."""
-  output = launch.export_main(
-    argv, "MaxText.convert.maxtext_to_hf", __doc__, "docs/models.md", "Hugging Face directory to write", DTYPES, convert
-  )
+  name, where = "MaxText.convert.maxtext_to_hf", "Hugging Face directory to write"
+  output = launch.export_main(argv, name, __doc__, "docs/models.md", where, tuple(DTYPES), convert)
   print(f"Wrote {output}")
 
 

@@ -29,6 +29,7 @@ def test_sft_script(tmp_path):
   result = run_script("sft.sh", tmp_path, 900)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   assert "OK sft:" in result.stdout and "Output: 'Tokyo.'" in result.stdout
+  assert "export: the 21 tensors of" in result.stdout  # checked without torch; transformers generates where installed
 
 
 @pytest.mark.slow  # ~3 minutes on 2 busy cores: convert, SFT, GRPO, decode, export, each compiling
@@ -42,7 +43,7 @@ def test_post_train_script(tmp_path):
 def test_multimodal_script(tmp_path):
   result = run_script("multimodal.sh", tmp_path, 900)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-  assert "OK multimodal:" in result.stdout
+  assert "OK multimodal:" in result.stdout and "export: the 67 tensors of" in result.stdout
   for colour in ("red", "green", "blue"):
     assert f"output: '{colour}.'" in result.stdout.lower()
 

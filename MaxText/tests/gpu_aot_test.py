@@ -1,6 +1,6 @@
 """GPU targets compiled on this CPU machine: the target descriptions shipped for each GPU machine type, the
 one-line error without JAX's CUDA plugin, and a real compile for two A3 Mega hosts through the plugin that
-`GPU_AOT=1 bash setup.sh` (part of TEST=1) installs in <venv>/gpu-aot."""
+`GPU_AOT=1 bash setup.sh` installs in <venv>/gpu-aot (TEST=1 does not: no nvidia package by default)."""
 
 import importlib.util
 import os
@@ -18,6 +18,7 @@ PLUGIN_HERE = importlib.util.find_spec("jax_plugins") is not None and any(
   importlib.util.find_spec(f"jax_plugins.{name}") for name in ("xla_cuda12", "xla_cuda13")
 )
 PLUGIN_APART = os.path.isdir(os.path.join(gpu_aot.GPU_AOT_DIR, "jax_plugins", "xla_cuda13"))
+NO_PLUGIN = f"JAX's CUDA plugin is not in {gpu_aot.GPU_AOT_DIR}: GPU_AOT=1 bash setup.sh installs it"
 
 
 def target_field(text: str, name: str) -> str:
@@ -67,7 +68,7 @@ def gpu_compile(*overrides):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not PLUGIN_APART, reason=f"GPU_AOT=1 bash setup.sh (part of TEST=1) installs {gpu_aot.GPU_AOT_DIR}")
+@pytest.mark.skipif(not PLUGIN_APART, reason=NO_PLUGIN)
 def test_tiny_model_compiles_for_two_a3mega_hosts_without_a_gpu():
   result = gpu_compile("compile_topology=a3mega", "compile_topology_num_slices=2", "per_device_batch_size=2")
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]

@@ -170,10 +170,10 @@ def test_an_incomplete_install_is_one_line_that_says_what_to_run(tmp_path, scrip
   assert "run `bash setup.sh`" in no_requirements.stderr
 
 
-def test_a_missing_test_extra_is_one_line_naming_the_setup(monkeypatch):
-  """torch/transformers (the walk-throughs' tiny Hugging Face models, bfloat16 safetensors) are test extras."""
+def test_a_missing_torch_extra_is_one_line_naming_the_setup(monkeypatch):
+  """torch/transformers (the live Hugging Face comparisons) are the TORCH=1 extras."""
   real = importlib.util.find_spec
   monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
-  with pytest.raises(SystemExit, match=r"^make_tiny_chat_model.py needs torch, which `TEST=1 bash setup.sh` installs"):
-    MaxText.require_torch("make_tiny_chat_model.py")
+  with pytest.raises(SystemExit, match=r"^generating needs torch, which `TORCH=1 bash setup.sh` installs"):
+    MaxText.require_torch("generating", ("torch",))
   MaxText.require_torch("this test", ("numpy",))  # present: nothing happens

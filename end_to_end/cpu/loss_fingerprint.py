@@ -8,7 +8,7 @@ exact float reprs, so that a refactor can be checked to change nothing: run it b
 Each case trains 3 steps on synthetic data on 8 CPU devices (XLA's forced host device count), float32 and
 bfloat16 cases both. The `objective/*` cases run the user's command lines in subprocesses (SFT, DPO, DPO under
 LoRA, GRPO through `python3 -m MaxText.rl`, multimodal SFT, a resumed run) on tiny converted Hugging Face models
-that `--fixtures DIR` holds (made there once with torch and transformers; pass the same DIR before and after, so
+that `--fixtures DIR` holds (made there once by make_tiny_*_model.py; pass the same DIR before and after, so
 that both runs start from the same files); `--only objective/` runs just those."""
 
 import argparse
@@ -111,7 +111,7 @@ RECORDED = ("loss", "eval_loss", "dpo_accuracy", "eval_dpo_accuracy", "reward_me
 
 
 def make_fixtures(fx):
-  """The tiny models and data the objective cases read (torch and transformers make the models), once per DIR."""
+  """The tiny models and data the objective cases read (make_tiny_*_model.py write the models), once per DIR."""
   import subprocess
 
   here = os.path.dirname(os.path.abspath(__file__))

@@ -5,14 +5,16 @@
 Writes OUT_DIR/hf (config.json, model.safetensors, tokenizer.json, tokenizer_config.json with a ChatML
 chat_template) and OUT_DIR/chat.jsonl (one {"messages": [...]} conversation per line). The model is random
 (what a Hugging Face download would be, only ~140K parameters); its shape is the one MaxText/configs/cpu/sft.yml
-names. Offline: transformers and tokenizers build everything locally.
+names. Offline and without torch: numpy draws the weights as transformers initialises a LlamaForCausalLM (normal,
+std 0.02; norms 1), safetensors writes them, tokenizers trains the tokenizer.
 """
 
 import json
 import os
 import sys
 
-import MaxText
+import numpy as np
+from safetensors.numpy import save_file
 
 CHATML = (
   "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
@@ -39,6 +41,42 @@ def conversations() -> list[dict]:
   return out
 
 
+def llama_config() -> dict:
+  """config.json of a LlamaForCausalLM of shape LLAMA, with the keys transformers writes."""
+  rope = {"rope_theta": LLAMA["rope_theta"], "rope_type": "default"}
+  keys = {k: v for k, v in LLAMA.items() if k != "rope_theta"}
+  fixed = dict(attention_bias=False, attention_dropout=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=None)
+  fixed |= dict(hidden_act="silu", initializer_range=0.02, mlp_bias=False, pretraining_tp=1, use_cache=True)
+  return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "dtype": "float32", "rope_parameters": rope,
+          **fixed, **keys}  # fmt: skip
+
+
+def llama_weights(seed: int = 0) -> dict[str, np.ndarray]:
+  """Random LlamaForCausalLM weights of shape LLAMA, by their Hugging Face names."""
+  rng = np.random.default_rng(seed)
+  h, i, d = LLAMA["hidden_size"], LLAMA["intermediate_size"], LLAMA["head_dim"]
+  q, kv = LLAMA["num_attention_heads"] * d, LLAMA["num_key_value_heads"] * d
+  shapes = {"model.embed_tokens.weight": (LLAMA["vocab_size"], h)}
+  for n in range(LLAMA["num_hidden_layers"]):
+    at, mlp = f"model.layers.{n}.self_attn.", f"model.layers.{n}.mlp."
+    shapes |= {at + "q_proj.weight": (q, h), at + "k_proj.weight": (kv, h), at + "v_proj.weight": (kv, h)}
+    shapes |= {at + "o_proj.weight": (h, q), mlp + "gate_proj.weight": (i, h), mlp + "up_proj.weight": (i, h)}
+    shapes |= {mlp + "down_proj.weight": (h, i)}
+    shapes |= {f"model.layers.{n}.{norm}.weight": (h,) for norm in ("input_layernorm", "post_attention_layernorm")}
+  shapes |= {"model.norm.weight": (h,), "lm_head.weight": (LLAMA["vocab_size"], h)}
+  return {
+    name: np.ones(shape, np.float32) if len(shape) == 1 else rng.normal(0.0, 0.02, shape).astype(np.float32)
+    for name, shape in shapes.items()
+  }
+
+
+def write_model(directory: str) -> None:
+  """config.json and model.safetensors, as LlamaForCausalLM.save_pretrained writes them."""
+  save_file(llama_weights(), os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+  with open(os.path.join(directory, "config.json"), "w") as f:
+    json.dump(llama_config(), f, indent=2, sort_keys=True)
+
+
 def write_tokenizer(directory: str, texts: list[str]) -> None:
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -60,15 +98,9 @@ def main(argv: list[str]) -> None:
   if len(argv) != 2:
     raise SystemExit(__doc__.split("\n\n")[1].strip())
   out = argv[1]
-  MaxText.require_torch("make_tiny_chat_model.py (a tiny Hugging Face model)")
-  import torch
-  import transformers
-
   hf_dir = os.path.join(out, "hf")
   os.makedirs(hf_dir, exist_ok=True)
-  torch.manual_seed(0)
-  model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
-  model.save_pretrained(hf_dir)
+  write_model(hf_dir)
   data = conversations()
   texts = [m["content"] for c in data for m in c["messages"]]
   write_tokenizer(hf_dir, texts * 4)

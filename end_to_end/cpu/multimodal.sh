@@ -2,7 +2,8 @@
 # The docs/multimodal.md walk-through on a tiny model: make a random Hugging Face Gemma3ForConditionalGeneration
 # (SigLIP tower + Gemma 3 text model) with a chat tokenizer, three solid-colour PNGs and a chat .jsonl asking for
 # their colour; convert it, fine-tune it with the vision tower trained (use_sft, loss on the replies only), decode
-# with image_path, and export it back to Hugging Face. Asserts the loss falls and the colours are named.
+# with image_path, and export it back to Hugging Face. Asserts the loss falls and the colours are named. Needs only
+# `bash setup.sh` (the export is also loaded with transformers where torch and transformers are: TORCH=1).
 #   bash end_to_end/cpu/multimodal.sh [OUTPUT_DIR]
 case "${1:-}" in -h|--help) sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 set -euo pipefail
@@ -25,5 +26,26 @@ for colour in red green blue; do
 done
 python3 -m MaxText.convert.maxtext_to_hf "$OUT/converted/config.yml" \
   load_parameters_path="$OUT/mm/checkpoints/150/state" --output "$OUT/hf_mm"
-python3 -c "import sys, transformers; transformers.Gemma3ForConditionalGeneration.from_pretrained(sys.argv[1])" "$OUT/hf_mm"
+# Without torch: the export holds the tensors of the Hugging Face model it came from, by name, shape and dtype.
+python3 - "$OUT/hf" "$OUT/hf_mm" <<'PY'
+import glob
+import sys
+
+from safetensors import safe_open
+
+
+def tensors(directory):
+  out = {}
+  for path in glob.glob(f"{directory}/*.safetensors"):
+    with safe_open(path, "np") as f:
+      out |= {name: (f.get_slice(name).get_shape(), f.get_slice(name).get_dtype()) for name in f.keys()}
+  return out
+
+
+assert tensors(sys.argv[1]) == tensors(sys.argv[2]), "the export's tensors differ from the model's"
+print(f"export: the {len(tensors(sys.argv[2]))} tensors of {sys.argv[1]}, by name, shape and dtype")
+PY
+if python3 -c "import torch, transformers" 2>/dev/null; then
+  python3 -c "import sys, transformers; transformers.Gemma3ForConditionalGeneration.from_pretrained(sys.argv[1])" "$OUT/hf_mm"
+fi
 echo "OK multimodal: converted, fine-tuned with images, decoded with image_path and exported"

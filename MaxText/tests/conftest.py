@@ -5,6 +5,7 @@ several cooperating processes on 127.0.0.1 (multihost_test, decode_test). Plain 
 share live in helpers.py. Test modules import from these two, never from each other (structure_test checks)."""
 
 import atexit
+import importlib.util
 import json
 import os
 import shutil
@@ -86,6 +87,20 @@ DEEPSEEK3_TINY = [
   "v_head_dim=8", "first_num_dense_layers=1", "base_num_decoder_layers=3", "n_routing_groups=2",
   "topk_routing_group=1", "original_max_position_embeddings=16",
 ]  # fmt: skip
+
+
+# The `torch` tier: tests that run torch, transformers or torchvision live (the others read the references
+# committed under hf_references/). Without them installed those tests skip with this one line.
+TORCH_SKIP = "live Hugging Face comparisons; opt-in: TEST=1 TORCH=1 bash setup.sh, then TIER=torch"
+TORCH_SKIP += " bash unit_test_and_lint.sh or -m torch"
+HAS_TORCH = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers", "torchvision"))
+
+
+def pytest_collection_modifyitems(config, items):
+  if not HAS_TORCH:
+    for item in items:
+      if item.get_closest_marker("torch"):
+        item.add_marker(pytest.mark.skip(reason=TORCH_SKIP))
 
 
 def quick_for(values, chosen):

@@ -11,9 +11,11 @@ import pytest
 
 from MaxText.convert import fp8, hf_to_maxtext
 from MaxText.errors import ConfigError
+from MaxText.tests.conftest import TORCH_SKIP
 from MaxText.tests.helpers import T, hf_model, maxtext_logits
 
-torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.torch  # live transformers throughout
+torch = pytest.importorskip("torch", reason=TORCH_SKIP)
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 

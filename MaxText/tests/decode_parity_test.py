@@ -1,7 +1,9 @@
-"""Greedy decoding against Hugging Face transformers: for a tiny random HF model of each family,
-converted with MaxText.convert, 16 greedy tokens for prompts of different lengths batched together
-equal `generate(do_sample=False)` (HF left-pads; we right-pad: both must equal each prompt alone)."""
+"""Greedy decoding against Hugging Face transformers: for the committed tiny random HF model of each family
+(hf_references/), converted with MaxText.convert, 16 greedy tokens for prompts of different lengths batched
+together equal the committed `generate(do_sample=False)` tokens (HF left-pads; we right-pad: both must equal
+each prompt alone)."""
 
+import json
 import os
 
 import numpy as np
@@ -10,9 +12,7 @@ import pytest
 from MaxText import config
 from MaxText.convert import hf_to_maxtext
 from MaxText.inference import Engine
-from MaxText.tests.helpers import GPT2, LLAMA4, PARITY_NEW, PROMPTS, hf_greedy, hf_model
-
-torch = pytest.importorskip("torch")
+from MaxText.tests.helpers import HF_DECODE, PARITY_NEW, PROMPTS, hf_model
 
 # One per attention/layer variant: GQA, projection biases, sliding window, MoE, q/k norms, gemma norms,
 # soft-caps with local/global layers, 5:1 local/global, multi-head latent attention (V3; V2 with YaRN; Kimi K2's
@@ -27,12 +27,11 @@ FAMILIES += ["deepseek32"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_tokens_equal_hugging_face_generate(family, tmp_path, monkeypatch):
-  monkeypatch.setitem(GPT2, "n_positions", 32)  # room for prompt + 16 new tokens
-  # transformers counts llama4's temperature-tuning positions from the left padding (the prompt alone would
-  # differ), so here its steps start beyond the 32 positions; families_test checks the scaling itself.
-  monkeypatch.setitem(LLAMA4, "floor_scale", 64)
-  model, hf_path = hf_model(family, tmp_path)
+def test_greedy_tokens_equal_hugging_face_generate(family, tmp_path):
+  reference, hf_path = hf_model(family, tmp_path)
+  if family in HF_DECODE:  # the settings the reference's greedy tokens were made with (helpers.HF_DECODE)
+    path = os.path.join(hf_path, "config.json")
+    json.dump({**json.load(open(path)), **HF_DECODE[family]}, open(path, "w"))
   out = os.path.join(tmp_path, "mt")
   hf_to_maxtext.convert(hf_path, out)
   c = config.load(
@@ -41,6 +40,6 @@ def test_greedy_tokens_equal_hugging_face_generate(family, tmp_path, monkeypatch
     {},
   )
   got = Engine.load(c).generate(PROMPTS, PARITY_NEW, strategy="greedy", stop_tokens=[])
-  want = hf_greedy(model, PROMPTS)
+  want = reference.greedy
   for row, completion in enumerate(got.completions):
     np.testing.assert_array_equal(completion.tokens, want[row], err_msg=f"prompt {row}")

@@ -1,68 +1,46 @@
-"""gpt-oss against Hugging Face transformers (PyTorch CPU) on a tiny random model: logits, 16 greedy tokens,
-the bit-exact round trip, the MXFP4 expert import (dequantized as transformers does) and its bfloat16
-export; the KV-cache path (sinks, sliding windows); training on the quick-start data; presets and FLOPs."""
+"""gpt-oss against Hugging Face transformers (PyTorch CPU) on a tiny random model (hf_references/gpt-oss):
+logits, 16 greedy tokens, the bit-exact round trip, the MXFP4 expert import (dequantized as transformers does)
+and its bfloat16 export; the KV-cache path (sinks, sliding windows); training on the quick-start data;
+presets and FLOPs."""
 
 import json
 import os
 
 import numpy as np
 import pytest
+from safetensors import numpy as safetensors_numpy
 
 from MaxText import config, flops, planner, train
 from MaxText.convert import hf_to_maxtext, maxtext_to_hf, mxfp4
 from MaxText.errors import ConfigError
 from MaxText.inference import Engine
-from MaxText.tests.helpers import PROMPTS, assert_cache_equals_forward, hf_config, hf_greedy, hf_keys, maxtext_logits
+from MaxText.tests.helpers import (
+  PROMPTS,
+  TOKENS,
+  assert_cache_equals_forward,
+  assert_export_is_exact,
+  hf_config,
+  hf_keys,
+  hf_model,
+  maxtext_logits,
+)
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
-
-# YaRN as gpt-oss ships it (truncate false), over 8 rope dims and a short pre-training length so that it
-# scales frequencies here; 3 layers = one scanned sliding/full pair and a sliding remainder; windows of 4
-# and T = 12, so the windows act; swiglu_limit 1.5 so the clamps act on these random weights.
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8}
-YARN |= {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
-TINY = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
-TINY |= dict(head_dim=8, vocab_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=4)
-TINY |= dict(swiglu_limit=1.5, rope_parameters=YARN, max_position_embeddings=32, tie_word_embeddings=False)
-T = 12
-
-
-def hf_model(tmp_path, bf16_exact=False):
-  """A tiny random GptOssForCausalLM (every weight, bias, sink and norm random) saved under tmp_path/hf.
-  bf16_exact: every weight rounded to bfloat16 first (so a bfloat16 export is exact)."""
-  torch.manual_seed(0)
-  cfg = transformers.GptOssConfig(**TINY)
-  model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      value = torch.randn_like(p) * 0.5 + 1.0 if "norm" in name else torch.randn_like(p) * 0.3
-      p.copy_(value.bfloat16().float() if bf16_exact else value)
-  path = os.path.join(tmp_path, "hf")
-  model.save_pretrained(path)
-  return model, path
+# The tiny model: helpers.GPT_OSS, committed as hf_references/gpt-oss (and gpt-oss-bf16, its weights rounded to
+# bfloat16 so a bfloat16 export is exact).
 
 
 def load(out, *overrides):
   return config.load([os.path.join(out, "config.yml"), "run_name=t", "dtype=float32", *overrides], {})
 
 
-def exported(back):
-  out = {}
-  for name in set(json.load(open(os.path.join(back, "model.safetensors.index.json")))["weight_map"].values()):
-    out |= safetensors_torch.load_file(os.path.join(back, name))
-  return out
-
-
 def test_logits_greedy_tokens_and_exact_round_trip(tmp_path):
-  model, hf_path = hf_model(tmp_path)
-  gate = model.model.layers[0].mlp.experts.gate_up_proj[..., ::2]
-  tokens = np.random.default_rng(0).integers(0, 64, (2, T))
-  with torch.no_grad():
-    ref = model(torch.tensor(tokens)).logits.numpy()
-    hidden = model.model.layers[0].post_attention_layernorm(model.model.embed_tokens(torch.tensor(tokens)))
-    assert ((hidden.reshape(-1, 32) @ gate[0]) > 1.5).any()  # the clamp acts
+  reference, hf_path = hf_model("gpt-oss", tmp_path)
+  tokens, ref = TOKENS, reference.logits
+  w = safetensors_numpy.load_file(os.path.join(hf_path, "model.safetensors"))
+  x = w["model.embed_tokens.weight"][tokens].reshape(-1, 32)
+  eps = json.load(open(os.path.join(hf_path, "config.json")))["rms_norm_eps"]
+  hidden = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * w["model.layers.0.post_attention_layernorm.weight"]
+  assert ((hidden @ w["model.layers.0.mlp.experts.gate_up_proj"][0, :, ::2]) > 1.5).any()  # the clamp acts
   scanned = os.path.join(tmp_path, "scan")  # a scanned sliding/full pair and an unscanned remainder layer
   hf_to_maxtext.convert(hf_path, scanned, scan_layers=True)
   np.testing.assert_allclose(maxtext_logits(scanned, tokens), ref, rtol=1e-5, atol=1e-5)
@@ -70,19 +48,12 @@ def test_logits_greedy_tokens_and_exact_round_trip(tmp_path):
   c = load(scanned, f"load_parameters_path={scanned}/params", "max_target_length=32")
   c = c.replace(max_prefill_predict_length=16, ici_fsdp_parallelism=1, ici_data_parallelism=-1)
   completions = Engine.load(c).generate(PROMPTS, 16, strategy="greedy", stop_tokens=[])
-  want = hf_greedy(model, PROMPTS)
+  want = reference.greedy
   for row, completion in enumerate(completions.completions):
     np.testing.assert_array_equal(completion.tokens, want[row], err_msg=f"prompt {row}")
 
   back = os.path.join(tmp_path, "back")
-  maxtext_to_hf.convert(load(scanned, f"load_parameters_path={scanned}/params"), back)
-  original, tensors = safetensors_torch.load_file(os.path.join(hf_path, "model.safetensors")), exported(back)
-  assert sorted(tensors) == sorted(original)
-  for name, tensor in original.items():
-    assert torch.equal(tensors[name], tensor), name
-  reloaded = transformers.AutoModelForCausalLM.from_pretrained(back, attn_implementation="eager").eval()
-  with torch.no_grad():
-    np.testing.assert_array_equal(reloaded(torch.tensor(tokens)).logits.numpy(), ref)
+  assert_export_is_exact(load(scanned, f"load_parameters_path={scanned}/params"), hf_path, back)
 
 
 def quantize_mxfp4(weight):
@@ -98,8 +69,13 @@ def quantize_mxfp4(weight):
   return codes[..., 0::2] | (codes[..., 1::2] << 4), (exponent + 127).astype(np.uint8)
 
 
+@pytest.mark.torch
 def test_mxfp4_experts_import_as_transformers_dequantizes_and_export_to_bfloat16(tmp_path):
-  model, hf_path = hf_model(tmp_path, bf16_exact=True)
+  import torch
+  import transformers
+  from safetensors import torch as safetensors_torch
+
+  _, hf_path = hf_model("gpt-oss-bf16", tmp_path)
   state = safetensors_torch.load_file(os.path.join(hf_path, "model.safetensors"))
   dequantized = {}
   for name in [n for n in state if n.endswith(("gate_up_proj", "down_proj"))]:
@@ -118,11 +94,13 @@ def test_mxfp4_experts_import_as_transformers_dequantizes_and_export_to_bfloat16
   out, back = os.path.join(tmp_path, "mt"), os.path.join(tmp_path, "back")
   hf_to_maxtext.convert(quantized, out, scan_layers=False)
   maxtext_to_hf.convert(load(out, f"load_parameters_path={out}/params"), back, dtype="bfloat16")
-  tensors = exported(back)
+  tensors = {}
+  for name in set(json.load(open(os.path.join(back, "model.safetensors.index.json")))["weight_map"].values()):
+    tensors |= safetensors_torch.load_file(os.path.join(back, name))
   for name, ref in dequantized.items():
     assert tensors[name].dtype == torch.bfloat16 and torch.equal(tensors[name].float(), ref), name
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32).eval()
-  tokens = np.random.default_rng(0).integers(0, 64, (2, T))
+  tokens = TOKENS
   with torch.no_grad():
     ref = reloaded(torch.tensor(tokens)).logits.numpy()
   np.testing.assert_allclose(maxtext_logits(out, tokens), ref, rtol=1e-5, atol=5e-5)
@@ -155,10 +133,13 @@ def test_trains_on_the_quickstart_data(tmp_path):
   assert len(losses) == 20 and np.mean(losses[-5:]) < losses[0] - 0.5, losses
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("preset", ["gpt-oss-20b", "gpt-oss-120b"])
 def test_presets_are_the_released_configs(preset):
   """The preset -> config.json -> the same keys; transformers' GptOssConfig (its defaults are 120b's) maps
   to the preset; FLOPs count each sliding layer's 128-key window and each full layer's T/2 keys."""
+  import transformers
+
   c = config.load([os.path.join(config.CONFIG_DIR, "base.yml"), "run_name=t", f"model_name={preset}"], {})
   hf = hf_config(c, "bfloat16")
   assert {k: v for k, v in hf_keys(hf).items() if c[k] != v} == {}

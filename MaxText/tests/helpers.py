@@ -1,12 +1,14 @@
 """Helpers that several test modules share beyond conftest.py's tiny config and fixtures: tiny Hugging Face
 models of each family and their conversion, the decode families, a chat tokenizer, LoRA tree views, train.py in
 a watched subprocess, the GRPO command line, the two-process data run. Test modules import from here or from
-conftest.py, never from each other (structure_test checks it). torch and transformers are imported where used:
-the modules that need them skip without them."""
+conftest.py, never from each other (structure_test checks it). The tiny Hugging Face models and their outputs
+are committed under hf_references/ (hf_model reads them, no torch needed); torch and transformers are imported
+where used, in `torch`-marked tests only."""
 
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -107,32 +109,97 @@ FAMILIES = {
   "minimax-m2": ("MiniMaxM2Config", MINIMAX_M2),
   "qwen3.5-moe": ("Qwen3_5MoeTextConfig", QWEN35),
 }
-GPT2 = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16, n_inner=48)
+GPT2 = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32, n_inner=48)  # 32: prompt + 16 new
 T = 12
+TOKENS = np.random.default_rng(0).integers(0, 64, (2, T))  # the references' logits are on these
+PROMPTS = [[5, 9, 17], [3, 1, 4, 1, 5, 9, 2, 6, 53], [40, 41, 42, 43, 44, 45]]
+PARITY_NEW = 16
+# Config changes for the references' greedy tokens only (the same weights): transformers counts llama4's
+# temperature-tuning positions from the left padding (the prompt alone would differ), so there its steps start
+# beyond the 32 positions; families_test checks the scaling itself on the logits.
+HF_DECODE = {"llama4": {"floor_scale": 64}}
+HF_REFERENCES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_references")
 
 
-def hf_model(family, tmp_path):
-  """A tiny random HF model with random norm weights, saved under tmp_path/hf."""
-  import torch
-  import transformers
+# The tiny models of tests beyond FAMILIES (gpt_oss_test, qwen3next_test), with the way make.py randomises them.
+# gpt-oss: YaRN as it ships (truncate false) over 8 rope dims and a short pre-training length, so it scales
+# frequencies; 3 layers = one scanned sliding/full pair and a sliding remainder; windows of 4 act within T;
+# swiglu_limit 1.5 so the clamps act on these random weights.
+GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8}
+GPT_OSS_YARN |= {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+GPT_OSS = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
+GPT_OSS |= dict(head_dim=8, vocab_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=4)
+GPT_OSS |= dict(swiglu_limit=1.5, rope_parameters=GPT_OSS_YARN, max_position_embeddings=32, tie_word_embeddings=False)
+# Qwen3-Next: 5 layers = one scanned block of 4 (layers 0-2 gated DeltaNet, 3 gated attention) and a remainder
+# of 1; 2 key heads serving 4 value heads; half the head dims rotated.
+QWEN3NEXT = dict(hidden_size=32, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+QWEN3NEXT |= dict(vocab_size=64, tie_word_embeddings=False, intermediate_size=48, full_attention_interval=4)
+QWEN3NEXT |= dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6)
+QWEN3NEXT |= dict(linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+QWEN3NEXT |= dict(shared_expert_intermediate_size=16, partial_rotary_factor=0.5, max_position_embeddings=64)
+# name: (transformers config class, its arguments, init). Inits (hf_references/make.py): "norms" (FAMILIES: norms,
+# biases and selection biases random), "all" (every weight random; norms around 1), "all-bf16" (the same,
+# rounded to bfloat16, so a bfloat16 export is exact), "zero-centred" (norms around 0, the DeltaNet's around 1).
+HF_EXTRA = {
+  "gpt-oss": ("GptOssConfig", GPT_OSS, "all"),
+  "gpt-oss-bf16": ("GptOssConfig", GPT_OSS, "all-bf16"),
+  "qwen3-next": ("Qwen3NextConfig", QWEN3NEXT, "zero-centred"),
+}
 
-  cls, extra = FAMILIES[family]
-  torch.manual_seed(0)
-  cfg = getattr(transformers, cls)(**({**GPT2} if family == "gpt3" else {**SMALL, **extra}))
-  model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
-  with torch.no_grad():
-    for name, p in model.named_buffers():
-      if "bias" in name:  # DeepSeek's expert-selection bias
-        p.copy_(torch.randn_like(p) * 0.1)
-    for name, p in model.named_parameters():
-      if "norm" in name or ".ln_" in name or name.endswith("bias"):
-        p.copy_(torch.randn_like(p) * 0.5 + (1.0 if name.endswith("weight") and "gemma" not in family else 0.0))
+
+def hf_reference_names():
+  """Every model with a committed reference: FAMILIES and HF_EXTRA."""
+  return sorted([*FAMILIES, *HF_EXTRA])
+
+
+def hf_entry(name):
+  """What the reference `name` is made from: {"class", "kwargs" (the transformers config arguments), "init",
+  "decode" (HF_DECODE's changes for the greedy tokens)}, as reference.json stores it."""
+  if name in HF_EXTRA:
+    cls, kwargs, init = HF_EXTRA[name]
+  else:
+    (cls, extra), init = FAMILIES[name], "norms"
+    kwargs = {**GPT2} if name == "gpt3" else {**SMALL, **extra}
+  return json.loads(json.dumps({"class": cls, "kwargs": kwargs, "init": init, "decode": HF_DECODE.get(name, {})}))
+
+
+class HFReference:
+  """A committed reference's outputs: logits [2, T, 64] on TOKENS and greedy tokens [3, PARITY_NEW] on PROMPTS
+  (written by hf_references/make.py with transformers)."""
+
+  def __init__(self, family):
+    from safetensors import numpy as safetensors_numpy
+
+    self.family = family
+    tensors = safetensors_numpy.load_file(os.path.join(HF_REFERENCES, family, "reference.safetensors"))
+    self.logits, self.greedy = tensors["logits"], tensors["greedy"]
+
+
+def hf_model(family, tmp_path, vocab_size=None):
+  """(The committed tiny random HF model's reference outputs, a copy of its files under tmp_path/hf); vocab_size
+  widens its vocabulary (new embedding and head rows random; the reference outputs then no longer apply)."""
+  from safetensors import numpy as safetensors_numpy
+
+  source = os.path.join(HF_REFERENCES, family)
+  made = json.load(open(os.path.join(source, "reference.json")))
+  assert made == hf_entry(family), f"{family}: its entry differs from hf_references/; run make.py {family}"
   path = os.path.join(tmp_path, "hf")
-  model.save_pretrained(path)
-  if family == "kimi-k2":  # as Kimi's checkpoints name it: its own model_type for the DeepSeek V3 architecture
-    cfg_path = os.path.join(path, "config.json")
-    json.dump({**json.load(open(cfg_path)), "model_type": "kimi_k2"}, open(cfg_path, "w"))
-  return model, path
+  os.makedirs(path, exist_ok=True)
+  for name in os.listdir(source):
+    if not name.startswith("reference."):
+      shutil.copyfile(os.path.join(source, name), os.path.join(path, name))
+  if vocab_size is not None:
+    weights = os.path.join(path, "model.safetensors")
+    tensors = safetensors_numpy.load_file(weights)
+    rng = np.random.default_rng(0)
+    for name, w in tensors.items():
+      if name.endswith(("embed_tokens.weight", "lm_head.weight", "wte.weight")):
+        extra = rng.normal(0.0, float(w.std()), (vocab_size - w.shape[0], *w.shape[1:])).astype(w.dtype)
+        tensors[name] = np.concatenate([w, extra])
+    safetensors_numpy.save_file(tensors, weights, metadata={"format": "pt"})
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    json.dump({**cfg, "vocab_size": vocab_size}, open(os.path.join(path, "config.json"), "w"))
+  return HFReference(family), path
 
 
 def maxtext_logits(out_dir, tokens, *overrides):
@@ -144,24 +211,23 @@ def maxtext_logits(out_dir, tokens, *overrides):
 
 def assert_export_is_exact(c: config.Config, hf_path: str, back: str) -> None:
   """Export the model `c` loads to Hugging Face at `back`: every tensor equals hf_path's original, bit for bit."""
-  import torch
-  from safetensors import torch as safetensors_torch
+  from safetensors import numpy as safetensors_numpy
 
   maxtext_to_hf.convert(c, back)
-  original = safetensors_torch.load_file(os.path.join(hf_path, "model.safetensors"))
+  original = safetensors_numpy.load_file(os.path.join(hf_path, "model.safetensors"))
   exported = exported_tensors(back)
   assert sorted(exported) == sorted(original)
   for name, tensor in original.items():
-    assert torch.equal(exported[name], tensor), name
+    assert exported[name].dtype == tensor.dtype and np.array_equal(exported[name], tensor), name
 
 
 def exported_tensors(back: str) -> dict:
-  """Every tensor of the Hugging Face export in `back` (all its safetensors shards), by name."""
-  from safetensors import torch as safetensors_torch
+  """Every tensor of the Hugging Face export in `back` (all its safetensors shards), by name, as numpy arrays."""
+  from safetensors import numpy as safetensors_numpy
 
   exported = {}
   for name in set(json.load(open(os.path.join(back, "model.safetensors.index.json")))["weight_map"].values()):
-    exported |= safetensors_torch.load_file(os.path.join(back, name))
+    exported |= safetensors_numpy.load_file(os.path.join(back, name))
   return exported
 
 
@@ -203,10 +269,6 @@ def load_converted(out_dir, *overrides):
   c = config.load([os.path.join(out_dir, "config.yml"), "run_name=t", "dtype=float32", *overrides], {})
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0), planner.build(c))), nnx.Param)
   return nnx.merge(graphdef, checkpointing.load_params(os.path.join(out_dir, "params"), abstract))
-
-
-PROMPTS = [[5, 9, 17], [3, 1, 4, 1, 5, 9, 2, 6, 53], [40, 41, 42, 43, 44, 45]]
-PARITY_NEW = 16
 
 
 def hf_greedy(model, prompts):
@@ -342,9 +404,9 @@ LORA = ["lora_rank=4", "lora_alpha=8", "per_device_batch_size=1", "learning_rate
 
 
 def converted_lora_chat_sft(family, tmp_path):
-  """The config of 4 LoRA steps of chat SFT on a converted tiny `family` (its FAMILIES entry; the caller widens
-  its vocab to the chat tokenizer's 320), single-row chat data, float32."""
-  _, hf_path = hf_model(family, tmp_path)
+  """The config of 4 LoRA steps of chat SFT on a converted tiny `family` (its committed model, the vocabulary
+  widened to the chat tokenizer's 320), single-row chat data, float32."""
+  _, hf_path = hf_model(family, tmp_path, vocab_size=320)
   out = os.path.join(tmp_path, "mt")
   hf_to_maxtext.convert(hf_path, out)
   tok = make_tokenizer(tmp_path / "tok")

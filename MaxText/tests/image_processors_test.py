@@ -14,8 +14,10 @@ from MaxText.data import chat, images, sft
 from MaxText.data import resize as resize_lib
 from MaxText.data.tokenizer import HuggingFaceTokenizer
 from MaxText.tests import helpers
+from MaxText.tests.conftest import TORCH_SKIP
 
-torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.torch  # live transformers throughout
+torch = pytest.importorskip("torch", reason=TORCH_SKIP)
 tvF = pytest.importorskip("torchvision.transforms.v2.functional")
 transformers = pytest.importorskip("transformers")
 Image = pytest.importorskip("PIL.Image")

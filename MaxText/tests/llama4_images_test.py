@@ -15,9 +15,11 @@ from MaxText import config, decode
 from MaxText.data import images as images_lib
 from MaxText.errors import ConfigError, DataError
 from MaxText.inference import Engine
+from MaxText.tests.conftest import TORCH_SKIP
 from MaxText.tests.helpers import L4V_IMAGE_TOKEN, convert_llama4_vision, load_converted, make_tokenizer
 
-torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.torch  # live transformers throughout
+torch = pytest.importorskip("torch", reason=TORCH_SKIP)
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("torchvision")  # Llama4ImageProcessor's backend
 Image = pytest.importorskip("PIL.Image")

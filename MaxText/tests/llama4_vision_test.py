@@ -13,6 +13,7 @@ from MaxText import config
 from MaxText import flops as flops_lib
 from MaxText.layers.model_config import ModelConfig
 from MaxText.models.llama4 import vision as llama4_vision
+from MaxText.tests.conftest import TORCH_SKIP
 from MaxText.tests.helpers import (
   L4V_IMAGE_TOKEN,
   assert_export_is_exact,
@@ -21,7 +22,8 @@ from MaxText.tests.helpers import (
   load_converted,
 )
 
-torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.torch  # live transformers throughout
+torch = pytest.importorskip("torch", reason=TORCH_SKIP)
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 

@@ -30,12 +30,10 @@ def test_training_losses_are_unchanged(recorded, tmp_path, name):
   assert fingerprint.run_case(name, fingerprint.CASES[name], str(tmp_path)) == recorded[name]
 
 
-@pytest.mark.slow  # the users' command lines in subprocesses, on tiny converted models made with torch once
+@pytest.mark.slow  # the users' command lines in subprocesses, on tiny converted models made once (numpy)
 def test_objective_losses_are_unchanged(recorded, tmp_path):
   """One test for all three, so that one process makes the fixtures: at the script's own --fixtures default,
   since the data split of the DPO case hashes the data's path."""
-  pytest.importorskip("torch")
-  pytest.importorskip("transformers")
   fingerprint = end_to_end_script("loss_fingerprint")
   fixtures = fingerprint.DEFAULT_FIXTURES
   fingerprint.make_fixtures(fixtures)

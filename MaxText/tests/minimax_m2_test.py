@@ -16,13 +16,10 @@ from MaxText.errors import ConfigError
 from MaxText.layers import normalizations
 from MaxText.tests.conftest import BASE, cfg, losses
 from MaxText.tests.helpers import (
-  FAMILIES,
   LORA,
-  MINIMAX_M2,
   PROMPTS,
-  T,
+  TOKENS,
   hf_config,
-  hf_greedy,
   hf_keys,
   hf_model,
   load_converted,
@@ -31,21 +28,15 @@ from MaxText.tests.helpers import (
   write_jsonl,
 )
 
-torch = pytest.importorskip("torch")
-safetensors_torch = pytest.importorskip("safetensors.torch")
-
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-  """(HF model, its directory, the converted MaxText directory, tokens [2, T], HF logits)."""
+  """(HF reference outputs, its directory, the converted MaxText directory, tokens [2, T], HF logits)."""
   tmp = tmp_path_factory.mktemp("minimax")
-  model, hf_path = hf_model("minimax-m2", tmp)
+  reference, hf_path = hf_model("minimax-m2", tmp)
   out = os.path.join(tmp, "mt")
   hf_to_maxtext.convert(hf_path, out)
-  tokens = np.random.default_rng(0).integers(0, 64, (2, T))
-  with torch.no_grad():
-    ref = model(torch.tensor(tokens)).logits.numpy()
-  return model, hf_path, out, tokens, ref
+  return reference, hf_path, out, TOKENS, reference.logits
 
 
 # The release's FP8 block scaling (dequantized on import, convert/fp8.py).
@@ -93,7 +84,7 @@ def test_qk_norm_per_head_instead_of_across_heads_breaks_parity(converted, monke
 def test_greedy_without_cache_equals_hugging_face(converted):
   """16 greedy tokens by whole forward passes (no cache) over the growing sequence, right-padded to a fixed
   width (causal: the padding after a position does not change its logits)."""
-  model, _, out, _, _ = converted
+  reference, _, out, _, _ = converted
   graphdef, state = nnx.split(load_converted(out))
   width = 32
   forward = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, jnp.arange(width)[None], jnp.ones((1, width), jnp.int32)))
@@ -102,7 +93,7 @@ def test_greedy_without_cache_equals_hugging_face(converted):
   seq[0, : len(prompt)] = prompt
   for t in range(len(prompt), len(prompt) + 16):
     seq[0, t] = int(jnp.argmax(forward(state, jnp.asarray(seq))[0, t - 1]))
-  np.testing.assert_array_equal(seq[0, len(prompt) : len(prompt) + 16], hf_greedy(model, [prompt])[0])
+  np.testing.assert_array_equal(seq[0, len(prompt) : len(prompt) + 16], reference.greedy[1])  # the longest: unpadded
 
 
 def test_unsupported_config_fields_and_other_families_fail_in_one_line(converted, tmp_path):
@@ -161,11 +152,10 @@ def test_preset_exports_the_published_config_and_reads_it_back():
 
 
 @pytest.mark.slow  # about 60 s on 2 busy cores
-def test_converted_model_fine_tunes_with_lora_and_sft(tmp_path, monkeypatch):
+def test_converted_model_fine_tunes_with_lora_and_sft(tmp_path):
   """The converted model (vocabulary widened to the chat tokenizer's ids) trains under LoRA, then under SFT on
   chat data."""
-  monkeypatch.setitem(FAMILIES, "minimax-m2", ("MiniMaxM2Config", {**MINIMAX_M2, "vocab_size": 320}))
-  _, hf_path = hf_model("minimax-m2", tmp_path)
+  _, hf_path = hf_model("minimax-m2", tmp_path, vocab_size=320)
   out = os.path.join(tmp_path, "mt")
   hf_to_maxtext.convert(hf_path, out)
   tok = make_tokenizer(str(tmp_path / "tok"))

@@ -18,9 +18,11 @@ from MaxText.data import images as images_lib
 from MaxText.errors import DataError
 from MaxText.inference import Engine
 from MaxText.layers import vision
+from MaxText.tests.conftest import TORCH_SKIP
 from MaxText.tests.helpers import assert_export_is_exact, make_tokenizer
 
-torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.torch  # live transformers throughout
+torch = pytest.importorskip("torch", reason=TORCH_SKIP)
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 Image = pytest.importorskip("PIL.Image")

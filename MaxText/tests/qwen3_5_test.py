@@ -25,16 +25,13 @@ from MaxText.tests.helpers import (
   PROMPTS,
   QWEN35,
   SMALL,
+  TOKENS,
   T,
-  hf_greedy,
   hf_model,
   make_tokenizer,
   maxtext_logits,
   write_jsonl,
 )
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
 BASE = os.path.join(config.CONFIG_DIR, "base.yml")
 LAYER = ["base_emb_dim=32", "linear_num_key_heads=2", "linear_num_value_heads=4", "linear_key_head_dim=8"]
@@ -43,12 +40,12 @@ LAYER += ["linear_value_head_dim=6", "linear_chunk_size=4", "dtype=float32", "ru
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-  """(the tiny HF model, its directory, the converted MaxText directory)."""
+  """(the tiny HF model's reference outputs, its directory, the converted MaxText directory)."""
   tmp = tmp_path_factory.mktemp("qwen35")
-  model, hf_path = hf_model("qwen3.5-moe", tmp)
+  reference, hf_path = hf_model("qwen3.5-moe", tmp)
   out = os.path.join(tmp, "mt")
   hf_to_maxtext.convert(hf_path, out)
-  return model, hf_path, out
+  return reference, hf_path, out
 
 
 def test_split_projections_are_the_fused_layer_regrouped():
@@ -77,10 +74,14 @@ def test_split_projections_are_the_fused_layer_regrouped():
   np.testing.assert_allclose(run(split, x, positions, segments), want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.torch
 @pytest.mark.slow  # 26 s at load average 9 on the 2 shared cores
 def test_image_text_checkpoint_imports_its_text_model(tmp_path):
   """The releases are Qwen3_5MoeForConditionalGeneration (text model under model.language_model., a vision tower
   under model.visual.): the text model converts, with the logits of that model on text."""
+  import torch
+  import transformers
+
   text = {k: v for k, v in {**SMALL, **QWEN35}.items() if k != "intermediate_size"}
   vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4)
   cfg = transformers.Qwen3_5MoeConfig(text_config=text, vision_config={**vision, "num_position_embeddings": 16})
@@ -103,14 +104,14 @@ def test_image_text_checkpoint_imports_its_text_model(tmp_path):
 def test_greedy_tokens_equal_hugging_face_with_and_without_cache(converted):
   """Batched prompts of 3, 9 and 6 tokens (right-padded here, left-padded by HF): 16 greedy tokens with the
   recurrent state and KV caches equal HF's, and re-running the whole sequence each step picks the same."""
-  model, _, out = converted
+  reference, _, out = converted
   c = config.load(
     [os.path.join(out, "config.yml"), "run_name=t", "dtype=float32", f"load_parameters_path={out}/params"]
     + ["max_target_length=32", "max_prefill_predict_length=16", "ici_fsdp_parallelism=1", "ici_data_parallelism=-1"],
     {},
   )
   got = Engine.load(c).generate(PROMPTS, PARITY_NEW, strategy="greedy", stop_tokens=[])
-  want = hf_greedy(model, PROMPTS)
+  want = reference.greedy
   for row, completion in enumerate(got.completions):
     np.testing.assert_array_equal(completion.tokens, want[row], err_msg=f"prompt {row}")
   for row, prompt in enumerate(PROMPTS):
@@ -131,19 +132,15 @@ def test_greedy_tokens_equal_hugging_face_with_and_without_cache(converted):
 def test_each_feature_switched_off_breaks_parity(converted, off):
   """The converted model with one feature's key changed in ours only no longer matches transformers (the same
   model unchanged does: families_test)."""
-  model, _, out = converted
-  tokens = np.random.default_rng(0).integers(0, 64, (2, T))
-  with torch.no_grad():
-    ref = model(torch.tensor(tokens)).logits.numpy()
-  assert np.max(np.abs(maxtext_logits(out, tokens, off) - ref)) > 1e-3
+  reference, _, out = converted
+  assert np.max(np.abs(maxtext_logits(out, TOKENS, off) - reference.logits)) > 1e-3
 
 
 @pytest.mark.slow  # one training compile
-def test_lora_sft_of_the_converted_model_trains(tmp_path, monkeypatch):
+def test_lora_sft_of_the_converted_model_trains(tmp_path):
   """SFT with LoRA adapters on the DeltaNet's and the attention's projections of a converted model (its vocab the
   tokenizer's): the loss falls."""
-  monkeypatch.setitem(QWEN35, "vocab_size", 320)
-  _, hf_path = hf_model("qwen3.5-moe", tmp_path)
+  _, hf_path = hf_model("qwen3.5-moe", tmp_path, vocab_size=320)
   out = os.path.join(tmp_path, "mt")
   hf_to_maxtext.convert(hf_path, out)
   tok = make_tokenizer(os.path.join(tmp_path, "tok"))

@@ -1,7 +1,8 @@
-"""Qwen3-Next against Hugging Face transformers (its pure-torch gated DeltaNet path on CPU): a tiny random
-model converted both ways (bit-exact back), float32 logits, 16 greedy tokens for batched prompts of different
-lengths, decode with the recurrent state equal to full forward passes, the chunked rule equal to the
-recurrence, training on the converted model, FLOPs of the preset (its parameter count: presets_test)."""
+"""Qwen3-Next against Hugging Face transformers (its pure-torch gated DeltaNet path on CPU, committed in
+hf_references/qwen3-next): a tiny random model converted both ways (bit-exact back), float32 logits, 16 greedy
+tokens for batched prompts of different lengths, decode with the recurrent state equal to full forward passes,
+the chunked rule equal to the recurrence, training on the converted model, FLOPs of the preset (its parameter
+count: presets_test)."""
 
 import json
 import os
@@ -14,43 +15,15 @@ from MaxText import config, flops, train
 from MaxText.convert import hf_to_maxtext
 from MaxText.inference import Engine
 from MaxText.layers import gated_deltanet
-from MaxText.tests.helpers import PROMPTS, T, assert_export_is_exact, hf_greedy, maxtext_logits
+from MaxText.tests.helpers import PROMPTS, TOKENS, assert_export_is_exact, hf_model, maxtext_logits
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
-
-# 5 layers: one scanned block of 4 (layers 0-2 gated DeltaNet, 3 gated attention) and a remainder of 1;
-# 2 key heads serving 4 value heads; half the head dims rotated; chunks of 4 so T = 12 spans three.
-TINY = dict(hidden_size=32, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-TINY |= dict(vocab_size=64, tie_word_embeddings=False, intermediate_size=48, full_attention_interval=4)
-TINY |= dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6)
-TINY |= dict(linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
-TINY |= dict(shared_expert_intermediate_size=16, partial_rotary_factor=0.5, max_position_embeddings=64)
+# helpers.QWEN3NEXT, its committed reference "qwen3-next"; chunks of 4 so T = 12 spans three.
 CHUNK = "linear_chunk_size=4"
 
 
-def hf_model(tmp_path):
-  torch.manual_seed(0)
-  model = transformers.AutoModelForCausalLM.from_config(
-    transformers.Qwen3NextConfig(**TINY), attn_implementation="eager"
-  ).float().eval()  # fmt: skip
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if "norm" in name:  # zero-centred norms (1 + w) and the DeltaNet's plain output norm
-        p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "linear_attn.norm" in name else 0.0))
-      elif name.endswith("dt_bias"):
-        p.copy_(torch.randn_like(p))
-  path = os.path.join(tmp_path, "hf")
-  model.save_pretrained(path)
-  return model, path
-
-
 def test_logits_match_hugging_face_and_round_trip_is_exact(tmp_path):
-  model, hf_path = hf_model(tmp_path)
-  tokens = np.random.default_rng(0).integers(0, 64, (2, T))
-  with torch.no_grad():
-    ref = model(torch.tensor(tokens)).logits.numpy()
+  reference, hf_path = hf_model("qwen3-next", tmp_path)
+  tokens, ref = TOKENS, reference.logits
   scanned, unrolled = os.path.join(tmp_path, "scan"), os.path.join(tmp_path, "unrolled")
   hf_to_maxtext.convert(hf_path, scanned, scan_layers=True)
   hf_to_maxtext.convert(hf_path, unrolled, scan_layers=False)
@@ -61,17 +34,14 @@ def test_logits_match_hugging_face_and_round_trip_is_exact(tmp_path):
 
   back = os.path.join(tmp_path, "back")
   c = config.load([os.path.join(scanned, "config.yml"), "run_name=t", f"load_parameters_path={scanned}/params"], {})
-  assert_export_is_exact(c, hf_path, back)
-  reloaded = transformers.AutoModelForCausalLM.from_pretrained(back, attn_implementation="eager").eval()
-  with torch.no_grad():
-    np.testing.assert_array_equal(reloaded(torch.tensor(tokens)).logits.numpy(), ref)
+  assert_export_is_exact(c, hf_path, back)  # hf_references_test reloads the export in transformers (torch tier)
 
 
 @pytest.mark.slow  # 153 s at load average 16 on the 2 shared cores
 def test_greedy_tokens_equal_hugging_face_and_cache_free_decode(tmp_path):
   """Batched prompts of 3, 9 and 6 tokens (right-padded here, left-padded by HF): the recurrent state and
   KV caches give HF's 16 greedy tokens, and the same tokens as re-running the whole sequence each step."""
-  model, hf_path = hf_model(tmp_path)
+  reference, hf_path = hf_model("qwen3-next", tmp_path)
   out = os.path.join(tmp_path, "mt")
   hf_to_maxtext.convert(hf_path, out)
   c = config.load(
@@ -80,7 +50,7 @@ def test_greedy_tokens_equal_hugging_face_and_cache_free_decode(tmp_path):
     {},
   )
   got = Engine.load(c).generate(PROMPTS, 16, strategy="greedy", stop_tokens=[])
-  want = hf_greedy(model, PROMPTS)
+  want = reference.greedy
   for row, completion in enumerate(got.completions):
     np.testing.assert_array_equal(completion.tokens, want[row], err_msg=f"prompt {row}")
   # Without any cache: the full forward pass over prompt + generated tokens picks the same next tokens.

@@ -29,6 +29,7 @@ def tok(tmp_path_factory):
   return make_tokenizer(str(tmp_path_factory.mktemp("tok")))
 
 
+@pytest.mark.torch
 def test_rendering_and_tokens_match_transformers_apply_chat_template(tok):
   import transformers
 

@@ -655,3 +655,23 @@ def hf_keys(hf):
 def hf_config(c, dtype):
   """MaxText config -> config.json, through the mapping of its decoder_block (models.hf_mapping)."""
   return mappings.of_block(c.decoder_block).hf_config(c, dtype)
+
+
+def layout_loss_and_grads(tiny, *mesh_args):
+  """The next-token loss of a fresh model (config `tiny`, params seed 0) on a fixed batch of 8 x 16 tokens, and its
+  gradients, on one CPU device (no mesh_args) or on 8 under the mesh the ici_* mesh_args give: equal across
+  layouts up to float32 summation order."""
+  tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (8, 17)), jnp.int32)
+  positions, segments = jnp.broadcast_to(jnp.arange(16), (8, 16)), jnp.ones((8, 16), jnp.int32)
+  c = config.load([*tiny, "max_target_length=16", "ici_fsdp_parallelism=1", "ici_data_parallelism=1", *mesh_args], {})
+  mesh = sharding.create_mesh(c, jax.devices()[: 1 if not mesh_args else 8])
+  graphdef, params = nnx.split(models.build(c, nnx.Rngs(params=0), planner.build(c, mesh)), nnx.Param)
+
+  def loss(p):
+    logits = nnx.merge(graphdef, p)(tokens[:, :-1], positions, segments).astype(jnp.float32)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))
+
+  with sharding.activate(c, mesh):
+    specs = sharding.logical_to_mesh(nnx.get_partition_spec(params), mesh, sharding.axis_rules(c))
+    placed = jax.device_put(params, specs)
+    return jax.jit(jax.value_and_grad(loss))(placed)

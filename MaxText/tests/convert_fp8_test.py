@@ -11,13 +11,13 @@ import pytest
 
 from MaxText.convert import fp8, hf_to_maxtext
 from MaxText.errors import ConfigError
-from MaxText.tests.conftest import TORCH_SKIP
+from MaxText.tests.conftest import HAS_TORCH
 from MaxText.tests.helpers import T, hf_model, maxtext_logits
 
-pytestmark = pytest.mark.torch  # live transformers throughout
-torch = pytest.importorskip("torch", reason=TORCH_SKIP)
-transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
+if HAS_TORCH:  # the `torch`-marked tests' live references
+  import torch
+  import transformers
+  from safetensors import torch as safetensors_torch
 
 BLOCK = (8, 16)  # not square, and partial blocks (q_lora_rank 12, moe_intermediate_size 16, hidden 32)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -65,6 +65,7 @@ def write_fp8_checkpoint(hf_path: str, float_path: str) -> int:
   return len(stored) - len(state)
 
 
+@pytest.mark.torch
 @pytest.mark.slow  # two conversions of a MoE model and three forward passes: ~2 min on 2 busy cores
 def test_fp8_block_scaled_deepseek_v3_imports_as_its_dequantized_weights(tmp_path):
   _, hf_path = hf_model("deepseek3", tmp_path)

@@ -9,18 +9,19 @@ import types
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from MaxText.data import chat, images, sft
 from MaxText.data import resize as resize_lib
 from MaxText.data.tokenizer import HuggingFaceTokenizer
 from MaxText.tests import helpers
-from MaxText.tests.conftest import TORCH_SKIP
+from MaxText.tests.conftest import HAS_TORCH
 
-pytestmark = pytest.mark.torch  # live transformers throughout
-torch = pytest.importorskip("torch", reason=TORCH_SKIP)
-tvF = pytest.importorskip("torchvision.transforms.v2.functional")
-transformers = pytest.importorskip("transformers")
-Image = pytest.importorskip("PIL.Image")
+if HAS_TORCH:  # the `torch`-marked tests' live references
+  import torch
+  import torchvision.transforms.v2.functional as tvF
+  import transformers
+
 tiny = helpers.end_to_end_script("make_tiny_vision_model")
 
 ODD = [(37, 53), (300, 201), (53, 37), (7, 30)]
@@ -36,6 +37,7 @@ def torch_resize(image, height, width):
   return out.permute(1, 2, 0).numpy()
 
 
+@pytest.mark.torch
 def test_resize_equals_torchs_uint8_kernel():
   if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") and os.uname().machine not in ("aarch64",):
     pytest.skip("torchvision resizes uint8 in float32 on this CPU (no native uint8 kernel)")
@@ -55,6 +57,7 @@ def gemma3_config(size):
 
 @pytest.mark.parametrize("size", [16, 896])
 @pytest.mark.parametrize("shape", ODD)
+@pytest.mark.torch
 def test_gemma3_pixels_equal_the_default_processor(size, shape):
   image = Image.fromarray(picture(*shape))
   kwargs = dict(size={"height": size, "width": size}, do_pan_and_scan=False)
@@ -64,6 +67,7 @@ def test_gemma3_pixels_equal_the_default_processor(size, shape):
 
 @pytest.mark.parametrize("size, max_tiles", [(16, 4), (336, 16)])
 @pytest.mark.parametrize("shape", ODD)
+@pytest.mark.torch
 def test_llama4_tiles_equal_the_processor(size, max_tiles, shape):
   image = Image.fromarray(picture(*shape, seed=2))
   processor = transformers.Llama4ImageProcessor(size={"height": size, "width": size}, max_patches=max_tiles)
@@ -105,6 +109,7 @@ def ours(text, n, c, tok):
     ("user\n\n<start_of_image>It is red.\n<start_of_image>What colour is this?", 2),
   ],
 )
+@pytest.mark.torch
 def test_gemma3_prompt_ids_equal_the_processors(gemma3, text, n):
   tok, processor = gemma3
   pictures = [Image.fromarray(picture(37, 53, i)) for i in range(n)]
@@ -114,6 +119,7 @@ def test_gemma3_prompt_ids_equal_the_processors(gemma3, text, n):
   assert got.count(tiny.BOI) == n and got != images.expand(tok.encode(text), n, gemma3_config(16))  # "\n\n" added
 
 
+@pytest.mark.torch
 def test_a_gemma3_prompt_without_a_marker_gets_the_images_first(gemma3):
   tok, processor = gemma3
   text = "<s>What colour is this?"
@@ -124,6 +130,7 @@ def test_a_gemma3_prompt_without_a_marker_gets_the_images_first(gemma3):
   assert images.processor_text(text, 0, c, tok)[0] == text  # no image: the text as it is
 
 
+@pytest.mark.torch
 def test_gemma3_sft_rows_equal_the_processors_ids_and_mask_the_reply(gemma3, tmp_path):
   tok, processor = gemma3
   files = []
@@ -144,6 +151,7 @@ def test_gemma3_sft_rows_equal_the_processors_ids_and_mask_the_reply(gemma3, tmp
   assert tok.decode(reply) == "It is red.\n" and tok.token_text(int(reply[-2])) == "<|im_end|>"
 
 
+@pytest.mark.torch
 def test_llama4_prompts_are_unchanged_and_equal_the_processors(tmp_path):
   from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: PLC0415
 

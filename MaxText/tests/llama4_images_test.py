@@ -10,19 +10,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from PIL import Image
 
 from MaxText import config, decode
 from MaxText.data import images as images_lib
 from MaxText.errors import ConfigError, DataError
 from MaxText.inference import Engine
-from MaxText.tests.conftest import TORCH_SKIP
+from MaxText.tests.conftest import HAS_TORCH
 from MaxText.tests.helpers import L4V_IMAGE_TOKEN, convert_llama4_vision, load_converted, make_tokenizer
 
-pytestmark = pytest.mark.torch  # live transformers throughout
-torch = pytest.importorskip("torch", reason=TORCH_SKIP)
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("torchvision")  # Llama4ImageProcessor's backend
-Image = pytest.importorskip("PIL.Image")
+if HAS_TORCH:  # the `torch`-marked tests' live references
+  import torch
+  import transformers
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +86,7 @@ def processor():
     ((1000, 800), (336, 336), 16, (3, 3)),
   ],
 )
+@pytest.mark.torch
 def test_llama4_tiles_match_the_image_processor(size, shape, max_patches, grid):
   image = Image.fromarray(picture(*size))
   ref = hf_image_processor(shape[0], max_patches)(image, return_tensors="pt")
@@ -98,6 +98,7 @@ def test_llama4_tiles_match_the_image_processor(size, shape, max_patches, grid):
   np.testing.assert_array_equal(got.tiles, want)  # torchvision's resize (data/resize.py), bfloat16 normalisation
 
 
+@pytest.mark.torch
 def test_transparency_is_composited_onto_white_as_the_processors_do():
   rgba = np.concatenate([picture(16, 32), np.tile(np.arange(0, 256, 8, dtype=np.uint8), (16, 1))[..., None]], -1)
   image = Image.fromarray(rgba)  # alpha from 0 (left) to 248 (right)
@@ -111,6 +112,7 @@ def test_transparency_is_composited_onto_white_as_the_processors_do():
 
 
 @pytest.mark.parametrize("size", [(16, 16), (20, 13), (40, 64)])
+@pytest.mark.torch
 def test_gemma3_pixels_match_the_image_processors(size):
   image = Image.fromarray(picture(*size, seed=1))
   c = types.SimpleNamespace(decoder_block="gemma3", image_size_for_vit=S, mm_tokens_per_image=4)
@@ -125,6 +127,7 @@ def test_gemma3_pixels_match_the_image_processors(size):
 
 
 @pytest.mark.parametrize("sizes", [[(16, 16)], [(16, 32)], [(32, 16)], [(32, 32)], [(32, 32), (16, 16)]])
+@pytest.mark.torch
 def test_token_layout_matches_llama4_processor(processor, sizes):
   """1x1, 1x2, 2x1 and 2x2 grids, and two images in one prompt: our expanded ids == the processor's."""
   images = [Image.fromarray(picture(*s)) for s in sizes]
@@ -156,6 +159,7 @@ def our_config(out, *overrides):
   return config.load([*args, *IDS, "max_prefill_predict_length=48", "max_target_length=64", *overrides], {})
 
 
+@pytest.mark.torch
 def test_image_file_to_logits_and_engine_tokens_match_hugging_face(processor, tiny):
   """image file -> HF's processor -> HF's model, and image file -> our pipeline -> our model: the same ids,
   pixels and logits; the Engine's prefill + KV-cache decode gives HF's greedy tokens and our own cache-free
@@ -189,6 +193,7 @@ def test_image_file_to_logits_and_engine_tokens_match_hugging_face(processor, ti
   np.testing.assert_array_equal(got, hf_new)
 
 
+@pytest.mark.torch
 def test_decode_with_image_path(tiny, capsys):
   _, out, path = tiny
   args = [os.path.join(out, "config.yml"), "run_name=d", f"load_parameters_path={out}/params", *IDS]

@@ -13,7 +13,7 @@ from MaxText import config
 from MaxText import flops as flops_lib
 from MaxText.layers.model_config import ModelConfig
 from MaxText.models.llama4 import vision as llama4_vision
-from MaxText.tests.conftest import TORCH_SKIP
+from MaxText.tests.conftest import HAS_TORCH
 from MaxText.tests.helpers import (
   L4V_IMAGE_TOKEN,
   assert_export_is_exact,
@@ -22,10 +22,9 @@ from MaxText.tests.helpers import (
   load_converted,
 )
 
-pytestmark = pytest.mark.torch  # live transformers throughout
-torch = pytest.importorskip("torch", reason=TORCH_SKIP)
-transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
+if HAS_TORCH:  # the `torch`-marked tests' live references
+  import torch
+  import transformers
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +40,7 @@ def prompt(batch_images: int) -> np.ndarray:
   return np.concatenate([head, np.full(4 * batch_images, L4V_IMAGE_TOKEN), tail])[None]
 
 
+@pytest.mark.torch
 def test_image_text_logits_and_greedy_tokens_match_hugging_face(converted):
   model, _, ours, _ = converted
   pixels = np.random.default_rng(2).standard_normal((2, 3, 16, 16)).astype(np.float32)  # two tiles, NCHW
@@ -64,6 +64,7 @@ def test_image_text_logits_and_greedy_tokens_match_hugging_face(converted):
   np.testing.assert_array_equal(np.asarray(seq[0, t:]), hf_out)
 
 
+@pytest.mark.torch
 def test_round_trip_to_hugging_face_is_bit_exact(converted, tmp_path):
   _, hf_path, _, out = converted
   back = os.path.join(tmp_path, "back")
@@ -74,6 +75,7 @@ def test_round_trip_to_hugging_face_is_bit_exact(converted, tmp_path):
   assert hf_keys(reloaded.config.to_dict()) == hf_keys(json.load(open(f"{hf_path}/config.json")))
 
 
+@pytest.mark.torch
 def test_text_only_use_of_the_multimodal_model(converted):
   """No images: the text model alone (logits as HF's with input_ids only); the converted checkpoint loads
   with use_multimodal=false (its vision tensors unread) and then refuses images."""
@@ -90,6 +92,7 @@ def test_text_only_use_of_the_multimodal_model(converted):
     text_only.forward(jnp.asarray(tokens), pos, seg, images=jnp.zeros((1, 1, 16, 16, 3)))
 
 
+@pytest.mark.torch
 def test_pixel_shuffle_and_rope_layout():
   """Pixel shuffle folds 2 x 2 neighbours into channels; rope: columns then rows, from 1, class token 0."""
   x = jnp.arange(16 * 2, dtype=jnp.float32).reshape(1, 16, 2)  # a 4 x 4 grid, 2 channels

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from PIL import Image
 
 from MaxText import checkpointing, config, decode, models, planner
 from MaxText.convert import hf_to_maxtext
@@ -18,14 +19,12 @@ from MaxText.data import images as images_lib
 from MaxText.errors import DataError
 from MaxText.inference import Engine
 from MaxText.layers import vision
-from MaxText.tests.conftest import TORCH_SKIP
+from MaxText.tests.conftest import HAS_TORCH
 from MaxText.tests.helpers import assert_export_is_exact, make_tokenizer
 
-pytestmark = pytest.mark.torch  # live transformers throughout
-torch = pytest.importorskip("torch", reason=TORCH_SKIP)
-transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
-Image = pytest.importorskip("PIL.Image")
+if HAS_TORCH:  # the `torch`-marked tests' live references
+  import torch
+  import transformers
 
 TEXT = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 TEXT |= dict(vocab_size=64, head_dim=8, sliding_window=4, query_pre_attn_scalar=6)
@@ -99,6 +98,7 @@ def test_load_errors_name_the_file(tmp_path):
   np.testing.assert_allclose(images_lib.load(str(tmp_path / "white.png"), 16), np.ones((16, 16, 3)))
 
 
+@pytest.mark.torch
 def test_logits_and_greedy_tokens_match_hugging_face(converted):
   model, _, out = converted
   rng = np.random.default_rng(0)
@@ -135,6 +135,7 @@ def test_logits_and_greedy_tokens_match_hugging_face(converted):
   np.testing.assert_array_equal(np.asarray(seq[0, t:]), hf_greedy(model, tokens[:1], pixels[:2])[0])
 
 
+@pytest.mark.torch
 def test_engine_and_decode_with_images(converted, tmp_path, capsys):
   """The Engine's prefill (bidirectional image blocks over the KV cache) and decode steps give transformers'
   greedy tokens; the prompt's <start_of_image> markers become whole image blocks; decode.py reads image_path."""
@@ -175,6 +176,7 @@ def test_engine_and_decode_with_images(converted, tmp_path, capsys):
   assert f"Prompt: '1+1' with image(s) {files[0]}" in capsys.readouterr().out
 
 
+@pytest.mark.torch
 def test_round_trip_is_exact_and_text_only_use_works(converted, tmp_path):
   model, hf_path, out = converted
   back = str(tmp_path / "back")

@@ -622,3 +622,57 @@ def hf_keys(hf):
 def hf_config(c, dtype):
   """MaxText config -> config.json, through the mapping of its decoder_block (models.hf_mapping)."""
   return mappings.of_block(c.decoder_block).hf_config(c, dtype)
+
+
+# Images through transformers' image processors, committed in hf_references/processors/pixels.safetensors
+# (make_processors.py writes it with transformers; tests compare data/images.py with it, no torch needed).
+ODD_SHAPES = [(37, 53), (300, 201), (53, 37), (7, 30)]
+L4_GRIDS = [(16, 16), (16, 32), (32, 16), (7, 30), (20, 13), (33, 17), (50, 50)]  # llama4_images_test's tile cases
+PROCESSED = [  # (processor, tile size, max tiles (llama4), height, width, seed, style): tiny tiles only
+  *[("gemma3", 16, 0, h, w, 0, "random") for h, w in ODD_SHAPES],
+  *[("llama4", 16, 4, h, w, 2, "random") for h, w in ODD_SHAPES],
+  *[("llama4", 16, 4, h, w, 0, "smooth") for h, w in L4_GRIDS],
+  *[("gemma3", 16, 0, h, w, 1, "smooth") for h, w in [(16, 16), (20, 13), (40, 64)]],
+  ("llama4", 16, 4, 16, 32, 0, "smooth-alpha"),
+  ("gemma3", 32, 0, 16, 32, 0, "smooth-alpha"),
+]
+
+
+def processed_key(case) -> str:
+  processor, size, max_tiles, height, width, seed, style = case
+  return f"{processor}-{size}-{max_tiles}-{style}{seed}-{height}x{width}"
+
+
+def picture(height, width, seed=0, style="random"):
+  """A uint8 test image: "random" noise (RGB), "smooth" (photo-like: resizers agree on most pixels), or
+  "smooth-alpha" (RGBA, alpha rising from 0 on the left by 8 a column)."""
+  if style == "random":
+    return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+  y, x = np.mgrid[0:height, 0:width]
+  phase = np.random.default_rng(seed).uniform(0, 6, 3)
+  rgb = np.stack([127 + 120 * np.sin(x / 3 + p) * np.cos(y / 5 - p) for p in phase], -1).astype(np.uint8)
+  if style == "smooth":
+    return rgb
+  alpha = np.tile((np.arange(width) * 8 % 256).astype(np.uint8), (height, 1))
+  return np.concatenate([rgb, alpha[..., None]], -1)
+
+
+def hf_processed(case):
+  """The live processor's tiles [N, H, W, C] float32 for a PROCESSED-style case (needs transformers)."""
+  import transformers  # noqa: PLC0415 (the torch tier)
+  from PIL import Image  # noqa: PLC0415
+
+  processor, size, max_tiles, height, width, seed, style = case
+  image = Image.fromarray(picture(height, width, seed, style))
+  if processor == "gemma3":
+    made = transformers.Gemma3ImageProcessor(size={"height": size, "width": size}, do_pan_and_scan=False)
+  else:
+    made = transformers.Llama4ImageProcessor(size={"height": size, "width": size}, max_patches=max_tiles)
+  return made(image, return_tensors="pt")["pixel_values"].float().numpy().transpose(0, 2, 3, 1)
+
+
+def committed_processed():
+  """{processed_key(case): tiles} as committed for every PROCESSED case."""
+  from safetensors import numpy as safetensors_numpy  # noqa: PLC0415
+
+  return safetensors_numpy.load_file(os.path.join(HF_REFERENCES, "processors", "pixels.safetensors"))

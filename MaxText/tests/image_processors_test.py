@@ -24,11 +24,8 @@ if HAS_TORCH:  # the `torch`-marked tests' live references
 
 tiny = helpers.end_to_end_script("make_tiny_vision_model")
 
-ODD = [(37, 53), (300, 201), (53, 37), (7, 30)]
-
-
-def picture(height, width, seed=0):
-  return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+ODD = helpers.ODD_SHAPES
+picture = helpers.picture
 
 
 def torch_resize(image, height, width):
@@ -55,28 +52,54 @@ def gemma3_config(size):
   return c
 
 
+def llama4_config(size, max_tiles):
+  c = types.SimpleNamespace(decoder_block="llama4", image_size_for_vit=size, max_image_tiles=max_tiles)
+  c.patch_size_for_vit, c.pixel_shuffle_ratio_for_vit, c.image_token_id = 4, 0.5, 1
+  c.image_start_token_id = c.image_end_token_id = c.tile_x_separator_token_id = c.tile_y_separator_token_id = 2
+  c.image_global_token_id = 3
+  return c
+
+
+def our_tiles(case):
+  """data/images.py's tiles [N, H, W, C] for a helpers.PROCESSED-style case."""
+  processor, size, max_tiles, height, width, seed, style = case
+  image = Image.fromarray(picture(height, width, seed, style))
+  c = gemma3_config(size) if processor == "gemma3" else llama4_config(size, max_tiles)
+  return images.prepare(image, c).tiles
+
+
+def assert_equals_the_processor(case):
+  """Ours == the live processor's; the committed tiles (if the case has them) are the live ones: current."""
+  want = helpers.hf_processed(case)
+  np.testing.assert_array_equal(our_tiles(case), want)
+  if case in helpers.PROCESSED:
+    np.testing.assert_array_equal(helpers.committed_processed()[helpers.processed_key(case)], want)
+
+
+@pytest.fixture(scope="module")
+def committed():
+  return helpers.committed_processed()
+
+
+@pytest.mark.parametrize("case", helpers.PROCESSED, ids=helpers.processed_key)
+def test_tiles_equal_the_committed_processor_tiles(committed, case):
+  """Gemma 3 and Llama 4 tiles of odd-sized, smooth and transparent images, as the processors made them."""
+  assert sorted(committed) == sorted(map(helpers.processed_key, helpers.PROCESSED))
+  np.testing.assert_array_equal(our_tiles(case), committed[helpers.processed_key(case)])
+
+
 @pytest.mark.parametrize("size", [16, 896])
 @pytest.mark.parametrize("shape", ODD)
 @pytest.mark.torch
 def test_gemma3_pixels_equal_the_default_processor(size, shape):
-  image = Image.fromarray(picture(*shape))
-  kwargs = dict(size={"height": size, "width": size}, do_pan_and_scan=False)
-  want = transformers.Gemma3ImageProcessor(**kwargs)(image, return_tensors="pt")["pixel_values"][0].numpy()
-  np.testing.assert_array_equal(images.prepare(image, gemma3_config(size)).tiles[0], want.transpose(1, 2, 0))
+  assert_equals_the_processor(("gemma3", size, 0, *shape, 0, "random"))
 
 
 @pytest.mark.parametrize("size, max_tiles", [(16, 4), (336, 16)])
 @pytest.mark.parametrize("shape", ODD)
 @pytest.mark.torch
 def test_llama4_tiles_equal_the_processor(size, max_tiles, shape):
-  image = Image.fromarray(picture(*shape, seed=2))
-  processor = transformers.Llama4ImageProcessor(size={"height": size, "width": size}, max_patches=max_tiles)
-  want = processor(image, return_tensors="pt")["pixel_values"].float().numpy().transpose(0, 2, 3, 1)
-  c = types.SimpleNamespace(decoder_block="llama4", image_size_for_vit=size, max_image_tiles=max_tiles)
-  c.patch_size_for_vit, c.pixel_shuffle_ratio_for_vit, c.image_token_id = 4, 0.5, 1
-  c.image_start_token_id = c.image_end_token_id = c.tile_x_separator_token_id = c.tile_y_separator_token_id = 2
-  c.image_global_token_id = 3
-  np.testing.assert_array_equal(images.prepare(image, c).tiles, want)
+  assert_equals_the_processor(("llama4", size, max_tiles, *shape, 2, "random"))
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from MaxText import config, decode
 from MaxText.data import images as images_lib
 from MaxText.errors import ConfigError, DataError
 from MaxText.inference import Engine
+from MaxText.tests import helpers
 from MaxText.tests.conftest import HAS_TORCH
 from MaxText.tests.helpers import L4V_IMAGE_TOKEN, convert_llama4_vision, load_converted, make_tokenizer
 
@@ -51,9 +52,14 @@ def tiny_config(**overrides):
 
 def picture(height, width, seed=0):
   """A smooth uint8 RGB image (photo-like: resizers agree on most pixels)."""
-  y, x = np.mgrid[0:height, 0:width]
-  phase = np.random.default_rng(seed).uniform(0, 6, 3)
-  return np.stack([127 + 120 * np.sin(x / 3 + p) * np.cos(y / 5 - p) for p in phase], -1).astype(np.uint8)
+  return helpers.picture(height, width, seed, "smooth")
+
+
+def assert_committed(case, want):
+  """The committed tiles of a helpers.PROCESSED case (image_processors_test compares ours with them) are the
+  live processor's: current."""
+  assert case in helpers.PROCESSED
+  np.testing.assert_array_equal(helpers.committed_processed()[helpers.processed_key(case)], want)
 
 
 def hf_image_processor(size=S, max_patches=MAX_TILES):
@@ -72,20 +78,29 @@ def processor():
   return transformers.Llama4Processor(hf_image_processor(), fast, patch_size=4, pixel_shuffle_ratio=0.5)
 
 
-@pytest.mark.parametrize(
-  "size, shape, max_patches, grid",
-  [
-    ((16, 16), (16, 16), 4, (1, 1)),  # one tile, no global tile
-    ((16, 32), (16, 16), 4, (1, 2)),
-    ((32, 16), (16, 16), 4, (2, 1)),
-    ((7, 30), (16, 16), 4, (1, 2)),  # upscaled to the tile size only, padded
-    ((20, 13), (16, 16), 4, (2, 1)),  # downscaled
-    ((33, 17), (16, 16), 4, (2, 2)),  # the least upscaling (x 0.94 on 2 x 1 would downscale)
-    ((50, 50), (16, 16), 4, (2, 2)),
-    ((300, 500), (336, 336), 16, (1, 2)),  # Scout's processor
-    ((1000, 800), (336, 336), 16, (3, 3)),
-  ],
-)
+TILE_CASES = [
+  ((16, 16), (16, 16), 4, (1, 1)),  # one tile, no global tile
+  ((16, 32), (16, 16), 4, (1, 2)),
+  ((32, 16), (16, 16), 4, (2, 1)),
+  ((7, 30), (16, 16), 4, (1, 2)),  # upscaled to the tile size only, padded
+  ((20, 13), (16, 16), 4, (2, 1)),  # downscaled
+  ((33, 17), (16, 16), 4, (2, 2)),  # the least upscaling (x 0.94 on 2 x 1 would downscale)
+  ((50, 50), (16, 16), 4, (2, 2)),
+  ((300, 500), (336, 336), 16, (1, 2)),  # Scout's processor
+  ((1000, 800), (336, 336), 16, (3, 3)),
+]
+
+
+@pytest.mark.parametrize("size, shape, max_patches, grid", TILE_CASES)
+def test_best_grid_is_the_least_resizing_one(size, shape, max_patches, grid):
+  """The processor's grids (checked live below): the one needing the least resizing, upscaling preferred."""
+  assert images_lib.best_grid(*size, max_patches, shape[0]) == grid
+  c = tiny_config(image_size_for_vit=shape[0], max_image_tiles=max_patches)
+  tiles = images_lib.prepare(Image.fromarray(picture(*size)), c).tiles
+  assert tiles.shape == (images_lib.num_tiles(grid), *shape, 3)
+
+
+@pytest.mark.parametrize("size, shape, max_patches, grid", TILE_CASES)
 @pytest.mark.torch
 def test_llama4_tiles_match_the_image_processor(size, shape, max_patches, grid):
   image = Image.fromarray(picture(*size))
@@ -96,6 +111,8 @@ def test_llama4_tiles_match_the_image_processor(size, shape, max_patches, grid):
   assert images_lib.best_grid(*size, max_patches, shape[0]) == grid == tuple(ref["aspect_ratios"][0].tolist())
   assert got.tiles.shape == want.shape == (images_lib.num_tiles(grid), *shape, 3)
   np.testing.assert_array_equal(got.tiles, want)  # torchvision's resize (data/resize.py), bfloat16 normalisation
+  if shape[0] == S:
+    assert_committed(("llama4", S, max_patches, *size, 0, "smooth"), want)
 
 
 @pytest.mark.torch
@@ -104,11 +121,13 @@ def test_transparency_is_composited_onto_white_as_the_processors_do():
   image = Image.fromarray(rgba)  # alpha from 0 (left) to 248 (right)
   want = hf_image_processor()(image, return_tensors="pt")["pixel_values"].float().numpy().transpose(0, 2, 3, 1)
   np.testing.assert_array_equal(images_lib.prepare(image, tiny_config()).tiles, want)
+  assert_committed(("llama4", S, MAX_TILES, 16, 32, 0, "smooth-alpha"), want)
   c = types.SimpleNamespace(decoder_block="gemma3", image_size_for_vit=32, mm_tokens_per_image=4)
   c.image_start_token_id, c.image_token_id, c.image_end_token_id = 1, 2, 3
   kwargs = dict(size={"height": 32, "width": 32}, do_pan_and_scan=False)
   tv = transformers.Gemma3ImageProcessor(**kwargs)(image, return_tensors="pt")["pixel_values"][0].numpy()
   np.testing.assert_array_equal(images_lib.prepare(rgba, c).tiles[0], tv.transpose(1, 2, 0))
+  assert_committed(("gemma3", 32, 0, 16, 32, 0, "smooth-alpha"), tv.transpose(1, 2, 0)[None])
 
 
 @pytest.mark.parametrize("size", [(16, 16), (20, 13), (40, 64)])
@@ -121,6 +140,7 @@ def test_gemma3_pixels_match_the_image_processors(size):
   kwargs = dict(size={"height": S, "width": S}, do_pan_and_scan=False)
   tv = transformers.Gemma3ImageProcessor(**kwargs)(image, return_tensors="pt")["pixel_values"][0].numpy()
   np.testing.assert_array_equal(ours, tv.transpose(1, 2, 0))  # the default (torchvision) processor: exact
+  assert_committed(("gemma3", S, 0, *size, 1, "smooth"), tv.transpose(1, 2, 0)[None])
   pil = transformers.Gemma3ImageProcessorPil(**kwargs)(image, return_tensors="np")["pixel_values"][0]
   diff = np.abs(ours - pil.transpose(1, 2, 0))  # Pillow's resize (the "pil" backend): one level of 255
   assert diff.max() <= 2 / 255 + 1e-6

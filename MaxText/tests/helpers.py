@@ -676,3 +676,103 @@ def committed_processed():
   from safetensors import numpy as safetensors_numpy  # noqa: PLC0415
 
   return safetensors_numpy.load_file(os.path.join(HF_REFERENCES, "processors", "pixels.safetensors"))
+
+
+# Tiny random vision models (Gemma 3, Llama 4) and their transformers outputs, committed under
+# hf_references/vision/<name>/ by make_vision.py; the tests convert the files and compare with the outputs.
+VISION_REFERENCES = os.path.join(HF_REFERENCES, "vision")
+G3V_TEXT = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+G3V_TEXT |= dict(vocab_size=64, head_dim=8, sliding_window=4, query_pre_attn_scalar=6)
+G3V_VISION = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2, image_size=16)
+G3V_VISION |= dict(patch_size=4, vision_use_head=False)
+G3V_IMAGE, G3V_BOI, G3V_EOI = 60, 58, 59
+VISION_NEW = 16  # greedy tokens
+
+
+def build_vision_model(name):
+  """The tiny random HF model `name` ("gemma3-vision" or "llama4-vision"), norms, biases (and Gemma 3's
+  projector) random."""
+  import torch  # noqa: PLC0415 (the torch tier)
+  import transformers  # noqa: PLC0415
+
+  torch.manual_seed(0)
+  if name == "gemma3-vision":
+    cfg = transformers.Gemma3Config(
+      text_config=G3V_TEXT, vision_config=G3V_VISION, mm_tokens_per_image=4, image_token_index=G3V_IMAGE,
+      boi_token_index=G3V_BOI, eoi_token_index=G3V_EOI,
+    )  # fmt: skip
+    model = transformers.Gemma3ForConditionalGeneration(cfg).float().eval()
+  else:
+    cfg = transformers.Llama4Config(text_config=L4V_TEXT, vision_config=L4V_VISION, image_token_index=L4V_IMAGE_TOKEN)
+    model = transformers.Llama4ForConditionalGeneration(cfg).float().eval()
+  with torch.no_grad():
+    for n, p in model.named_parameters():
+      if "norm" in n or n.endswith("bias") or "mm_input_projection" in n:
+        centre = "layer_norm" in n if name == "gemma3-vision" else True
+        p.copy_(torch.randn_like(p) * 0.5 + (1.0 if centre and n.endswith("weight") else 0.0))
+  return model
+
+
+def g3v_prompt(rng):
+  """Two rows: text, an image (boi, 4 placeholders, eoi), text, a second image, text."""
+  image = [G3V_BOI] + [G3V_IMAGE] * 4 + [G3V_EOI]
+  return np.asarray([list(rng.integers(1, 50, 3)) + image + list(rng.integers(1, 50, 2)) + image + [7] for _ in "ab"])
+
+
+def l4v_prompt(batch_images):
+  """Text, 4 placeholders per tile, more text (one row)."""
+  rng = np.random.default_rng(1)
+  head, tail = rng.integers(0, 60, 3), rng.integers(0, 60, 4)
+  return np.concatenate([head, np.full(4 * batch_images, L4V_IMAGE_TOKEN), tail])[None]
+
+
+def vision_inputs(name):
+  """The inputs the vision references are computed on: {"tokens", "pixels" (NCHW), "text"} and for Gemma 3 the
+  Engine test's "engine_tokens", "engine_pixels" (two 16 x 16 images as data/images.py loads them)."""
+  if name == "llama4-vision":
+    pixels = np.random.default_rng(2).standard_normal((2, 3, 16, 16)).astype(np.float32)  # two tiles
+    return {"tokens": l4v_prompt(2), "pixels": pixels, "text": np.random.default_rng(3).integers(0, 60, (1, 9))}
+  rng = np.random.default_rng(0)
+  tokens = g3v_prompt(rng)
+  pixels = rng.uniform(-1, 1, (4, 3, 16, 16)).astype(np.float32)  # two images per row
+  engine = np.random.default_rng(1).integers(0, 256, (2, 16, 16, 3)).astype(np.uint8)
+  block = [G3V_BOI] + [G3V_IMAGE] * 4 + [G3V_EOI]
+  out = {"tokens": tokens, "pixels": pixels, "text": np.asarray([[2, 9, 17, 33], [5, 1, 40, 12]])}
+  out["engine_tokens"] = np.asarray([[3, 4, *block, 5, *block, 6]])
+  out["engine_pixels"] = (engine.astype(np.float32) - 127.5) / 127.5  # as data/images.py loads them, NHWC
+  return out
+
+
+def vision_outputs(name, model):
+  """transformers' float32 logits and greedy tokens on vision_inputs(name) (needs torch)."""
+  import torch  # noqa: PLC0415 (the torch tier)
+
+  x = vision_inputs(name)
+
+  def run(tokens, pixels, greedy=False):
+    kwargs = {"input_ids": torch.tensor(tokens)}
+    if pixels is not None:
+      kwargs["pixel_values"] = torch.tensor(pixels)
+    if name == "gemma3-vision" and pixels is not None:
+      kwargs["token_type_ids"] = torch.tensor((tokens == G3V_IMAGE).astype(np.int64))
+    with torch.no_grad():
+      if greedy:
+        out = model.generate(**kwargs, max_new_tokens=VISION_NEW, do_sample=False)
+        return out.numpy()[:, tokens.shape[1] :].astype(np.int64)
+      return model(**kwargs).logits.numpy().astype(np.float32)
+
+  first = x["tokens"][:1], (x["pixels"][:2] if name == "gemma3-vision" else x["pixels"])
+  out = {"logits": run(x["tokens"], x["pixels"]), "greedy": run(*first, greedy=True)}
+  out["text_logits"] = run(x["text"], None)
+  if name == "gemma3-vision":
+    out["engine_greedy"] = run(x["engine_tokens"], np.ascontiguousarray(x["engine_pixels"].transpose(0, 3, 1, 2)), True)
+  return out
+
+
+def vision_reference(name, tmp_path):
+  """(The committed outputs of vision model `name`, a copy of its HF files under tmp_path/hf)."""
+  from safetensors import numpy as safetensors_numpy  # noqa: PLC0415
+
+  source, path = os.path.join(VISION_REFERENCES, name), os.path.join(tmp_path, "hf")
+  shutil.copytree(source, path, ignore=shutil.ignore_patterns("reference.*"))
+  return safetensors_numpy.load_file(os.path.join(source, "reference.safetensors")), path

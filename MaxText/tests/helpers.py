@@ -776,3 +776,76 @@ def vision_reference(name, tmp_path):
   source, path = os.path.join(VISION_REFERENCES, name), os.path.join(tmp_path, "hf")
   shutil.copytree(source, path, ignore=shutil.ignore_patterns("reference.*"))
   return safetensors_numpy.load_file(os.path.join(source, "reference.safetensors")), path
+
+
+# FP8 block-scaled checkpoints (DeepSeek V3 style) made in numpy (ml_dtypes), apart from convert/fp8.py's reader;
+# transformers' logits on the dequantized deepseek3 reference: hf_references/fp8/deepseek3.safetensors (make_fp8.py).
+FP8_BLOCK = (8, 16)  # not square, and partial blocks (q_lora_rank 12, moe_intermediate_size 16, hidden 32)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def fp8_tokens():
+  return np.random.default_rng(0).integers(0, 64, (2, T))
+
+
+def fp8_quantize(w):
+  """w [out, in] float32 -> (float8_e4m3fn [out, in], scale_inv float32 [ceil(out/M), ceil(in/N)], the float32
+  weights they stand for)."""
+  import ml_dtypes  # noqa: PLC0415
+
+  (m, n), (out, inner) = FP8_BLOCK, w.shape
+  rows, cols = -(-out // m), -(-inner // n)
+  padded = np.zeros((rows * m, cols * n), np.float32)
+  padded[:out, :inner] = w
+  scale_inv = np.maximum(np.abs(padded.reshape(rows, m, cols, n)).max(axis=(1, 3)), np.float32(1e-12))
+  scale_inv = (scale_inv / np.float32(FP8_MAX)).astype(np.float32)
+  full = np.repeat(np.repeat(scale_inv, m, 0), n, 1)[:out, :inner]
+  q = (w / full).astype(ml_dtypes.float8_e4m3fn)
+  return q, scale_inv, q.astype(np.float32) * full
+
+
+def fp8_is_quantized(name, tensor):
+  """As DeepSeek V3 ships: the linear weights of the layers in FP8; embeddings, norms, router, head not."""
+  skip = ("norm", "embed_tokens", "lm_head", "mlp.gate.weight")
+  return name.endswith(".weight") and tensor.ndim == 2 and not any(s in name for s in skip)
+
+
+def save_safetensors_with_fp8(tensors, path):
+  """A .safetensors file that may hold float8_e4m3fn arrays (numpy's safetensors writer has no float8 type)."""
+  import struct  # noqa: PLC0415
+
+  kinds = {"float32": "F32", "float8_e4m3fn": "F8_E4M3", "bfloat16": "BF16", "int64": "I64"}
+  header, offset, blobs = {"__metadata__": {"format": "pt"}}, 0, []
+  for name in sorted(tensors):
+    data = np.ascontiguousarray(tensors[name]).tobytes()
+    header[name] = {"dtype": kinds[tensors[name].dtype.name], "shape": list(tensors[name].shape)}
+    header[name]["data_offsets"] = [offset, offset + len(data)]
+    offset += len(data)
+    blobs.append(data)
+  text = json.dumps(header, separators=(",", ":")).encode()
+  text += b" " * (-len(text) % 8)
+  with open(path, "wb") as f:
+    f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def write_fp8_checkpoint(hf_path, float_path):
+  """Rewrite hf_path's model.safetensors in FP8 with scale_inv tensors, and write the float weights they stand
+  for (same config.json, no quantization_config) to float_path; returns how many weights are FP8."""
+  from safetensors import numpy as safetensors_numpy  # noqa: PLC0415
+
+  state = safetensors_numpy.load_file(os.path.join(hf_path, "model.safetensors"))
+  stored, dequantized = {}, {}
+  for name, w in state.items():
+    if fp8_is_quantized(name, w):
+      stored[name], stored[name + "_scale_inv"], dequantized[name] = fp8_quantize(w.astype(np.float32))
+    else:
+      stored[name] = dequantized[name] = w
+  os.makedirs(float_path)
+  safetensors_numpy.save_file(dequantized, os.path.join(float_path, "model.safetensors"), metadata={"format": "pt"})
+  shutil.copy(os.path.join(hf_path, "config.json"), float_path)
+  save_safetensors_with_fp8(stored, os.path.join(hf_path, "model.safetensors"))
+  cfg = json.load(open(os.path.join(hf_path, "config.json")))
+  cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+  cfg["quantization_config"]["weight_block_size"] = list(FP8_BLOCK)
+  json.dump(cfg, open(os.path.join(hf_path, "config.json"), "w"))
+  return len(stored) - len(state)

@@ -13,12 +13,13 @@ import pytest
 from PIL import Image
 
 from MaxText import config, decode
+from MaxText.convert import hf_to_maxtext
 from MaxText.data import images as images_lib
 from MaxText.errors import ConfigError, DataError
 from MaxText.inference import Engine
 from MaxText.tests import helpers
 from MaxText.tests.conftest import HAS_TORCH
-from MaxText.tests.helpers import L4V_IMAGE_TOKEN, convert_llama4_vision, load_converted, make_tokenizer
+from MaxText.tests.helpers import L4V_IMAGE_TOKEN, load_converted, make_tokenizer
 
 if HAS_TORCH:  # the `torch`-marked tests' live references
   import torch
@@ -27,8 +28,11 @@ if HAS_TORCH:  # the `torch`-marked tests' live references
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-  """(HF model, its HF directory, the MaxText model converted from it, the MaxText directory)."""
-  return convert_llama4_vision(tmp_path_factory.mktemp("l4v"))
+  """Our directory converted from the committed tiny Llama4ForConditionalGeneration (hf_references/vision/)."""
+  tmp = tmp_path_factory.mktemp("l4v")
+  _, hf_path = helpers.vision_reference("llama4-vision", tmp)
+  hf_to_maxtext.convert(hf_path, os.path.join(tmp, "mt"), scan_layers=True)
+  return os.path.join(tmp, "mt")
 
 
 S, MAX_TILES = 16, 4  # the tiny tower's 16 px tiles (4 px patches -> 4 soft tokens per tile), at most 2 x 2
@@ -167,11 +171,11 @@ def test_token_layout_matches_llama4_processor(processor, sizes):
 
 @pytest.fixture(scope="module")
 def tiny(converted, tmp_path_factory):
-  """(HF model, our converted directory, an image file whose tiles need no resizing but the global tile's 2:1)."""
-  model, _, _, out = converted
+  """(Our converted directory, an image file whose tiles need no resizing but the global tile's 2:1)."""
+  out = converted
   path = str(tmp_path_factory.mktemp("img") / "cat.png")
   Image.fromarray(picture(32, 16, seed=3)).save(path)
-  return model, out, path
+  return out, path
 
 
 def our_config(out, *overrides):
@@ -184,7 +188,8 @@ def test_image_file_to_logits_and_engine_tokens_match_hugging_face(processor, ti
   """image file -> HF's processor -> HF's model, and image file -> our pipeline -> our model: the same ids,
   pixels and logits; the Engine's prefill + KV-cache decode gives HF's greedy tokens and our own cache-free
   forwards' tokens."""
-  model, out, path = tiny
+  out, path = tiny
+  model = helpers.build_vision_model("llama4-vision")  # the committed model (its tests check it is current)
   inputs = processor(text="describe <|image|> the image", images=[Image.open(path)], return_tensors="pt")
   hf_ids, hf_pixels = inputs["input_ids"], inputs["pixel_values"].float()
   with torch.no_grad():
@@ -213,9 +218,8 @@ def test_image_file_to_logits_and_engine_tokens_match_hugging_face(processor, ti
   np.testing.assert_array_equal(got, hf_new)
 
 
-@pytest.mark.torch
 def test_decode_with_image_path(tiny, capsys):
-  _, out, path = tiny
+  out, path = tiny
   args = [os.path.join(out, "config.yml"), "run_name=d", f"load_parameters_path={out}/params", *IDS]
   args += [f"image_path={path}", "prompt=1+1", "decode_max_new_tokens=4", "max_prefill_predict_length=48"]
   decode.main(["decode.py", *args, "max_target_length=64"])  # byte tokens fit the vocabulary of 64

@@ -743,6 +743,43 @@ def vision_inputs(name):
   return out
 
 
+# llama4_images_test's word-level tokenizer holding Llama 4's image tokens, and its image file's prompt
+L4V_VOCAB = {"[UNK]": 0, "describe": 5, "the": 6, "image": 7, "and": 8, "this": 9}
+L4V_SPECIAL = {"<|image_start|>": 50, "<|image_end|>": 51, "<|tile_x_separator|>": 52, "<|tile_y_separator|>": 53}
+L4V_SPECIAL |= {"<|image|>": 54, "<|patch|>": L4V_IMAGE_TOKEN}
+L4V_FILE_PROMPT, L4V_FILE_NEW = "describe <|image|> the image", 8
+
+
+def l4v_processor():
+  """Llama4Processor (16 px tiles, at most 4) around the L4V word-level tokenizer (needs transformers)."""
+  import transformers  # noqa: PLC0415 (the torch tier)
+  from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: PLC0415
+
+  tok = Tokenizer(models.WordLevel(L4V_VOCAB | L4V_SPECIAL, unk_token="[UNK]"))
+  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tok.add_special_tokens(list(L4V_SPECIAL))
+  fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+  images = transformers.Llama4ImageProcessor(size={"height": 16, "width": 16}, max_patches=4)
+  return transformers.Llama4Processor(images, fast, patch_size=4, pixel_shuffle_ratio=0.5)
+
+
+def l4v_file_outputs(model):
+  """llama4_images_test's image file (a smooth 32 x 16 picture) through Llama4Processor and the model:
+  {"file_ids", "file_pixels" (NHWC), "file_logits", "file_greedy"}."""
+  import torch  # noqa: PLC0415 (the torch tier)
+  from PIL import Image  # noqa: PLC0415
+
+  image = Image.fromarray(picture(32, 16, 3, "smooth"))
+  inputs = l4v_processor()(text=L4V_FILE_PROMPT, images=[image], return_tensors="pt")
+  ids, pixels = inputs["input_ids"], inputs["pixel_values"].float()
+  with torch.no_grad():
+    logits = model(input_ids=ids, pixel_values=pixels).logits.numpy()
+    new = model.generate(input_ids=ids, pixel_values=pixels, max_new_tokens=L4V_FILE_NEW, do_sample=False)
+  out = {"file_ids": ids.numpy().astype(np.int64), "file_pixels": pixels.numpy().transpose(0, 2, 3, 1)}
+  out |= {"file_logits": logits, "file_greedy": new[:, ids.shape[1] :].numpy().astype(np.int64)}
+  return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
 def vision_outputs(name, model):
   """transformers' float32 logits and greedy tokens on vision_inputs(name) (needs torch)."""
   import torch  # noqa: PLC0415 (the torch tier)
@@ -764,18 +801,25 @@ def vision_outputs(name, model):
   first = x["tokens"][:1], (x["pixels"][:2] if name == "gemma3-vision" else x["pixels"])
   out = {"logits": run(x["tokens"], x["pixels"]), "greedy": run(*first, greedy=True)}
   out["text_logits"] = run(x["text"], None)
+  if name == "llama4-vision":
+    out |= l4v_file_outputs(model)
   if name == "gemma3-vision":
     out["engine_greedy"] = run(x["engine_tokens"], np.ascontiguousarray(x["engine_pixels"].transpose(0, 3, 1, 2)), True)
   return out
 
 
+def vision_reference_outputs(name):
+  from safetensors import numpy as safetensors_numpy  # noqa: PLC0415
+
+  return safetensors_numpy.load_file(os.path.join(VISION_REFERENCES, name, "reference.safetensors"))
+
+
 def vision_reference(name, tmp_path):
   """(The committed outputs of vision model `name`, a copy of its HF files under tmp_path/hf)."""
-  from safetensors import numpy as safetensors_numpy  # noqa: PLC0415
 
   source, path = os.path.join(VISION_REFERENCES, name), os.path.join(tmp_path, "hf")
   shutil.copytree(source, path, ignore=shutil.ignore_patterns("reference.*"))
-  return safetensors_numpy.load_file(os.path.join(source, "reference.safetensors")), path
+  return vision_reference_outputs(name), path
 
 
 # FP8 block-scaled checkpoints (DeepSeek V3 style) made in numpy (ml_dtypes), apart from convert/fp8.py's reader;

@@ -22,7 +22,6 @@ from MaxText.tests.conftest import HAS_TORCH
 from MaxText.tests.helpers import L4V_IMAGE_TOKEN, load_converted, make_tokenizer
 
 if HAS_TORCH:  # the `torch`-marked tests' live references
-  import torch
   import transformers
 
 
@@ -37,9 +36,7 @@ def converted(tmp_path_factory):
 
 S, MAX_TILES = 16, 4  # the tiny tower's 16 px tiles (4 px patches -> 4 soft tokens per tile), at most 2 x 2
 # The tiny tokenizer's ids (the tiny model's vocabulary is 64; 63 is its image_token_index, <|patch|>)
-VOCAB = {"[UNK]": 0, "describe": 5, "the": 6, "image": 7, "and": 8, "this": 9}
-SPECIAL = {"<|image_start|>": 50, "<|image_end|>": 51, "<|tile_x_separator|>": 52, "<|tile_y_separator|>": 53}
-SPECIAL |= {"<|image|>": 54, "<|patch|>": L4V_IMAGE_TOKEN}
+VOCAB, SPECIAL = helpers.L4V_VOCAB, helpers.L4V_SPECIAL
 IDS = [f"image_start_token_id={SPECIAL['<|image_start|>']}", f"image_end_token_id={SPECIAL['<|image_end|>']}"]
 IDS += [f"tile_x_separator_token_id={SPECIAL['<|tile_x_separator|>']}", f"max_image_tiles={MAX_TILES}"]
 IDS += [f"tile_y_separator_token_id={SPECIAL['<|tile_y_separator|>']}", f"image_global_token_id={SPECIAL['<|image|>']}"]
@@ -73,13 +70,7 @@ def hf_image_processor(size=S, max_patches=MAX_TILES):
 @pytest.fixture(scope="module")
 def processor():
   """Llama4Processor around a word-level tokenizer holding Llama 4's image tokens (no network)."""
-  from tokenizers import Tokenizer, models, pre_tokenizers
-
-  tok = Tokenizer(models.WordLevel(VOCAB | SPECIAL, unk_token="[UNK]"))
-  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-  tok.add_special_tokens(list(SPECIAL))
-  fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
-  return transformers.Llama4Processor(hf_image_processor(), fast, patch_size=4, pixel_shuffle_ratio=0.5)
+  return helpers.l4v_processor()
 
 
 TILE_CASES = [
@@ -183,26 +174,21 @@ def our_config(out, *overrides):
   return config.load([*args, *IDS, "max_prefill_predict_length=48", "max_target_length=64", *overrides], {})
 
 
-@pytest.mark.torch
-def test_image_file_to_logits_and_engine_tokens_match_hugging_face(processor, tiny):
-  """image file -> HF's processor -> HF's model, and image file -> our pipeline -> our model: the same ids,
+def test_image_file_to_logits_and_engine_tokens_match_hugging_face(tiny):
+  """image file -> HF's processor -> HF's model (committed: hf_references/vision/llama4-vision, checked against
+  a live run in llama4_vision_test's torch tier), and image file -> our pipeline -> our model: the same ids,
   pixels and logits; the Engine's prefill + KV-cache decode gives HF's greedy tokens and our own cache-free
   forwards' tokens."""
   out, path = tiny
-  model = helpers.build_vision_model("llama4-vision")  # the committed model (its tests check it is current)
-  inputs = processor(text="describe <|image|> the image", images=[Image.open(path)], return_tensors="pt")
-  hf_ids, hf_pixels = inputs["input_ids"], inputs["pixel_values"].float()
-  with torch.no_grad():
-    ref = model(input_ids=hf_ids, pixel_values=hf_pixels).logits.numpy()
-    hf_new = model.generate(input_ids=hf_ids, pixel_values=hf_pixels, max_new_tokens=8, do_sample=False)
-  hf_new = hf_new[0, hf_ids.shape[1] :].numpy()
+  hf = helpers.vision_reference_outputs("llama4-vision")
+  hf_ids, ref, hf_new = hf["file_ids"], hf["file_logits"], hf["file_greedy"][0]
 
   c = our_config(out, "decode_sampling_strategy=greedy")
   prompt = [5, SPECIAL["<|image|>"], 6, 7]
   prepared = images_lib.prepare(path, c, "prompt 0")
   ids = images_lib.expand(prompt, [prepared.tokens], c, "prompt 0")
   assert ids == hf_ids[0].tolist() and prepared.tiles.shape == (3, S, S, 3)  # 2 x 1 tiles + the global one
-  np.testing.assert_array_equal(prepared.tiles, hf_pixels.numpy().transpose(0, 2, 3, 1))
+  np.testing.assert_array_equal(prepared.tiles, hf["file_pixels"])
   ours = load_converted(out, *IDS)
   images, t = jnp.asarray(prepared.tiles[None]), len(ids)
   n = t + 8  # full forwards of the prompt padded to t + 8 (causal: the padding changes nothing before it)

@@ -893,3 +893,28 @@ def write_fp8_checkpoint(hf_path, float_path):
   cfg["quantization_config"]["weight_block_size"] = list(FP8_BLOCK)
   json.dump(cfg, open(os.path.join(hf_path, "config.json"), "w"))
   return len(stored) - len(state)
+
+
+# Llama4Processor's ids for prompts with images of these sizes (1x1, 1x2, 2x1, 2x2 grids, two images), committed
+# in hf_references/processors/ids.json by make_processors.py.
+L4V_LAYOUTS = [[(16, 16)], [(16, 32)], [(32, 16)], [(32, 32)], [(32, 32), (16, 16)]]
+
+
+def l4v_layout_text(sizes):
+  return "describe " + " and ".join(["<|image|>"] * len(sizes)) + " this"
+
+
+def l4v_layout_key(sizes):
+  return "+".join(f"{h}x{w}" for h, w in sizes)
+
+
+def hf_layout_ids(sizes):
+  """Llama4Processor's ids for l4v_layout_text(sizes) with smooth pictures of those sizes (needs transformers)."""
+  from PIL import Image  # noqa: PLC0415
+
+  images = [Image.fromarray(picture(h, w, 0, "smooth")) for h, w in sizes]
+  return l4v_processor()(text=l4v_layout_text(sizes), images=images, return_tensors="pt")["input_ids"][0].tolist()
+
+
+def committed_ids():
+  return json.load(open(os.path.join(HF_REFERENCES, "processors", "ids.json")))

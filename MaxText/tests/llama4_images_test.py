@@ -67,12 +67,6 @@ def hf_image_processor(size=S, max_patches=MAX_TILES):
   return transformers.Llama4ImageProcessor(size={"height": size, "width": size}, max_patches=max_patches)
 
 
-@pytest.fixture(scope="module")
-def processor():
-  """Llama4Processor around a word-level tokenizer holding Llama 4's image tokens (no network)."""
-  return helpers.l4v_processor()
-
-
 TILE_CASES = [
   ((16, 16), (16, 16), 4, (1, 1)),  # one tile, no global tile
   ((16, 32), (16, 16), 4, (1, 2)),
@@ -141,13 +135,19 @@ def test_gemma3_pixels_match_the_image_processors(size):
   assert diff.max() <= 2 / 255 + 1e-6
 
 
-@pytest.mark.parametrize("sizes", [[(16, 16)], [(16, 32)], [(32, 16)], [(32, 32)], [(32, 32), (16, 16)]])
+@pytest.mark.parametrize("sizes", helpers.L4V_LAYOUTS, ids=helpers.l4v_layout_key)
 @pytest.mark.torch
-def test_token_layout_matches_llama4_processor(processor, sizes):
-  """1x1, 1x2, 2x1 and 2x2 grids, and two images in one prompt: our expanded ids == the processor's."""
+def test_the_committed_token_layouts_are_llama4_processors(sizes):
+  assert helpers.committed_ids()["llama4-layout"][helpers.l4v_layout_key(sizes)] == helpers.hf_layout_ids(sizes)
+
+
+@pytest.mark.parametrize("sizes", helpers.L4V_LAYOUTS, ids=helpers.l4v_layout_key)
+def test_token_layout_matches_llama4_processor(sizes):
+  """1x1, 1x2, 2x1 and 2x2 grids, and two images in one prompt: our expanded ids == the processor's
+  (committed, checked live above)."""
   images = [Image.fromarray(picture(*s)) for s in sizes]
-  text = "describe " + " and ".join(["<|image|>"] * len(images)) + " this"
-  want = processor(text=text, images=images, return_tensors="pt")["input_ids"][0].tolist()
+  text = helpers.l4v_layout_text(sizes)
+  want = helpers.committed_ids()["llama4-layout"][helpers.l4v_layout_key(sizes)]
   c = tiny_config()
   ids = [VOCAB.get(w, SPECIAL.get(w)) for w in text.split()]
   got = images_lib.expand(ids, [images_lib.prepare(im, c).tokens for im in images], c, "prompt 0")

@@ -1,20 +1,28 @@
 """Writes processors/pixels.safetensors: transformers' Gemma 3 and Llama 4 image processors' tiles (float32
-[N, H, W, C]) for every helpers.PROCESSED case, keyed by helpers.processed_key. Needs transformers and torchvision
+[N, H, W, C]) for every helpers.PROCESSED case, keyed by helpers.processed_key; and processors/ids.json:
+Llama4Processor's ids for the helpers.L4V_LAYOUTS prompts. Needs transformers and torchvision
 (TEST=1 TORCH=1 bash setup.sh). Deterministic: a rerun rewrites the same bytes.
 
   python3 MaxText/tests/hf_references/make_processors.py          # write
   python3 MaxText/tests/hf_references/make_processors.py --check  # compare the live processors with the file
 """
 
+import json
 import os
 import sys
 
 import numpy as np
 from safetensors import numpy as safetensors_numpy
 
+from MaxText.tests import helpers
 from MaxText.tests.helpers import HF_REFERENCES, PROCESSED, committed_processed, hf_processed, processed_key
 
 PATH = os.path.join(HF_REFERENCES, "processors", "pixels.safetensors")
+IDS_PATH = os.path.join(HF_REFERENCES, "processors", "ids.json")
+
+
+def live_ids():
+  return {"llama4-layout": {helpers.l4v_layout_key(s): helpers.hf_layout_ids(s) for s in helpers.L4V_LAYOUTS}}
 
 
 def live():
@@ -25,7 +33,8 @@ def problems():
   """Keys whose committed tiles differ from the live processors' (empty: current)."""
   now, old = live(), committed_processed()
   wrong = [k for k in now if k not in old or not np.array_equal(now[k], old[k])]
-  return wrong + [f"{k} (not a PROCESSED case)" for k in old if k not in now]
+  wrong += [f"{k} (not a PROCESSED case)" for k in old if k not in now]
+  return wrong + (["ids.json differs"] if live_ids() != helpers.committed_ids() else [])
 
 
 def main(argv):
@@ -35,6 +44,9 @@ def main(argv):
     return 1 if wrong else 0
   os.makedirs(os.path.dirname(PATH), exist_ok=True)
   safetensors_numpy.save_file(live(), PATH)
+  with open(IDS_PATH, "w") as f:
+    json.dump(live_ids(), f, indent=1, sort_keys=True)
+    f.write("\n")
   print(f"processors: written ({os.path.getsize(PATH)} bytes)")
   return 0
 

@@ -918,3 +918,54 @@ def hf_layout_ids(sizes):
 
 def committed_ids():
   return json.load(open(os.path.join(HF_REFERENCES, "processors", "ids.json")))
+
+
+# Gemma3Processor's ids (its "\n\n" around each image block) over the tiny vision model's tokenizer trained on
+# runs of newlines, committed in hf_references/processors/ids.json: (text, images, add_special_tokens).
+G3_TOKENIZER_TEXTS = ["What colour is this?\n\nIt is red.\n\n\nA cat\n\n\n\n", "user\nassistant\n\n"] * 16
+G3_PROMPTS = [
+  ("<s>user\n<start_of_image>What colour is this?", 1, False),
+  ("What colour is this?\n<start_of_image>\n", 1, False),
+  ("<start_of_image><start_of_image>A cat\n\n<start_of_image>", 3, False),
+  ("user\n\n<start_of_image>It is red.\n<start_of_image>What colour is this?", 2, False),
+  ("<s><start_of_image><start_of_image>What colour is this?", 2, True),
+]
+G3_SFT_MESSAGES = [
+  {"role": "user", "content": "<start_of_image>What colour is this?\n<start_of_image>"},
+  {"role": "assistant", "content": "It is red."},
+]
+
+
+def g3_prompt_key(text, n, special):
+  return f"{n}|{int(special)}|{text}"
+
+
+def gemma3_tokenizer(directory):
+  """The tiny vision model's tokenizer (tokenizer.json, tokenizer_config.json) in directory."""
+  end_to_end_script("make_tiny_vision_model").write_tokenizer(directory, G3_TOKENIZER_TEXTS)
+
+
+def gemma3_processor(directory):
+  """Gemma3Processor (16 px, 4 soft tokens an image) over gemma3_tokenizer(directory) (needs transformers)."""
+  import transformers  # noqa: PLC0415 (the torch tier)
+
+  special = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+  fast = transformers.PreTrainedTokenizerFast(
+    tokenizer_file=os.path.join(directory, "tokenizer.json"), bos_token="<s>", eos_token="<|im_end|>",
+    pad_token="<pad>", extra_special_tokens=special,
+  )  # fmt: skip
+  image_processor = transformers.Gemma3ImageProcessor(size={"height": 16, "width": 16}, do_pan_and_scan=False)
+  chatml = end_to_end_script("make_tiny_vision_model").CHATML
+  return transformers.Gemma3Processor(image_processor, fast, image_seq_length=4, chat_template=chatml)
+
+
+def g3_sft_text(directory):
+  """G3_SFT_MESSAGES rendered by the tokenizer's chat template (data/chat.py)."""
+  from MaxText.data import chat  # noqa: PLC0415
+
+  return chat.load_template(tokenizers.HuggingFaceTokenizer(directory)).render(G3_SFT_MESSAGES)
+
+
+def hf_gemma3_prompt_ids(processor, text, n, special):
+  images = [picture(5, 5, i) for i in range(n)]  # the ids depend on the number of images only
+  return [int(i) for i in processor(text=[text], images=[images], add_special_tokens=special)["input_ids"][0]]

@@ -104,72 +104,62 @@ def test_llama4_tiles_equal_the_processor(size, max_tiles, shape):
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory):
-  """(our tokenizer, Gemma3Processor) over the tiny vision model's tokenizer, trained on runs of newlines so
-  that "\\n" + "\\n\\n" merge into one token (as in Gemma's vocabulary)."""
+  """(our tokenizer over the tiny vision model's tokenizer, trained on runs of newlines so that "\\n" + "\\n\\n"
+  merge into one token (as in Gemma's vocabulary), its directory)."""
   directory = str(tmp_path_factory.mktemp("gemma3tok"))
-  texts = ["What colour is this?\n\nIt is red.\n\n\nA cat\n\n\n\n", "user\nassistant\n\n"] * 16
-  tiny.write_tokenizer(directory, texts)
-  special = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
-  fast = transformers.PreTrainedTokenizerFast(
-    tokenizer_file=os.path.join(directory, "tokenizer.json"), bos_token="<s>", eos_token="<|im_end|>",
-    pad_token="<pad>", extra_special_tokens=special,
-  )  # fmt: skip
-  image_processor = transformers.Gemma3ImageProcessor(size={"height": 16, "width": 16}, do_pan_and_scan=False)
-  processor = transformers.Gemma3Processor(image_processor, fast, image_seq_length=4, chat_template=tiny.CHATML)
-  return HuggingFaceTokenizer(directory), processor
+  helpers.gemma3_tokenizer(directory)
+  return HuggingFaceTokenizer(directory), directory
+
+
+def processors_ids(text, n, special=False):
+  """Gemma3Processor's ids for text with n images (committed by hf_references/make_processors.py)."""
+  return helpers.committed_ids()["gemma3-prompts"][helpers.g3_prompt_key(text, n, special)]
 
 
 def ours(text, n, c, tok):
   return images.expand(tok.encode(images.processor_text(text, n, c, tok)[0]), n, c, "prompt 0")
 
 
-@pytest.mark.parametrize(
-  "text, n",
-  [
-    ("<s>user\n<start_of_image>What colour is this?", 1),
-    ("What colour is this?\n<start_of_image>\n", 1),
-    ("<start_of_image><start_of_image>A cat\n\n<start_of_image>", 3),
-    ("user\n\n<start_of_image>It is red.\n<start_of_image>What colour is this?", 2),
-  ],
-)
 @pytest.mark.torch
+def test_the_committed_gemma3_prompt_ids_are_the_processors(gemma3):
+  """Every committed prompt's ids, the SFT row's included, are a live Gemma3Processor's."""
+  _, directory = gemma3
+  processor = helpers.gemma3_processor(directory)
+  for text, n, special in [*helpers.G3_PROMPTS, (helpers.g3_sft_text(directory), 2, False)]:
+    assert processors_ids(text, n, special) == helpers.hf_gemma3_prompt_ids(processor, text, n, special), text
+
+
+@pytest.mark.parametrize("text, n", [(text, n) for text, n, special in helpers.G3_PROMPTS if not special])
 def test_gemma3_prompt_ids_equal_the_processors(gemma3, text, n):
-  tok, processor = gemma3
-  pictures = [Image.fromarray(picture(37, 53, i)) for i in range(n)]
-  want = processor(text=[text], images=[pictures], add_special_tokens=False)["input_ids"][0]
+  tok, _ = gemma3
   got = ours(text, n, gemma3_config(16), tok)
-  assert got == list(want)
+  assert got == processors_ids(text, n)
   assert got.count(tiny.BOI) == n and got != images.expand(tok.encode(text), n, gemma3_config(16))  # "\n\n" added
 
 
-@pytest.mark.torch
 def test_a_gemma3_prompt_without_a_marker_gets_the_images_first(gemma3):
-  tok, processor = gemma3
+  tok, _ = gemma3
   text = "<s>What colour is this?"
   c = gemma3_config(16)
   assert images.processor_text(text, 2, c, tok)[0] == "<s>" + "\n\n<start_of_image>\n\n" * 2 + "What colour is this?"
-  want = processor(text=["<s><start_of_image><start_of_image>What colour is this?"], images=[[picture(5, 5)] * 2])
-  assert ours(text, 2, c, tok) == list(want["input_ids"][0])
+  assert ours(text, 2, c, tok) == processors_ids("<s><start_of_image><start_of_image>What colour is this?", 2, True)
   assert images.processor_text(text, 0, c, tok)[0] == text  # no image: the text as it is
 
 
-@pytest.mark.torch
 def test_gemma3_sft_rows_equal_the_processors_ids_and_mask_the_reply(gemma3, tmp_path):
-  tok, processor = gemma3
+  tok, directory = gemma3
   files = []
   for i in range(2):
     files.append(str(tmp_path / f"{i}.png"))
     Image.fromarray(picture(37, 53, i)).save(files[-1])
-  user = {"role": "user", "content": "<start_of_image>What colour is this?\n<start_of_image>"}
-  messages = [user, {"role": "assistant", "content": "It is red."}]
+  messages = helpers.G3_SFT_MESSAGES
   c = gemma3_config(16)
   c.sft_messages_column, c.sft_prompt_column, c.sft_completion_column = "messages", "prompt", "completion"
   c.sft_train_on_completion_only, c.max_target_length, c.sft_images_column = True, 128, "images"
   template = chat.load_template(tok)  # the tokenizer_config.json chat template (ChatML)
   examples = sft.encode(c, tok, template, iter([("row 0", {"messages": messages, "images": files})]), "rows")
-  text = template.render(messages)
-  want = processor(text=[text], images=[[Image.open(f) for f in files]], add_special_tokens=False)["input_ids"][0]
-  np.testing.assert_array_equal(examples.tokens, want)
+  assert template.render(messages) == helpers.g3_sft_text(directory)
+  np.testing.assert_array_equal(examples.tokens, processors_ids(template.render(messages), 2))
   reply = examples.tokens[examples.loss_mask.astype(bool)]  # the reply and the template's end of turn
   assert tok.decode(reply) == "It is red.\n" and tok.token_text(int(reply[-2])) == "<|im_end|>"
 

@@ -1,6 +1,7 @@
 """Writes processors/pixels.safetensors: transformers' Gemma 3 and Llama 4 image processors' tiles (float32
 [N, H, W, C]) for every helpers.PROCESSED case, keyed by helpers.processed_key; and processors/ids.json:
-Llama4Processor's ids for the helpers.L4V_LAYOUTS prompts. Needs transformers and torchvision
+Llama4Processor's ids for the helpers.L4V_LAYOUTS prompts and Gemma3Processor's for helpers.G3_PROMPTS and the
+SFT row. Needs transformers and torchvision
 (TEST=1 TORCH=1 bash setup.sh). Deterministic: a rerun rewrites the same bytes.
 
   python3 MaxText/tests/hf_references/make_processors.py          # write
@@ -10,6 +11,7 @@ Llama4Processor's ids for the helpers.L4V_LAYOUTS prompts. Needs transformers an
 import json
 import os
 import sys
+import tempfile
 
 import numpy as np
 from safetensors import numpy as safetensors_numpy
@@ -22,7 +24,13 @@ IDS_PATH = os.path.join(HF_REFERENCES, "processors", "ids.json")
 
 
 def live_ids():
-  return {"llama4-layout": {helpers.l4v_layout_key(s): helpers.hf_layout_ids(s) for s in helpers.L4V_LAYOUTS}}
+  ids = {"llama4-layout": {helpers.l4v_layout_key(s): helpers.hf_layout_ids(s) for s in helpers.L4V_LAYOUTS}}
+  with tempfile.TemporaryDirectory() as directory:
+    helpers.gemma3_tokenizer(directory)
+    processor = helpers.gemma3_processor(directory)
+    cases = [*helpers.G3_PROMPTS, (helpers.g3_sft_text(directory), 2, False)]
+    ids["gemma3-prompts"] = {helpers.g3_prompt_key(*c): helpers.hf_gemma3_prompt_ids(processor, *c) for c in cases}
+  return ids
 
 
 def live():

@@ -4,9 +4,10 @@ No second description of the architecture: the count walks the model's modules (
 nothing allocated) and reads from each what it computes. Every projection (DenseGeneral) counts its kernel,
 a MoeBlock its experts' weights times k / num_experts (the experts a token is routed to), every attention
 module its own window (global causal, sliding, Llama 4's chunks; NoPE layers are global), every gated DeltaNet
-its chunked linear-attention cost per token (GatedDeltaNet.forward_flops_per_token), and the logits
-head once per application (the main model's, and one per multi-token-prediction module). Stacked layers
-(scan_layers) are counted through their kernels' leading layer axis.
+its chunked linear-attention cost per token (GatedDeltaNet.forward_flops_per_token), every lightning indexer
+(DeepSeek V3.2) its projections and index scores over all keys, forward only (Indexer.forward_flops_per_token),
+and the logits head once per application (the main model's, and one per multi-token-prediction module).
+Stacked layers (scan_layers) are counted through their kernels' leading layer axis.
 
     python3 -m MaxText.flops MaxText/configs/base.yml model_name=llama2-7b   # the count for a config
 """
@@ -26,10 +27,12 @@ from MaxText.config import Config
 from MaxText.layers.attention import Attention
 from MaxText.layers.attention_mla import MLAttention
 from MaxText.layers.gated_deltanet import GatedDeltaNet
+from MaxText.layers.indexer import Indexer
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.moe import MoeBlock
 
 EXPERT_WEIGHTS = ("wi_0", "wi_1", "wo")  # a MoeBlock's [E, ...] expert weights; its router is a DenseGeneral
+INDEXER = "indexer"  # MLAttention's lightning indexer (DeepSeek V3.2): forward only, counted apart
 LOGITS_HEAD = "logits_dense"  # the Decoder's output projection (None when tied to token_embedder)
 VISION = "vision_encoder"  # the Decoder's image encoder (layers/vision.py; None without use_multimodal)
 
@@ -42,6 +45,7 @@ class FlopCount(NamedTuple):
   attention: float  # the QK^T and AV matmuls of causal (sliding-window, chunked) self-attention
   embedding: float  # the output (unembedding) projection; the input lookup is not a matmul
   vision: float = 0.0  # use_multimodal: the vision tower and projector, per text token (images_per_row / T)
+  indexer: float = 0.0  # DeepSeek V3.2's lightning indexers: projections and index scores, forward only
 
 
 class ForwardCount(NamedTuple):
@@ -52,6 +56,7 @@ class ForwardCount(NamedTuple):
   logits: float  # the logits head's weights x its applications (1 + MTP modules)
   attention: float  # forward QK^T + AV FLOPs per token, summed over the attention layers
   vision: float = 0.0  # use_multimodal: forward FLOPs of the vision tower per image (its flops_per_image)
+  indexer: float = 0.0  # forward FLOPs per token of the lightning indexers (Indexer.forward_flops_per_token)
 
 
 def attended_keys(length: int, sliding_window: int = 0, chunk_window: int = 0) -> float:
@@ -87,18 +92,23 @@ def _attention_forward(module: Attention | MLAttention, length: int) -> float:
   """Forward QK^T + AV FLOPs per token: 2 per multiply-add, over N heads, H_qk + H_v dims, the attended keys."""
   heads, v_dims = module.out.in_features  # [N, H_v] -> D
   query = module.query if getattr(module, "wq_b", None) is None else module.wq_b  # MLA with q_lora_rank
-  keys = attended_keys(length, module.sliding_window, getattr(module, "chunk_window", 0))
+  if getattr(module, INDEXER, None) is not None:  # V3.2: a dense [T, S] mask (causal & top-k), every key computed
+    keys = float(length)
+  else:
+    keys = attended_keys(length, module.sliding_window, getattr(module, "chunk_window", 0))
   qk_dims = getattr(module, "qk_head_dim", None) or query.out_features[-1]  # qwen3next: q and gate share a projection
   return 2.0 * keys * heads * (qk_dims + v_dims) * _copies(module.out)
 
 
 def forward_count(model: nnx.Module, length: int) -> ForwardCount:
   """Walk `model` (a Decoder, abstract or real) for a training length of `length` tokens."""
-  active = attention = 0.0
+  active = attention = indexer = 0.0
   for path, module in nnx.iter_modules(model):
     if path[:1] == (VISION,):  # per image, not per token: vision_forward_per_image
       continue
-    if isinstance(module, DenseGeneral) and path != (LOGITS_HEAD,):
+    if isinstance(module, Indexer):  # its projections too: forward only, and only when it selects
+      indexer += module.forward_flops_per_token(length) * _copies(module.wk)
+    elif isinstance(module, DenseGeneral) and path != (LOGITS_HEAD,) and INDEXER not in path:
       active += _size(module.kernel)
     elif isinstance(module, MoeBlock):
       active += sum(_size(getattr(module, w)) for w in EXPERT_WEIGHTS) * module.k / module.num_experts
@@ -118,7 +128,7 @@ def forward_count(model: nnx.Module, length: int) -> ForwardCount:
     per_image = vision.flops_per_image()
   else:  # Gemma 3's SigLIP tower and projector
     per_image = vision_forward_per_image(model)
-  return ForwardCount(active, adapters, head_size * applications, attention, per_image)
+  return ForwardCount(active, adapters, head_size * applications, attention, per_image, indexer)
 
 
 def vision_forward_per_image(model: nnx.Module) -> float:
@@ -163,7 +173,12 @@ def training_flops_per_token(config: Config, model: nnx.Module | None = None) ->
                 T/2 for global causal layers (half of full attention, as MaxText counts it), less for
                 sliding-window and chunked layers; MLA's H_qk is qk_nope + qk_rope, H_v is v_head_dim;
                 + 3 · per gated DeltaNet layer its chunked-rule and convolution FLOPs per token (qwen3next),
-                which do not grow with T.
+                which do not grow with T; MLA with a lightning indexer (V3.2) attends through a dense mask
+                (causal & each query's top index_topk keys): all T keys per query are computed, twice the
+                causal T/2 (the top-k ideal, min(t, index_topk) keys for query t, is attended_keys(T, index_topk))
+    indexer   = 1 · per V3.2 layer its forward: 2 · (wq_b + wk + weights_proj weights) + 2·T·H_idx·(I_idx + 1)
+                (q.k scores over all T keys and their head-weighted sum); 0 when T <= index_topk (no selection).
+                Forward only: the top-k indices pass no gradient to the indexer
   Under LoRA the base is frozen: the backward still computes activation gradients through its weights but
   no weight gradients, so every base weight (matmul and embedding) costs 4, not 6; the adapters, trained
   and each used once per token, cost 6 each and are counted in matmul. Not counted: norms, activations,
@@ -184,7 +199,8 @@ def training_flops_per_token(config: Config, model: nnx.Module | None = None) ->
   slots = config.image_tiles_per_row or config.images_per_row  # tiles per row (data/images.slots_per_row)
   passes = 1.0 if config.freeze_vision_encoder else (2.0 if config.lora_rank > 0 else 3.0)
   vision = passes * w.vision * slots / config.max_target_length
-  return FlopCount(matmul + attention + embedding + vision, matmul, attention, embedding, vision)
+  total = matmul + attention + embedding + vision + w.indexer  # the indexer: forward only (no gradient reaches it)
+  return FlopCount(total, matmul, attention, embedding, vision, w.indexer)
 
 
 def mfu(flops_per_step: float, step_time_s: float, num_devices: int, peak_flops_per_device: float) -> float:

@@ -56,6 +56,11 @@ CASES = (
     "model_name=deepseek3-671b", "compile_topology=v5p-1024", "per_device_batch_size=1", "max_target_length=4096",
   ),
   case("deepseek2-16b v5p-64", "model_name=deepseek2-16b", "compile_topology=v5p-64", "per_device_batch_size=4"),
+  # DeepSeek V3.2: V3 plus the lightning indexer; MLA attends in query blocks of 512 with its top-2048 mask.
+  case(
+    "deepseek32-671b v5p-1024",
+    "model_name=deepseek32-671b", "compile_topology=v5p-1024", "per_device_batch_size=1", "max_target_length=4096",
+  ),
   # Kimi K2 (1.03T): v5p-1024 is the smallest v5p slice for fsdp alone, v5p-512 with expert parallelism.
   case(
     "kimi-k2-1t v5p-1024",
@@ -107,6 +112,12 @@ CASES = (
   case(
     "qwen3.5-122b-a10b v5p-128",
     "model_name=qwen3.5-122b-a10b", "compile_topology=v5p-128", "per_device_batch_size=1", "max_target_length=4096",
+  ),
+  # Qwen3.5-397B-A17B: fsdp 256 alone needs 97.97G of temporaries; fsdp 8 x expert 32 with capacity fits.
+  case(
+    "qwen3.5-397b-a17b v5p-512 expert=32 capacity",
+    "model_name=qwen3.5-397b-a17b", "compile_topology=v5p-512", "per_device_batch_size=1", "max_target_length=4096",
+    "ici_expert_parallelism=32", "capacity_factor=1.0", "capacity_group=sequence",
   ),
   # Expert parallelism (docs/expert_parallelism.md): tokens move to the experts by all-to-all.
   case(

@@ -36,8 +36,11 @@ def export(c: Config, output: str, dtype: str = "float32") -> None:
   if not c.load_parameters_path:
     raise ConfigError("to_upstream needs load_parameters_path=<the checkpoint to export>")
   fam = upstream.family(c)  # refuses a family upstream's trees are not mapped for, before any loading
-  if fam.block and c.scan_layers:
-    raise ConfigError(f"to_upstream writes {c.decoder_block} unrolled only: pass scan_layers=false")
+  if c.scan_layers and fam.block and fam.layers % fam.block and not fam.remainder:
+    raise ConfigError(
+      f"upstream scans {c.decoder_block} in whole cycles of {fam.block} layers only, and num_decoder_layers="
+      f"{fam.layers} is not a multiple: pass scan_layers=false"
+    )
   spec = state_lib.param_spec(state_lib.for_inference(c))
   params = checkpointing.load_params(c.load_parameters_path, spec.abstract, c)
   # cast after re-laying: the query kernels are rescaled first, in float32 (a bf16 cast before would round twice)

@@ -13,7 +13,10 @@ Its llama3.1 rope (rope_type llama3.1, or a model_name starting llama3.1: our ro
 interleaved pairs (dims 2i, 2i+1) where ours rotates halves (i, i + H/2): the query and key kernels' head
 dimension is reordered on import (evens first, then odds) and back on export. Its deepseek MLA rotates its rope
 dims in interleaved pairs too (reordered alike); its deepseek layers are two stacks, dense_layers and
-moe_layers (unrolled: dense_layers_<i>, moe_layers_<i>), as ours.
+moe_layers (unrolled: dense_layers_<i>, moe_layers_<i>), as ours. Its gemma3, llama4 and gpt-oss scan one cycle
+of their layer pattern (6, the NoPE/MoE period, 2 layers) as a block: layers/layers_<k> stacked on axis 1 (ours:
+layers/sublayers/<k>), and gemma3's layers past the last whole cycle unstacked in layers_remainder/layers_<k>
+(ours: remainder_layers, a stack of one); unrolled, layer j is layers_<j> either way.
 
 Which of our families map is FAMILIES (by decoder_block); family(config) refuses the others in one line.
 
@@ -38,6 +41,7 @@ SCAN_AXIS = 1  # upstream's param_scan_axis default: where its scanned layers st
 MOE_BLOCK = "MoeBlock_0"  # upstream's routed-experts module in a mixtral layer (ours: mlp)
 _LAYER = re.compile(r"((?:dense_|moe_)?layers)_(\d+)")  # a layer of an unrolled stack (deepseek: two stacks)
 STACKS = ("layers", "dense_layers", "moe_layers")  # a scanned stack
+REMAINDER = "remainder_layers"  # ours: a block family's layers past its last whole cycle (a stack of one)
 
 
 class Family(NamedTuple):
@@ -58,6 +62,8 @@ class Family(NamedTuple):
   moe_inner: str = ""  # a module inside moe_block holding the routed experts (ours: mlp itself)
   sublayers: tuple[str, ...] = ()  # upstream's name suffixes of a layer's sublayers (ours: sublayers/<i>)
   block: int = 0  # ours groups this many of upstream's unrolled layers_<j> as layers/<j // block>/sublayers/<j % block>
+  layers: int = 0  # with block: the model's layer count (family() sets it); those past whole cycles: REMAINDER
+  remainder: str = ""  # upstream's scanned module of the layers past the last whole cycle (none: it has no such)
   # MLA (deepseek): (qk_nope_head_dim, kv_lora_rank, qk_rope_head_dim) (family() sets it). Upstream rotates the
   # rope dims (the query kernels' last R, wkv_a's last R) in interleaved pairs, ours in halves: reordered
   mla: tuple[int, int, int] = ()
@@ -81,11 +87,18 @@ FAMILIES = {
   "qwen3": Family(query_scale=False, moe_block="moe_block"),  # upstream scales queries by head_dim ** -0.5
   "gemma": Family(renames=_GEMMA_NORMS, norm_offset=1.0, scaled_embedding=True),
   "gemma2": Family(renames=_GEMMA_NORMS, norm_offset=1.0, scaled_embedding=True, sublayers=("local", "global")),
-  # unrolled only (upstream's scanned gemma3 tree is not mapped); its queries are scaled explicitly, as ours
-  "gemma3": Family(renames=_GEMMA_NORMS, norm_offset=1.0, scaled_embedding=True, query_scale=False, block=6),
-  # unrolled only (family() sets block); its queries match ours unscaled (checked against upstream's logits)
+  # its queries are scaled explicitly, as ours
+  "gemma3": Family(
+    renames=_GEMMA_NORMS,
+    norm_offset=1.0,
+    scaled_embedding=True,
+    query_scale=False,
+    block=6,
+    remainder="layers_remainder",
+  ),
+  # family() sets block; its queries match ours unscaled (checked against upstream's logits)
   "llama4": Family(moe_block="Llama4MoEBlock_0", moe_inner=MOE_BLOCK, query_scale=False),
-  # unrolled only: ours pairs its sliding-window and full layers as sublayers 0, 1; queries unscaled, as llama4
+  # ours pairs its sliding-window and full layers as sublayers 0, 1; queries unscaled, as llama4
   "gpt_oss": Family(
     renames=(("GptOssAttention", "self_attention"),), moe_block="GptOssMlp", block=2, query_scale=False
   ),
@@ -113,6 +126,7 @@ def family(config: Any) -> Family:
     fam = fam._replace(block=math.lcm(config.nope_layer_interval or 1, config.interleave_moe_layer_step))
   # ours multiplies q . k by (query_pre_attn_scalar or head_dim) ** -0.5; a folding upstream by nothing
   fam = fam._replace(query_factor=float(np.sqrt(config.query_pre_attn_scalar or config.head_dim)))
+  fam = fam._replace(layers=config.num_decoder_layers) if fam.block else fam
   return fam._replace(embed_factor=float(config.emb_dim**-0.5)) if fam.scaled_embedding else fam
 
 
@@ -261,8 +275,13 @@ def to_ours(params: dict, fam: Family) -> dict:
   for key, value in params.get("decoder", {}).items():
     match = _LAYER.fullmatch(key)
     if match and fam.block:
-      i, k = divmod(int(match.group(2)), fam.block)
-      out.setdefault("layers", {}).setdefault(str(i), {"sublayers": {}})["sublayers"][str(k)] = _rename(value, fam)
+      stack, i, k = _in_block(int(match.group(2)), fam)
+      out.setdefault(stack, {}).setdefault(i, {"sublayers": {}})["sublayers"][k] = _rename(value, fam)
+    elif key == "layers" and fam.block:  # whole cycles: layers_<k> each stacked on axis 1
+      subs = {_LAYER.fullmatch(k).group(2): _move_axis(_rename(v, fam), SCAN_AXIS, 0) for k, v in value.items()}
+      out["layers"] = {"sublayers": subs}
+    elif fam.remainder and key == fam.remainder:  # the rest: one unstacked layers_<k> each
+      out[REMAINDER] = {"0": {"sublayers": {_LAYER.fullmatch(k).group(2): _rename(v, fam) for k, v in value.items()}}}
     elif match:
       out.setdefault(match.group(1), {})[match.group(2)] = _rename(value, fam)
     elif key in STACKS:  # stacked on axis 1: the rope reorder (last axis) is the same before or after
@@ -270,6 +289,14 @@ def to_ours(params: dict, fam: Family) -> dict:
     else:
       out.update(_rename({key: value}, fam))
   return _with_gate_bias(out) if fam.gate_bias else out
+
+
+def _in_block(j: int, fam: Family) -> tuple[str, str, str]:
+  """Upstream's unrolled layers_<j> of a block family -> (our stack, its entry, the sublayer)."""
+  whole = fam.layers // fam.block * fam.block
+  if j >= whole:
+    return REMAINDER, "0", str(j - whole)
+  return "layers", str(j // fam.block), str(j % fam.block)
 
 
 def _export_names(tree: Any, fam: Family) -> Any:
@@ -318,10 +345,17 @@ def from_ours(params: dict, fam: Family) -> dict:
     key = str(key)
     if key == "token_embedder":
       out.update(_export_names({key: value}, fam))
-    elif key == "layers" and all(str(k).isdigit() for k in value) and fam.block:
+    elif key in ("layers", REMAINDER) and fam.block and all(str(k).isdigit() for k in value):
+      first = 0 if key == "layers" else fam.layers // fam.block * fam.block
       for i, layer in value.items():
-        subs = layer["sublayers"]
-        decoder.update({f"layers_{int(i) * fam.block + int(k)}": _export_names(v, fam) for k, v in subs.items()})
+        subs = {first + int(i) * fam.block + int(k): _export_names(v, fam) for k, v in layer["sublayers"].items()}
+        decoder.update({f"layers_{j}": v for j, v in subs.items()})
+    elif key == "layers" and fam.block:  # stacked cycles: upstream's layers/layers_<k>, each on its axis 1
+      subs = value["sublayers"].items()
+      decoder["layers"] = {f"layers_{k}": _move_axis(_export_names(v, fam), 0, SCAN_AXIS) for k, v in subs}
+    elif key == REMAINDER and fam.block:  # a stack of one: upstream's remainder module, unstacked
+      subs = {k: jax.tree.map(lambda a: np.asarray(a)[0], v) for k, v in value["sublayers"].items()}
+      decoder[fam.remainder] = {f"layers_{k}": _export_names(v, fam) for k, v in subs.items()}
     elif key in STACKS and all(str(k).isdigit() for k in value):
       decoder.update({f"{key}_{k}": _export_names(v, fam) for k, v in value.items()})
     elif key in STACKS:

@@ -15,6 +15,8 @@ Einsum letters: B, T, S, D as in the legend; H index heads, I index head dim, E 
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -50,6 +52,17 @@ class Indexer(nnx.Module):
     """x [B, T, D] -> the rotated indexer keys [B, T, I] (what decoding caches)."""
     k = self.k_norm(self.wk(x))[:, :, None]
     return self._rope(k, positions, inv_freq, scale)[:, :, 0]
+
+  def forward_flops_per_token(self, length: int) -> float:
+    """Forward FLOPs per token of one training pass over `length` tokens (0 when length <= index_topk: the
+    selection is skipped and its unused keys are dead code). The projections wq_b, wk and weights_proj
+    (2 per weight), the q.k scores of H heads over all `length` keys (2 H I per key: the full [T, S] matrix
+    is computed and masked afterwards, not just its causal half) and their head-weighted sum (2 H per key).
+    No backward: the selection (integer top-k indices) passes no gradient to the indexer."""
+    if length <= self.topk:
+      return 0.0
+    projections = sum(math.prod(d.in_features + d.out_features) for d in (self.wq_b, self.wk, self.weights_proj))
+    return 2.0 * projections + 2.0 * length * self.heads * (self.head_dim + 1)
 
   def select(
     self,

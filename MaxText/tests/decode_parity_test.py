@@ -24,6 +24,7 @@ FAMILIES = ["llama2", "llama-bias", "mistral", "mixtral", "qwen3", "gemma", "gem
 FAMILIES += ["deepseek2", "kimi-k2", "gpt3", "llama4", "olmo3"]
 FAMILIES += ["glm4_moe", "minimax-m2"]
 FAMILIES += ["deepseek32"]
+FAMILIES += ["qwen3.5"]  # the hybrid DeltaNet / gated-attention stack, dense: recurrent state and KV caches
 
 
 @pytest.mark.parametrize("family", FAMILIES)

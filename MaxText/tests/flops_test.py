@@ -242,6 +242,39 @@ def test_flops_deepseek3_671b(tmp_path):
   assert flops.attention == 61 * 3 * 2 * 2048 * 128 * (192 + 128)
 
 
+DEEPSEEK = ["decoder_block=deepseek", "base_num_decoder_layers=3", "first_num_dense_layers=1", "shared_experts=1"]
+INDEXER = ["index_n_heads=2", "index_head_dim=16"]
+
+
+@pytest.mark.parametrize("scan", ["true", "false"])
+def test_flops_deepseek32_indexer_forward_only_and_dense_masked_attention(tmp_path, scan):
+  """FAMILIES["deepseek"] with a lightning indexer in each of its 3 layers (T=32, 2 index heads of 16 dims)."""
+  cfg = sized_config(tmp_path, *DEEPSEEK, *MOE, *MLA, *INDEXER, "index_topk=8", f"scan_layers={scan}")
+  flops = flops_lib.training_flops_per_token(cfg)
+  # wq_b 16*2*16 + wk 64*16 + weights_proj 64*2 = 1664 weights; q.k over all 32 keys: 2*32*2*16, weighting 2*32*2
+  per_layer = 2 * 1664 + 2 * 32 * 2 * 16 + 2 * 32 * 2
+  assert flops.indexer == 3 * per_layer == 16512  # x1: no gradient reaches the indexer
+  assert flops.matmul == FAMILIES["deepseek"][1]  # its projections are not in matmul (x6)
+  # the top-k mask is dense: every one of the 32 keys per query is computed, twice the causal count of 16
+  assert flops.attention == 2 * FAMILIES["deepseek"][2] == 3 * 3 * 2 * 32 * 4 * (16 + 8)
+  assert flops.total == flops.matmul + flops.attention + flops.embedding + 16512
+  # no more keys than index_topk: the selection is skipped (no indexer work), the mask path stays dense
+  short = flops_lib.training_flops_per_token(sized_config(tmp_path, *DEEPSEEK, *MOE, *MLA, *INDEXER, "index_topk=32"))
+  assert (short.indexer, short.attention) == (0, flops.attention)
+
+
+def test_flops_deepseek32_671b(tmp_path):
+  flops = flops_lib.training_flops_per_token(preset(tmp_path, "deepseek32-671b", 4096))
+  # deepseek3-671b's counts, plus per layer an indexer: 64 heads of 128 dims, top 2048 of the 4096 keys
+  indexer = 1536 * 64 * 128 + 7168 * 128 + 7168 * 64  # wq_b, wk, weights_proj
+  assert 61 * indexer == 851_509_248  # DeepSeek's "0.85B" of indexers beside the 671B
+  assert flops.matmul == 6 * 35_697_917_952  # test_flops_deepseek3_671b's active weights, no more
+  assert flops.indexer == 61 * (2 * indexer + 2 * 4096 * 64 * (128 + 1))
+  # dense-masked attention: all 4096 keys per query, where the top-k ideal is 2048 - 2048^2 / 8192 = 1536
+  assert flops.attention == 61 * 3 * 2 * 4096 * 128 * (192 + 128)
+  assert flops_lib.attended_keys(4096, 2048) == 1536
+
+
 def test_flops_kimi_k2_1t(tmp_path):
   flops = flops_lib.training_flops_per_token(preset(tmp_path, "kimi-k2-1t", 4096))
   # deepseek3-671b's layers with N=64, V=163840, 1 dense layer, 384 experts top-8 in one group
@@ -338,6 +371,8 @@ TINY_DENSE = [
   "attention=dot_product",
 ]
 
+MLA_XLA = ["decoder_block=deepseek", "q_lora_rank=128", "kv_lora_rank=128", "qk_nope_head_dim=48", "v_head_dim=64"]
+
 
 @pytest.mark.parametrize(
   "overrides",
@@ -346,9 +381,11 @@ TINY_DENSE = [
     ["base_num_kv_heads=2", "mlp_activations=[gelu]"],
     # MoE: capacity_factor=1 runs exactly tokens x k assignments as einsums XLA can count (ragged_dot it may not)
     ["num_experts=4", "num_experts_per_tok=2", "capacity_factor=1.0", "base_moe_mlp_dim=512"],
-    ["decoder_block=deepseek", "q_lora_rank=128", "kv_lora_rank=128", "qk_nope_head_dim=48", "v_head_dim=64"],
+    MLA_XLA,
+    # V3.2: the indexer's forward over all keys (index_topk < T) and the dense-masked attention
+    [*MLA_XLA, "index_n_heads=4", "index_head_dim=64", "index_topk=64", "attention_query_chunk=0"],
   ],
-  ids=["dense", "gqa-gelu", "moe", "mla"],
+  ids=["dense", "gqa-gelu", "moe", "mla", "mla-indexer"],
 )
 def test_flops_match_xla_cost_analysis(tmp_path, overrides):
   cfg = sized_config(tmp_path, *TINY_DENSE, *overrides)

@@ -77,6 +77,8 @@ QWEN35 = dict(num_hidden_layers=5, num_experts=4, num_experts_per_tok=2, moe_int
 QWEN35 |= dict(shared_expert_intermediate_size=16, linear_num_key_heads=2, linear_num_value_heads=4)
 QWEN35 |= dict(linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4, max_position_embeddings=64)
 QWEN35 |= dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+# Dense Qwen3.5: the same stack with a gated MLP (intermediate_size) in every layer.
+QWEN35_DENSE = {k: v for k, v in QWEN35.items() if "expert" not in k and k != "moe_intermediate_size"}
 FAMILIES = {
   "llama2": ("LlamaConfig", {}),
   "llama-bias": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),
@@ -108,6 +110,7 @@ FAMILIES = {
   "olmo3": ("Olmo3Config", OLMO3),
   "minimax-m2": ("MiniMaxM2Config", MINIMAX_M2),
   "qwen3.5-moe": ("Qwen3_5MoeTextConfig", QWEN35),
+  "qwen3.5": ("Qwen3_5TextConfig", QWEN35_DENSE),
 }
 GPT2 = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32, n_inner=48)  # 32: prompt + 16 new
 T = 12

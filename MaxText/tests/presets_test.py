@@ -64,6 +64,10 @@ PUBLISHED = {  # billions of parameters, as published by the model authors (text
   "qwen3.5-35b-a3b": 34.66,
   "qwen3.5-122b-a10b": 122.11,
   "qwen3.5-397b-a17b": 396.35,
+  # dense Qwen3.5 text models (27B and 9B published with the vision tower): transformers' count of the presets'
+  # Qwen3_5TextConfig, 26,895,998,464 and 8,953,803,264, equals ours
+  "qwen3.5-27b": 26.90,
+  "qwen3.5-9b": 8.95,
 }
 
 

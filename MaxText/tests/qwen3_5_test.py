@@ -2,7 +2,8 @@
 DeltaNet projections are Qwen3-Next's maths in another layout; the releases' image-text checkpoints import their
 text model; greedy decoding against transformers with and without the cache; each distinctive config value
 switched off in our model only breaks parity; LoRA SFT of the converted model; expert/tensor/FSDP layouts on 8
-devices; FLOPs of the 35B preset; bad input."""
+devices; FLOPs of the 35B preset; bad input. Dense Qwen3.5 (helpers.FAMILIES "qwen3.5", num_experts 1): its
+config both ways, its image-text checkpoint, LoRA SFT, a dense/MoE mix-up."""
 
 import functools
 import json
@@ -24,9 +25,12 @@ from MaxText.tests.helpers import (
   PARITY_NEW,
   PROMPTS,
   QWEN35,
+  QWEN35_DENSE,
   SMALL,
   TOKENS,
   T,
+  hf_config,
+  hf_keys,
   hf_model,
   make_tokenizer,
   maxtext_logits,
@@ -76,17 +80,22 @@ def test_split_projections_are_the_fused_layer_regrouped():
 
 @pytest.mark.torch
 @pytest.mark.slow  # 26 s at load average 9 on the 2 shared cores
-def test_image_text_checkpoint_imports_its_text_model(tmp_path):
-  """The releases are Qwen3_5MoeForConditionalGeneration (text model under model.language_model., a vision tower
-  under model.visual.): the text model converts, with the logits of that model on text."""
+@pytest.mark.parametrize("moe", [True, False], ids=["moe", "dense"])
+def test_image_text_checkpoint_imports_its_text_model(tmp_path, moe):
+  """The releases are Qwen3_5MoeForConditionalGeneration and Qwen3_5ForConditionalGeneration (text model under
+  model.language_model., a vision tower under model.visual.): the text model converts, with the logits of that
+  model on text."""
   import torch
   import transformers
 
-  text = {k: v for k, v in {**SMALL, **QWEN35}.items() if k != "intermediate_size"}
+  text = {**SMALL, **QWEN35} if moe else {**SMALL, **QWEN35_DENSE}
+  text = {k: v for k, v in text.items() if not (moe and k == "intermediate_size")}
   vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4)
-  cfg = transformers.Qwen3_5MoeConfig(text_config=text, vision_config={**vision, "num_position_embeddings": 16})
+  prefix = "Qwen3_5Moe" if moe else "Qwen3_5"
+  vision |= {"num_position_embeddings": 16}
+  cfg = getattr(transformers, f"{prefix}Config")(text_config=text, vision_config=vision)
   torch.manual_seed(0)
-  model = transformers.Qwen3_5MoeForConditionalGeneration(cfg).float().eval()
+  model = getattr(transformers, f"{prefix}ForConditionalGeneration")(cfg).float().eval()
   with torch.no_grad():
     for name, p in model.named_parameters():
       if "norm" in name:
@@ -136,11 +145,15 @@ def test_each_feature_switched_off_breaks_parity(converted, off):
   assert np.max(np.abs(maxtext_logits(out, TOKENS, off) - reference.logits)) > 1e-3
 
 
+LORA_LR = {"qwen3.5-moe": 3e-2, "qwen3.5": 1e-2}  # the dense reference model's loss jumps about at 3e-2
+
+
 @pytest.mark.slow  # one training compile
-def test_lora_sft_of_the_converted_model_trains(tmp_path):
+@pytest.mark.parametrize("family", sorted(LORA_LR))
+def test_lora_sft_of_the_converted_model_trains(tmp_path, family):
   """SFT with LoRA adapters on the DeltaNet's and the attention's projections of a converted model (its vocab the
-  tokenizer's): the loss falls."""
-  _, hf_path = hf_model("qwen3.5-moe", tmp_path, vocab_size=320)
+  tokenizer's), MoE and dense: the loss falls."""
+  _, hf_path = hf_model(family, tmp_path, vocab_size=320)
   out = os.path.join(tmp_path, "mt")
   hf_to_maxtext.convert(hf_path, out)
   tok = make_tokenizer(os.path.join(tmp_path, "tok"))
@@ -151,7 +164,8 @@ def test_lora_sft_of_the_converted_model_trains(tmp_path):
     + [f"load_parameters_path={out}/params", "dataset_type=text", "use_sft=true", f"dataset_path={data}"]
     + ["tokenizer_type=huggingface", f"tokenizer_path={tok.path}", "eval_fraction=0", "steps=6", "log_period=1"]
     + ["max_target_length=32", "per_device_batch_size=1", "enable_checkpointing=false", "dtype=float32"]
-    + ["lora_rank=4", "lora_alpha=8", f"lora_target_modules={targets}", "learning_rate=3e-2", "log_config=false"],
+    + ["lora_rank=4", "lora_alpha=8", f"lora_target_modules={targets}", f"learning_rate={LORA_LR[family]}"]
+    + ["log_config=false"],
     {},
   )
   train.run(c)
@@ -231,3 +245,45 @@ def test_other_families_checkpoints_and_unsupported_configs_are_one_line_errors(
   with pytest.raises(ConfigError, match="needs num_experts"):
     convert(num_experts=0)
   jax.clear_caches()
+
+
+def test_dense_config_imports_an_mlp_and_exports_the_dense_class(tmp_path):
+  """Qwen3_5TextConfig (qwen3_5_text): the same stack with num_experts 1 (a gated MLP of intermediate_size in every
+  layer, no MoE keys); exported back as Qwen3_5ForCausalLM without the MoE fields."""
+  _, hf_path = hf_model("qwen3.5", tmp_path)
+  hf = json.load(open(os.path.join(hf_path, "config.json")))
+  keys = hf_keys(hf)
+  assert keys["num_experts"] == 1 and keys["base_mlp_dim"] == 48 and keys["full_attention_interval"] == 4
+  assert "shared_expert_gate" not in keys and "norm_topk_prob" not in keys
+  (tmp_path / "c.yml").write_text(json.dumps(keys))  # YAML reads JSON
+  c = config.load([str(tmp_path / "c.yml"), "run_name=t"], {})
+  back = hf_config(c, "float32")
+  assert (back["model_type"], back["architectures"]) == ("qwen3_5_text", ["Qwen3_5ForCausalLM"])
+  assert back["intermediate_size"] == 48 and back["layer_types"] == hf["layer_types"]
+  assert not {"num_experts", "moe_intermediate_size", "shared_expert_intermediate_size"} & set(back)
+  _, moe_path = hf_model("qwen3.5-moe", tmp_path / "moe")
+  moe = hf_keys(json.load(open(os.path.join(moe_path, "config.json"))))
+  assert moe["num_experts"] == 4 and moe["shared_expert_gate"]
+
+
+def test_dense_checkpoint_as_moe_and_moe_checkpoint_as_dense_are_one_line_errors(tmp_path):
+  """A dense config without intermediate_size, a dense checkpoint named MoE, a MoE checkpoint named dense:
+  ConfigErrors before any compile."""
+  _, hf_path = hf_model("qwen3.5", tmp_path)
+  path = os.path.join(hf_path, "config.json")
+  cfg = json.load(open(path))
+
+  def convert(**changes):
+    json.dump({k: v for k, v in {**cfg, **changes}.items() if v is not None}, open(path, "w"))
+    hf_to_maxtext.convert(hf_path, os.path.join(tmp_path, "out"))
+
+  with pytest.raises(ConfigError, match="qwen3_5_text config.json needs intermediate_size"):
+    convert(intermediate_size=None)
+  with pytest.raises(ConfigError, match="qwen3_5_moe_text config.json needs num_experts"):
+    convert(model_type="qwen3_5_moe_text")
+  moe_dir = tmp_path / "moe"
+  _, moe_path = hf_model("qwen3.5-moe", moe_dir)
+  moe_cfg = json.load(open(os.path.join(moe_path, "config.json")))
+  json.dump({**moe_cfg, "model_type": "qwen3_5_text", "intermediate_size": 48}, open(f"{moe_path}/config.json", "w"))
+  with pytest.raises(ConfigError, match=r"\(dense\) config.json has MoE fields num_experts, moe_intermediate_size"):
+    hf_to_maxtext.convert(moe_path, os.path.join(moe_dir, "out"))

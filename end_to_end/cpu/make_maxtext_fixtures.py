@@ -8,12 +8,12 @@ For a tiny model of each family in MODELS it trains upstream's own train.py a fe
 (CPU), keeps the last full-state checkpoint (upstream's Linen on-disk tree: params/params/decoder/...,
 opt_state, step), derives a params-only checkpoint with upstream's generate_param_only_checkpoint (its
 NNX tree: decoder/.../{value}, bf16), and records upstream's logits for a fixed prompt from each with
-upstream's own from_pretrained. Which layouts are kept (to stay small): KEEP, one or two per family,
+upstream's own from_pretrained. Which layouts are kept (to stay small): KEEP, one to three per family,
 plus fixtures.json (the model keys, prompt, steps and losses) and <name>.logits.npy.
 
   /path/to/mt-venv/bin/python end_to_end/cpu/make_maxtext_fixtures.py --check-export .venv/bin/python
 checks the other direction: each fixture exported by our MaxText.convert.to_upstream (in the other layer
-layout, except for UNROLLED_ONLY) gives upstream's from_pretrained the fixture's logits.
+layout) gives upstream's from_pretrained the fixture's logits.
 """
 
 from __future__ import annotations
@@ -59,10 +59,12 @@ MODELS = {
   "qwen3": {"model_name": "qwen3-4b", **COMMON},  # query/key norms, an explicit 1/sqrt(head_dim)
   "gemma": {"model_name": "gemma-2b", **COMMON},  # norms scale x directly (ours: 1 + w)
   "gemma2": {"model_name": "gemma2-2b", **COMMON},  # each layer a local and a global sublayer
-  "gemma3": {"model_name": "gemma3-4b", **COMMON, "base_num_decoder_layers": 6},  # 5 local : 1 global
+  # 5 local : 1 global, then a remainder of 2 (upstream's scanned tree: layers, layers_remainder)
+  "gemma3": {"model_name": "gemma3-4b", **COMMON, "base_num_decoder_layers": 8},
   "gpt-oss": {
     "model_name": "gpt-oss-20b",
     **COMMON,
+    "base_num_decoder_layers": 4,  # two (sliding-window, full) cycles
     "num_experts": 4,
     "num_experts_per_tok": 2,
     "base_moe_mlp_dim": 32,
@@ -104,11 +106,6 @@ OURS = {
 # deleted", 0.2.5): a variable its train keeps out of the params and leaves at its zero init here
 # (routed_bias_update_rate 0), so the logits are those of the router without it.
 LOGITS_KEYS = {"deepseek3": {"routed_bias": "false"}}
-UNROLLED_ONLY = {
-  "gemma3",
-  "llama4",
-  "gpt-oss",
-}  # our exports of these are unrolled only (upstream's scanned tree is not mapped)
 KEEP = {  # fixture name -> (model, scan_layers, "full" | "params")
   "llama2_scanned_full": ("llama2", True, "full"),
   "llama2_unrolled_params": ("llama2", False, "params"),
@@ -118,11 +115,18 @@ KEEP = {  # fixture name -> (model, scan_layers, "full" | "params")
   "llama3.1_unrolled_full": ("llama3.1", False, "full"),
   "mistral_unrolled_full": ("mistral", False, "full"),
   "qwen3_scanned_params": ("qwen3", True, "params"),
+  "qwen3_unrolled_full": ("qwen3", False, "full"),
   "gemma_unrolled_params": ("gemma", False, "params"),
+  "gemma_scanned_full": ("gemma", True, "full"),
   "gemma2_scanned_params": ("gemma2", True, "params"),
+  "gemma2_unrolled_full": ("gemma2", False, "full"),
   "gemma3_unrolled_params": ("gemma3", False, "params"),
+  "gemma3_scanned_params": ("gemma3", True, "params"),
+  "gemma3_unrolled_full": ("gemma3", False, "full"),
   "llama4_unrolled_params": ("llama4", False, "params"),
+  "llama4_scanned_full": ("llama4", True, "full"),
   "gpt-oss_unrolled_params": ("gpt-oss", False, "params"),
+  "gpt-oss_scanned_full": ("gpt-oss", True, "full"),
   "qwen3-moe_unrolled_full": ("qwen3-moe", False, "full"),
   "deepseek3_unrolled_full": ("deepseek3", False, "full"),
   "deepseek2_scanned_params": ("deepseek2", True, "params"),
@@ -245,7 +249,7 @@ def check_exports(out: str, names: list[str], ours: str) -> None:
   work = tempfile.mkdtemp(prefix="maxtext_exports_")
   for name in names or KEEP:
     model, scan, kind = KEEP[name]
-    scan_out = scan if model in UNROLLED_ONLY else not scan
+    scan_out = not scan
     exported = os.path.join(work, name)
     keys = [f"{k}={v}" for k, v in {**MODELS[model], **OURS.get(model, {})}.items()]
     command = [ours, "-m", "MaxText.convert.to_upstream", os.path.join(ROOT, "MaxText", "configs", "base.yml")]

@@ -1,7 +1,8 @@
-"""Qwen3.5-MoE: Qwen3-Next's hybrid stack (every full_attention_interval-th layer gated full attention, the
-others gated DeltaNet linear attention; MoE with one sigmoid-gated shared expert in every layer; norms 1 + w but
-the DeltaNet's gated output norm) with the DeltaNet's projections separate (layers/gated_deltanet.py's
-SplitGatedDeltaNet: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) instead of Qwen3-Next's fused ones."""
+"""Qwen3.5-MoE and dense Qwen3.5: Qwen3-Next's hybrid stack (every full_attention_interval-th layer gated full
+attention, the others gated DeltaNet linear attention; MoE with one sigmoid-gated shared expert in every layer;
+norms 1 + w but the DeltaNet's gated output norm) with the DeltaNet's projections separate (layers/gated_deltanet.py's
+SplitGatedDeltaNet: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) instead of Qwen3-Next's fused ones. Dense
+Qwen3.5 is the same stack with num_experts 1: DecoderLayer then builds a gated MLP in every layer."""
 
 from __future__ import annotations
 

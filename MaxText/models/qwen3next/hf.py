@@ -30,22 +30,34 @@ LINEAR_ATTENTION = (  # HF name under linear_attn., our path under self_attentio
 )
 
 
-def layer_keys(hf: dict[str, Any]) -> dict[str, Any]:
-  """Qwen3-Next's layer pattern (layer_types must repeat full_attention_interval), shared expert, partial RoPE."""
+def pattern_keys(hf: dict[str, Any]) -> dict[str, Any]:
+  """The hybrid layer pattern (layer_types must repeat full_attention_interval) and the partial RoPE."""
   layers = hf["num_hidden_layers"]
   types = hf.get("layer_types") or []
   interval = types.index("full_attention") + 1 if "full_attention" in types else hf.get("full_attention_interval", 4)
   want = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
   if types and list(types) != want:
     raise ConfigError(f"qwen3_next layer_types={types} is not every {interval}th layer full attention; unsupported")
+  rope = hf.get("rope_parameters") or {}
+  factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+  return {"full_attention_interval": interval, "partial_rotary_factor": factor}
+
+
+def layer_keys(hf: dict[str, Any]) -> dict[str, Any]:
+  """Qwen3-Next's layer pattern and partial RoPE (pattern_keys), and its shared expert."""
+  keys = pattern_keys(hf)
   if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers") or not hf.get("num_experts"):
     raise ConfigError("qwen3_next without MoE in every layer (decoder_sparse_step, mlp_only_layers) is not supported")
   shared, width = hf.get("shared_expert_intermediate_size") or 0, hf["moe_intermediate_size"]
   if shared % width:
     raise ConfigError(f"qwen3_next shared_expert_intermediate_size={shared} is not a multiple of {width}")
-  rope = hf.get("rope_parameters") or {}
-  factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
-  return {"full_attention_interval": interval, "shared_experts": shared // width, "partial_rotary_factor": factor}
+  return keys | {"shared_experts": shared // width}
+
+
+def layer_types(c) -> list[str]:
+  """config.json layer_types of the hybrid stack: every full_attention_interval-th layer full attention."""
+  interval = c.full_attention_interval
+  return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(c.num_decoder_layers)]
 
 
 class Qwen3Next(hf_mapping.Mapping):
@@ -65,8 +77,7 @@ class Qwen3Next(hf_mapping.Mapping):
       )
     out["shared_expert_intermediate_size"] = c.shared_experts * c.moe_mlp_dim
     out["decoder_sparse_step"], out["mlp_only_layers"] = 1, []
-    interval, layers = c.full_attention_interval, c.num_decoder_layers
-    out["layer_types"] = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
+    out["layer_types"] = layer_types(c)
 
   def export_rope(self, c) -> dict[str, Any]:
     return super().export_rope(c) | {"partial_rotary_factor": c.partial_rotary_factor}

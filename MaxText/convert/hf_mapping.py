@@ -270,7 +270,8 @@ class Mapping:
       out["query_pre_attn_scalar"] = int(out["query_pre_attn_scalar"])
     out[self.activation_field] = next(k for k, v in ACTIVATIONS.items() if v == list(c.mlp_activations))
     rope = self.export_rope(c)
-    if c.partial_rotary_factor != 1.0 and "partial_rotary_factor" not in rope:
+    per_type = [rope, *(r for r in rope.values() if isinstance(r, dict))]  # or per attention type (gemma4)
+    if c.partial_rotary_factor != 1.0 and not any("partial_rotary_factor" in r for r in per_type):
       raise ConfigError(
         f"partial_rotary_factor={c.partial_rotary_factor} has no Hugging Face export for {c.decoder_block}"
       )

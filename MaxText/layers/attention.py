@@ -284,18 +284,7 @@ class Attention(nnx.Module):
     Decoding: with a `cache`, k/v are written into it at `positions` and the queries attend over the
     whole cache (layers/kv_cache.py); the updated cache is returned.
     """
-    q = checkpoint_name(self.query(x), "query_proj")
-    k = checkpoint_name(self.key(x), "key_proj")
-    v = checkpoint_name(self.value(x), "value_proj")
-    q = nn.with_logical_constraint(q, HEAD_AXES)
-    k = nn.with_logical_constraint(k, KV_HEAD_AXES)
-    if self.query_norm is not None:
-      q, k = self.query_norm(q), self.key_norm(k)
-    if self.use_rope:
-      q, k = self.rope(q, positions), self.rope(k, positions)
-    q = q * self.query_scale
-    if self.temperature_tuning:
-      q = q * temperature_scale(positions, self.config)[:, :, None, None].astype(q.dtype)
+    q, k, v = self.project(x, positions)
     sinks = None if self.sinks is None else self.sinks[...]
     blocks = None
     if isinstance(segment_ids, ImageSegments):
@@ -325,6 +314,22 @@ class Attention(nnx.Module):
       out = dot_product_attention(q, keys, values, mask, self.config.attention.attn_logits_soft_cap, sinks)
     out = checkpoint_name(nn.with_logical_constraint(out, HEAD_AXES), "context")
     return checkpoint_name(self.out(out), "out_proj"), cache
+
+  def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [B, T, D] -> q [B, T, N, H] (normed, rotated, scaled), k [B, T, K, H] (normed, rotated), v [B, T, K, H]."""
+    q = checkpoint_name(self.query(x), "query_proj")
+    k = checkpoint_name(self.key(x), "key_proj")
+    v = checkpoint_name(self.value(x), "value_proj")
+    q = nn.with_logical_constraint(q, HEAD_AXES)
+    k = nn.with_logical_constraint(k, KV_HEAD_AXES)
+    if self.query_norm is not None:
+      q, k = self.query_norm(q), self.key_norm(k)
+    if self.use_rope:
+      q, k = self.rope(q, positions), self.rope(k, positions)
+    q = q * self.query_scale
+    if self.temperature_tuning:
+      q = q * temperature_scale(positions, self.config)[:, :, None, None].astype(q.dtype)
+    return q, k, v
 
   def rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
     """RoPE over the first rotary_dim dims of each head of x [B, T, N, H] (all of them at partial_rotary_factor 1)."""

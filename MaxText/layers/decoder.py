@@ -74,6 +74,9 @@ class Family:
   # whose call replaces the image_token_id embeddings; `splice(x, tokens, soft, image_token_id)` places them
   vision: Callable[..., nnx.Module] | None = None
   splice: Callable[..., jax.Array] | None = None
+  # make(config, rngs=...) -> a module mapping (tokens [B, T], embeddings [B, T, D]) to an input per layer
+  # [L, B, T, P], which the decoder passes to each unit's call as `layer_inputs` ([layers_per_unit, B, T, P])
+  layer_inputs: Callable[..., nnx.Module] | None = None
 
 
 class LayerBlock(nnx.Module):
@@ -83,13 +86,16 @@ class LayerBlock(nnx.Module):
     self.sublayers = nnx.List([make(config, rngs=rngs, plan=plan) for make in makers])
 
   def __call__(
-    self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, rng: jax.Array | None, cache: Any = None
-  ) -> tuple[jax.Array, Any]:
-    """The DecoderLayer contract; a decode `cache` is a tuple, one per sublayer (None in training)."""
+    self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, rng: jax.Array | None, cache: Any = None,
+    **layer_inputs: jax.Array,
+  ) -> tuple[jax.Array, Any]:  # fmt: skip
+    """The DecoderLayer contract; a decode `cache` is a tuple, one per sublayer (None in training);
+    `layer_inputs` (Family.layer_inputs) [n, B, T, P]: sublayer i gets [i]."""
     new_cache = []
     for i, layer in enumerate(self.sublayers):
       layer_rng = None if rng is None else jax.random.fold_in(rng, i)
-      x, layer_cache = layer(x, positions, segment_ids, layer_rng, None if cache is None else cache[i])
+      extra = {k: v[i] for k, v in layer_inputs.items()}
+      x, layer_cache = layer(x, positions, segment_ids, layer_rng, None if cache is None else cache[i], **extra)
       new_cache.append(layer_cache)
     return x, None if cache is None else tuple(new_cache)
 
@@ -202,6 +208,9 @@ class Decoder(nnx.Module):
       self.mtp_modules = nnx.List([mtp_lib.MtpModule(config, layer, rngs=rngs) for _ in range(config.mtp_num_layers)])
     # After the text model too: use_multimodal adds the image encoder without changing the text parameters
     # (the family's own tower, e.g. Llama 4's, else Gemma 3's SigLIP).
+    self.per_layer_inputs = nnx.data(None)
+    if family.layer_inputs is not None:
+      self.per_layer_inputs = family.layer_inputs(config, rngs=rngs)
     self.vision_encoder = nnx.data(None)
     if config.vision is not None:
       tower = (family.vision or vision.VisionEncoder)(config, rngs=rngs, remat_policy=plan.remat_policy)
@@ -253,10 +262,17 @@ class Decoder(nnx.Module):
     if not self.plan.dropout_rate > 0:
       dropout_rng = None
     aux, first, new_cache, loads = jnp.zeros((), jnp.float32), 0, {}, {}
+    per_layer = None if self.per_layer_inputs is None else self.per_layer_inputs(tokens, x)  # [L, B, T, P]
+    layer = 0
     for stack in self.stack_specs:
       stack_cache = None if cache is None else cache[stack.name]
+      inputs = None
+      if per_layer is not None:  # [repeats, layers_per_unit, B, T, P]
+        n = stack.repeats * stack.layers_per_unit
+        inputs = per_layer[layer : layer + n].reshape(stack.repeats, stack.layers_per_unit, *per_layer.shape[1:])
+        layer += n
       x, stack_aux, new_cache[stack.name], stack_loads = self._apply_stack(
-        stack, x, positions, segment_ids, dropout_rng, first, stack_cache
+        stack, x, positions, segment_ids, dropout_rng, first, stack_cache, inputs
       )
       aux, first = aux + stack_aux, first + stack.repeats
       if stack_loads:
@@ -339,7 +355,7 @@ class Decoder(nnx.Module):
         caches[stack.name] = [layer.init_cache(batch, length) for layer in layers]
     return caches
 
-  def _apply_stack(self, stack, x, positions, segment_ids, dropout_rng, first_index, cache=None):
+  def _apply_stack(self, stack, x, positions, segment_ids, dropout_rng, first_index, cache=None, inputs=None):
     c = self.config
     layers = getattr(self, stack.name)
     if c.scan_layers:
@@ -350,7 +366,7 @@ class Decoder(nnx.Module):
     pipe = self.plan.pipeline
     piped = pipe.units_of(stack.name) if pipe is not None and cache is None else 0
     if not piped:
-      return self._run_units(graphdef, params, x, positions, segment_ids, dropout_rng, first_index, cache)
+      return self._run_units(graphdef, params, x, positions, segment_ids, dropout_rng, first_index, cache, inputs)
 
     def stage(stage_params, h, stage_positions, stage_segments, index, micro):
       # Each microbatch draws its own dropout masks (a slice of the whole batch's would need them all).
@@ -367,18 +383,20 @@ class Decoder(nnx.Module):
       aux = aux + tail_aux
     return x, aux, None, {}
 
-  def _run_units(self, graphdef, params, x, positions, segment_ids, dropout_rng, first_index, cache=None):
+  def _run_units(self, graphdef, params, x, positions, segment_ids, dropout_rng, first_index, cache=None, inputs=None):
     """Units (stacked params [n, ...] under scan_layers, else a list) applied in order to x [B, T, D];
     returns (x, the units' summed auxiliary loss, the updated caches or None, their expert loads: stacked
     [n, E] leaves under scan, else {unit index: loads}; {} without MoE selection biases). `first_index`: the
-    first unit's index in the model, which seeds its dropout key."""
+    first unit's index in the model, which seeds its dropout key. `inputs`: the units' layer inputs [n, ...]
+    (Family.layer_inputs), passed to each unit's call as `layer_inputs`."""
     c = self.config
 
-    def one_unit(carry, inputs):
-      (h, aux, index), (unit_params, unit_cache) = carry, inputs
+    def one_unit(carry, xs):
+      (h, aux, index), (unit_params, unit_cache, unit_inputs) = carry, xs
       rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, index)
       unit = nnx.merge(graphdef, unit_params)
-      h, unit_cache = unit(h, positions, segment_ids, rng, unit_cache)
+      extra = {} if unit_inputs is None else {"layer_inputs": unit_inputs}
+      h, unit_cache = unit(h, positions, segment_ids, rng, unit_cache, **extra)
       h = nn.with_logical_constraint(h, ACTIVATION_AXES)
       return (h, aux + _intermediates_sum(unit), index + 1), (unit_cache, _expert_loads(unit))
 
@@ -386,11 +404,12 @@ class Decoder(nnx.Module):
     body = remat(one_unit, self.plan.remat_policy, prevent_cse=not c.scan_layers)
     carry = (x, jnp.zeros((), jnp.float32), jnp.asarray(first_index, jnp.int32))
     if c.scan_layers:
-      carry, (cache, loads) = jax.lax.scan(body, carry, (params, cache))
+      carry, (cache, loads) = jax.lax.scan(body, carry, (params, cache, inputs))
     else:
       caches, loads = [None] * len(params) if cache is None else list(cache), {}
       for i, unit_params in enumerate(params):
-        carry, (caches[i], unit_loads) = body(carry, (unit_params, caches[i]))
+        unit_inputs = None if inputs is None else inputs[i]
+        carry, (caches[i], unit_loads) = body(carry, (unit_params, caches[i], unit_inputs))
         if unit_loads:
           loads[i] = unit_loads
       cache = None if cache is None else caches

@@ -25,10 +25,11 @@ DecoderBlock = Literal[
   "olmo3",
   "minimax_m2",
   "qwen3_5",
+  "gemma4",
 ]  # fmt: skip  # models.REGISTRY's keys (model_config_test checks)
 Dtype = Literal["bfloat16", "float32", "float16"]
 WeightDtype = Literal["float32", "bfloat16"]
-RopeType = Literal["default", "llama3", "linear", "yarn"]
+RopeType = Literal["default", "llama3", "linear", "yarn", "proportional"]
 Activation = Literal["silu", "gelu", "gelu_exact", "relu", "linear"]  # layers/mlp.ACTIVATIONS' keys
 CapacityGroup = Literal["global", "sequence", "shard"]
 ScoreFunc = Literal["softmax", "sigmoid"]
@@ -66,6 +67,10 @@ class Attention(Section):
   temperature_tuning_scale: float
   temperature_tuning_floor_scale: int
   attention_sink: bool
+  global_head_dim: int  # gemma4's full-attention layers
+  global_num_kv_heads: int
+  attention_k_eq_v: bool
+  num_kv_shared_layers: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +110,7 @@ class Mla(Section):
 class Mlp(Section):
   mlp_activations: tuple[Activation, ...]
   mlp_bias: bool
+  use_double_wide_mlp: bool  # gemma4's kv-sharing layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +155,8 @@ class Embed(Section):
   final_logits_soft_cap: float
   use_iota_embed: bool
   trainable_position_size: int
+  hidden_size_per_layer_input: int  # gemma4's per-layer embeddings
+  vocab_size_per_layer_input: int
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,7 @@ from MaxText.models import (
   gemma,
   gemma2,
   gemma3,
+  gemma4,
   glm4_moe,
   gpt3,
   gpt_oss,
@@ -31,6 +32,7 @@ from MaxText.models.deepseek import hf as deepseek_hf
 from MaxText.models.gemma import hf as gemma_hf
 from MaxText.models.gemma2 import hf as gemma2_hf
 from MaxText.models.gemma3 import hf as gemma3_hf
+from MaxText.models.gemma4 import hf as gemma4_hf
 from MaxText.models.glm4_moe import hf as glm4_moe_hf
 from MaxText.models.gpt3 import hf as gpt3_hf
 from MaxText.models.gpt_oss import hf as gpt_oss_hf
@@ -67,6 +69,7 @@ REGISTRY: dict[str, Family] = {
   "olmo3": olmo3.FAMILY,
   "minimax_m2": minimax_m2.FAMILY,
   "qwen3_5": qwen3_5.FAMILY,
+  "gemma4": gemma4.FAMILY,
 }
 # decoder_block -> its Hugging Face mapping ("default" has none).
 HF: dict[str, Mapping] = {
@@ -88,6 +91,7 @@ HF: dict[str, Mapping] = {
     glm4_moe_hf.MAPPING,
     olmo3_hf.MAPPING,
     minimax_m2_hf.MAPPING,
+    gemma4_hf.MAPPING,
   )
 }
 
@@ -113,6 +117,19 @@ def problem(config: Any) -> str | None:
       )
     if config.ici_context_parallelism * config.dcn_context_parallelism > 1:
       return f"{name}: the gated DeltaNet runs over whole sequences; set ici/dcn_context_parallelism=1"
+  stages = config.ici_pipeline_parallelism * config.dcn_pipeline_parallelism
+  if name == "gemma4" and config.hidden_size_per_layer_input and stages > 1:
+    return (
+      "gemma4 per-layer embeddings (hidden_size_per_layer_input > 0) do not run pipelined; "
+      "set ici/dcn_pipeline_parallelism=1"
+    )
+  if name == "gemma4" and config.num_kv_shared_layers:  # the sharing layers' unit starts with a whole cycle
+    first, period = config.num_decoder_layers - config.num_kv_shared_layers, config.full_attention_interval
+    if first < period or first % period:
+      return (
+        f"gemma4 num_kv_shared_layers={config.num_kv_shared_layers} must leave a positive multiple of "
+        f"full_attention_interval={period} layers before it (num_decoder_layers={config.num_decoder_layers})"
+      )
   rotary = config.head_dim * config.partial_rotary_factor
   if config.partial_rotary_factor != 1.0 and not (0 < rotary <= config.head_dim and rotary % 2 == 0):
     return (

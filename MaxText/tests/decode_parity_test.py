@@ -19,12 +19,14 @@ from MaxText.tests.helpers import HF_DECODE, PARITY_NEW, PROMPTS, hf_model
 # YaRN with beta_fast = beta_slow), learned positions, chunked local / NoPE global layers with input-weighted
 # top-1 MoE (llama4), post-norm layers with q/k norms across heads and YaRN on full layers only (olmo3), partial
 # RoPE with q/k norms across heads and sigmoid + bias routing in every layer (minimax-m2), MLA with the lightning
-# indexer over its cached keys (deepseek32).
+# indexer over its cached keys (deepseek32), full layers of their own shape with K = V and proportional RoPE between
+# sliding ones (gemma4), with kv-sharing layers and per-layer embeddings (gemma4-ple).
 FAMILIES = ["llama2", "llama-bias", "mistral", "mixtral", "qwen3", "gemma", "gemma2", "gemma3", "deepseek3"]
 FAMILIES += ["deepseek2", "kimi-k2", "gpt3", "llama4", "olmo3"]
 FAMILIES += ["glm4_moe", "minimax-m2"]
 FAMILIES += ["deepseek32"]
 FAMILIES += ["qwen3.5"]  # the hybrid DeltaNet / gated-attention stack, dense: recurrent state and KV caches
+FAMILIES += ["gemma4", "gemma4-ple"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

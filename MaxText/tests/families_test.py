@@ -87,6 +87,7 @@ def test_deepseek32_parity_needs_the_indexer_selection(tmp_path):
 MOE_FAMILIES = ("mixtral", "qwen3-moe", "deepseek3", "deepseek2", "llama4", "glm4_moe", "minimax-m2")
 MOE_FAMILIES += ("deepseek32",)
 TRAINED = ("llama2", "llama-bias", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "gpt3", *MOE_FAMILIES)
+TRAINED += ("gemma4-ple",)
 
 
 # gemma3 (over 80 s on 2 busy cores, 2026-11-27) is in the slow tier.

@@ -79,6 +79,17 @@ QWEN35 |= dict(linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kerne
 QWEN35 |= dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
 # Dense Qwen3.5: the same stack with a gated MLP (intermediate_size) in every layer.
 QWEN35_DENSE = {k: v for k, v in QWEN35.items() if "expert" not in k and k != "moe_intermediate_size"}
+# Gemma 4: 4 layers = one scanned block (sliding, full) of 2 repeats; the full layers with head dim 16, one kv head,
+# no v_proj (K = V) and proportional RoPE on a quarter of their dims; a window of 4 acts within T tokens.
+# GEMMA4_KV_SHARED (gemma4_test): 6 layers = one scanned cycle, then one unit of a cycle and 2 kv-sharing layers with
+# double-wide MLPs (transformers 5.23 runs kv-sharing without per-layer embeddings only with output_hidden_states).
+GEMMA4_ROPE = {
+  "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 10000.0},
+  "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+}
+GEMMA4 = dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=4)
+GEMMA4 |= dict(global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=0)
+GEMMA4 |= dict(final_logit_softcapping=3.0, rope_parameters=GEMMA4_ROPE, hidden_activation="gelu_pytorch_tanh")
 FAMILIES = {
   "llama2": ("LlamaConfig", {}),
   "llama-bias": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),
@@ -111,7 +122,15 @@ FAMILIES = {
   "minimax-m2": ("MiniMaxM2Config", MINIMAX_M2),
   "qwen3.5-moe": ("Qwen3_5MoeTextConfig", QWEN35),
   "qwen3.5": ("Qwen3_5TextConfig", QWEN35_DENSE),
+  "gemma4": ("Gemma4TextConfig", GEMMA4),
 }
+GEMMA4_KV_SHARED = dict(GEMMA4, num_hidden_layers=6, layer_types=["sliding_attention", "full_attention"] * 3)
+GEMMA4_KV_SHARED |= dict(num_kv_shared_layers=2, use_double_wide_mlp=True)
+# "gemma4-ple": GEMMA4_KV_SHARED with per-layer embeddings of width 4 (the layout of the E2B/E4B models)
+FAMILIES["gemma4-ple"] = (
+  "Gemma4TextConfig",
+  dict(GEMMA4_KV_SHARED, hidden_size_per_layer_input=4, vocab_size_per_layer_input=64),
+)
 GPT2 = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32, n_inner=48)  # 32: prompt + 16 new
 T = 12
 TOKENS = np.random.default_rng(0).integers(0, 64, (2, T))  # the references' logits are on these
@@ -322,6 +341,17 @@ DECODE_FAMILIES = {
   + ["base_moe_mlp_dim=16", "shared_experts=1", "shared_expert_gate=true", "linear_num_key_heads=2"]
   + ["linear_num_value_heads=4", "linear_key_head_dim=8", "linear_value_head_dim=6", "linear_chunk_size=4"]
   + ["partial_rotary_factor=0.5", "use_qk_norm=true"],
+  "gemma4": ["decoder_block=gemma4", "base_num_decoder_layers=4", "full_attention_interval=2", "sliding_window_size=3"]
+  + ["global_head_dim=16", "global_num_kv_heads=1", "attention_k_eq_v=true", "rope_type=proportional"]
+  + ["partial_rotary_factor=0.25", *GEMMA, "use_post_attn_norm=true", "use_post_ffw_norm=true", "use_qk_norm=true"]
+  + ["final_logits_soft_cap=3.0"],
+  # its last 2 of 6 layers sharing the keys/values of layers 2 (sliding) and 3 (full), with double-wide MLPs, and
+  # per-layer embeddings
+  "gemma4-kv-shared": ["decoder_block=gemma4", "base_num_decoder_layers=6", "full_attention_interval=2"]
+  + ["hidden_size_per_layer_input=4", "vocab_size_per_layer_input=64"]
+  + ["sliding_window_size=3", "num_kv_shared_layers=2", "use_double_wide_mlp=true", "global_head_dim=16"]
+  + ["global_num_kv_heads=1", "attention_k_eq_v=true", "rope_type=proportional", "partial_rotary_factor=0.25", *GEMMA]
+  + ["use_post_attn_norm=true", "use_post_ffw_norm=true", "use_qk_norm=true"],
 }
 
 
@@ -972,3 +1002,23 @@ def g3_sft_text(directory):
 def hf_gemma3_prompt_ids(processor, text, n, special):
   images = [picture(5, 5, i) for i in range(n)]  # the ids depend on the number of images only
   return [int(i) for i in processor(text=[text], images=[images], add_special_tokens=special)["input_ids"][0]]
+
+
+def layout_loss_and_grads(tiny, *mesh_args):
+  """The next-token loss of a fresh model (config `tiny`, params seed 0) on a fixed batch of 8 x 16 tokens, and its
+  gradients, on one CPU device (no mesh_args) or on 8 under the mesh the ici_* mesh_args give: equal across
+  layouts up to float32 summation order."""
+  tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (8, 17)), jnp.int32)
+  positions, segments = jnp.broadcast_to(jnp.arange(16), (8, 16)), jnp.ones((8, 16), jnp.int32)
+  c = config.load([*tiny, "max_target_length=16", "ici_fsdp_parallelism=1", "ici_data_parallelism=1", *mesh_args], {})
+  mesh = sharding.create_mesh(c, jax.devices()[: 1 if not mesh_args else 8])
+  graphdef, params = nnx.split(models.build(c, nnx.Rngs(params=0), planner.build(c, mesh)), nnx.Param)
+
+  def loss(p):
+    logits = nnx.merge(graphdef, p)(tokens[:, :-1], positions, segments).astype(jnp.float32)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))
+
+  with sharding.activate(c, mesh):
+    specs = sharding.logical_to_mesh(nnx.get_partition_spec(params), mesh, sharding.axis_rules(c))
+    placed = jax.device_put(params, specs)
+    return jax.jit(jax.value_and_grad(loss))(placed)

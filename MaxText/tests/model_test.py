@@ -120,6 +120,10 @@ FAMILY_PRESETS = {
   # the same cycle with the DeltaNet's projections separate (Qwen3.5)
   "qwen3_5": ["model_name=qwen3.5-35b-a3b", *MOE, "base_num_decoder_layers=4", "linear_num_key_heads=2"]
   + ["linear_num_value_heads=4", "linear_key_head_dim=16", "linear_value_head_dim=16", "linear_chunk_size=4"],
+  # two sliding : full cycles, the second sharing the first's keys and values, with per-layer embeddings (Gemma 4)
+  "gemma4": ["model_name=gemma4-e2b", "base_num_decoder_layers=4", "full_attention_interval=2"]
+  + ["num_kv_shared_layers=2", "global_head_dim=32", "global_num_kv_heads=2", "sliding_window_size=4"]
+  + ["hidden_size_per_layer_input=8", "vocab_size_per_layer_input=512"],
 }
 FAMILY_TINY = ["base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=4", "base_mlp_dim=128", "head_dim=16"]
 FAMILY_TINY += ["base_num_decoder_layers=2", "vocab_size=512", "max_target_length=16", "dtype=float32"]

@@ -10,9 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from MaxText import config, flops, models, planner, sharding, train
+from MaxText import config, flops, models, train
 from MaxText.convert import hf_to_maxtext
 from MaxText.errors import ConfigError
 from MaxText.layers import embeddings, normalizations
@@ -28,6 +27,7 @@ from MaxText.tests.helpers import (
   hf_config,
   hf_keys,
   hf_model,
+  layout_loss_and_grads,
   maxtext_logits,
 )
 
@@ -185,28 +185,10 @@ LAYOUTS = [
 def test_layouts_give_the_single_device_loss_and_gradients():
   """fsdp, data x fsdp x tensor and fsdp x context on 8 CPU devices: the loss and its gradients of a tiny
   OLMo 3 (sliding layers of window 3 over 16 tokens, q/k norms across sharded heads) equal one device's."""
-  tiny = [os.path.join(config.CONFIG_DIR, "base.yml"), *DECODE_TINY, *DECODE_FAMILIES["olmo3"], "max_target_length=16"]
-  tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (8, 17)), jnp.int32)
-  positions, segments = jnp.broadcast_to(jnp.arange(16), (8, 16)), jnp.ones((8, 16), jnp.int32)
-
-  def run(*mesh_args):
-    c = config.load([*tiny, "ici_fsdp_parallelism=1", "ici_data_parallelism=1", *mesh_args], {})
-    mesh = sharding.create_mesh(c, jax.devices()[: 1 if not mesh_args else 8])
-    graphdef, params = nnx.split(models.build(c, nnx.Rngs(params=0), planner.build(c, mesh)), nnx.Param)
-
-    def loss(p):
-      logits = nnx.merge(graphdef, p)(tokens[:, :-1], positions, segments).astype(jnp.float32)
-      return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))
-
-    with sharding.activate(c, mesh):
-      placed = jax.device_put(
-        params, sharding.logical_to_mesh(nnx.get_partition_spec(params), mesh, sharding.axis_rules(c))
-      )
-      return jax.jit(jax.value_and_grad(loss))(placed)
-
-  want_loss, want_grads = run()
+  tiny = [os.path.join(config.CONFIG_DIR, "base.yml"), *DECODE_TINY, *DECODE_FAMILIES["olmo3"]]
+  want_loss, want_grads = layout_loss_and_grads(tiny)
   for layout in LAYOUTS:
-    got_loss, got_grads = run(*layout)
+    got_loss, got_grads = layout_loss_and_grads(tiny, *layout)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5, err_msg=str(layout))
     for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
       np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6, err_msg=str(layout))

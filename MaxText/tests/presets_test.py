@@ -68,6 +68,12 @@ PUBLISHED = {  # billions of parameters, as published by the model authors (text
   # Qwen3_5TextConfig, 26,895,998,464 and 8,953,803,264, equals ours
   "qwen3.5-27b": 26.90,
   "qwen3.5-9b": 8.95,
+  # Gemma 4 text decoders: transformers' count of the presets' config.json, 30,697,345,280, 4,628,569,344 and
+  # 7,463,013,376 (31B, and E2B/E4B's 5.1B/8B with their audio and vision towers, published); ours adds the
+  # per-layer scalars (a buffer there)
+  "gemma4-31b": 30.70,
+  "gemma4-e2b": 4.63,
+  "gemma4-e4b": 7.46,
 }
 
 

@@ -27,24 +27,7 @@ done
 python3 -m MaxText.convert.maxtext_to_hf "$OUT/converted/config.yml" \
   load_parameters_path="$OUT/mm/checkpoints/150/state" --output "$OUT/hf_mm"
 # Without torch: the export holds the tensors of the Hugging Face model it came from, by name, shape and dtype.
-python3 - "$OUT/hf" "$OUT/hf_mm" <<'PY'
-import glob
-import sys
-
-from safetensors import safe_open
-
-
-def tensors(directory):
-  out = {}
-  for path in glob.glob(f"{directory}/*.safetensors"):
-    with safe_open(path, "np") as f:
-      out |= {name: (f.get_slice(name).get_shape(), f.get_slice(name).get_dtype()) for name in f.keys()}
-  return out
-
-
-assert tensors(sys.argv[1]) == tensors(sys.argv[2]), "the export's tensors differ from the model's"
-print(f"export: the {len(tensors(sys.argv[2]))} tensors of {sys.argv[1]}, by name, shape and dtype")
-PY
+python3 end_to_end/cpu/same_tensors.py "$OUT/hf" "$OUT/hf_mm"
 if python3 -c "import torch, transformers" 2>/dev/null; then
   python3 -c "import sys, transformers; transformers.Gemma3ForConditionalGeneration.from_pretrained(sys.argv[1])" "$OUT/hf_mm"
 fi

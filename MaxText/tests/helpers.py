@@ -657,6 +657,353 @@ def hf_config(c, dtype):
   return mappings.of_block(c.decoder_block).hf_config(c, dtype)
 
 
+# Images through transformers' image processors, committed in hf_references/processors/pixels.safetensors
+# (make_processors.py writes it with transformers; tests compare data/images.py with it, no torch needed).
+ODD_SHAPES = [(37, 53), (300, 201), (53, 37), (7, 30)]
+L4_GRIDS = [(16, 16), (16, 32), (32, 16), (7, 30), (20, 13), (33, 17), (50, 50)]  # llama4_images_test's tile cases
+PROCESSED = [  # (processor, tile size, max tiles (llama4), height, width, seed, style): tiny tiles only
+  *[("gemma3", 16, 0, h, w, 0, "random") for h, w in ODD_SHAPES],
+  *[("llama4", 16, 4, h, w, 2, "random") for h, w in ODD_SHAPES],
+  *[("llama4", 16, 4, h, w, 0, "smooth") for h, w in L4_GRIDS],
+  *[("gemma3", 16, 0, h, w, 1, "smooth") for h, w in [(16, 16), (20, 13), (40, 64)]],
+  ("llama4", 16, 4, 16, 32, 0, "smooth-alpha"),
+  ("gemma3", 32, 0, 16, 32, 0, "smooth-alpha"),
+]
+
+
+def processed_key(case) -> str:
+  processor, size, max_tiles, height, width, seed, style = case
+  return f"{processor}-{size}-{max_tiles}-{style}{seed}-{height}x{width}"
+
+
+def picture(height, width, seed=0, style="random"):
+  """A uint8 test image: "random" noise (RGB), "smooth" (photo-like: resizers agree on most pixels), or
+  "smooth-alpha" (RGBA, alpha rising from 0 on the left by 8 a column)."""
+  if style == "random":
+    return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+  y, x = np.mgrid[0:height, 0:width]
+  phase = np.random.default_rng(seed).uniform(0, 6, 3)
+  rgb = np.stack([127 + 120 * np.sin(x / 3 + p) * np.cos(y / 5 - p) for p in phase], -1).astype(np.uint8)
+  if style == "smooth":
+    return rgb
+  alpha = np.tile((np.arange(width) * 8 % 256).astype(np.uint8), (height, 1))
+  return np.concatenate([rgb, alpha[..., None]], -1)
+
+
+def hf_processed(case):
+  """The live processor's tiles [N, H, W, C] float32 for a PROCESSED-style case (needs transformers)."""
+  import transformers  # noqa: PLC0415 (the torch tier)
+  from PIL import Image  # noqa: PLC0415
+
+  processor, size, max_tiles, height, width, seed, style = case
+  image = Image.fromarray(picture(height, width, seed, style))
+  if processor == "gemma3":
+    made = transformers.Gemma3ImageProcessor(size={"height": size, "width": size}, do_pan_and_scan=False)
+  else:
+    made = transformers.Llama4ImageProcessor(size={"height": size, "width": size}, max_patches=max_tiles)
+  return made(image, return_tensors="pt")["pixel_values"].float().numpy().transpose(0, 2, 3, 1)
+
+
+def committed_processed():
+  """{processed_key(case): tiles} as committed for every PROCESSED case."""
+  from safetensors import numpy as safetensors_numpy  # noqa: PLC0415
+
+  return safetensors_numpy.load_file(os.path.join(HF_REFERENCES, "processors", "pixels.safetensors"))
+
+
+# Tiny random vision models (Gemma 3, Llama 4) and their transformers outputs, committed under
+# hf_references/vision/<name>/ by make_vision.py; the tests convert the files and compare with the outputs.
+VISION_REFERENCES = os.path.join(HF_REFERENCES, "vision")
+G3V_TEXT = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+G3V_TEXT |= dict(vocab_size=64, head_dim=8, sliding_window=4, query_pre_attn_scalar=6)
+G3V_VISION = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2, image_size=16)
+G3V_VISION |= dict(patch_size=4, vision_use_head=False)
+G3V_IMAGE, G3V_BOI, G3V_EOI = 60, 58, 59
+VISION_NEW = 16  # greedy tokens
+
+
+def build_vision_model(name):
+  """The tiny random HF model `name` ("gemma3-vision" or "llama4-vision"), norms, biases (and Gemma 3's
+  projector) random."""
+  import torch  # noqa: PLC0415 (the torch tier)
+  import transformers  # noqa: PLC0415
+
+  torch.manual_seed(0)
+  if name == "gemma3-vision":
+    cfg = transformers.Gemma3Config(
+      text_config=G3V_TEXT, vision_config=G3V_VISION, mm_tokens_per_image=4, image_token_index=G3V_IMAGE,
+      boi_token_index=G3V_BOI, eoi_token_index=G3V_EOI,
+    )  # fmt: skip
+    model = transformers.Gemma3ForConditionalGeneration(cfg).float().eval()
+  else:
+    cfg = transformers.Llama4Config(text_config=L4V_TEXT, vision_config=L4V_VISION, image_token_index=L4V_IMAGE_TOKEN)
+    model = transformers.Llama4ForConditionalGeneration(cfg).float().eval()
+  with torch.no_grad():
+    for n, p in model.named_parameters():
+      if "norm" in n or n.endswith("bias") or "mm_input_projection" in n:
+        centre = "layer_norm" in n if name == "gemma3-vision" else True
+        p.copy_(torch.randn_like(p) * 0.5 + (1.0 if centre and n.endswith("weight") else 0.0))
+  return model
+
+
+def g3v_prompt(rng):
+  """Two rows: text, an image (boi, 4 placeholders, eoi), text, a second image, text."""
+  image = [G3V_BOI] + [G3V_IMAGE] * 4 + [G3V_EOI]
+  return np.asarray([list(rng.integers(1, 50, 3)) + image + list(rng.integers(1, 50, 2)) + image + [7] for _ in "ab"])
+
+
+def l4v_prompt(batch_images):
+  """Text, 4 placeholders per tile, more text (one row)."""
+  rng = np.random.default_rng(1)
+  head, tail = rng.integers(0, 60, 3), rng.integers(0, 60, 4)
+  return np.concatenate([head, np.full(4 * batch_images, L4V_IMAGE_TOKEN), tail])[None]
+
+
+def vision_inputs(name):
+  """The inputs the vision references are computed on: {"tokens", "pixels" (NCHW), "text"} and for Gemma 3 the
+  Engine test's "engine_tokens", "engine_pixels" (two 16 x 16 images as data/images.py loads them)."""
+  if name == "llama4-vision":
+    pixels = np.random.default_rng(2).standard_normal((2, 3, 16, 16)).astype(np.float32)  # two tiles
+    return {"tokens": l4v_prompt(2), "pixels": pixels, "text": np.random.default_rng(3).integers(0, 60, (1, 9))}
+  rng = np.random.default_rng(0)
+  tokens = g3v_prompt(rng)
+  pixels = rng.uniform(-1, 1, (4, 3, 16, 16)).astype(np.float32)  # two images per row
+  engine = np.random.default_rng(1).integers(0, 256, (2, 16, 16, 3)).astype(np.uint8)
+  block = [G3V_BOI] + [G3V_IMAGE] * 4 + [G3V_EOI]
+  out = {"tokens": tokens, "pixels": pixels, "text": np.asarray([[2, 9, 17, 33], [5, 1, 40, 12]])}
+  out["engine_tokens"] = np.asarray([[3, 4, *block, 5, *block, 6]])
+  out["engine_pixels"] = (engine.astype(np.float32) - 127.5) / 127.5  # as data/images.py loads them, NHWC
+  return out
+
+
+# llama4_images_test's word-level tokenizer holding Llama 4's image tokens, and its image file's prompt
+L4V_VOCAB = {"[UNK]": 0, "describe": 5, "the": 6, "image": 7, "and": 8, "this": 9}
+L4V_SPECIAL = {"<|image_start|>": 50, "<|image_end|>": 51, "<|tile_x_separator|>": 52, "<|tile_y_separator|>": 53}
+L4V_SPECIAL |= {"<|image|>": 54, "<|patch|>": L4V_IMAGE_TOKEN}
+L4V_FILE_PROMPT, L4V_FILE_NEW = "describe <|image|> the image", 8
+
+
+def l4v_processor():
+  """Llama4Processor (16 px tiles, at most 4) around the L4V word-level tokenizer (needs transformers)."""
+  import transformers  # noqa: PLC0415 (the torch tier)
+  from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: PLC0415
+
+  tok = Tokenizer(models.WordLevel(L4V_VOCAB | L4V_SPECIAL, unk_token="[UNK]"))
+  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tok.add_special_tokens(list(L4V_SPECIAL))
+  fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+  images = transformers.Llama4ImageProcessor(size={"height": 16, "width": 16}, max_patches=4)
+  return transformers.Llama4Processor(images, fast, patch_size=4, pixel_shuffle_ratio=0.5)
+
+
+def l4v_file_outputs(model):
+  """llama4_images_test's image file (a smooth 32 x 16 picture) through Llama4Processor and the model:
+  {"file_ids", "file_pixels" (NHWC), "file_logits", "file_greedy"}."""
+  import torch  # noqa: PLC0415 (the torch tier)
+  from PIL import Image  # noqa: PLC0415
+
+  image = Image.fromarray(picture(32, 16, 3, "smooth"))
+  inputs = l4v_processor()(text=L4V_FILE_PROMPT, images=[image], return_tensors="pt")
+  ids, pixels = inputs["input_ids"], inputs["pixel_values"].float()
+  with torch.no_grad():
+    logits = model(input_ids=ids, pixel_values=pixels).logits.numpy()
+    new = model.generate(input_ids=ids, pixel_values=pixels, max_new_tokens=L4V_FILE_NEW, do_sample=False)
+  out = {"file_ids": ids.numpy().astype(np.int64), "file_pixels": pixels.numpy().transpose(0, 2, 3, 1)}
+  out |= {"file_logits": logits, "file_greedy": new[:, ids.shape[1] :].numpy().astype(np.int64)}
+  return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def vision_outputs(name, model):
+  """transformers' float32 logits and greedy tokens on vision_inputs(name) (needs torch)."""
+  import torch  # noqa: PLC0415 (the torch tier)
+
+  x = vision_inputs(name)
+
+  def run(tokens, pixels, greedy=False):
+    kwargs = {"input_ids": torch.tensor(tokens)}
+    if pixels is not None:
+      kwargs["pixel_values"] = torch.tensor(pixels)
+    if name == "gemma3-vision" and pixels is not None:
+      kwargs["token_type_ids"] = torch.tensor((tokens == G3V_IMAGE).astype(np.int64))
+    with torch.no_grad():
+      if greedy:
+        out = model.generate(**kwargs, max_new_tokens=VISION_NEW, do_sample=False)
+        return out.numpy()[:, tokens.shape[1] :].astype(np.int64)
+      return model(**kwargs).logits.numpy().astype(np.float32)
+
+  first = x["tokens"][:1], (x["pixels"][:2] if name == "gemma3-vision" else x["pixels"])
+  out = {"logits": run(x["tokens"], x["pixels"]), "greedy": run(*first, greedy=True)}
+  out["text_logits"] = run(x["text"], None)
+  if name == "llama4-vision":
+    out |= l4v_file_outputs(model)
+  if name == "gemma3-vision":
+    out["engine_greedy"] = run(x["engine_tokens"], np.ascontiguousarray(x["engine_pixels"].transpose(0, 3, 1, 2)), True)
+  return out
+
+
+def vision_reference_outputs(name):
+  from safetensors import numpy as safetensors_numpy  # noqa: PLC0415
+
+  return safetensors_numpy.load_file(os.path.join(VISION_REFERENCES, name, "reference.safetensors"))
+
+
+def vision_reference(name, tmp_path):
+  """(The committed outputs of vision model `name`, a copy of its HF files under tmp_path/hf)."""
+
+  source, path = os.path.join(VISION_REFERENCES, name), os.path.join(tmp_path, "hf")
+  shutil.copytree(source, path, ignore=shutil.ignore_patterns("reference.*"))
+  return vision_reference_outputs(name), path
+
+
+# FP8 block-scaled checkpoints (DeepSeek V3 style) made in numpy (ml_dtypes), apart from convert/fp8.py's reader;
+# transformers' logits on the dequantized deepseek3 reference: hf_references/fp8/deepseek3.safetensors (make_fp8.py).
+FP8_BLOCK = (8, 16)  # not square, and partial blocks (q_lora_rank 12, moe_intermediate_size 16, hidden 32)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def fp8_tokens():
+  return np.random.default_rng(0).integers(0, 64, (2, T))
+
+
+def fp8_quantize(w):
+  """w [out, in] float32 -> (float8_e4m3fn [out, in], scale_inv float32 [ceil(out/M), ceil(in/N)], the float32
+  weights they stand for)."""
+  import ml_dtypes  # noqa: PLC0415
+
+  (m, n), (out, inner) = FP8_BLOCK, w.shape
+  rows, cols = -(-out // m), -(-inner // n)
+  padded = np.zeros((rows * m, cols * n), np.float32)
+  padded[:out, :inner] = w
+  scale_inv = np.maximum(np.abs(padded.reshape(rows, m, cols, n)).max(axis=(1, 3)), np.float32(1e-12))
+  scale_inv = (scale_inv / np.float32(FP8_MAX)).astype(np.float32)
+  full = np.repeat(np.repeat(scale_inv, m, 0), n, 1)[:out, :inner]
+  q = (w / full).astype(ml_dtypes.float8_e4m3fn)
+  return q, scale_inv, q.astype(np.float32) * full
+
+
+def fp8_is_quantized(name, tensor):
+  """As DeepSeek V3 ships: the linear weights of the layers in FP8; embeddings, norms, router, head not."""
+  skip = ("norm", "embed_tokens", "lm_head", "mlp.gate.weight")
+  return name.endswith(".weight") and tensor.ndim == 2 and not any(s in name for s in skip)
+
+
+def save_safetensors_with_fp8(tensors, path):
+  """A .safetensors file that may hold float8_e4m3fn arrays (numpy's safetensors writer has no float8 type)."""
+  import struct  # noqa: PLC0415
+
+  kinds = {"float32": "F32", "float8_e4m3fn": "F8_E4M3", "bfloat16": "BF16", "int64": "I64"}
+  header, offset, blobs = {"__metadata__": {"format": "pt"}}, 0, []
+  for name in sorted(tensors):
+    data = np.ascontiguousarray(tensors[name]).tobytes()
+    header[name] = {"dtype": kinds[tensors[name].dtype.name], "shape": list(tensors[name].shape)}
+    header[name]["data_offsets"] = [offset, offset + len(data)]
+    offset += len(data)
+    blobs.append(data)
+  text = json.dumps(header, separators=(",", ":")).encode()
+  text += b" " * (-len(text) % 8)
+  with open(path, "wb") as f:
+    f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def write_fp8_checkpoint(hf_path, float_path):
+  """Rewrite hf_path's model.safetensors in FP8 with scale_inv tensors, and write the float weights they stand
+  for (same config.json, no quantization_config) to float_path; returns how many weights are FP8."""
+  from safetensors import numpy as safetensors_numpy  # noqa: PLC0415
+
+  state = safetensors_numpy.load_file(os.path.join(hf_path, "model.safetensors"))
+  stored, dequantized = {}, {}
+  for name, w in state.items():
+    if fp8_is_quantized(name, w):
+      stored[name], stored[name + "_scale_inv"], dequantized[name] = fp8_quantize(w.astype(np.float32))
+    else:
+      stored[name] = dequantized[name] = w
+  os.makedirs(float_path)
+  safetensors_numpy.save_file(dequantized, os.path.join(float_path, "model.safetensors"), metadata={"format": "pt"})
+  shutil.copy(os.path.join(hf_path, "config.json"), float_path)
+  save_safetensors_with_fp8(stored, os.path.join(hf_path, "model.safetensors"))
+  cfg = json.load(open(os.path.join(hf_path, "config.json")))
+  cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+  cfg["quantization_config"]["weight_block_size"] = list(FP8_BLOCK)
+  json.dump(cfg, open(os.path.join(hf_path, "config.json"), "w"))
+  return len(stored) - len(state)
+
+
+# Llama4Processor's ids for prompts with images of these sizes (1x1, 1x2, 2x1, 2x2 grids, two images), committed
+# in hf_references/processors/ids.json by make_processors.py.
+L4V_LAYOUTS = [[(16, 16)], [(16, 32)], [(32, 16)], [(32, 32)], [(32, 32), (16, 16)]]
+
+
+def l4v_layout_text(sizes):
+  return "describe " + " and ".join(["<|image|>"] * len(sizes)) + " this"
+
+
+def l4v_layout_key(sizes):
+  return "+".join(f"{h}x{w}" for h, w in sizes)
+
+
+def hf_layout_ids(sizes):
+  """Llama4Processor's ids for l4v_layout_text(sizes) with smooth pictures of those sizes (needs transformers)."""
+  from PIL import Image  # noqa: PLC0415
+
+  images = [Image.fromarray(picture(h, w, 0, "smooth")) for h, w in sizes]
+  return l4v_processor()(text=l4v_layout_text(sizes), images=images, return_tensors="pt")["input_ids"][0].tolist()
+
+
+def committed_ids():
+  return json.load(open(os.path.join(HF_REFERENCES, "processors", "ids.json")))
+
+
+# Gemma3Processor's ids (its "\n\n" around each image block) over the tiny vision model's tokenizer trained on
+# runs of newlines, committed in hf_references/processors/ids.json: (text, images, add_special_tokens).
+G3_TOKENIZER_TEXTS = ["What colour is this?\n\nIt is red.\n\n\nA cat\n\n\n\n", "user\nassistant\n\n"] * 16
+G3_PROMPTS = [
+  ("<s>user\n<start_of_image>What colour is this?", 1, False),
+  ("What colour is this?\n<start_of_image>\n", 1, False),
+  ("<start_of_image><start_of_image>A cat\n\n<start_of_image>", 3, False),
+  ("user\n\n<start_of_image>It is red.\n<start_of_image>What colour is this?", 2, False),
+  ("<s><start_of_image><start_of_image>What colour is this?", 2, True),
+]
+G3_SFT_MESSAGES = [
+  {"role": "user", "content": "<start_of_image>What colour is this?\n<start_of_image>"},
+  {"role": "assistant", "content": "It is red."},
+]
+
+
+def g3_prompt_key(text, n, special):
+  return f"{n}|{int(special)}|{text}"
+
+
+def gemma3_tokenizer(directory):
+  """The tiny vision model's tokenizer (tokenizer.json, tokenizer_config.json) in directory."""
+  end_to_end_script("make_tiny_vision_model").write_tokenizer(directory, G3_TOKENIZER_TEXTS)
+
+
+def gemma3_processor(directory):
+  """Gemma3Processor (16 px, 4 soft tokens an image) over gemma3_tokenizer(directory) (needs transformers)."""
+  import transformers  # noqa: PLC0415 (the torch tier)
+
+  special = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+  fast = transformers.PreTrainedTokenizerFast(
+    tokenizer_file=os.path.join(directory, "tokenizer.json"), bos_token="<s>", eos_token="<|im_end|>",
+    pad_token="<pad>", extra_special_tokens=special,
+  )  # fmt: skip
+  image_processor = transformers.Gemma3ImageProcessor(size={"height": 16, "width": 16}, do_pan_and_scan=False)
+  chatml = end_to_end_script("make_tiny_vision_model").CHATML
+  return transformers.Gemma3Processor(image_processor, fast, image_seq_length=4, chat_template=chatml)
+
+
+def g3_sft_text(directory):
+  """G3_SFT_MESSAGES rendered by the tokenizer's chat template (data/chat.py)."""
+  from MaxText.data import chat  # noqa: PLC0415
+
+  return chat.load_template(tokenizers.HuggingFaceTokenizer(directory)).render(G3_SFT_MESSAGES)
+
+
+def hf_gemma3_prompt_ids(processor, text, n, special):
+  images = [picture(5, 5, i) for i in range(n)]  # the ids depend on the number of images only
+  return [int(i) for i in processor(text=[text], images=[images], add_special_tokens=special)["input_ids"][0]]
+
+
 def layout_loss_and_grads(tiny, *mesh_args):
   """The next-token loss of a fresh model (config `tiny`, params seed 0) on a fixed batch of 8 x 16 tokens, and its
   gradients, on one CPU device (no mesh_args) or on 8 under the mesh the ici_* mesh_args give: equal across

@@ -9,25 +9,23 @@ import types
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from MaxText.data import chat, images, sft
 from MaxText.data import resize as resize_lib
 from MaxText.data.tokenizer import HuggingFaceTokenizer
 from MaxText.tests import helpers
-from MaxText.tests.conftest import TORCH_SKIP
+from MaxText.tests.conftest import HAS_TORCH
 
-pytestmark = pytest.mark.torch  # live transformers throughout
-torch = pytest.importorskip("torch", reason=TORCH_SKIP)
-tvF = pytest.importorskip("torchvision.transforms.v2.functional")
-transformers = pytest.importorskip("transformers")
-Image = pytest.importorskip("PIL.Image")
+if HAS_TORCH:  # the `torch`-marked tests' live references
+  import torch
+  import torchvision.transforms.v2.functional as tvF
+  import transformers
+
 tiny = helpers.end_to_end_script("make_tiny_vision_model")
 
-ODD = [(37, 53), (300, 201), (53, 37), (7, 30)]
-
-
-def picture(height, width, seed=0):
-  return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+ODD = helpers.ODD_SHAPES
+picture = helpers.picture
 
 
 def torch_resize(image, height, width):
@@ -36,6 +34,7 @@ def torch_resize(image, height, width):
   return out.permute(1, 2, 0).numpy()
 
 
+@pytest.mark.torch
 def test_resize_equals_torchs_uint8_kernel():
   if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") and os.uname().machine not in ("aarch64",):
     pytest.skip("torchvision resizes uint8 in float32 on this CPU (no native uint8 kernel)")
@@ -53,97 +52,119 @@ def gemma3_config(size):
   return c
 
 
-@pytest.mark.parametrize("size", [16, 896])
-@pytest.mark.parametrize("shape", ODD)
-def test_gemma3_pixels_equal_the_default_processor(size, shape):
-  image = Image.fromarray(picture(*shape))
-  kwargs = dict(size={"height": size, "width": size}, do_pan_and_scan=False)
-  want = transformers.Gemma3ImageProcessor(**kwargs)(image, return_tensors="pt")["pixel_values"][0].numpy()
-  np.testing.assert_array_equal(images.prepare(image, gemma3_config(size)).tiles[0], want.transpose(1, 2, 0))
-
-
-@pytest.mark.parametrize("size, max_tiles", [(16, 4), (336, 16)])
-@pytest.mark.parametrize("shape", ODD)
-def test_llama4_tiles_equal_the_processor(size, max_tiles, shape):
-  image = Image.fromarray(picture(*shape, seed=2))
-  processor = transformers.Llama4ImageProcessor(size={"height": size, "width": size}, max_patches=max_tiles)
-  want = processor(image, return_tensors="pt")["pixel_values"].float().numpy().transpose(0, 2, 3, 1)
+def llama4_config(size, max_tiles):
   c = types.SimpleNamespace(decoder_block="llama4", image_size_for_vit=size, max_image_tiles=max_tiles)
   c.patch_size_for_vit, c.pixel_shuffle_ratio_for_vit, c.image_token_id = 4, 0.5, 1
   c.image_start_token_id = c.image_end_token_id = c.tile_x_separator_token_id = c.tile_y_separator_token_id = 2
   c.image_global_token_id = 3
-  np.testing.assert_array_equal(images.prepare(image, c).tiles, want)
+  return c
+
+
+def our_tiles(case):
+  """data/images.py's tiles [N, H, W, C] for a helpers.PROCESSED-style case."""
+  processor, size, max_tiles, height, width, seed, style = case
+  image = Image.fromarray(picture(height, width, seed, style))
+  c = gemma3_config(size) if processor == "gemma3" else llama4_config(size, max_tiles)
+  return images.prepare(image, c).tiles
+
+
+def assert_equals_the_processor(case):
+  """Ours == the live processor's; the committed tiles (if the case has them) are the live ones: current."""
+  want = helpers.hf_processed(case)
+  np.testing.assert_array_equal(our_tiles(case), want)
+  if case in helpers.PROCESSED:
+    np.testing.assert_array_equal(helpers.committed_processed()[helpers.processed_key(case)], want)
+
+
+@pytest.fixture(scope="module")
+def committed():
+  return helpers.committed_processed()
+
+
+@pytest.mark.parametrize("case", helpers.PROCESSED, ids=helpers.processed_key)
+def test_tiles_equal_the_committed_processor_tiles(committed, case):
+  """Gemma 3 and Llama 4 tiles of odd-sized, smooth and transparent images, as the processors made them."""
+  assert sorted(committed) == sorted(map(helpers.processed_key, helpers.PROCESSED))
+  np.testing.assert_array_equal(our_tiles(case), committed[helpers.processed_key(case)])
+
+
+@pytest.mark.parametrize("size", [16, 896])
+@pytest.mark.parametrize("shape", ODD)
+@pytest.mark.torch
+def test_gemma3_pixels_equal_the_default_processor(size, shape):
+  assert_equals_the_processor(("gemma3", size, 0, *shape, 0, "random"))
+
+
+@pytest.mark.parametrize("size, max_tiles", [(16, 4), (336, 16)])
+@pytest.mark.parametrize("shape", ODD)
+@pytest.mark.torch
+def test_llama4_tiles_equal_the_processor(size, max_tiles, shape):
+  assert_equals_the_processor(("llama4", size, max_tiles, *shape, 2, "random"))
 
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory):
-  """(our tokenizer, Gemma3Processor) over the tiny vision model's tokenizer, trained on runs of newlines so
-  that "\\n" + "\\n\\n" merge into one token (as in Gemma's vocabulary)."""
+  """(our tokenizer over the tiny vision model's tokenizer, trained on runs of newlines so that "\\n" + "\\n\\n"
+  merge into one token (as in Gemma's vocabulary), its directory)."""
   directory = str(tmp_path_factory.mktemp("gemma3tok"))
-  texts = ["What colour is this?\n\nIt is red.\n\n\nA cat\n\n\n\n", "user\nassistant\n\n"] * 16
-  tiny.write_tokenizer(directory, texts)
-  special = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
-  fast = transformers.PreTrainedTokenizerFast(
-    tokenizer_file=os.path.join(directory, "tokenizer.json"), bos_token="<s>", eos_token="<|im_end|>",
-    pad_token="<pad>", extra_special_tokens=special,
-  )  # fmt: skip
-  image_processor = transformers.Gemma3ImageProcessor(size={"height": 16, "width": 16}, do_pan_and_scan=False)
-  processor = transformers.Gemma3Processor(image_processor, fast, image_seq_length=4, chat_template=tiny.CHATML)
-  return HuggingFaceTokenizer(directory), processor
+  helpers.gemma3_tokenizer(directory)
+  return HuggingFaceTokenizer(directory), directory
+
+
+def processors_ids(text, n, special=False):
+  """Gemma3Processor's ids for text with n images (committed by hf_references/make_processors.py)."""
+  return helpers.committed_ids()["gemma3-prompts"][helpers.g3_prompt_key(text, n, special)]
 
 
 def ours(text, n, c, tok):
   return images.expand(tok.encode(images.processor_text(text, n, c, tok)[0]), n, c, "prompt 0")
 
 
-@pytest.mark.parametrize(
-  "text, n",
-  [
-    ("<s>user\n<start_of_image>What colour is this?", 1),
-    ("What colour is this?\n<start_of_image>\n", 1),
-    ("<start_of_image><start_of_image>A cat\n\n<start_of_image>", 3),
-    ("user\n\n<start_of_image>It is red.\n<start_of_image>What colour is this?", 2),
-  ],
-)
+@pytest.mark.torch
+def test_the_committed_gemma3_prompt_ids_are_the_processors(gemma3):
+  """Every committed prompt's ids, the SFT row's included, are a live Gemma3Processor's."""
+  _, directory = gemma3
+  processor = helpers.gemma3_processor(directory)
+  for text, n, special in [*helpers.G3_PROMPTS, (helpers.g3_sft_text(directory), 2, False)]:
+    assert processors_ids(text, n, special) == helpers.hf_gemma3_prompt_ids(processor, text, n, special), text
+
+
+@pytest.mark.parametrize("text, n", [(text, n) for text, n, special in helpers.G3_PROMPTS if not special])
 def test_gemma3_prompt_ids_equal_the_processors(gemma3, text, n):
-  tok, processor = gemma3
-  pictures = [Image.fromarray(picture(37, 53, i)) for i in range(n)]
-  want = processor(text=[text], images=[pictures], add_special_tokens=False)["input_ids"][0]
+  tok, _ = gemma3
   got = ours(text, n, gemma3_config(16), tok)
-  assert got == list(want)
+  assert got == processors_ids(text, n)
   assert got.count(tiny.BOI) == n and got != images.expand(tok.encode(text), n, gemma3_config(16))  # "\n\n" added
 
 
 def test_a_gemma3_prompt_without_a_marker_gets_the_images_first(gemma3):
-  tok, processor = gemma3
+  tok, _ = gemma3
   text = "<s>What colour is this?"
   c = gemma3_config(16)
   assert images.processor_text(text, 2, c, tok)[0] == "<s>" + "\n\n<start_of_image>\n\n" * 2 + "What colour is this?"
-  want = processor(text=["<s><start_of_image><start_of_image>What colour is this?"], images=[[picture(5, 5)] * 2])
-  assert ours(text, 2, c, tok) == list(want["input_ids"][0])
+  assert ours(text, 2, c, tok) == processors_ids("<s><start_of_image><start_of_image>What colour is this?", 2, True)
   assert images.processor_text(text, 0, c, tok)[0] == text  # no image: the text as it is
 
 
 def test_gemma3_sft_rows_equal_the_processors_ids_and_mask_the_reply(gemma3, tmp_path):
-  tok, processor = gemma3
+  tok, directory = gemma3
   files = []
   for i in range(2):
     files.append(str(tmp_path / f"{i}.png"))
     Image.fromarray(picture(37, 53, i)).save(files[-1])
-  user = {"role": "user", "content": "<start_of_image>What colour is this?\n<start_of_image>"}
-  messages = [user, {"role": "assistant", "content": "It is red."}]
+  messages = helpers.G3_SFT_MESSAGES
   c = gemma3_config(16)
   c.sft_messages_column, c.sft_prompt_column, c.sft_completion_column = "messages", "prompt", "completion"
   c.sft_train_on_completion_only, c.max_target_length, c.sft_images_column = True, 128, "images"
   template = chat.load_template(tok)  # the tokenizer_config.json chat template (ChatML)
   examples = sft.encode(c, tok, template, iter([("row 0", {"messages": messages, "images": files})]), "rows")
-  text = template.render(messages)
-  want = processor(text=[text], images=[[Image.open(f) for f in files]], add_special_tokens=False)["input_ids"][0]
-  np.testing.assert_array_equal(examples.tokens, want)
+  assert template.render(messages) == helpers.g3_sft_text(directory)
+  np.testing.assert_array_equal(examples.tokens, processors_ids(template.render(messages), 2))
   reply = examples.tokens[examples.loss_mask.astype(bool)]  # the reply and the template's end of turn
   assert tok.decode(reply) == "It is red.\n" and tok.token_text(int(reply[-2])) == "<|im_end|>"
 
 
+@pytest.mark.torch
 def test_llama4_prompts_are_unchanged_and_equal_the_processors(tmp_path):
   from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: PLC0415
 

@@ -10,32 +10,33 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from PIL import Image
 
 from MaxText import config, decode
+from MaxText.convert import hf_to_maxtext
 from MaxText.data import images as images_lib
 from MaxText.errors import ConfigError, DataError
 from MaxText.inference import Engine
-from MaxText.tests.conftest import TORCH_SKIP
-from MaxText.tests.helpers import L4V_IMAGE_TOKEN, convert_llama4_vision, load_converted, make_tokenizer
+from MaxText.tests import helpers
+from MaxText.tests.conftest import HAS_TORCH
+from MaxText.tests.helpers import L4V_IMAGE_TOKEN, load_converted, make_tokenizer
 
-pytestmark = pytest.mark.torch  # live transformers throughout
-torch = pytest.importorskip("torch", reason=TORCH_SKIP)
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("torchvision")  # Llama4ImageProcessor's backend
-Image = pytest.importorskip("PIL.Image")
+if HAS_TORCH:  # the `torch`-marked tests' live references
+  import transformers
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-  """(HF model, its HF directory, the MaxText model converted from it, the MaxText directory)."""
-  return convert_llama4_vision(tmp_path_factory.mktemp("l4v"))
+  """Our directory converted from the committed tiny Llama4ForConditionalGeneration (hf_references/vision/)."""
+  tmp = tmp_path_factory.mktemp("l4v")
+  _, hf_path = helpers.vision_reference("llama4-vision", tmp)
+  hf_to_maxtext.convert(hf_path, os.path.join(tmp, "mt"), scan_layers=True)
+  return os.path.join(tmp, "mt")
 
 
 S, MAX_TILES = 16, 4  # the tiny tower's 16 px tiles (4 px patches -> 4 soft tokens per tile), at most 2 x 2
 # The tiny tokenizer's ids (the tiny model's vocabulary is 64; 63 is its image_token_index, <|patch|>)
-VOCAB = {"[UNK]": 0, "describe": 5, "the": 6, "image": 7, "and": 8, "this": 9}
-SPECIAL = {"<|image_start|>": 50, "<|image_end|>": 51, "<|tile_x_separator|>": 52, "<|tile_y_separator|>": 53}
-SPECIAL |= {"<|image|>": 54, "<|patch|>": L4V_IMAGE_TOKEN}
+VOCAB, SPECIAL = helpers.L4V_VOCAB, helpers.L4V_SPECIAL
 IDS = [f"image_start_token_id={SPECIAL['<|image_start|>']}", f"image_end_token_id={SPECIAL['<|image_end|>']}"]
 IDS += [f"tile_x_separator_token_id={SPECIAL['<|tile_x_separator|>']}", f"max_image_tiles={MAX_TILES}"]
 IDS += [f"tile_y_separator_token_id={SPECIAL['<|tile_y_separator|>']}", f"image_global_token_id={SPECIAL['<|image|>']}"]
@@ -52,41 +53,44 @@ def tiny_config(**overrides):
 
 def picture(height, width, seed=0):
   """A smooth uint8 RGB image (photo-like: resizers agree on most pixels)."""
-  y, x = np.mgrid[0:height, 0:width]
-  phase = np.random.default_rng(seed).uniform(0, 6, 3)
-  return np.stack([127 + 120 * np.sin(x / 3 + p) * np.cos(y / 5 - p) for p in phase], -1).astype(np.uint8)
+  return helpers.picture(height, width, seed, "smooth")
+
+
+def assert_committed(case, want):
+  """The committed tiles of a helpers.PROCESSED case (image_processors_test compares ours with them) are the
+  live processor's: current."""
+  assert case in helpers.PROCESSED
+  np.testing.assert_array_equal(helpers.committed_processed()[helpers.processed_key(case)], want)
 
 
 def hf_image_processor(size=S, max_patches=MAX_TILES):
   return transformers.Llama4ImageProcessor(size={"height": size, "width": size}, max_patches=max_patches)
 
 
-@pytest.fixture(scope="module")
-def processor():
-  """Llama4Processor around a word-level tokenizer holding Llama 4's image tokens (no network)."""
-  from tokenizers import Tokenizer, models, pre_tokenizers
+TILE_CASES = [
+  ((16, 16), (16, 16), 4, (1, 1)),  # one tile, no global tile
+  ((16, 32), (16, 16), 4, (1, 2)),
+  ((32, 16), (16, 16), 4, (2, 1)),
+  ((7, 30), (16, 16), 4, (1, 2)),  # upscaled to the tile size only, padded
+  ((20, 13), (16, 16), 4, (2, 1)),  # downscaled
+  ((33, 17), (16, 16), 4, (2, 2)),  # the least upscaling (x 0.94 on 2 x 1 would downscale)
+  ((50, 50), (16, 16), 4, (2, 2)),
+  ((300, 500), (336, 336), 16, (1, 2)),  # Scout's processor
+  ((1000, 800), (336, 336), 16, (3, 3)),
+]
 
-  tok = Tokenizer(models.WordLevel(VOCAB | SPECIAL, unk_token="[UNK]"))
-  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-  tok.add_special_tokens(list(SPECIAL))
-  fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
-  return transformers.Llama4Processor(hf_image_processor(), fast, patch_size=4, pixel_shuffle_ratio=0.5)
+
+@pytest.mark.parametrize("size, shape, max_patches, grid", TILE_CASES)
+def test_best_grid_is_the_least_resizing_one(size, shape, max_patches, grid):
+  """The processor's grids (checked live below): the one needing the least resizing, upscaling preferred."""
+  assert images_lib.best_grid(*size, max_patches, shape[0]) == grid
+  c = tiny_config(image_size_for_vit=shape[0], max_image_tiles=max_patches)
+  tiles = images_lib.prepare(Image.fromarray(picture(*size)), c).tiles
+  assert tiles.shape == (images_lib.num_tiles(grid), *shape, 3)
 
 
-@pytest.mark.parametrize(
-  "size, shape, max_patches, grid",
-  [
-    ((16, 16), (16, 16), 4, (1, 1)),  # one tile, no global tile
-    ((16, 32), (16, 16), 4, (1, 2)),
-    ((32, 16), (16, 16), 4, (2, 1)),
-    ((7, 30), (16, 16), 4, (1, 2)),  # upscaled to the tile size only, padded
-    ((20, 13), (16, 16), 4, (2, 1)),  # downscaled
-    ((33, 17), (16, 16), 4, (2, 2)),  # the least upscaling (x 0.94 on 2 x 1 would downscale)
-    ((50, 50), (16, 16), 4, (2, 2)),
-    ((300, 500), (336, 336), 16, (1, 2)),  # Scout's processor
-    ((1000, 800), (336, 336), 16, (3, 3)),
-  ],
-)
+@pytest.mark.parametrize("size, shape, max_patches, grid", TILE_CASES)
+@pytest.mark.torch
 def test_llama4_tiles_match_the_image_processor(size, shape, max_patches, grid):
   image = Image.fromarray(picture(*size))
   ref = hf_image_processor(shape[0], max_patches)(image, return_tensors="pt")
@@ -96,21 +100,27 @@ def test_llama4_tiles_match_the_image_processor(size, shape, max_patches, grid):
   assert images_lib.best_grid(*size, max_patches, shape[0]) == grid == tuple(ref["aspect_ratios"][0].tolist())
   assert got.tiles.shape == want.shape == (images_lib.num_tiles(grid), *shape, 3)
   np.testing.assert_array_equal(got.tiles, want)  # torchvision's resize (data/resize.py), bfloat16 normalisation
+  if shape[0] == S:
+    assert_committed(("llama4", S, max_patches, *size, 0, "smooth"), want)
 
 
+@pytest.mark.torch
 def test_transparency_is_composited_onto_white_as_the_processors_do():
   rgba = np.concatenate([picture(16, 32), np.tile(np.arange(0, 256, 8, dtype=np.uint8), (16, 1))[..., None]], -1)
   image = Image.fromarray(rgba)  # alpha from 0 (left) to 248 (right)
   want = hf_image_processor()(image, return_tensors="pt")["pixel_values"].float().numpy().transpose(0, 2, 3, 1)
   np.testing.assert_array_equal(images_lib.prepare(image, tiny_config()).tiles, want)
+  assert_committed(("llama4", S, MAX_TILES, 16, 32, 0, "smooth-alpha"), want)
   c = types.SimpleNamespace(decoder_block="gemma3", image_size_for_vit=32, mm_tokens_per_image=4)
   c.image_start_token_id, c.image_token_id, c.image_end_token_id = 1, 2, 3
   kwargs = dict(size={"height": 32, "width": 32}, do_pan_and_scan=False)
   tv = transformers.Gemma3ImageProcessor(**kwargs)(image, return_tensors="pt")["pixel_values"][0].numpy()
   np.testing.assert_array_equal(images_lib.prepare(rgba, c).tiles[0], tv.transpose(1, 2, 0))
+  assert_committed(("gemma3", 32, 0, 16, 32, 0, "smooth-alpha"), tv.transpose(1, 2, 0)[None])
 
 
 @pytest.mark.parametrize("size", [(16, 16), (20, 13), (40, 64)])
+@pytest.mark.torch
 def test_gemma3_pixels_match_the_image_processors(size):
   image = Image.fromarray(picture(*size, seed=1))
   c = types.SimpleNamespace(decoder_block="gemma3", image_size_for_vit=S, mm_tokens_per_image=4)
@@ -119,17 +129,25 @@ def test_gemma3_pixels_match_the_image_processors(size):
   kwargs = dict(size={"height": S, "width": S}, do_pan_and_scan=False)
   tv = transformers.Gemma3ImageProcessor(**kwargs)(image, return_tensors="pt")["pixel_values"][0].numpy()
   np.testing.assert_array_equal(ours, tv.transpose(1, 2, 0))  # the default (torchvision) processor: exact
+  assert_committed(("gemma3", S, 0, *size, 1, "smooth"), tv.transpose(1, 2, 0)[None])
   pil = transformers.Gemma3ImageProcessorPil(**kwargs)(image, return_tensors="np")["pixel_values"][0]
   diff = np.abs(ours - pil.transpose(1, 2, 0))  # Pillow's resize (the "pil" backend): one level of 255
   assert diff.max() <= 2 / 255 + 1e-6
 
 
-@pytest.mark.parametrize("sizes", [[(16, 16)], [(16, 32)], [(32, 16)], [(32, 32)], [(32, 32), (16, 16)]])
-def test_token_layout_matches_llama4_processor(processor, sizes):
-  """1x1, 1x2, 2x1 and 2x2 grids, and two images in one prompt: our expanded ids == the processor's."""
+@pytest.mark.parametrize("sizes", helpers.L4V_LAYOUTS, ids=helpers.l4v_layout_key)
+@pytest.mark.torch
+def test_the_committed_token_layouts_are_llama4_processors(sizes):
+  assert helpers.committed_ids()["llama4-layout"][helpers.l4v_layout_key(sizes)] == helpers.hf_layout_ids(sizes)
+
+
+@pytest.mark.parametrize("sizes", helpers.L4V_LAYOUTS, ids=helpers.l4v_layout_key)
+def test_token_layout_matches_llama4_processor(sizes):
+  """1x1, 1x2, 2x1 and 2x2 grids, and two images in one prompt: our expanded ids == the processor's
+  (committed, checked live above)."""
   images = [Image.fromarray(picture(*s)) for s in sizes]
-  text = "describe " + " and ".join(["<|image|>"] * len(images)) + " this"
-  want = processor(text=text, images=images, return_tensors="pt")["input_ids"][0].tolist()
+  text = helpers.l4v_layout_text(sizes)
+  want = helpers.committed_ids()["llama4-layout"][helpers.l4v_layout_key(sizes)]
   c = tiny_config()
   ids = [VOCAB.get(w, SPECIAL.get(w)) for w in text.split()]
   got = images_lib.expand(ids, [images_lib.prepare(im, c).tokens for im in images], c, "prompt 0")
@@ -144,11 +162,11 @@ def test_token_layout_matches_llama4_processor(processor, sizes):
 
 @pytest.fixture(scope="module")
 def tiny(converted, tmp_path_factory):
-  """(HF model, our converted directory, an image file whose tiles need no resizing but the global tile's 2:1)."""
-  model, _, _, out = converted
+  """(Our converted directory, an image file whose tiles need no resizing but the global tile's 2:1)."""
+  out = converted
   path = str(tmp_path_factory.mktemp("img") / "cat.png")
   Image.fromarray(picture(32, 16, seed=3)).save(path)
-  return model, out, path
+  return out, path
 
 
 def our_config(out, *overrides):
@@ -156,24 +174,21 @@ def our_config(out, *overrides):
   return config.load([*args, *IDS, "max_prefill_predict_length=48", "max_target_length=64", *overrides], {})
 
 
-def test_image_file_to_logits_and_engine_tokens_match_hugging_face(processor, tiny):
-  """image file -> HF's processor -> HF's model, and image file -> our pipeline -> our model: the same ids,
+def test_image_file_to_logits_and_engine_tokens_match_hugging_face(tiny):
+  """image file -> HF's processor -> HF's model (committed: hf_references/vision/llama4-vision, checked against
+  a live run in llama4_vision_test's torch tier), and image file -> our pipeline -> our model: the same ids,
   pixels and logits; the Engine's prefill + KV-cache decode gives HF's greedy tokens and our own cache-free
   forwards' tokens."""
-  model, out, path = tiny
-  inputs = processor(text="describe <|image|> the image", images=[Image.open(path)], return_tensors="pt")
-  hf_ids, hf_pixels = inputs["input_ids"], inputs["pixel_values"].float()
-  with torch.no_grad():
-    ref = model(input_ids=hf_ids, pixel_values=hf_pixels).logits.numpy()
-    hf_new = model.generate(input_ids=hf_ids, pixel_values=hf_pixels, max_new_tokens=8, do_sample=False)
-  hf_new = hf_new[0, hf_ids.shape[1] :].numpy()
+  out, path = tiny
+  hf = helpers.vision_reference_outputs("llama4-vision")
+  hf_ids, ref, hf_new = hf["file_ids"], hf["file_logits"], hf["file_greedy"][0]
 
   c = our_config(out, "decode_sampling_strategy=greedy")
   prompt = [5, SPECIAL["<|image|>"], 6, 7]
   prepared = images_lib.prepare(path, c, "prompt 0")
   ids = images_lib.expand(prompt, [prepared.tokens], c, "prompt 0")
   assert ids == hf_ids[0].tolist() and prepared.tiles.shape == (3, S, S, 3)  # 2 x 1 tiles + the global one
-  np.testing.assert_array_equal(prepared.tiles, hf_pixels.numpy().transpose(0, 2, 3, 1))
+  np.testing.assert_array_equal(prepared.tiles, hf["file_pixels"])
   ours = load_converted(out, *IDS)
   images, t = jnp.asarray(prepared.tiles[None]), len(ids)
   n = t + 8  # full forwards of the prompt padded to t + 8 (causal: the padding changes nothing before it)
@@ -190,7 +205,7 @@ def test_image_file_to_logits_and_engine_tokens_match_hugging_face(processor, ti
 
 
 def test_decode_with_image_path(tiny, capsys):
-  _, out, path = tiny
+  out, path = tiny
   args = [os.path.join(out, "config.yml"), "run_name=d", f"load_parameters_path={out}/params", *IDS]
   args += [f"image_path={path}", "prompt=1+1", "decode_max_new_tokens=4", "max_prefill_predict_length=48"]
   decode.main(["decode.py", *args, "max_target_length=64"])  # byte tokens fit the vocabulary of 64

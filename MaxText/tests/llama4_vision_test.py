@@ -1,5 +1,6 @@
-"""Llama 4's vision tower against Hugging Face (a tiny random Llama4ForConditionalGeneration, PyTorch CPU):
-image+text logits and 16 greedy tokens, the vision tensors' bit-exact round trip, text-only use."""
+"""Llama 4's vision tower against Hugging Face (a tiny random Llama4ForConditionalGeneration, committed with
+transformers' outputs under hf_references/vision/): image+text logits and 16 greedy tokens, the vision tensors'
+bit-exact round trip, text-only use; the `torch` tier checks the committed files against a live build."""
 
 import json
 import os
@@ -11,48 +12,41 @@ import pytest
 
 from MaxText import config
 from MaxText import flops as flops_lib
+from MaxText.convert import hf_to_maxtext, maxtext_to_hf
 from MaxText.layers.model_config import ModelConfig
 from MaxText.models.llama4 import vision as llama4_vision
-from MaxText.tests.conftest import TORCH_SKIP
-from MaxText.tests.helpers import (
-  L4V_IMAGE_TOKEN,
-  assert_export_is_exact,
-  convert_llama4_vision,
-  hf_keys,
-  load_converted,
-)
+from MaxText.tests import helpers
+from MaxText.tests.helpers import L4V_IMAGE_TOKEN, assert_export_is_exact, hf_keys, load_converted
 
-pytestmark = pytest.mark.torch  # live transformers throughout
-torch = pytest.importorskip("torch", reason=TORCH_SKIP)
-transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
+REGENERATE = "regenerate with python3 MaxText/tests/hf_references/make_vision.py (after TEST=1 TORCH=1 bash setup.sh)"
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-  """(HF model, its HF directory, the MaxText model converted from it, the MaxText directory)."""
-  return convert_llama4_vision(tmp_path_factory.mktemp("l4v"))
+  """(transformers' committed outputs, the committed HF directory's copy, the MaxText model converted from it,
+  the MaxText directory)."""
+  tmp = tmp_path_factory.mktemp("l4v")
+  ref, hf_path = helpers.vision_reference("llama4-vision", tmp)
+  out = os.path.join(tmp, "mt")
+  hf_to_maxtext.convert(hf_path, out, scan_layers=True)
+  return ref, hf_path, load_converted(out), out
 
 
-def prompt(batch_images: int) -> np.ndarray:
-  """Text, <|image_start|>-like text token, 4 placeholders per tile, more text (one row)."""
-  rng = np.random.default_rng(1)
-  head, tail = rng.integers(0, 60, 3), rng.integers(0, 60, 4)
-  return np.concatenate([head, np.full(4 * batch_images, L4V_IMAGE_TOKEN), tail])[None]
+@pytest.mark.torch
+def test_committed_reference_is_a_live_transformers_build():
+  """hf_references/vision/llama4-vision: a live Llama4ForConditionalGeneration build gives the same tensors,
+  logits and greedy tokens (a stale reference fails here)."""
+  from MaxText.tests.hf_references import make_vision  # noqa: PLC0415 (imports torch)
+
+  assert make_vision.check("llama4-vision") == [], REGENERATE
 
 
 def test_image_text_logits_and_greedy_tokens_match_hugging_face(converted):
-  model, _, ours, _ = converted
-  pixels = np.random.default_rng(2).standard_normal((2, 3, 16, 16)).astype(np.float32)  # two tiles, NCHW
-  tokens = prompt(2)
-  with torch.no_grad():
-    ref = model(input_ids=torch.tensor(tokens), pixel_values=torch.tensor(pixels)).logits.numpy()
+  hf, _, ours, _ = converted
+  x = helpers.vision_inputs("llama4-vision")
+  pixels, tokens, ref, hf_out = x["pixels"], x["tokens"], hf["logits"], hf["greedy"][0]  # two tiles, NCHW
   images = jnp.asarray(pixels.transpose(0, 2, 3, 1)[None])  # [B=1, N=2, H, W, C]
   t = tokens.shape[1]
-  with torch.no_grad():
-    hf_out = model.generate(
-      input_ids=torch.tensor(tokens), pixel_values=torch.tensor(pixels), max_new_tokens=16, do_sample=False
-    )[0, t:].numpy()
   # The prompt right-padded to t + 16 (causal: the padding changes nothing before it), one compile; the
   # first call's logits are the prompt's, then 16 greedy tokens recomputing the whole sequence each step.
   seq = jnp.zeros((1, t + 16), jnp.int32).at[:, :t].set(jnp.asarray(tokens))
@@ -70,6 +64,17 @@ def test_round_trip_to_hugging_face_is_bit_exact(converted, tmp_path):
   c = config.load([os.path.join(out, "config.yml"), "run_name=t", f"load_parameters_path={out}/params"], {})
   assert c.use_multimodal and c.image_token_id == L4V_IMAGE_TOKEN and c.num_hidden_layers_for_vit == 2
   assert_export_is_exact(c, hf_path, back)
+  assert hf_keys(json.load(open(f"{back}/config.json"))) == hf_keys(json.load(open(f"{hf_path}/config.json")))
+
+
+@pytest.mark.torch
+def test_the_export_reloads_in_transformers(converted, tmp_path):
+  import transformers  # noqa: PLC0415 (the torch tier)
+
+  _, hf_path, _, out = converted
+  c = config.load([os.path.join(out, "config.yml"), "run_name=t", f"load_parameters_path={out}/params"], {})
+  back = os.path.join(tmp_path, "back")
+  maxtext_to_hf.convert(c, back)
   reloaded = transformers.Llama4ForConditionalGeneration.from_pretrained(back)
   assert hf_keys(reloaded.config.to_dict()) == hf_keys(json.load(open(f"{hf_path}/config.json")))
 
@@ -77,10 +82,8 @@ def test_round_trip_to_hugging_face_is_bit_exact(converted, tmp_path):
 def test_text_only_use_of_the_multimodal_model(converted):
   """No images: the text model alone (logits as HF's with input_ids only); the converted checkpoint loads
   with use_multimodal=false (its vision tensors unread) and then refuses images."""
-  model, _, ours, out = converted
-  tokens = np.random.default_rng(3).integers(0, 60, (1, 9))
-  with torch.no_grad():
-    ref = model(input_ids=torch.tensor(tokens)).logits.numpy()
+  hf, _, ours, out = converted
+  tokens, ref = helpers.vision_inputs("llama4-vision")["text"], hf["text_logits"]
   pos, seg = jnp.arange(9)[None], jnp.ones((1, 9), jnp.int32)
   np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens), pos, seg)), ref, rtol=2e-5, atol=2e-5)
   text_only = load_converted(out, "use_multimodal=false")
@@ -90,15 +93,17 @@ def test_text_only_use_of_the_multimodal_model(converted):
     text_only.forward(jnp.asarray(tokens), pos, seg, images=jnp.zeros((1, 1, 16, 16, 3)))
 
 
+# transformers' pixel_shuffle(arange(32).reshape(1, 16, 2), 0.5): each 2 x 2 block's channels, row by row.
+PIXEL_SHUFFLED = [[[0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15], [16, 17, 18, 19, 24, 25, 26, 27]]]
+PIXEL_SHUFFLED[0].append([20, 21, 22, 23, 28, 29, 30, 31])
+
+
 def test_pixel_shuffle_and_rope_layout():
   """Pixel shuffle folds 2 x 2 neighbours into channels; rope: columns then rows, from 1, class token 0."""
   x = jnp.arange(16 * 2, dtype=jnp.float32).reshape(1, 16, 2)  # a 4 x 4 grid, 2 channels
   y = llama4_vision.pixel_shuffle(x, 0.5)
   assert y.shape == (1, 4, 8)
-  with torch.no_grad():
-    from transformers.models.llama4.modeling_llama4 import pixel_shuffle
-
-    np.testing.assert_array_equal(np.asarray(y), pixel_shuffle(torch.tensor(np.asarray(x)), 0.5).numpy())
+  np.testing.assert_array_equal(np.asarray(y), PIXEL_SHUFFLED)
   angles = llama4_vision.rope_angles(4, 8, 10000.0)
   assert angles.shape == (17, 4) and not angles[-1].any()
   np.testing.assert_allclose(angles[5], [2.0, 2.0 * 0.01, 2.0, 2.0 * 0.01], rtol=1e-6)  # row 1, column 1

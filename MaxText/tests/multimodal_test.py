@@ -1,5 +1,6 @@
-"""Gemma 3 with images (use_multimodal) against transformers' Gemma3ForConditionalGeneration: a tiny random
-model converted both ways (bit-exact), float32 logits of an image+text prompt, 16 greedy tokens (full forwards,
+"""Gemma 3 with images (use_multimodal) against transformers' Gemma3ForConditionalGeneration (a tiny random
+model committed with its outputs under hf_references/vision/; the `torch` tier checks them against a live
+build): converted both ways (bit-exact), float32 logits of an image+text prompt, 16 greedy tokens (full forwards,
 and the Engine's KV-cache decode); decode.py with image_path; text-only use of the converted checkpoint; the
 image helpers' errors."""
 
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from PIL import Image
 
 from MaxText import checkpointing, config, decode, models, planner
 from MaxText.convert import hf_to_maxtext
@@ -18,41 +20,21 @@ from MaxText.data import images as images_lib
 from MaxText.errors import DataError
 from MaxText.inference import Engine
 from MaxText.layers import vision
-from MaxText.tests.conftest import TORCH_SKIP
+from MaxText.tests import helpers
 from MaxText.tests.helpers import assert_export_is_exact, make_tokenizer
 
-pytestmark = pytest.mark.torch  # live transformers throughout
-torch = pytest.importorskip("torch", reason=TORCH_SKIP)
-transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
-Image = pytest.importorskip("PIL.Image")
-
-TEXT = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-TEXT |= dict(vocab_size=64, head_dim=8, sliding_window=4, query_pre_attn_scalar=6)
-VISION = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2, image_size=16)
-VISION |= dict(patch_size=4, vision_use_head=False)
-IMAGE, BOI, EOI = 60, 58, 59
-NEW = 16
+IMAGE, BOI, EOI, NEW = helpers.G3V_IMAGE, helpers.G3V_BOI, helpers.G3V_EOI, helpers.VISION_NEW
+REGENERATE = "regenerate with python3 MaxText/tests/hf_references/make_vision.py (after TEST=1 TORCH=1 bash setup.sh)"
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-  """(HF model, its directory, our converted directory): random norms, biases and projector."""
+  """(transformers' committed outputs, the committed HF directory's copy, our converted directory)."""
   tmp = tmp_path_factory.mktemp("gemma3mm")
-  torch.manual_seed(0)
-  cfg = transformers.Gemma3Config(
-    text_config=TEXT, vision_config=VISION, mm_tokens_per_image=4, image_token_index=IMAGE,
-    boi_token_index=BOI, eoi_token_index=EOI,
-  )  # fmt: skip
-  model = transformers.Gemma3ForConditionalGeneration(cfg).float().eval()
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if "norm" in name or name.endswith("bias") or "mm_input_projection" in name:
-        p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "layer_norm" in name and name.endswith("weight") else 0.0))
-  hf_path, out = str(tmp / "hf"), str(tmp / "mt")
-  model.save_pretrained(hf_path)
+  ref, hf_path = helpers.vision_reference("gemma3-vision", tmp)
+  out = str(tmp / "mt")
   hf_to_maxtext.convert(hf_path, out, scan_layers=True)
-  return model, hf_path, out
+  return ref, hf_path, out
 
 
 def load(out_dir, *overrides):
@@ -61,19 +43,13 @@ def load(out_dir, *overrides):
   return c, nnx.merge(graphdef, checkpointing.load_params(os.path.join(out_dir, "params"), abstract))
 
 
-def prompt(rng):
-  """Two rows: text, an image (boi, 4 placeholders, eoi), text, a second image, text."""
-  image = [BOI] + [IMAGE] * 4 + [EOI]
-  return np.asarray([list(rng.integers(1, 50, 3)) + image + list(rng.integers(1, 50, 2)) + image + [7] for _ in "ab"])
+@pytest.mark.torch
+def test_committed_reference_is_a_live_transformers_build():
+  """hf_references/vision/gemma3-vision: a live Gemma3ForConditionalGeneration build gives the same tensors,
+  logits and greedy tokens (a stale reference fails here)."""
+  from MaxText.tests.hf_references import make_vision  # noqa: PLC0415 (imports torch)
 
-
-def hf_greedy(model, tokens, pixels):
-  with torch.no_grad():
-    out = model.generate(
-      input_ids=torch.tensor(tokens), pixel_values=torch.tensor(pixels),
-      token_type_ids=torch.tensor((tokens == IMAGE).astype(np.int64)), max_new_tokens=NEW, do_sample=False,
-    )  # fmt: skip
-  return out.numpy()[:, tokens.shape[1] :]
+  assert make_vision.check("gemma3-vision") == [], REGENERATE
 
 
 def test_image_blocks_and_expand():
@@ -100,15 +76,9 @@ def test_load_errors_name_the_file(tmp_path):
 
 
 def test_logits_and_greedy_tokens_match_hugging_face(converted):
-  model, _, out = converted
-  rng = np.random.default_rng(0)
-  tokens = prompt(rng)
-  pixels = rng.uniform(-1, 1, (4, 3, 16, 16)).astype(np.float32)  # two images per row, channels first
-  with torch.no_grad():
-    ref = model(
-      input_ids=torch.tensor(tokens), pixel_values=torch.tensor(pixels),
-      token_type_ids=torch.tensor((tokens == IMAGE).astype(np.int64)),
-    ).logits.numpy()  # fmt: skip
+  hf, _, out = converted
+  x = helpers.vision_inputs("gemma3-vision")
+  tokens, pixels, ref = x["tokens"], x["pixels"], hf["logits"]  # two images per row, channels first
   _, ours = load(out)
   images = jnp.asarray(pixels.transpose(0, 2, 3, 1).reshape(2, 2, 16, 16, 3))
   b, t = tokens.shape
@@ -132,15 +102,15 @@ def test_logits_and_greedy_tokens_match_hugging_face(converted):
   seq = jnp.zeros((1, n), jnp.int32).at[:, :t].set(tokens[:1])
   for i in range(t - 1, n - 1):
     seq = step(state, seq, i)
-  np.testing.assert_array_equal(np.asarray(seq[0, t:]), hf_greedy(model, tokens[:1], pixels[:2])[0])
+  np.testing.assert_array_equal(np.asarray(seq[0, t:]), hf["greedy"][0])
 
 
 def test_engine_and_decode_with_images(converted, tmp_path, capsys):
   """The Engine's prefill (bidirectional image blocks over the KV cache) and decode steps give transformers'
   greedy tokens; the prompt's <start_of_image> markers become whole image blocks; decode.py reads image_path."""
-  model, _, out = converted
-  rng = np.random.default_rng(1)
-  pixels = rng.integers(0, 256, (2, 16, 16, 3)).astype(np.uint8)
+  hf, _, out = converted
+  x = helpers.vision_inputs("gemma3-vision")
+  pixels = np.random.default_rng(1).integers(0, 256, (2, 16, 16, 3)).astype(np.uint8)
   files = []
   for i, p in enumerate(pixels):
     files.append(str(tmp_path / f"cat{i}.png"))
@@ -153,9 +123,10 @@ def test_engine_and_decode_with_images(converted, tmp_path, capsys):
   engine = Engine.load(c, tokenizer=None)
   ids = [3, 4, BOI, 5, BOI, 6]
   got = engine.generate([ids], NEW, images=[files], stop_tokens=[]).completions[0].tokens
-  expanded = np.asarray([images_lib.expand(ids, 2, c)])
-  hf_pixels = np.stack([images_lib.load(f, 16) for f in files]).transpose(0, 3, 1, 2)
-  np.testing.assert_array_equal(got, hf_greedy(model, expanded, hf_pixels)[0])
+  # The reference's inputs are these ids and files, as data/images.py expands and loads them.
+  np.testing.assert_array_equal([images_lib.expand(ids, 2, c)], x["engine_tokens"])
+  np.testing.assert_array_equal(np.stack([images_lib.load(f, 16) for f in files]), x["engine_pixels"])
+  np.testing.assert_array_equal(got, hf["engine_greedy"][0])
 
   with pytest.raises(DataError, match=r"1 image\(s\) but 2 image markers \(token 58\) \(prompt 0\)"):
     engine.generate([ids], 2, images=[files[:1]])
@@ -176,16 +147,14 @@ def test_engine_and_decode_with_images(converted, tmp_path, capsys):
 
 
 def test_round_trip_is_exact_and_text_only_use_works(converted, tmp_path):
-  model, hf_path, out = converted
+  hf, hf_path, out = converted
   back = str(tmp_path / "back")
   c = config.load([os.path.join(out, "config.yml"), "run_name=t", f"load_parameters_path={out}/params"], {})
   assert_export_is_exact(c, hf_path, back)
   assert json.load(open(os.path.join(back, "config.json")))["architectures"] == ["Gemma3ForConditionalGeneration"]
-  assert transformers.AutoConfig.from_pretrained(back).vision_config.patch_size == 4
+  assert json.load(open(os.path.join(back, "config.json")))["vision_config"]["patch_size"] == 4
 
-  text = np.asarray([[2, 9, 17, 33], [5, 1, 40, 12]])
-  with torch.no_grad():
-    ref = model(input_ids=torch.tensor(text)).logits.numpy()
+  text, ref = helpers.vision_inputs("gemma3-vision")["text"], hf["text_logits"]
   _, text_model = load(out, "use_multimodal=false")
   got = text_model(jnp.asarray(text), jnp.broadcast_to(jnp.arange(4), (2, 4)), jnp.ones((2, 4), jnp.int32))
   np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)

@@ -269,24 +269,6 @@ L4V_VISION |= dict(
 L4V_IMAGE_TOKEN = 63
 
 
-def convert_llama4_vision(tmp):
-  """(HF model, its HF directory, the MaxText model converted from it by hf_to_maxtext, the MaxText directory)."""
-  import torch
-  import transformers
-
-  torch.manual_seed(0)
-  cfg = transformers.Llama4Config(text_config=L4V_TEXT, vision_config=L4V_VISION, image_token_index=L4V_IMAGE_TOKEN)
-  model = transformers.Llama4ForConditionalGeneration(cfg).float().eval()
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if "norm" in name or name.endswith("bias"):
-        p.copy_(torch.randn_like(p) * 0.5 + (1.0 if name.endswith("weight") else 0.0))
-  hf_path, out = os.path.join(tmp, "hf"), os.path.join(tmp, "mt")
-  model.save_pretrained(hf_path)
-  hf_to_maxtext.convert(hf_path, out, scan_layers=True)
-  return model, hf_path, load_converted(out), out
-
-
 def load_converted(out_dir, *overrides):
   c = config.load([os.path.join(out_dir, "config.yml"), "run_name=t", "dtype=float32", *overrides], {})
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(c, nnx.Rngs(0), planner.build(c))), nnx.Param)

@@ -114,8 +114,9 @@ def check(family):
 
 
 def main(argv):
-  checking = "--check" in argv
-  families = [a for a in argv if a != "--check"] or hf_reference_names()
+  """argv: the program name, then [--check] [NAME ...]; exits 1 when --check finds a stale reference."""
+  checking = "--check" in argv[1:]
+  families = [a for a in argv[1:] if a != "--check"] or hf_reference_names()
   failed = False
   for family in families:
     if checking:
@@ -125,8 +126,9 @@ def main(argv):
     else:
       write(family, os.path.join(HF_REFERENCES, family))
       print(f"{family}: written")
-  return 1 if failed else 0
+  if failed:
+    sys.exit(1)
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  main(sys.argv)

@@ -46,18 +46,20 @@ def problems():
 
 
 def main(argv):
-  if "--check" in argv:
+  """argv: the program name, then [--check]; exits 1 when --check finds the files stale."""
+  if "--check" in argv[1:]:
     wrong = problems()
     print("processors: " + ("; ".join(wrong) or "current"))
-    return 1 if wrong else 0
+    if wrong:
+      sys.exit(1)
+    return
   os.makedirs(os.path.dirname(PATH), exist_ok=True)
   safetensors_numpy.save_file(live(), PATH)
   with open(IDS_PATH, "w") as f:
     json.dump(live_ids(), f, indent=1, sort_keys=True)
     f.write("\n")
   print(f"processors: written ({os.path.getsize(PATH)} bytes)")
-  return 0
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  main(sys.argv)

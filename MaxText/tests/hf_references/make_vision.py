@@ -46,9 +46,10 @@ def check(name):
 
 
 def main(argv):
-  checking = "--check" in argv
+  """argv: the program name, then [--check] [NAME ...]; exits 1 when --check finds a stale reference."""
+  checking = "--check" in argv[1:]
   failed = False
-  for name in [a for a in argv if a != "--check"] or NAMES:
+  for name in [a for a in argv[1:] if a != "--check"] or NAMES:
     if checking:
       problems = check(name)
       failed |= bool(problems)
@@ -56,8 +57,9 @@ def main(argv):
     else:
       write(name, os.path.join(VISION_REFERENCES, name))
       print(f"{name}: written")
-  return 1 if failed else 0
+  if failed:
+    sys.exit(1)
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  main(sys.argv)

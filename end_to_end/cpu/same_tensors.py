@@ -19,8 +19,13 @@ def tensors(directory: str) -> dict:
   return out
 
 
-if __name__ == "__main__":
-  original, exported = sys.argv[1:3]
+def main(argv: list[str]) -> None:
+  """argv: the program name, ORIGINAL_DIR, EXPORTED_DIR."""
+  original, exported = argv[1:3]
   if tensors(original) != tensors(exported):
     sys.exit(f"the export's tensors differ from the model's: {exported} against {original}")
   print(f"export: the {len(tensors(exported))} tensors of {original}, by name, shape and dtype")
+
+
+if __name__ == "__main__":
+  main(sys.argv)

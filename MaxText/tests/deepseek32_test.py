@@ -5,17 +5,16 @@ converted tiny DeepseekV32 fine-tunes with LoRA on chat data."""
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from MaxText import config, models, planner, sharding, train
+from MaxText import config, train
 from MaxText.tests.conftest import losses
 from MaxText.tests.helpers import (
   DECODE_FAMILIES,
   DECODE_TINY,
   converted_lora_chat_sft,
+  layout_loss_and_grads,
 )
 
 LAYOUTS = [
@@ -25,30 +24,16 @@ LAYOUTS = [
 ]
 
 
-def loss_and_grads(*overrides, devices: int = 1):
-  """The next-token loss of a tiny DeepSeek V3.2 (the indexer keeps 3 of up to 16 keys) and its gradients."""
-  tiny = [os.path.join(config.CONFIG_DIR, "base.yml"), *DECODE_TINY, *DECODE_FAMILIES["deepseek32"]]
-  c = config.load([*tiny, "max_target_length=16", "ici_fsdp_parallelism=1", "ici_data_parallelism=1", *overrides], {})
-  tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (8, 17)), jnp.int32)
-  positions, segments = jnp.broadcast_to(jnp.arange(16), (8, 16)), jnp.ones((8, 16), jnp.int32)
-  mesh = sharding.create_mesh(c, jax.devices()[:devices])
-  graphdef, params = nnx.split(models.build(c, nnx.Rngs(params=0), planner.build(c, mesh)), nnx.Param)
-
-  def loss(p):
-    logits = nnx.merge(graphdef, p)(tokens[:, :-1], positions, segments).astype(jnp.float32)
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))
-
-  with sharding.activate(c, mesh):
-    specs = sharding.logical_to_mesh(nnx.get_partition_spec(params), mesh, sharding.axis_rules(c))
-    return jax.jit(jax.value_and_grad(loss))(jax.device_put(params, specs))
+# A tiny DeepSeek V3.2: the indexer keeps 3 of up to 16 keys.
+TINY32 = [os.path.join(config.CONFIG_DIR, "base.yml"), *DECODE_TINY, *DECODE_FAMILIES["deepseek32"]]
 
 
 @pytest.mark.slow  # about 90 s on the 2 busy cores (2026-11-27)
 @pytest.mark.parametrize("chunk", ["attention_query_chunk=0", "attention_query_chunk=8"])
 def test_layouts_give_the_single_device_loss_and_gradients(chunk):
-  want_loss, want_grads = loss_and_grads(chunk)
+  want_loss, want_grads = layout_loss_and_grads(TINY32, chunk)
   for layout in LAYOUTS:
-    got_loss, got_grads = loss_and_grads(chunk, *layout, devices=8)
+    got_loss, got_grads = layout_loss_and_grads(TINY32, chunk, *layout, devices=8)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5, err_msg=str(layout))
     for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
       np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6, err_msg=str(layout))

@@ -288,7 +288,7 @@ def test_layouts_give_the_single_device_loss_and_gradients():
   tiny += ["global_num_kv_heads=2"]  # kv heads that split over tensor=2
   want_loss, want_grads = layout_loss_and_grads(tiny)
   for layout, bound in LAYOUTS:
-    got_loss, got_grads = layout_loss_and_grads(tiny, *layout)
+    got_loss, got_grads = layout_loss_and_grads(tiny, *layout, devices=8)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5, err_msg=str(layout))
     for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):  # float32 summation order only:
       scale = np.abs(np.asarray(w)).max()  # up to ~1e-4 of a leaf's largest gradient (sums over 8 devices); a

@@ -986,14 +986,14 @@ def hf_gemma3_prompt_ids(processor, text, n, special):
   return [int(i) for i in processor(text=[text], images=[images], add_special_tokens=special)["input_ids"][0]]
 
 
-def layout_loss_and_grads(tiny, *mesh_args):
-  """The next-token loss of a fresh model (config `tiny`, params seed 0) on a fixed batch of 8 x 16 tokens, and its
-  gradients, on one CPU device (no mesh_args) or on 8 under the mesh the ici_* mesh_args give: equal across
-  layouts up to float32 summation order."""
+def layout_loss_and_grads(tiny, *overrides, devices: int = 1):
+  """The next-token loss of a fresh model (config `tiny` plus `overrides`, params seed 0) on a fixed batch of 8 x 16
+  tokens, and its gradients, on the first `devices` CPU devices under the mesh the ici_* overrides give: equal
+  across layouts up to float32 summation order."""
   tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (8, 17)), jnp.int32)
   positions, segments = jnp.broadcast_to(jnp.arange(16), (8, 16)), jnp.ones((8, 16), jnp.int32)
-  c = config.load([*tiny, "max_target_length=16", "ici_fsdp_parallelism=1", "ici_data_parallelism=1", *mesh_args], {})
-  mesh = sharding.create_mesh(c, jax.devices()[: 1 if not mesh_args else 8])
+  c = config.load([*tiny, "max_target_length=16", "ici_fsdp_parallelism=1", "ici_data_parallelism=1", *overrides], {})
+  mesh = sharding.create_mesh(c, jax.devices()[:devices])
   graphdef, params = nnx.split(models.build(c, nnx.Rngs(params=0), planner.build(c, mesh)), nnx.Param)
 
   def loss(p):

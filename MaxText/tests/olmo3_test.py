@@ -188,7 +188,7 @@ def test_layouts_give_the_single_device_loss_and_gradients():
   tiny = [os.path.join(config.CONFIG_DIR, "base.yml"), *DECODE_TINY, *DECODE_FAMILIES["olmo3"]]
   want_loss, want_grads = layout_loss_and_grads(tiny)
   for layout in LAYOUTS:
-    got_loss, got_grads = layout_loss_and_grads(tiny, *layout)
+    got_loss, got_grads = layout_loss_and_grads(tiny, *layout, devices=8)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5, err_msg=str(layout))
     for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
       np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6, err_msg=str(layout))

@@ -113,21 +113,26 @@ def check(family):
   return problems
 
 
-def main(argv):
-  """argv: the program name, then [--check] [NAME ...]; exits 1 when --check finds a stale reference."""
+def write_or_check(argv, names, write, check, directory):
+  """The generators' command line, argv: the program name, then [--check] [NAME ...] (default: `names`). Writes each
+  NAME under `directory`, or with --check prints what differs between a live build and its files, exiting 1 when
+  any is stale."""
   checking = "--check" in argv[1:]
-  families = [a for a in argv[1:] if a != "--check"] or hf_reference_names()
   failed = False
-  for family in families:
+  for name in [a for a in argv[1:] if a != "--check"] or names:
     if checking:
-      problems = check(family)
+      problems = check(name)
       failed |= bool(problems)
-      print(f"{family}: {'; '.join(problems) or 'current'}")
+      print(f"{name}: {'; '.join(problems) or 'current'}")
     else:
-      write(family, os.path.join(HF_REFERENCES, family))
-      print(f"{family}: written")
+      write(name, os.path.join(directory, name))
+      print(f"{name}: written")
   if failed:
     sys.exit(1)
+
+
+def main(argv):
+  write_or_check(argv, hf_reference_names(), write, check, HF_REFERENCES)
 
 
 if __name__ == "__main__":

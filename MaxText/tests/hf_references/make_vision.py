@@ -16,6 +16,7 @@ import numpy as np
 from safetensors import numpy as safetensors_numpy
 
 from MaxText.tests.helpers import VISION_REFERENCES, build_vision_model, vision_outputs
+from MaxText.tests.hf_references.make import write_or_check
 
 NAMES = ["gemma3-vision", "llama4-vision"]
 
@@ -46,19 +47,7 @@ def check(name):
 
 
 def main(argv):
-  """argv: the program name, then [--check] [NAME ...]; exits 1 when --check finds a stale reference."""
-  checking = "--check" in argv[1:]
-  failed = False
-  for name in [a for a in argv[1:] if a != "--check"] or NAMES:
-    if checking:
-      problems = check(name)
-      failed |= bool(problems)
-      print(f"{name}: {'; '.join(problems) or 'current'}")
-    else:
-      write(name, os.path.join(VISION_REFERENCES, name))
-      print(f"{name}: written")
-  if failed:
-    sys.exit(1)
+  write_or_check(argv, NAMES, write, check, VISION_REFERENCES)
 
 
 if __name__ == "__main__":

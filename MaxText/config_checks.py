@@ -40,6 +40,15 @@ def _validate_family_options(c: dict[str, Any]) -> None:
   for k in ("sliding_window_size", "attn_logits_soft_cap", "final_logits_soft_cap", "query_pre_attn_scalar"):
     if c[k] < 0:
       raise ConfigError(f"{k} must be >= 0 (0 turns it off), got {c[k]}")
+  for k in ("global_head_dim", "global_num_kv_heads", "num_kv_shared_layers", "hidden_size_per_layer_input"):
+    if c[k] < 0:  # gemma4's: 0 is head_dim / num_kv_heads, or off
+      raise ConfigError(f"{k} must be >= 0 (0: the default, see base.yml), got {c[k]}")
+  if c["global_num_kv_heads"] and c["num_query_heads"] % c["global_num_kv_heads"]:
+    raise ConfigError(
+      f"num_query_heads ({c['num_query_heads']}) must be a multiple of global_num_kv_heads ({c['global_num_kv_heads']})"
+    )
+  if c["hidden_size_per_layer_input"] and c["vocab_size_per_layer_input"] <= 0:
+    raise ConfigError(f"vocab_size_per_layer_input must be > 0, got {c['vocab_size_per_layer_input']}")
   if c["rope_type"] != "default" and c["rope_factor"] < 1.0:
     raise ConfigError(f"rope_factor must be >= 1 with rope_type={c['rope_type']}, got {c['rope_factor']}")
   if c["rope_type"] == "llama3" and not 0 < c["rope_low_freq_factor"] < c["rope_high_freq_factor"]:

@@ -207,3 +207,19 @@ def test_multimodal_sft_needs_an_images_column(tmp_path):
   sft.append(f"tokenizer_path={tmp_path}/tokenizer.json")
   with pytest.raises(ConfigError, match="needs sft_images_column"):
     load("model_name=gemma3-4b", "use_multimodal=true", "sft_images_column=", *sft)
+
+
+@pytest.mark.parametrize(
+  "args, match",
+  [
+    (["global_head_dim=-1"], "global_head_dim must be >= 0"),
+    (["global_num_kv_heads=-2"], "global_num_kv_heads must be >= 0"),
+    (["global_num_kv_heads=3"], r"multiple of global_num_kv_heads \(3\)"),
+    (["num_kv_shared_layers=-1"], "num_kv_shared_layers must be >= 0"),
+    (["hidden_size_per_layer_input=-3"], "hidden_size_per_layer_input must be >= 0"),
+    (["hidden_size_per_layer_input=4", "vocab_size_per_layer_input=0"], "vocab_size_per_layer_input must be > 0"),
+  ],
+)
+def test_gemma4_keys_refuse_bad_values_in_one_line(args, match):
+  with pytest.raises(ConfigError, match=match):
+    load("decoder_block=gemma4", *args)

@@ -14,7 +14,7 @@ import pytest
 from MaxText import config, planner, train
 from MaxText.convert import hf_to_maxtext
 from MaxText.errors import ConfigError
-from MaxText.layers import normalizations
+from MaxText.layers import moe, normalizations
 from MaxText.layers.model_config import ModelConfig
 from MaxText.models import gemma4
 from MaxText.tests.conftest import losses
@@ -157,7 +157,7 @@ def test_unsupported_config_json_and_other_families_layouts_are_one_line_errors(
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("preset", ["gemma4-31b", "gemma4-e2b", "gemma4-e4b"])
+@pytest.mark.parametrize("preset", ["gemma4-31b", "gemma4-e2b", "gemma4-e4b", "gemma4-26b-a4b"])
 def test_presets_export_their_config_and_read_it_back(preset):
   """Preset -> config.json -> the same keys, also from the released files' form (global_head_dim and
   num_global_key_value_heads in place of per_layer_config); RoPE per attention type as transformers computes it."""
@@ -258,6 +258,50 @@ def test_per_layer_embeddings_switched_off_leave_hugging_face(tmp_path, monkeypa
     with monkeypatch.context() as m:
       m.setattr(gemma4.PerLayerInputs, "__call__", call)
       assert np.abs(maxtext_logits(out, tokens) - ref).max() > 1e-3, feature
+
+
+def unscaled_route_input(self, x):
+  unit = normalizations.UnitRMSNorm(x.shape[-1], epsilon=1e-6, dtype=x.dtype, weight_dtype=x.dtype)
+  return unit(x) * x.shape[-1] ** -0.5
+
+
+def experts_without(norm):
+  """Gemma4MoE's call with its `norm` ("pre_norm" or "post_norm") left out."""
+
+  def call(self, x):
+    h = x if norm == "pre_norm" else self.pre_norm(x)
+    h = self.experts(h, route_from=self.route_input(x))
+    return h if norm == "post_norm" else self.post_norm(h)
+
+  return call
+
+
+def feed_forward_without_post_mlp_norm(self, x):
+  return self.post_ffw_norm(self.mlp(self.post_self_attention_layer_norm(x)) + self.moe(x))
+
+
+MOE_OFF = {
+  "router_scale": (gemma4.Gemma4MoE, "route_input", unscaled_route_input),
+  "per_expert_scale": (moe, "per_expert_weights", lambda weights, experts, scale: weights),
+  "pre_experts_norm": (gemma4.Gemma4MoE, "__call__", experts_without("pre_norm")),
+  "post_experts_norm": (gemma4.Gemma4MoE, "__call__", experts_without("post_norm")),
+  "post_mlp_norm": (gemma4.Gemma4Layer, "feed_forward", feed_forward_without_post_mlp_norm),
+  "experts": (gemma4.Gemma4MoE, "__call__", lambda self, x: jnp.zeros_like(x)),
+}
+
+
+@pytest.mark.slow  # one conversion, 7 compiles (about a minute on the 2 busy cores); families_test is the quick check
+def test_moe_features_switched_off_leave_hugging_face(tmp_path, monkeypatch):
+  """gemma4-moe (the MoE block beside each dense MLP) matches transformers (families_test); without the router's
+  scale, the per-expert scales, any of the three extra norms, or the experts at all, it does not."""
+  reference, hf_path = hf_model("gemma4-moe", tmp_path)
+  out = os.path.join(tmp_path, "mt")
+  hf_to_maxtext.convert(hf_path, out)
+  np.testing.assert_allclose(maxtext_logits(out, TOKENS), reference.logits, rtol=1e-5, atol=1e-5)
+  for feature, patch in MOE_OFF.items():
+    with monkeypatch.context() as m:
+      m.setattr(*patch)
+      assert np.abs(maxtext_logits(out, TOKENS) - reference.logits).max() > 1e-3, feature
 
 
 @pytest.mark.slow  # LoRA SFT of a converted model: a minute or more on the 2 busy cores

@@ -341,6 +341,9 @@ DECODE_FAMILIES = {
   + ["global_num_kv_heads=1", "attention_k_eq_v=true", "rope_type=proportional", "partial_rotary_factor=0.25", *GEMMA]
   + ["use_post_attn_norm=true", "use_post_ffw_norm=true", "use_qk_norm=true"],
 }
+# gemma4 with the MoE block beside each dense MLP: 4 experts of width 16, top 2
+DECODE_FAMILIES["gemma4-moe"] = [*DECODE_FAMILIES["gemma4"], "num_experts=4", "num_experts_per_tok=2"]
+DECODE_FAMILIES["gemma4-moe"] += ["base_moe_mlp_dim=16"]
 
 
 def assert_cache_equals_forward(*overrides):

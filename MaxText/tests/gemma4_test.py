@@ -116,7 +116,7 @@ def test_unsupported_config_json_and_other_families_layouts_are_one_line_errors(
   rope = hf["rope_parameters"]
   bad = {
     "num_kv_shared_layers=3 must leave": {**hf, "num_kv_shared_layers": 3},
-    "enable_moe_block=True is not supported": {**hf, "enable_moe_block": True},
+    "enable_moe_block=true needs num_experts, top_k_experts": {**hf, "enable_moe_block": True},
     "use_bidirectional_attention='all' is not supported": {**hf, "use_bidirectional_attention": "all"},
     "layer_types": {**hf, "layer_types": ["sliding_attention", "full_attention", "full_attention", "full_attention"]},
     "per_layer_config": {**hf, "per_layer_config": {"1": {"head_dim": 16}, "3": {"head_dim": 32}}},

@@ -305,10 +305,11 @@ def test_moe_features_switched_off_leave_hugging_face(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow  # LoRA SFT of a converted model: a minute or more on the 2 busy cores
-def test_lora_sft_on_the_converted_model_trains(tmp_path, monkeypatch):
-  """A converted tiny Gemma 4 with kv-sharing and per-layer embeddings (vocab widened to the chat tokenizer's)
-  fine-tunes with LoRA on chat data: the loss falls."""
-  c = converted_lora_chat_sft("gemma4-ple", tmp_path)
+@pytest.mark.parametrize("family", ["gemma4-ple", "gemma4-moe"])
+def test_lora_sft_on_the_converted_model_trains(family, tmp_path, monkeypatch):
+  """A converted tiny Gemma 4 with kv-sharing and per-layer embeddings, or with the MoE block (vocab widened to the
+  chat tokenizer's), fine-tunes with LoRA on chat data: the loss falls."""
+  c = converted_lora_chat_sft(family, tmp_path)
   train.run(c, jax.devices()[:1])
   got = losses(c)
   assert len(got) == 4 and all(np.isfinite(got)) and got[-1] < got[0], got
@@ -324,14 +325,23 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.slow  # compiles 4 layouts on 8 CPU devices
-def test_layouts_give_the_single_device_loss_and_gradients():
+# The MoE block (gemma4-moe): its 4 experts split over expert=4 and expert=2 (with data and tensor).
+MOE_LAYOUTS = [
+  (["ici_fsdp_parallelism=2", "ici_expert_parallelism=4"], 2e-4),
+  (["ici_data_parallelism=2", "ici_expert_parallelism=2", "ici_tensor_parallelism=2"], 1e-3),
+]
+
+
+@pytest.mark.slow  # compiles 4 (3 for gemma4-moe) layouts on 8 CPU devices
+@pytest.mark.parametrize("family, layouts", [("gemma4-kv-shared", LAYOUTS), ("gemma4-moe", MOE_LAYOUTS)])
+def test_layouts_give_the_single_device_loss_and_gradients(family, layouts):
   """fsdp, data x fsdp x tensor and fsdp x context on 8 CPU devices: the loss and its gradients of a tiny Gemma 4
-  with kv-sharing layers and per-layer embeddings equal one device's."""
-  tiny = [os.path.join(config.CONFIG_DIR, "base.yml"), *DECODE_TINY, *DECODE_FAMILIES["gemma4-kv-shared"]]
+  with kv-sharing layers and per-layer embeddings equal one device's; with the MoE block, under expert
+  parallelism too."""
+  tiny = [os.path.join(config.CONFIG_DIR, "base.yml"), *DECODE_TINY, *DECODE_FAMILIES[family]]
   tiny += ["global_num_kv_heads=2"]  # kv heads that split over tensor=2
   want_loss, want_grads = layout_loss_and_grads(tiny)
-  for layout, bound in LAYOUTS:
+  for layout, bound in layouts:
     got_loss, got_grads = layout_loss_and_grads(tiny, *layout, devices=8)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5, err_msg=str(layout))
     for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):  # float32 summation order only:

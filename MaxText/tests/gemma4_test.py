@@ -150,6 +150,11 @@ def test_unsupported_config_json_and_other_families_layouts_are_one_line_errors(
   with pytest.raises(ConfigError, match="num_kv_shared_layers=3 must leave") as e:
     planner.build(config.load([*tiny, "num_kv_shared_layers=3"], {}))
   assert "\n" not in str(e.value)
+  tiny_moe = [os.path.join(config.CONFIG_DIR, "base.yml"), *DECODE_TINY, *DECODE_FAMILIES["gemma4-moe"]]
+  for dense in ("first_num_dense_layers=2", "interleave_moe_layer_step=2"):  # not Gemma 4's MoE layout
+    with pytest.raises(ConfigError, match="MoE block runs in every layer") as e:
+      planner.build(config.load([*tiny_moe, dense], {}))
+    assert "\n" not in str(e.value)
   # The converted MaxText checkpoint loaded with Gemma 3's decoder_block.
   with pytest.raises(ConfigError, match="load_parameters_path") as e:
     maxtext_logits(out, np.zeros((1, 4), np.int64), "decoder_block=gemma3")

@@ -87,12 +87,14 @@ def test_deepseek32_parity_needs_the_indexer_selection(tmp_path):
 MOE_FAMILIES = ("mixtral", "qwen3-moe", "deepseek3", "deepseek2", "llama4", "glm4_moe", "minimax-m2")
 MOE_FAMILIES += ("deepseek32",)
 TRAINED = ("llama2", "llama-bias", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "gpt3", *MOE_FAMILIES)
-TRAINED += ("gemma4", "gemma4-ple")
+TRAINED += ("gemma4-ple",)
+MOE_FAMILIES += ("gemma4-moe",)
+TRAINED += ("gemma4-moe",)
 # The train step's compile grows with the distinct layers in it (a scanned cycle's layers are all compiled):
 # gemma3's 7 (a 6-layer cycle and a remainder) and gemma4-ple's 6 (a cycle, then the 4-layer kv-sharing block)
 # take ~90 CPU-s each against 5-15 s for the others' 1-3 (gemma3, 2026-11-27: one device instead of 8 the same,
-# remat_policy=none or scan_layers=false a fifth less); they are in the slow tier, and gemma4 (a 2-layer cycle)
-# trains the gemma4 block in the fast one.
+# remat_policy=none or scan_layers=false a fifth less); they are in the slow tier, and gemma4-moe (a 2-layer
+# cycle) trains the gemma4 block in the fast one.
 SLOW_TO_TRAIN = ("gemma3", "gemma4-ple")
 
 

@@ -92,9 +92,9 @@ MOE_FAMILIES += ("gemma4-moe",)
 TRAINED += ("gemma4-moe",)
 # The train step's compile grows with the distinct layers in it (a scanned cycle's layers are all compiled):
 # gemma3's 7 (a 6-layer cycle and a remainder) and gemma4-ple's 6 (a cycle, then the 4-layer kv-sharing block)
-# take ~90 CPU-s each against 5-15 s for the others' 1-3 (gemma3, 2026-11-27: one device instead of 8 the same,
-# remat_policy=none or scan_layers=false a fifth less); they are in the slow tier, and gemma4-moe (a 2-layer
-# cycle) trains the gemma4 block in the fast one.
+# take ~90 and ~120 CPU-s against ~6 for llama2, ~15 for gemma2, ~40 for gemma4-moe (2026-11-27; gemma3 on one
+# device instead of 8: the same, remat_policy=none or scan_layers=false: a fifth less). They are in the slow
+# tier; gemma4-moe (a 2-layer cycle) trains the gemma4 block in the fast one.
 SLOW_TO_TRAIN = ("gemma3", "gemma4-ple")
 
 

@@ -46,11 +46,13 @@ def image_text_checkpoint(text_dir, path, tie=None):
   return path
 
 
-def test_image_text_checkpoint_imports_its_text_model(tmp_path, caplog):
-  """hf_references/gemma4-ple (kv-sharing and per-layer embeddings, the E2B/E4B layout) as an image-audio-text
-  checkpoint: converted, its logits are the text-only model's; the towers are skipped in one info line; the export
-  config is the text-only Gemma4ForCausalLM (families_test checks that export's tensors bit-exact)."""
-  reference, text_dir = hf_model("gemma4-ple", tmp_path)
+@pytest.mark.parametrize("family", ["gemma4-ple", "gemma4-moe"])
+def test_image_text_checkpoint_imports_its_text_model(tmp_path, caplog, family):
+  """hf_references/gemma4-ple (kv-sharing and per-layer embeddings, the E2B/E4B layout) and gemma4-moe (the
+  26B-A4B layout) as image-audio-text checkpoints: converted, the logits are the text-only model's; the towers
+  are skipped in one info line; the export config is the text-only Gemma4ForCausalLM (families_test checks that
+  export's tensors bit-exact)."""
+  reference, text_dir = hf_model(family, tmp_path)
   hf_path, out = image_text_checkpoint(text_dir, tmp_path / "image_text"), str(tmp_path / "mt")
   logger = logging.getLogger("MaxText")
   quiet = not logger.propagate  # launch.setup_logging ran in this process: caplog's root handler sees nothing

@@ -35,5 +35,6 @@ if [ "${TIER:-all}" = torch ] && ! "$PYTHON" -c 'import torch, transformers' 2>/
 fi
 "$PYTHON" -m ruff check .
 "$PYTHON" -m ruff format --check .
-# Two workers fit a 2-core machine; each test process sees 8 fake CPU devices (conftest.py).
-"$PYTHON" -m pytest MaxText/tests -n "${PYTEST_WORKERS:-2}" -m "$select" --durations=15 "$@"
+# Two workers fit a 2-core machine; each test process sees 8 fake CPU devices (conftest.py). loadgroup keeps the
+# tests of a module that share a module-scoped fixture on one worker (conftest.py marks them).
+"$PYTHON" -m pytest MaxText/tests -n "${PYTEST_WORKERS:-2}" --dist loadgroup -m "$select" --durations=15 "$@"

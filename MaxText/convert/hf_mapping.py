@@ -77,6 +77,9 @@ class Rule(NamedTuple):
   cols: tuple[int, ...] | None = None  # slice(*cols) of a fused HF tensor's columns (GPT-2's c_attn; gpt-oss's
   # interleaved gate/up columns: (0, None, 2) and (1, None, 2))
   conv: bool = False  # a torch Conv2d weight [out, in dims...] (SigLIP's patch embedding), not flattened
+  rows: tuple[int, ...] | None = None  # slice(*rows) of a fused HF tensor's second-to-last axis (Gemma 4's
+  # gate_up_proj [E, 2F, D]: gate rows (0, F), then up rows (F, 2F))
+  stacked: bool = False  # n_in None: a stack of torch Linear weights [E, out, in], each transposed (ours [E, in, out])
 
 
 def canonical_name(name: str) -> str:
@@ -95,6 +98,8 @@ def deinterleave(first: int, rope: int) -> list[int]:
 
 def hf_shape(rule: Rule, shape: tuple[int, ...]) -> tuple[int, ...]:
   """The HF shape (of the rule's columns) of a parameter slice with our `shape`."""
+  if rule.stacked:
+    return (*shape[:-2], shape[-1], shape[-2])
   if rule.n_in is None:  # torch biases are flat [out]; ours keep the kernel's output dims ([N, H] for q)
     return (math.prod(shape),) if rule.path[-1] == "bias" else tuple(shape)
   rows, cols = math.prod(shape[: rule.n_in]), math.prod(shape[rule.n_in :])
@@ -171,10 +176,11 @@ def routed_experts_rules(c: Config, shared: str = "mlp.shared_experts") -> Itera
 
 
 def as_rules(prefix: str, layer: tuple[Any, ...], index: tuple[int, ...], items) -> Iterator[Rule]:
-  """Rules from layer_rules' tuples (suffix, path, expert, n_in, perm[, cols]) of a layer at HF `prefix`,
-  our path `layer` and index `index`."""
-  for suffix, path, expert, n_in, perm, *cols in items:
-    yield Rule(f"{prefix}.{suffix}", layer + path, index + expert, n_in, perm, cols=(cols or [None])[0])
+  """Rules from layer_rules' tuples (suffix, path, expert, n_in, perm[, cols, or a dict of further Rule fields])
+  of a layer at HF `prefix`, our path `layer` and index `index`."""
+  for suffix, path, expert, n_in, perm, *more in items:
+    fields = more[0] if more and isinstance(more[0], dict) else {"cols": (more or [None])[0]}
+    yield Rule(f"{prefix}.{suffix}", layer + path, index + expert, n_in, perm, **fields)
 
 
 class Mapping:

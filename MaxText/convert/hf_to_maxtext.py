@@ -45,10 +45,12 @@ def get(tree: dict, path: tuple) -> Any:
 
 
 def to_maxtext(tensor: np.ndarray, shape: tuple[int, ...], rule: hf_mapping.Rule) -> np.ndarray:
-  """An HF tensor (already cut to rule.cols) -> our layout with `shape`: a torch Linear weight [out, in]
+  """An HF tensor (already cut to rule.cols / rule.rows) -> our layout with `shape`: a torch Linear weight [out, in]
   is transposed, then reshaped; then rule.perm, if any, reorders the last axis."""
   if rule.conv:  # [out, in dims...] -> [out, in]
     tensor = tensor.reshape(tensor.shape[0], -1)
+  if rule.stacked:  # [E, out, in] -> [E, in, out]
+    tensor = np.swapaxes(tensor, -1, -2)
   out = (tensor.T if rule.n_in is not None and rule.transpose else tensor).reshape(shape)
   return out if rule.perm is None else out[..., rule.perm]
 
@@ -200,6 +202,8 @@ def _check_shape(index: dict[str, tuple[str, tuple[int, ...]]], rule: hf_mapping
   got = index[rule.hf_name][1]
   if rule.cols:
     got = (*got[:-1], len(range(got[-1])[slice(*rule.cols)]))
+  if rule.rows:
+    got = (*got[:-2], len(range(got[-2])[slice(*rule.rows)]), got[-1])
   expected = hf_mapping.hf_shape(rule, shape)
   if got != expected:
     raise ConfigError(f"Tensor {rule.hf_name} has shape {got}; config.json implies {expected}")
@@ -214,6 +218,8 @@ def _load(
   tensor = mxfp4.read(file, rule.hf_name) if packed else fp8.read_weight(file, rule.hf_name, scale, block)
   if rule.cols:
     tensor = tensor[..., slice(*rule.cols)]
+  if rule.rows:
+    tensor = tensor[..., slice(*rule.rows), :]
   return to_maxtext(tensor, shape, rule).astype(dtype)
 
 

@@ -47,6 +47,8 @@ def to_hf(kernel: np.ndarray, rule: hf_mapping.Rule) -> np.ndarray:
   kernel = np.asarray(kernel)
   if rule.perm is not None:
     kernel = kernel[..., np.argsort(rule.perm)]
+  if rule.stacked:  # ours [E, in, out] -> [E, out, in]
+    return np.swapaxes(kernel, -1, -2)
   if rule.n_in is None:
     return kernel.reshape(hf_mapping.hf_shape(rule, kernel.shape))
   matrix = kernel.reshape(int(np.prod(kernel.shape[: rule.n_in])), -1)  # [in, out]
@@ -55,12 +57,13 @@ def to_hf(kernel: np.ndarray, rule: hf_mapping.Rule) -> np.ndarray:
   return matrix.T if rule.transpose else matrix
 
 
-def join(parts: list[tuple[tuple[int, ...], np.ndarray]]) -> np.ndarray:
+def join(parts: list[tuple[tuple[int, ...], np.ndarray]], axis: int = -1) -> np.ndarray:
   """The column pieces (slice(*cols), array) of one HF tensor -> the tensor: ranges side by side, or strided
-  pieces (cols (j, None, n), gpt-oss's gate/up) interleaved column by column."""
+  pieces (cols (j, None, n), gpt-oss's gate/up) interleaved column by column; axis=-2: row pieces (rule.rows)
+  one above the other."""
   parts = sorted(parts, key=lambda p: p[0][0])
   if len(parts[0][0]) < 3:
-    return np.concatenate([a for _, a in parts], axis=-1)
+    return np.concatenate([a for _, a in parts], axis=axis)
   stacked = np.stack([a for _, a in parts], axis=-1)  # [..., F, n]
   return stacked.reshape(*stacked.shape[:-2], -1)
 
@@ -137,14 +140,16 @@ def _write(c: Config, output: str, dtype: str) -> None:
   os.makedirs(output, exist_ok=True)
   weight_map = {}
   for i, shard in enumerate(sorted(by_shard)):
-    pieces: dict[str, list] = {}  # fused HF tensors (GPT-2's c_attn) come in column ranges
+    pieces: dict[str, list] = {}  # fused HF tensors (GPT-2's c_attn) come in column (or row) ranges
+    axes: dict[str, int] = {}
     for rule in by_shard[shard]:
       key = prefix + tuple(map(str, rule.path)) + ("value",)
       array = to_hf(reader.read(key, rule.index, block_axes if rule.index else 0), rule)
-      pieces.setdefault(rule.hf_name, []).append((rule.cols or (0, None), array))
+      pieces.setdefault(rule.hf_name, []).append((rule.rows or rule.cols or (0, None), array))
+      axes[rule.hf_name] = -2 if rule.rows else -1
     tensors = {}
     for name, parts in pieces.items():
-      array = join(parts)
+      array = join(parts, axes[name])
       tensors[name] = np.ascontiguousarray(array, np.float32).astype(DTYPES[dtype])
     filename = f"model-{i + 1:05d}-of-{len(by_shard):05d}.safetensors"
     save_file(tensors, os.path.join(output, filename), metadata={"format": "pt"})

@@ -128,6 +128,11 @@ def gated_unit(config: ModelConfig) -> GatedUnit:
   return GatedUnit(config.mlp.mlp_activations[0], config.moe.mlp_activations_limit, config.moe.swiglu_alpha)
 
 
+def per_expert_weights(weights: jax.Array, experts: jax.Array, scale: jax.Array) -> jax.Array:
+  """Combine weights [X, k] float32 times each chosen expert's own scale (scale [E]; Gemma 4's per_expert_scale)."""
+  return weights * jnp.take(scale.astype(jnp.float32), experts, axis=0)
+
+
 class Combine(nnx.Module):
   """expert outputs [X, k, D], combine weights [X, k] float32 -> [X, D] float32, their weighted sum.
 
@@ -144,15 +149,17 @@ class MoeBlock(nnx.Module):
   Expert width F: config.moe.moe_mlp_dim (scaled like mlp_dim); the shared experts are one MLP of width
   shared_experts * F, as in DeepSeek and MaxText. gpt-oss options: router_bias (a bias on the router logits),
   mlp_bias (each expert's biases wi_0_bias, wi_1_bias [E, F] and wo_bias [E, D]; dropless only) and the
-  clamped SwiGLU (gated_unit)."""
+  clamped SwiGLU (gated_unit). `per_expert_scale` (Gemma 4): a learned scale [E] per expert on its combine
+  weights."""
 
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, plan: Plan):
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, plan: Plan, per_expert_scale: bool = False):
     dt, wdt = jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
     e, d, f = config.moe.num_experts, config.emb_dim, config.moe.moe_mlp_dim
     self.gate = DenseGeneral(
       d, e, ("embed", None), dtype=jnp.float32, weight_dtype=wdt, rngs=rngs, use_bias=config.moe.router_bias
     )
     self.gate_bias = nnx.Param(jnp.zeros((e,), wdt), out_sharding=(None,)) if config.moe.routed_bias else nnx.data(None)
+    self.per_expert_scale = nnx.Param(jnp.ones((e,), wdt), out_sharding=(None,)) if per_expert_scale else nnx.data(None)
     init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=1, out_axis=2, batch_axis=0)
     self.wi_0 = nnx.Param(init(rngs.params(), (e, d, f), wdt), out_sharding=("exp", "embed", "mlp"))
     self.wi_1 = nnx.Param(init(rngs.params(), (e, d, f), wdt), out_sharding=("exp", "embed", "mlp"))
@@ -173,14 +180,17 @@ class MoeBlock(nnx.Module):
     self.glu = gated_unit(config)
     self.combine = Combine()
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, route_from: jax.Array | None = None) -> jax.Array:
+    """x [B, T, D] -> [B, T, D]; `route_from` [B, T, D]: what the router sees in place of x (Gemma 4)."""
     b, t, d = x.shape
     tokens = x.reshape(b * t, d)  # [X, D]
-    routing = self._route(tokens)
+    routing = self._route(tokens if route_from is None else route_from.reshape(b * t, -1))
     self.load_balance_loss = nnx.Intermediate(load_balance_loss(routing, self.num_experts))
     if self.gate_bias is not None:
       self.expert_load = ExpertLoad(expert_load(routing.experts, self.num_experts))
     weights = routing.weights
+    if self.per_expert_scale is not None:
+      weights = per_expert_weights(weights, routing.experts, self.per_expert_scale[...])
     if (
       self.config.moe.routed_weight_on_input
     ):  # llama4: the expert sees w * x (k = 1, checked at load), output unweighted

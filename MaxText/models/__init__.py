@@ -130,6 +130,9 @@ def problem(config: Any) -> str | None:
         f"gemma4 num_kv_shared_layers={config.num_kv_shared_layers} must leave a positive multiple of "
         f"full_attention_interval={period} layers before it (num_decoder_layers={config.num_decoder_layers})"
       )
+  dense_layers = config.first_num_dense_layers or config.interleave_moe_layer_step > 1
+  if name == "gemma4" and config.num_experts > 1 and dense_layers:
+    return "gemma4's MoE block runs in every layer; set first_num_dense_layers=0 and interleave_moe_layer_step=1"
   rotary = config.head_dim * config.partial_rotary_factor
   if config.partial_rotary_factor != 1.0 and not (0 < rotary <= config.head_dim and rotary % 2 == 0):
     return (

@@ -97,10 +97,21 @@ HAS_TORCH = all(importlib.util.find_spec(m) is not None for m in ("torch", "tran
 
 
 def pytest_collection_modifyitems(config, items):
-  if not HAS_TORCH:
-    for item in items:
-      if item.get_closest_marker("torch"):
-        item.add_marker(pytest.mark.skip(reason=TORCH_SKIP))
+  for item in items:
+    if not HAS_TORCH and item.get_closest_marker("torch"):
+      item.add_marker(pytest.mark.skip(reason=TORCH_SKIP))
+    if uses_own_module_fixture(item):
+      item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+def uses_own_module_fixture(item) -> bool:
+  """Whether the test needs a module-scoped fixture its own module defines (a converted model, a reference run).
+  Under `pytest -n N --dist loadgroup` (unit_test_and_lint.sh) such tests share one worker (an xdist_group per
+  module), so the fixture is built once per run, not once per worker; the other tests spread over all workers."""
+  module = item.nodeid.split("::")[0]
+  fixture_info = getattr(item, "_fixtureinfo", None)
+  defs = fixture_info.name2fixturedefs.values() if fixture_info else ()
+  return any(d[-1].scope == "module" and d[-1].baseid == module for d in defs if d)
 
 
 def quick_for(values, chosen):

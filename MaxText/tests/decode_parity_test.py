@@ -27,6 +27,7 @@ FAMILIES += ["glm4_moe", "minimax-m2"]
 FAMILIES += ["deepseek32"]
 FAMILIES += ["qwen3.5"]  # the hybrid DeltaNet / gated-attention stack, dense: recurrent state and KV caches
 FAMILIES += ["gemma4", "gemma4-ple"]
+FAMILIES += ["gemma4-moe"]  # the MoE block beside each dense MLP
 
 
 @pytest.mark.parametrize("family", FAMILIES)

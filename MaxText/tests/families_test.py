@@ -88,6 +88,8 @@ MOE_FAMILIES = ("mixtral", "qwen3-moe", "deepseek3", "deepseek2", "llama4", "glm
 MOE_FAMILIES += ("deepseek32",)
 TRAINED = ("llama2", "llama-bias", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "gpt3", *MOE_FAMILIES)
 TRAINED += ("gemma4-ple",)
+MOE_FAMILIES += ("gemma4-moe",)
+TRAINED += ("gemma4-moe",)
 
 
 # gemma3 (over 80 s on 2 busy cores, 2026-11-27) is in the slow tier.

@@ -14,7 +14,7 @@ import pytest
 from MaxText import config, planner, train
 from MaxText.convert import hf_to_maxtext
 from MaxText.errors import ConfigError
-from MaxText.layers import normalizations
+from MaxText.layers import moe, normalizations
 from MaxText.layers.model_config import ModelConfig
 from MaxText.models import gemma4
 from MaxText.tests.conftest import losses
@@ -116,7 +116,7 @@ def test_unsupported_config_json_and_other_families_layouts_are_one_line_errors(
   rope = hf["rope_parameters"]
   bad = {
     "num_kv_shared_layers=3 must leave": {**hf, "num_kv_shared_layers": 3},
-    "enable_moe_block=True is not supported": {**hf, "enable_moe_block": True},
+    "enable_moe_block=true needs num_experts, top_k_experts": {**hf, "enable_moe_block": True},
     "use_bidirectional_attention='all' is not supported": {**hf, "use_bidirectional_attention": "all"},
     "layer_types": {**hf, "layer_types": ["sliding_attention", "full_attention", "full_attention", "full_attention"]},
     "per_layer_config": {**hf, "per_layer_config": {"1": {"head_dim": 16}, "3": {"head_dim": 32}}},
@@ -150,6 +150,11 @@ def test_unsupported_config_json_and_other_families_layouts_are_one_line_errors(
   with pytest.raises(ConfigError, match="num_kv_shared_layers=3 must leave") as e:
     planner.build(config.load([*tiny, "num_kv_shared_layers=3"], {}))
   assert "\n" not in str(e.value)
+  tiny_moe = [os.path.join(config.CONFIG_DIR, "base.yml"), *DECODE_TINY, *DECODE_FAMILIES["gemma4-moe"]]
+  for dense in ("first_num_dense_layers=2", "interleave_moe_layer_step=2"):  # not Gemma 4's MoE layout
+    with pytest.raises(ConfigError, match="MoE block runs in every layer") as e:
+      planner.build(config.load([*tiny_moe, dense], {}))
+    assert "\n" not in str(e.value)
   # The converted MaxText checkpoint loaded with Gemma 3's decoder_block.
   with pytest.raises(ConfigError, match="load_parameters_path") as e:
     maxtext_logits(out, np.zeros((1, 4), np.int64), "decoder_block=gemma3")
@@ -157,7 +162,7 @@ def test_unsupported_config_json_and_other_families_layouts_are_one_line_errors(
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("preset", ["gemma4-31b", "gemma4-e2b", "gemma4-e4b"])
+@pytest.mark.parametrize("preset", ["gemma4-31b", "gemma4-e2b", "gemma4-e4b", "gemma4-26b-a4b"])
 def test_presets_export_their_config_and_read_it_back(preset):
   """Preset -> config.json -> the same keys, also from the released files' form (global_head_dim and
   num_global_key_value_heads in place of per_layer_config); RoPE per attention type as transformers computes it."""
@@ -260,11 +265,56 @@ def test_per_layer_embeddings_switched_off_leave_hugging_face(tmp_path, monkeypa
       assert np.abs(maxtext_logits(out, tokens) - ref).max() > 1e-3, feature
 
 
+def unscaled_route_input(self, x):
+  unit = normalizations.UnitRMSNorm(x.shape[-1], epsilon=1e-6, dtype=x.dtype, weight_dtype=x.dtype)
+  return unit(x) * x.shape[-1] ** -0.5
+
+
+def experts_without(norm):
+  """Gemma4MoE's call with its `norm` ("pre_norm" or "post_norm") left out."""
+
+  def call(self, x):
+    h = x if norm == "pre_norm" else self.pre_norm(x)
+    h = self.experts(h, route_from=self.route_input(x))
+    return h if norm == "post_norm" else self.post_norm(h)
+
+  return call
+
+
+def feed_forward_without_post_mlp_norm(self, x):
+  return self.post_ffw_norm(self.mlp(self.post_self_attention_layer_norm(x)) + self.moe(x))
+
+
+MOE_OFF = {
+  "router_scale": (gemma4.Gemma4MoE, "route_input", unscaled_route_input),
+  "per_expert_scale": (moe, "per_expert_weights", lambda weights, experts, scale: weights),
+  "pre_experts_norm": (gemma4.Gemma4MoE, "__call__", experts_without("pre_norm")),
+  "post_experts_norm": (gemma4.Gemma4MoE, "__call__", experts_without("post_norm")),
+  "post_mlp_norm": (gemma4.Gemma4Layer, "feed_forward", feed_forward_without_post_mlp_norm),
+  "experts": (gemma4.Gemma4MoE, "__call__", lambda self, x: jnp.zeros_like(x)),
+}
+
+
+@pytest.mark.slow  # one conversion, 7 compiles (about a minute on the 2 busy cores); families_test is the quick check
+def test_moe_features_switched_off_leave_hugging_face(tmp_path, monkeypatch):
+  """gemma4-moe (the MoE block beside each dense MLP) matches transformers (families_test); without the router's
+  scale, the per-expert scales, any of the three extra norms, or the experts at all, it does not."""
+  reference, hf_path = hf_model("gemma4-moe", tmp_path)
+  out = os.path.join(tmp_path, "mt")
+  hf_to_maxtext.convert(hf_path, out)
+  np.testing.assert_allclose(maxtext_logits(out, TOKENS), reference.logits, rtol=1e-5, atol=1e-5)
+  for feature, patch in MOE_OFF.items():
+    with monkeypatch.context() as m:
+      m.setattr(*patch)
+      assert np.abs(maxtext_logits(out, TOKENS) - reference.logits).max() > 1e-3, feature
+
+
 @pytest.mark.slow  # LoRA SFT of a converted model: a minute or more on the 2 busy cores
-def test_lora_sft_on_the_converted_model_trains(tmp_path, monkeypatch):
-  """A converted tiny Gemma 4 with kv-sharing and per-layer embeddings (vocab widened to the chat tokenizer's)
-  fine-tunes with LoRA on chat data: the loss falls."""
-  c = converted_lora_chat_sft("gemma4-ple", tmp_path)
+@pytest.mark.parametrize("family", ["gemma4-ple", "gemma4-moe"])
+def test_lora_sft_on_the_converted_model_trains(family, tmp_path, monkeypatch):
+  """A converted tiny Gemma 4 with kv-sharing and per-layer embeddings, or with the MoE block (vocab widened to the
+  chat tokenizer's), fine-tunes with LoRA on chat data: the loss falls."""
+  c = converted_lora_chat_sft(family, tmp_path)
   train.run(c, jax.devices()[:1])
   got = losses(c)
   assert len(got) == 4 and all(np.isfinite(got)) and got[-1] < got[0], got
@@ -280,14 +330,23 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.slow  # compiles 4 layouts on 8 CPU devices
-def test_layouts_give_the_single_device_loss_and_gradients():
+# The MoE block (gemma4-moe): its 4 experts split over expert=4 and expert=2 (with data and tensor).
+MOE_LAYOUTS = [
+  (["ici_fsdp_parallelism=2", "ici_expert_parallelism=4"], 2e-4),
+  (["ici_data_parallelism=2", "ici_expert_parallelism=2", "ici_tensor_parallelism=2"], 1e-3),
+]
+
+
+@pytest.mark.slow  # compiles 4 (3 for gemma4-moe) layouts on 8 CPU devices
+@pytest.mark.parametrize("family, layouts", [("gemma4-kv-shared", LAYOUTS), ("gemma4-moe", MOE_LAYOUTS)])
+def test_layouts_give_the_single_device_loss_and_gradients(family, layouts):
   """fsdp, data x fsdp x tensor and fsdp x context on 8 CPU devices: the loss and its gradients of a tiny Gemma 4
-  with kv-sharing layers and per-layer embeddings equal one device's."""
-  tiny = [os.path.join(config.CONFIG_DIR, "base.yml"), *DECODE_TINY, *DECODE_FAMILIES["gemma4-kv-shared"]]
+  with kv-sharing layers and per-layer embeddings equal one device's; with the MoE block, under expert
+  parallelism too."""
+  tiny = [os.path.join(config.CONFIG_DIR, "base.yml"), *DECODE_TINY, *DECODE_FAMILIES[family]]
   tiny += ["global_num_kv_heads=2"]  # kv heads that split over tensor=2
   want_loss, want_grads = layout_loss_and_grads(tiny)
-  for layout, bound in LAYOUTS:
+  for layout, bound in layouts:
     got_loss, got_grads = layout_loss_and_grads(tiny, *layout, devices=8)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5, err_msg=str(layout))
     for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):  # float32 summation order only:

@@ -131,6 +131,12 @@ FAMILIES["gemma4-ple"] = (
   "Gemma4TextConfig",
   dict(GEMMA4_KV_SHARED, hidden_size_per_layer_input=4, vocab_size_per_layer_input=64),
 )
+# "gemma4-moe": GEMMA4 with the MoE block beside each dense MLP: 4 experts of width 16, top 2 (router scale and
+# per-expert scales randomised by make.py)
+FAMILIES["gemma4-moe"] = (
+  "Gemma4TextConfig",
+  dict(GEMMA4, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16),
+)
 GPT2 = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32, n_inner=48)  # 32: prompt + 16 new
 T = 12
 TOKENS = np.random.default_rng(0).integers(0, 64, (2, T))  # the references' logits are on these
@@ -335,6 +341,9 @@ DECODE_FAMILIES = {
   + ["global_num_kv_heads=1", "attention_k_eq_v=true", "rope_type=proportional", "partial_rotary_factor=0.25", *GEMMA]
   + ["use_post_attn_norm=true", "use_post_ffw_norm=true", "use_qk_norm=true"],
 }
+# gemma4 with the MoE block beside each dense MLP: 4 experts of width 16, top 2
+DECODE_FAMILIES["gemma4-moe"] = [*DECODE_FAMILIES["gemma4"], "num_experts=4", "num_experts_per_tok=2"]
+DECODE_FAMILIES["gemma4-moe"] += ["base_moe_mlp_dim=16"]
 
 
 def assert_cache_equals_forward(*overrides):

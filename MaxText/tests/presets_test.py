@@ -74,6 +74,9 @@ PUBLISHED = {  # billions of parameters, as published by the model authors (text
   "gemma4-31b": 30.70,
   "gemma4-e2b": 4.63,
   "gemma4-e4b": 7.46,
+  # Gemma 4 26B-A4B (25.2B total, 3.8B active published): transformers' count of the preset's config.json,
+  # 25,233,141,760, plus our 30 per-layer scalars; 3.82B active (8 of 128 experts per layer)
+  "gemma4-26b-a4b": 25.23,
 }
 
 

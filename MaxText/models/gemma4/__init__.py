@@ -6,7 +6,9 @@ sublayers and a per-layer scalar on each layer's output. kv-sharing (num_kv_shar
 compute only queries and attend to the keys/values of the last earlier layer of their kind (sliding or full), with
 MLPs twice as wide under use_double_wide_mlp; those layers and the cycle before them form one unrolled unit.
 Per-layer embeddings (hidden_size_per_layer_input > 0): an input per layer from the tokens and the embeddings
-(PerLayerInputs), gated into each layer's output after its MLP."""
+(PerLayerInputs), gated into each layer's output after its MLP. MoE (num_experts > 1): beside the dense MLP, an
+MoeBlock routed from its own scaled norm of the layer's input, with a scale per expert and extra norms around both
+branches (Gemma4MoE)."""
 
 from __future__ import annotations
 
@@ -27,8 +29,9 @@ from MaxText.layers.decoder import Family, LayerBlock, Stack, alternating_stacks
 from MaxText.layers.decoder_layer import DecoderLayer, dropout
 from MaxText.layers.embeddings import Embed, apply_rope
 from MaxText.layers.linears import DenseGeneral
-from MaxText.layers.mlp import ACTIVATIONS
+from MaxText.layers.mlp import ACTIVATIONS, MlpBlock
 from MaxText.layers.model_config import ModelConfig
+from MaxText.layers.moe import MoeBlock
 from MaxText.layers.normalizations import RMSNorm, UnitRMSNorm
 
 if TYPE_CHECKING:
@@ -120,20 +123,46 @@ def layer_config(config: ModelConfig, full: bool, shares_kv: bool) -> ModelConfi
   return dataclasses.replace(config, **changes) if changes else config
 
 
+class Gemma4MoE(nnx.Module):
+  """Gemma 4's MoE branch, beside the dense MLP. x (the feed-forward's input, before any norm) -> the MoeBlock
+  on pre_norm(x), routed from router_norm(x) * D^-0.5 (RMSNorm x * w: transformers' router.scale) with softmax
+  top-k renormalised and a scale per expert; its output normed by post_norm."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, plan: Plan):
+    args = dict(epsilon=config.norms.normalization_layer_epsilon, dtype=jnp.dtype(config.dtype))
+    args["weight_dtype"] = jnp.dtype(config.weight_dtype)
+    d = config.emb_dim
+    self.router_norm, self.pre_norm, self.post_norm = (RMSNorm(d, **args) for _ in range(3))
+    self.experts = MoeBlock(config, rngs=rngs, plan=plan, per_expert_scale=True)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.post_norm(self.experts(self.pre_norm(x), route_from=self.route_input(x)))
+
+  def route_input(self, x: jax.Array) -> jax.Array:
+    return self.router_norm(x) * jnp.asarray(x.shape[-1] ** -0.5, x.dtype)
+
+
 class Gemma4Layer(DecoderLayer):
   """A Gemma 4 decoder layer (`full`: global attention, else sliding-window; `shares_kv`: attends to an earlier
-  layer's keys and values), its output times `layer_scalar`."""
+  layer's keys and values), its output times `layer_scalar`. With num_experts > 1 the feed-forward is
+  post_ffw_norm(post_mlp_norm(mlp(pre-MLP norm(x))) + moe(x)) (Gemma4MoE)."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, plan: Plan, full: bool, shares_kv: bool = False):
     own = layer_config(config, full, shares_kv)
     attention = functools.partial(
       Gemma4Attention, shares_kv=shares_kv, k_eq_v=full and config.attention.attention_k_eq_v
     )
+    blocks = dict(norm=RMSNorm, attention=attention, mlp=MlpBlock)  # the MoE branch is Gemma4MoE, beside it
     if full:
-      super().__init__(own, rngs=rngs, plan=plan, norm=RMSNorm, sliding_window=0, attention=attention)
+      super().__init__(own, rngs=rngs, plan=plan, sliding_window=0, **blocks)
     else:
       local = dict(rope_max_timescale=config.rope.local_rope_max_timescale, rope_type="default")
-      super().__init__(own, rngs=rngs, plan=plan, norm=RMSNorm, attention=attention, **local)
+      super().__init__(own, rngs=rngs, plan=plan, **blocks, **local)
+    self.moe = self.post_mlp_norm = nnx.data(None)
+    if config.moe.num_experts > 1:
+      self.moe = Gemma4MoE(own, rngs=rngs, plan=plan)
+      eps, dt, wdt = config.norms.normalization_layer_epsilon, jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype)
+      self.post_mlp_norm = RMSNorm(config.emb_dim, epsilon=eps, dtype=dt, weight_dtype=wdt)
     self.layer_scalar = nnx.Param(jnp.ones((1,), jnp.dtype(config.weight_dtype)), out_sharding=("norm",))
     self.full, self.shares_kv = full, shares_kv
     self.per_layer_input_gate = self.per_layer_projection = self.post_per_layer_input_norm = nnx.data(None)
@@ -165,16 +194,20 @@ class Gemma4Layer(DecoderLayer):
     if self.post_self_attention_norm is not None:
       h = self.post_self_attention_norm(h)
     x = nn.with_logical_constraint(x + dropout(h, self.dropout_rate, attn_rng), ACTIVATION_AXES)
-    h = self.mlp(self.post_self_attention_layer_norm(x))
-    if self.post_ffw_norm is not None:
-      h = self.post_ffw_norm(h)
-    x = x + dropout(h, self.dropout_rate, mlp_rng)
+    x = x + dropout(self.feed_forward(x), self.dropout_rate, mlp_rng)
     if self.per_layer_input_gate is not None:  # no layer_inputs: LoRA's tracing call (lora.add_adapters)
       own = jnp.zeros((*x.shape[:-1], self.per_layer_input_gate.out_features[0]), x.dtype)
       own = own if layer_inputs is None else layer_inputs.astype(x.dtype)
       h = self.activation(self.per_layer_input_gate(x)) * own
       x = x + self.post_per_layer_input_norm(self.per_layer_projection(h))
     return x * self.layer_scalar[...].astype(x.dtype), cache, kv
+
+  def feed_forward(self, x: jax.Array) -> jax.Array:
+    """The dense MLP's output, with the MoE branch added beside it (post_mlp_norm on the MLP's) when there is one."""
+    h = self.mlp(self.post_self_attention_layer_norm(x))
+    if self.moe is not None:
+      h = self.post_mlp_norm(h) + self.moe(x)
+    return h if self.post_ffw_norm is None else self.post_ffw_norm(h)
 
   def init_cache(self, batch: int, length: int) -> Any:
     return None if self.shares_kv else super().init_cache(batch, length)

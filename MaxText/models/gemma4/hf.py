@@ -5,7 +5,10 @@ attention_k_eq_v, have no v_proj. The last num_kv_shared_layers layers have no k
 if a checkpoint holds them), and MLPs twice as wide under use_double_wide_mlp. Per-layer embeddings
 (embed_tokens_per_layer, per_layer_model_projection, per_layer_projection_norm; per layer per_layer_input_gate,
 per_layer_projection, post_per_layer_input_norm) when hidden_size_per_layer_input > 0. RoPE per attention type:
-"proportional" (or default) on full layers, default on sliding ones."""
+"proportional" (or default) on full layers, default on sliding ones. enable_moe_block (our num_experts > 1): per layer
+router.proj / router.scale / router.per_expert_scale, experts.gate_up_proj [E, 2F, D] (gate rows, then up) and
+experts.down_proj [E, D, F] (each expert's torch Linear weights, transposed to ours), and the norms
+post_feedforward_layernorm_1 (the dense MLP's), pre_ and post_feedforward_layernorm_2 (the experts')."""
 
 from __future__ import annotations
 
@@ -23,7 +26,6 @@ DEFAULT_PER_LAYER, DEFAULT_PER_LAYER_VOCAB = 256, 262144  # Gemma4TextConfig's p
 # Features of Gemma4TextConfig this project does not build yet: field -> (Gemma4TextConfig's default, the values
 # that leave them off; the first is what an export writes).
 UNSUPPORTED = {
-  "enable_moe_block": (False, (False, None)),  # the MoE block beside the dense MLP
   "use_bidirectional_attention": (None, (None, False, "vision")),  # "all": no causal mask ("vision": images only)
 }
 
@@ -83,6 +85,17 @@ class Gemma4(gemma2_hf.Gemma2):
         "layers before it; unsupported"
       )
 
+  def moe_keys(self, hf: dict[str, Any]) -> dict[str, Any]:
+    """The MoE block's keys: softmax top-k renormalised (the per-expert scale and router norm are implied)."""
+    if not hf.get("enable_moe_block"):
+      return {"num_experts": 1}
+    missing = [f for f in ("num_experts", "top_k_experts", "moe_intermediate_size") if not hf.get(f)]
+    if missing:
+      raise ConfigError(f"gemma4 config.json with enable_moe_block=true needs {', '.join(missing)}")
+    out = {"num_experts": hf["num_experts"], "num_experts_per_tok": hf["top_k_experts"]}
+    out |= {"base_moe_mlp_dim": hf["moe_intermediate_size"], "routed_score_func": "softmax", "norm_topk_prob": True}
+    return out | {"shared_experts": 0, "routed_bias": False, "routed_scaling_factor": 1.0}
+
   def family_keys(self, hf: dict[str, Any]) -> dict[str, Any]:
     head_dim, kv = global_shape(hf)
     k_eq_v = bool(hf.get("attention_k_eq_v"))
@@ -91,7 +104,7 @@ class Gemma4(gemma2_hf.Gemma2):
     out |= {"hidden_size_per_layer_input": hf.get("hidden_size_per_layer_input", DEFAULT_PER_LAYER) or 0}
     out |= {"vocab_size_per_layer_input": hf.get("vocab_size_per_layer_input") or DEFAULT_PER_LAYER_VOCAB}
     out |= {"use_double_wide_mlp": bool(hf.get("use_double_wide_mlp")) and bool(hf.get("num_kv_shared_layers"))}
-    return out | {"full_attention_interval": period_of(hf)}
+    return out | {"full_attention_interval": period_of(hf)} | self.moe_keys(hf)
 
   def import_rope(self, rope: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
     full = rope.get("full_attention") or {"rope_type": "proportional", "partial_rotary_factor": 0.25}
@@ -116,11 +129,21 @@ class Gemma4(gemma2_hf.Gemma2):
 
   def export_fields(self, c, out: dict[str, Any]) -> None:
     period, n = c.full_attention_interval, c.num_decoder_layers
-    if c.num_experts > 1 or n % period:
+    if n % period:
       raise ConfigError(
-        f"gemma4 export needs num_experts <= 1 and num_decoder_layers ({n}) a multiple of full_attention_interval "
-        f"({period}): transformers makes the last layer full attention"
+        f"gemma4 export needs num_decoder_layers ({n}) a multiple of full_attention_interval ({period}): "
+        "transformers makes the last layer full attention"
       )
+    moe = c.num_experts > 1
+    if moe and (c.shared_experts or c.routed_score_func != "softmax" or not c.norm_topk_prob or c.routed_bias):
+      raise ConfigError(
+        "gemma4 MoE export needs shared_experts=0, routed_score_func=softmax, norm_topk_prob=true, "
+        "routed_bias=false (transformers' Gemma4TextRouter)"
+      )
+    out["enable_moe_block"] = moe
+    if moe:
+      out |= {"num_experts": c.num_experts, "top_k_experts": c.num_experts_per_tok}
+      out["moe_intermediate_size"] = c.moe_mlp_dim
     head_dim, kv = c.global_head_dim or c.head_dim, c.global_num_kv_heads or c.num_kv_heads
     out["layer_types"] = layer_types(n, period)
     out["per_layer_config"] = {
@@ -140,11 +163,26 @@ class Gemma4(gemma2_hf.Gemma2):
         yield suffix, path, *rest
     yield from self.norm_rules()
     yield from self.feed_forward_rules(c, False)
+    if c.num_experts > 1:
+      yield from self.moe_rules(c)
     if c.hidden_size_per_layer_input:
       yield "per_layer_input_gate.weight", ("per_layer_input_gate", "kernel"), (), 1, None
       yield "per_layer_projection.weight", ("per_layer_projection", "kernel"), (), 1, None
       yield "post_per_layer_input_norm.weight", ("post_per_layer_input_norm", "scale"), (), None, None
     yield "layer_scalar", ("layer_scalar",), (), None, None
+
+  def moe_rules(self, c) -> Iterator[tuple]:
+    """The MoE branch (Gemma4MoE at `moe`), beside the dense MLP."""
+    f, moe = c.moe_mlp_dim, ("moe", "experts")
+    yield "router.proj.weight", (*moe, "gate", "kernel"), (), 1, None
+    yield "router.scale", ("moe", "router_norm", "scale"), (), None, None
+    yield "router.per_expert_scale", (*moe, "per_expert_scale"), (), None, None
+    yield "experts.gate_up_proj", (*moe, "wi_0"), (), None, None, {"rows": (0, f), "stacked": True}
+    yield "experts.gate_up_proj", (*moe, "wi_1"), (), None, None, {"rows": (f, 2 * f), "stacked": True}
+    yield "experts.down_proj", (*moe, "wo"), (), None, None, {"stacked": True}
+    yield "post_feedforward_layernorm_1.weight", ("post_mlp_norm", "scale"), (), None, None
+    yield "pre_feedforward_layernorm_2.weight", ("moe", "pre_norm", "scale"), (), None, None
+    yield "post_feedforward_layernorm_2.weight", ("moe", "post_norm", "scale"), (), None, None
 
   def rules(self, c, stacks, params: dict) -> list[hf_mapping.Rule]:
     out = [hf_mapping.Rule("model.embed_tokens.weight", ("token_embedder", "embedding"), (), None)]

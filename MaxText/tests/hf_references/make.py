@@ -42,6 +42,8 @@ def norms_init(n, p, name):
   """Norm weights and biases random (gemma's zero-centred norms around 0), the rest as transformers inits."""
   if "norm" in n or ".ln_" in n or n.endswith("bias"):
     return torch.randn_like(p) * 0.5 + (1.0 if n.endswith("weight") and "gemma" not in name else 0.0)
+  if n.endswith(("router.scale", "router.per_expert_scale")):  # Gemma 4's router scales (transformers: ones)
+    return torch.randn_like(p) * 0.5 + 1.0
   return p
 
 

@@ -5,11 +5,9 @@ compiler, and (slow tier) the real command on a v5e-8 topology with a small HBM 
 compiled, and the next larger batch, compiled, does not."""
 
 import functools
+import json
 import math
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,11 +16,11 @@ from jax.extend import core
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from MaxText import autofit, config
+from MaxText import autofit, compiled_step, config, train_compile
 from MaxText import autofit_estimate as estimates
 from MaxText.layers import moe_dispatch
 from MaxText.parallel import remat as remat_lib
-from MaxText.tests.conftest import BASE, ROOT, SIZES
+from MaxText.tests.conftest import BASE, SIZES
 
 GiB = 2**30
 
@@ -123,49 +121,36 @@ TINY_TPU = (
 )  # fmt: skip
 
 
-def train_compile(*overrides):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  command = [sys.executable, "MaxText/train_compile.py", BASE, *TINY_TPU, *overrides]
-  return subprocess.run(command, cwd=ROOT, env={**env, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True)
-
-
-PROBE = """
-import sys
-from MaxText import config, train_compile
-c = config.load(sys.argv[1:])
-print("TOTAL", train_compile.compile_train_step(c, train_compile.topology_devices(c))[1].total_bytes)
-"""
-
-
-def compiled_total(*argv):
-  """XLA's exact total bytes per chip for a config compiled as train_compile does (None: out of memory)."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  result = subprocess.run(
-    [sys.executable, "-c", PROBE, *argv], cwd=ROOT, env={**env, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True
-  )
-  if result.returncode and "does not fit" in result.stderr:
-    return None
-  assert result.returncode == 0, result.stderr[-3000:]
-  return int(re.search(r"TOTAL (\d+)", result.stdout).group(1))
+def program(c) -> str:
+  """What a train step compiles from: every key but the runtime ones compiled_step ignores when it checks a saved
+  step against a run, and auto-fit's own search keys (the recipe drops them)."""
+  keys = {k: v for k, v in c.to_dict().items() if k not in compiled_step.RUNTIME_KEYS and not k.startswith("auto_fit")}
+  return json.dumps(keys, sort_keys=True, default=str)
 
 
 @pytest.mark.slow
-def test_auto_fit_on_v5e_8_fits_and_the_next_batch_does_not(tmp_path):
+def test_auto_fit_on_v5e_8_fits_and_the_next_batch_does_not(tmp_path, monkeypatch, capsys):
+  """The command's main in this process, its compiles kept (the program each compiled and XLA's total): the
+  written recipe loads as the very program the search compiled within the budget, and one more sequence per
+  chip as the one XLA refused or put over it (compiling the recipe again repeated those two compiles)."""
   out = tmp_path / "tiny-v5e-8.yml"
-  command = [
-    sys.executable, "MaxText/train_compile.py", BASE, *TINY_TPU, "compile_topology=v5e-8", "auto_fit=true",
-    "auto_fit_hbm_gib=0.025", "auto_fit_max_batch=32", "auto_fit_compiles=6", f"auto_fit_output={out}",
-  ]  # fmt: skip
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  result = subprocess.run(command, cwd=ROOT, env={**env, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True)
-  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-  assert "the next batch was compiled and does not fit" in result.stdout, result.stdout
+  compiled, total_or_none = {}, train_compile._total_or_none
+
+  def kept(c, devices):
+    compiled[program(c)] = total_or_none(c, devices)
+    return compiled[program(c)]
+
+  monkeypatch.setattr(train_compile, "_total_or_none", kept)
+  train_compile.main([
+    "train_compile.py", BASE, *TINY_TPU, "compile_topology=v5e-8", "auto_fit=true", "auto_fit_hbm_gib=0.025",
+    "auto_fit_max_batch=32", "auto_fit_compiles=6", f"auto_fit_output={out}", f"base_output_directory={tmp_path}",
+  ])  # fmt: skip
+  assert "the next batch was compiled and does not fit" in capsys.readouterr().out
   recipe = [str(out), f"base_output_directory={tmp_path}", "compile_topology=v5e-8"]
-  batch = config.load(recipe, {}).per_device_batch_size
-  # The written recipe, compiled on its own: it fits the budget; one more sequence per chip does not.
+  fits = config.load(recipe, {})
   budget = 0.9 * 0.025 * GiB
-  assert compiled_total(*recipe) <= budget
-  over = compiled_total(*recipe, f"per_device_batch_size={batch + 1}")
+  assert compiled[program(fits)] <= budget
+  over = compiled[program(config.load([*recipe, f"per_device_batch_size={fits.per_device_batch_size + 1}"], {}))]
   assert over is None or over > budget
 
 

@@ -1,16 +1,12 @@
 """dump_hlo (hlo_dump.py): MaxText's debugging keys leave XLA's dump of the compiled step in the run directory,
-from train.py and from train_compile.py (for a TPU topology through libtpu, and on the CPU); bad values fail
-at load with the key."""
-
-import os
-import subprocess
-import sys
+from train.py and from train_compile.py on the CPU (for a TPU topology through libtpu: train_compile_test.py,
+which compiles that program once for this and its saved-step test); bad values fail at load with the key."""
 
 import pytest
 
 from MaxText import config, hlo_dump, train, train_compile
 from MaxText.errors import ConfigError
-from MaxText.tests.conftest import BASE, ROOT, TINY, cfg
+from MaxText.tests.conftest import BASE, TINY, cfg
 
 
 def dumped(directory, pattern="*jit_train_step*after_optimizations.txt") -> list:
@@ -35,17 +31,6 @@ def test_train_compile_on_cpu_copies_a_dump_written_elsewhere(tmp_path, capsys):
   train_compile.main(argv)
   assert dumped(tmp_path / "xla") and dumped(tmp_path / "aot" / "hlo")
   assert [p.name for p in dumped(tmp_path / "xla")] == [p.name for p in dumped(tmp_path / "aot" / "hlo")]
-
-
-def test_train_compile_for_a_tpu_topology_dumps_the_tpu_program(tmp_path):
-  """train_compile's topology compile through libtpu honours the dump options (no XLA_FLAGS needed)."""
-  command = [sys.executable, "MaxText/train_compile.py", BASE, *TINY, f"base_output_directory={tmp_path}"]
-  command += ["run_name=tpu", "compile_topology=v5e-8", "per_device_batch_size=1", "dump_hlo=true"]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-  (optimized,) = dumped(tmp_path / "tpu" / "hlo", "*jit_train_step*.after_optimizations.txt")  # libtpu's names
-  assert optimized.read_text().startswith("HloModule jit_train_step")
 
 
 def test_module_name_and_extra_flags_reach_the_compile_options(tmp_path):

@@ -242,10 +242,22 @@ def no_state(monkeypatch) -> None:
   monkeypatch.setattr(train.checkpointing, "restore_or_init", fail)
 
 
-def test_step_compiled_for_a_tpu_topology_is_refused_on_cpu_in_one_line_before_any_state(tmp_path, monkeypatch):
-  path = os.path.join(tmp_path, "step.pickle")
+@pytest.fixture(scope="module")
+def tiny_v5e_8_step(tmp_path_factory):
+  """The tiny model compiled for v5e-8 through libtpu once, for the two tests that read it: the saved step
+  (compiled_trainstep_file) and XLA's dump (dump_hlo, a runtime key: the same program either way)."""
+  out = tmp_path_factory.mktemp("tpu_step")
+  path = os.path.join(out, "step.pickle")
   common = [*TINY, "per_device_batch_size=1", f"compiled_trainstep_file={path}"]
-  result = compile_command(*common, "compile_topology=v5e-8", f"base_output_directory={tmp_path}")
+  result = compile_command(*common, "compile_topology=v5e-8", f"base_output_directory={out}", "run_name=tpu",
+                           "dump_hlo=true")  # fmt: skip
+  return result, out, path, common
+
+
+def test_step_compiled_for_a_tpu_topology_is_refused_on_cpu_in_one_line_before_any_state(
+  tiny_v5e_8_step, tmp_path, monkeypatch
+):
+  result, _, path, common = tiny_v5e_8_step
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
   no_state(monkeypatch)
   with pytest.raises(SystemExit) as e:
@@ -255,6 +267,15 @@ def test_step_compiled_for_a_tpu_topology_is_refused_on_cpu_in_one_line_before_a
     "but this run has 8 x cpu: run it on that hardware, or compile for these devices with train_compile.py "
     "compile_topology=cpu"
   )
+
+
+def test_train_compile_for_a_tpu_topology_dumps_the_tpu_program(tiny_v5e_8_step):
+  """dump_hlo (hlo_dump_test.py's other cases): train_compile's topology compile through libtpu honours the dump
+  options (no XLA_FLAGS needed)."""
+  result, out, _, _ = tiny_v5e_8_step
+  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+  (optimized,) = (out / "tpu" / "hlo").glob("*jit_train_step*.after_optimizations.txt")  # libtpu's names
+  assert optimized.read_text().startswith("HloModule jit_train_step")
 
 
 def test_step_compiled_for_other_settings_lists_every_difference_before_any_state(tmp_path, monkeypatch):

@@ -7,7 +7,9 @@ module its own window (global causal, sliding, Llama 4's chunks; NoPE layers are
 its chunked linear-attention cost per token (GatedDeltaNet.forward_flops_per_token), every lightning indexer
 (DeepSeek V3.2) its projections and index scores over all keys, forward only (Indexer.forward_flops_per_token),
 and the logits head once per application (the main model's, and one per multi-token-prediction module).
-Stacked layers (scan_layers) are counted through their kernels' leading layer axis.
+Stacked layers (scan_layers) are counted through their kernels' leading layer axis. Layers without a projection
+count none: Gemma 4's kv-sharing layers (no key/value projections; their attention still counts) and K = V full
+layers (no value projection); its per-layer embeddings count their projections, not their table (a lookup).
 
     python3 -m MaxText.flops MaxText/configs/base.yml model_name=llama2-7b   # the count for a config
 """

@@ -104,6 +104,11 @@ CASES = (
     "olmo3-32b v5p-128",
     "model_name=olmo3-32b", "compile_topology=v5p-128", "per_device_batch_size=1", "max_target_length=8192",
   ),
+  # Gemma 4 31B (text): 5 sliding-window (1024) : 1 full layers, the full ones with head dim 512 and K = V.
+  case(
+    "gemma4-31b v5p-64",
+    "model_name=gemma4-31b", "compile_topology=v5p-64", "per_device_batch_size=2", "max_target_length=4096",
+  ),
   # Qwen3.5-35B-A3B: 30 gated DeltaNet (separate projections) + 10 gated attention layers, 256 experts per layer.
   case(
     "qwen3.5-35b-a3b v5p-64",

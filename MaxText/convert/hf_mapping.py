@@ -90,6 +90,15 @@ def canonical_name(name: str) -> str:
   return name
 
 
+def text_model(hf: dict[str, Any], text_type: str, tie_default: bool) -> dict[str, Any]:
+  """An image-text checkpoint's config.json -> its text model's: text_config as model_type `text_type`, tied
+  as the image-text class ties its head (the top-level tie_word_embeddings, default `tie_default`)."""
+  if not isinstance(hf.get("text_config"), dict):
+    raise ConfigError(f"model_type={hf.get('model_type')} config.json needs a text_config object")
+  tie = hf.get("tie_word_embeddings", tie_default)
+  return {**hf["text_config"], "model_type": text_type, "tie_word_embeddings": tie}
+
+
 def deinterleave(first: int, rope: int) -> list[int]:
   """Permutation of a last axis [first dims, rope dims] that turns interleaved rope pairs (0, 1), (2, 3), ...
   (DeepSeek's, Llama 4's) into the halves layout (evens, then odds)."""
@@ -190,6 +199,7 @@ class Mapping:
   decoder_block = ""
   model_types: tuple[str, ...] = ()  # config.json model_type values this family imports
   multimodal_type = ""  # the model_type of its image-text checkpoints, if any (maxtext_keys reads both)
+  towers: tuple[str, ...] = ()  # name prefixes (canonical_name's) of the towers a text-only import skips
   arch = ("", "")  # (model_type, architecture class) it exports as
   extra: dict[str, str] = {}  # HF field -> MaxText key, beyond COMMON
   fixed: dict[str, Any] = {}  # MaxText keys implied by the family

@@ -17,6 +17,7 @@ import argparse
 import functools
 import glob
 import json
+import logging
 import os
 import shutil
 import sys
@@ -36,6 +37,8 @@ from MaxText.config import Config
 from MaxText.convert import fp8, hf_mapping, mappings, mxfp4, streaming
 from MaxText.errors import ConfigError, StorageError
 from MaxText.layers.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 def get(tree: dict, path: tuple) -> Any:
@@ -162,6 +165,7 @@ def _convert(hf_path: str, output: str, scan_layers: bool, dtype: str, final: st
   index = {canonical(name): v for name, v in raw.items()}
   packed = {canonical(name) for name in packed}
   block = fp8.block_size(read_hf_config(hf_path))
+  index = without_towers(mapping, c, index)
   expected = {r.hf_name for r in rules}
   if block:  # each FP8 weight's block scales travel with it
     expected |= {r.hf_name + fp8.SCALE_SUFFIX for r in rules if r.hf_name + fp8.SCALE_SUFFIX in index}
@@ -193,6 +197,18 @@ def _convert(hf_path: str, output: str, scan_layers: bool, dtype: str, final: st
     shutil.rmtree(path)
   streaming.save(path, {"params": _fill(state, streamed)})
   return path
+
+
+def without_towers(mapping: hf_mapping.Mapping, c: Config, index: dict[str, Any]) -> dict[str, Any]:
+  """`index` less the image/audio towers' tensors (mapping.towers) that a text-only import skips, saying so in
+  one info line."""
+  if c.use_multimodal or not mapping.towers:
+    return index
+  towers = {name for name in index if name.startswith(mapping.towers)}
+  if towers:
+    found = ", ".join(p + "*" for p in mapping.towers if any(name.startswith(p) for name in towers))
+    log.info("Skipping %d tensors of the towers %s: the text model is imported alone", len(towers), found)
+  return {name: v for name, v in index.items() if name not in towers}
 
 
 def _check_shape(index: dict[str, tuple[str, tuple[int, ...]]], rule: hf_mapping.Rule, shape: tuple[int, ...]) -> None:
@@ -248,6 +264,7 @@ def main(argv: Sequence[str]) -> None:
   )
   args = parser.parse_args(argv[1:])
   jax.config.update("jax_platforms", "cpu")
+  launch.setup_logging()
   try:
     path = convert(args.hf_path, args.output, args.scan_layers == "true", args.dtype)
   except ConfigError as e:

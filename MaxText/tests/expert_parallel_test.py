@@ -45,10 +45,9 @@ def sharded_step(c, params, layer_config, x):
   with sharding.activate(c, mesh):  # as train.py computes the shardings: the experts' dim over `expert`
     placed = jax.device_put(params, state._shardings(params, c, mesh))
     assert placed["wi_0"].value.sharding.spec[0] == "expert"
-    step = jax.jit(jax.value_and_grad(loss_fn(graphdef)))
+    step = jax.jit(jax.value_and_grad(loss_fn(graphdef))).lower(placed, x).compile()  # one compile: run and HLO
     value, grads = step(placed, x)
-    hlo = step.lower(placed, x).compile().as_text()
-  return value, grads, hlo
+  return value, grads, step.as_text()
 
 
 CASES = [(ep, mode) for ep in (2, 4, 8) for mode in ("dropless", "sequence", "shard")]

@@ -8,6 +8,7 @@ from flax import nnx
 
 from MaxText import config as config_lib
 from MaxText import flops as flops_lib
+from MaxText.layers.embeddings import Embed
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.moe import MoeBlock
 from MaxText.tests.conftest import sized_config
@@ -126,6 +127,19 @@ FAMILIES = {
   # 8 layers: NoPE (global) layers 3 and 7, the other 6 chunked (blocks of 8); MoE layers 1, 3, 5, 7 (one routed
   # expert 3 * 64*32 = 6144, one shared 6144, router 256), dense SwiGLU layers 0, 2, 4, 6
   "llama4": (LLAMA4, 6 * (8 * 12288 + 4 * 24576 + 4 * (6144 + 6144 + 256)), 3 * 256 * (6 * 4 + 2 * 16), 98304),
+  # 6 layers sliding (window 8), full, ...; full layers H=32 with one kv head and K = V (no v); the last 2 layers
+  # share K/V (no k or v projections) with double-wide MLPs (3 * 64*256 = 49152); per-layer embeddings of P=8: in
+  # every layer gate 64*8 + projection 8*64 = 1024, once the model projection 64*(6*8) = 3072 (its table a lookup).
+  # sliding 12288 + 24576 + 1024 = 37888; full q 64*4*32 + k 64*32 + o 4*32*64 = 18432, + 24576 + 1024 = 44032;
+  # shared sliding 4096 + 4096 + 49152 + 1024 = 58368; shared full 8192 + 8192 + 49152 + 1024 = 66560.
+  # Attention as computed: 3 sliding layers 256 * 7, 3 full 2 * 16 * 4 * (32 + 32) = 512 * 16 (shared ones too).
+  "gemma4": (
+    ["decoder_block=gemma4", "base_num_decoder_layers=6", "full_attention_interval=2", "sliding_window_size=8",
+     "global_head_dim=32", "global_num_kv_heads=1", "attention_k_eq_v=true", "num_kv_shared_layers=2",
+     "use_double_wide_mlp=true", "hidden_size_per_layer_input=8", "vocab_size_per_layer_input=32",
+     "mlp_activations=[gelu,linear]", "logits_via_embedding=true"],
+    6 * (2 * 37888 + 2 * 44032 + 58368 + 66560 + 3072), 3 * (3 * 256 * 7 + 3 * 512 * 16), 98304,
+  ),
 }
 # fmt: on
 
@@ -148,7 +162,9 @@ def test_every_matrix_is_a_projection_expert_or_lookup_table(tmp_path, family):
   if model.position_embedder is not None:
     counted.add(id(model.position_embedder.embedding))
   for _, module in nnx.iter_modules(model):
-    if isinstance(module, DenseGeneral):
+    if isinstance(module, Embed):  # a lookup table (gemma4's per-layer embeddings too)
+      counted.add(id(module.embedding))
+    elif isinstance(module, DenseGeneral):
       counted |= {id(module.kernel), id(module.bias)}  # a bias is added, not multiplied (gpt3's q/k/v: [N, H])
     elif isinstance(module, MoeBlock):
       counted |= {id(getattr(module, name)) for name in flops_lib.EXPERT_WEIGHTS}

@@ -103,17 +103,23 @@ def trained_losses(tmp_path, mode):
   return np.array(losses(c))
 
 
-def test_int8_training_learns(tmp_path):
-  got = trained_losses(tmp_path, "int8")
+@pytest.fixture(scope="module")
+def int8_losses(tmp_path_factory):
+  """The int8 run's losses: one run for the two tests below."""
+  return trained_losses(tmp_path_factory.mktemp("int8"), "int8")
+
+
+def test_int8_training_learns(int8_losses):
+  got = int8_losses
   assert np.isfinite(got).all() and got[-1] < got[0] - 0.2, got
 
 
 @pytest.mark.slow
-def test_fp8_training_learns_like_the_unquantized_model(tmp_path):
+def test_fp8_training_learns_like_the_unquantized_model(tmp_path, int8_losses):
   """fp8 (emulated on CPU: XLA:CPU has no fp8 matmul, it upcasts) and int8 track the float32 losses."""
   ref = trained_losses(tmp_path, "")
   for mode in ("fp8", "int8"):
-    got = trained_losses(tmp_path, mode)
+    got = trained_losses(tmp_path, mode) if mode == "fp8" else int8_losses
     assert np.isfinite(got).all() and got[-1] < got[0] - 0.2, (mode, got)
     np.testing.assert_allclose(got[-3:], ref[-3:], rtol=0.05, err_msg=mode)
 

@@ -179,33 +179,41 @@ TINY35 += ["shared_experts=1", "shared_expert_gate=true", "partial_rotary_factor
 TINY35 += ["vocab_size=64", "weight_dtype=float32"]
 
 
+def loss35(graphdef, params):
+  """The next-token loss of TINY35 (its graph `graphdef`) on a fixed batch of 8 x 16 tokens."""
+  tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (8, 17)), jnp.int32)
+  positions, segments = jnp.broadcast_to(jnp.arange(16), (8, 16)), jnp.ones((8, 16), jnp.int32)
+  logits = nnx.merge(graphdef, params)(tokens[:, :-1], positions, segments)
+  return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, tokens[:, 1:, None], -1)[..., 0])
+
+
+@pytest.fixture(scope="module")
+def unsharded35():
+  """(TINY35's parameters (seed 0), their loss on one device): one build and compile for all layouts."""
+  c = config.load([BASE, *TINY35], {})
+  graphdef, params = nnx.split(models.build(c, nnx.Rngs(params=0), planner.build(c)), nnx.Param)
+  return params, float(jax.jit(functools.partial(loss35, graphdef))(params))
+
+
 @pytest.mark.slow  # one compile per layout
 @pytest.mark.parametrize(
   "layout",
   [["ici_expert_parallelism=2", "ici_fsdp_parallelism=4"], ["ici_expert_parallelism=8", "ici_fsdp_parallelism=1"]]
   + [["ici_tensor_parallelism=2", "ici_fsdp_parallelism=4"], ["ici_fsdp_parallelism=8"]],
 )
-def test_layouts_on_8_devices_give_the_single_device_loss(layout):
+def test_layouts_on_8_devices_give_the_single_device_loss(unsharded35, layout):
   """Expert, tensor and FSDP parallel over the 8 CPU devices: the loss of a 4-layer Qwen3.5-MoE (3 split DeltaNet
   layers, 1 gated attention, 8 experts) equals the unsharded one."""
+  params, expected = unsharded35
   c = config.load([BASE, *TINY35, *layout], {})
   mesh = sharding.create_mesh(c)
-  graphdef, params = nnx.split(models.build(c, nnx.Rngs(params=0), planner.build(c)), nnx.Param)
   sharded = nnx.split(models.build(c, nnx.Rngs(params=0), planner.build(c, mesh)), nnx.Param)[0]
-  tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (8, 17)), jnp.int32)
-  positions, segments = jnp.broadcast_to(jnp.arange(16), (8, 16)), jnp.ones((8, 16), jnp.int32)
-
-  def loss(g, p):
-    logits = nnx.merge(g, p)(tokens[:, :-1], positions, segments)
-    return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, tokens[:, 1:, None], -1)[..., 0])
-
-  expected = jax.jit(functools.partial(loss, graphdef))(params)
   with sharding.activate(c, mesh):
     placed = jax.device_put(
       params, sharding.logical_to_mesh(nnx.get_partition_spec(params), mesh, sharding.axis_rules(c))
     )
-    got = jax.jit(functools.partial(loss, sharded))(placed)
-  np.testing.assert_allclose(float(got), float(expected), rtol=1e-6)
+    got = jax.jit(functools.partial(loss35, sharded))(placed)
+  np.testing.assert_allclose(float(got), expected, rtol=1e-6)
 
 
 def test_flops_count_linear_attention_layers_as_such():

@@ -60,8 +60,7 @@ def test_scan_remat_and_accumulation_do_not_change_losses(tmp_path, reference):
     ["remat_policy=minimal"],
     ["remat_policy=save_dot_except_mlp"],
     ["remat_policy=save_qkv_proj"],
-    ["remat_policy=none"],
-    ["remat_policy=none", "scan_layers=false"],
+    ["remat_policy=none"],  # remat() returns the layer unwrapped, scanned or not: no case of its own unrolled
     ["gradient_accumulation_steps=2"],
     ["num_vocab_tiling=4"],  # logits and loss in 4 sequence pieces
     ["attention_query_chunk=8", "attention=dot_product"],  # attention in 4 query blocks

@@ -16,9 +16,9 @@ python3 MaxText/train.py "$OUT/converted/config.yml" run_name=mm base_output_dir
   eval_fraction=0 max_target_length=48 per_device_batch_size=4 steps=150 learning_rate=3e-3 \
   freeze_vision_encoder=false checkpoint_period=150
 python3 end_to_end/assert_metrics.py "$OUT/mm/metrics.jsonl" --steps 150 --max_final_loss 0.1 --keys loss
+# <start_of_image> where the image goes, in the chat template's prompt; `read -d ''` keeps its final newline
+IFS= read -r -d '' PROMPT < <(python3 -m MaxText.data.chat_prompt "$OUT/converted" "<start_of_image>What colour is this?") || true
 for colour in red green blue; do
-  # <start_of_image> where the image goes, in the chat template's prompt; `read -d ''` keeps its final newline
-  IFS= read -r -d '' PROMPT < <(python3 -m MaxText.data.chat_prompt "$OUT/converted" "<start_of_image>What colour is this?") || true
   python3 MaxText/decode.py "$OUT/converted/config.yml" load_parameters_path="$OUT/mm/checkpoints/150/state" \
     image_path="$OUT/$colour.png" prompt="$PROMPT" add_bos=false max_prefill_predict_length=40 max_target_length=56 \
     | tee "$OUT/decode_$colour.log"

@@ -8,7 +8,9 @@ per_layer_projection, post_per_layer_input_norm) when hidden_size_per_layer_inpu
 "proportional" (or default) on full layers, default on sliding ones. enable_moe_block (our num_experts > 1): per layer
 router.proj / router.scale / router.per_expert_scale, experts.gate_up_proj [E, 2F, D] (gate rows, then up) and
 experts.down_proj [E, D, F] (each expert's torch Linear weights, transposed to ours), and the norms
-post_feedforward_layernorm_1 (the dense MLP's), pre_ and post_feedforward_layernorm_2 (the experts')."""
+post_feedforward_layernorm_1 (the dense MLP's), pre_ and post_feedforward_layernorm_2 (the experts'). The releases'
+image-audio-text checkpoints (Gemma4ForConditionalGeneration, model_type gemma4) import their text model:
+text_config, the tensors under model.language_model.; the vision and audio towers are skipped."""
 
 from __future__ import annotations
 
@@ -23,6 +25,9 @@ DEFAULT_GLOBAL_HEAD_DIM = 512  # Gemma4TextConfig's when config.json gives neith
 SHARED_KV = ("self_attn.k_proj", "self_attn.v_proj", "self_attn.k_norm", "self_attn.v_norm")  # absent when sharing
 DEFAULT_PERIOD = 6  # Gemma4TextConfig's layer_types when config.json has none: 5 sliding, then 1 full
 DEFAULT_PER_LAYER, DEFAULT_PER_LAYER_VOCAB = 256, 262144  # Gemma4TextConfig's per-layer embedding width and rows
+IMAGE_TEXT = "gemma4"  # Gemma4ForConditionalGeneration's model_type
+# Its towers' tensor names (as hf_mapping.canonical_name writes them): skipped on import.
+TOWERS = ("vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
 # Features of Gemma4TextConfig this project does not build yet: field -> (Gemma4TextConfig's default, the values
 # that leave them off; the first is what an export writes).
 UNSUPPORTED = {
@@ -68,9 +73,18 @@ def global_shape(hf: dict[str, Any]) -> tuple[int, int]:
 class Gemma4(gemma2_hf.Gemma2):
   decoder_block = "gemma4"
   model_types = ("gemma4_text",)
+  multimodal_type = IMAGE_TEXT  # the releases: their text model is imported, the towers skipped (TOWERS)
+  towers = TOWERS
   arch = ("gemma4_text", "Gemma4ForCausalLM")
   extra = {"sliding_window": "sliding_window_size", "final_logit_softcapping": "final_logits_soft_cap"}
   fixed = {"use_post_attn_norm": True, "use_post_ffw_norm": True, "use_qk_norm": True}
+
+  def maxtext_keys(self, hf: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma4ForConditionalGeneration config.json (the releases) reads as its text model (text_config; the
+    image-text class ties its head unless its own tie_word_embeddings says otherwise)."""
+    if hf.get("model_type") == IMAGE_TEXT:
+      hf = hf_mapping.text_model(hf, self.model_types[0], tie_default=True)
+    return super().maxtext_keys(hf)
 
   def check(self, hf: dict[str, Any]) -> None:
     for field, (default, off) in UNSUPPORTED.items():

@@ -284,36 +284,51 @@ class Attention(nnx.Module):
     Decoding: with a `cache`, k/v are written into it at `positions` and the queries attend over the
     whole cache (layers/kv_cache.py); the updated cache is returned.
     """
+    q, k, v, cache = self.queries_keys_values(x, positions, cache)
+    return self.attend(q, k, v, positions, segment_ids, cache is not None), cache
+
+  def queries_keys_values(
+    self, x: jax.Array, positions: jax.Array, cache: kv_cache.KVCache | None = None
+  ) -> tuple[jax.Array, jax.Array, jax.Array, kv_cache.KVCache | None]:
+    """project's q, k, v and the cache; decoding, k/v go into the cache and its whole keys/values come back."""
     q, k, v = self.project(x, positions)
+    if cache is not None:
+      cache = kv_cache.update(cache, k, v, positions)
+      k, v = kv_cache.read(cache, v.dtype)
+    return q, k, v, cache
+
+  def attend(
+    self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, segment_ids: jax.Array,
+    decoding: bool = False,
+  ) -> jax.Array:  # fmt: skip
+    """q [B, T, N, H] over k/v [B, S, K, H] -> out [B, T, D] (after the o projection). `decoding`: k/v are a
+    whole decode cache's (queries at `positions`), else the same tokens' as q (the plan's kernel)."""
     sinks = None if self.sinks is None else self.sinks[...]
     blocks = None
     if isinstance(segment_ids, ImageSegments):
       segment_ids, blocks = segment_ids
-    if cache is None and blocks is None:
+    if not decoding and blocks is None:
       out = attend(self.plan, q, k, v, segment_ids, self.sliding_window, self.chunk_window, sinks)
-    elif cache is None and (chunk := self.plan.attention.image_chunk_for(q.shape[1])):
+    elif not decoding and (chunk := self.plan.attention.image_chunk_for(q.shape[1])):
       # images: their bidirectional blocks over the causal mask, dot-product attention in query blocks (the plan's)
       cap, window = self.config.attention.attn_logits_soft_cap, self.sliding_window
       out = chunked_dot_product_attention(
         q, k, v, segment_ids, window, cap, chunk, chunk_window=self.chunk_window, sinks=sinks, blocks=blocks
       )
-    elif cache is None:  # the same over the whole sequence at once
+    elif not decoding:  # the same over the whole sequence at once
       mask = attention_mask(segment_ids, self.sliding_window, chunk_window=self.chunk_window)
       index = jnp.arange(segment_ids.shape[1])
       same_doc = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None, None]
       mask |= block_mask(blocks, blocks, index, index, self.sliding_window) & same_doc
       out = dot_product_attention(q, k, v, mask, self.config.attention.attn_logits_soft_cap, sinks)
     else:
-      cache = kv_cache.update(cache, k, v, positions)
-      keys, values = kv_cache.read(cache, v.dtype)
-      length = cache.key.shape[1]
-      mask = kv_cache.mask(positions, length, self.sliding_window, self.chunk_window)
+      mask = kv_cache.mask(positions, k.shape[1], self.sliding_window, self.chunk_window)
       if blocks is not None:  # a prefill with images: its tokens sit in cache slots 0..T-1
-        k_blocks = jnp.pad(blocks, ((0, 0), (0, length - blocks.shape[1])), constant_values=-1)
-        mask |= block_mask(blocks, k_blocks, positions, jnp.arange(length), self.sliding_window)
-      out = dot_product_attention(q, keys, values, mask, self.config.attention.attn_logits_soft_cap, sinks)
+        k_blocks = jnp.pad(blocks, ((0, 0), (0, k.shape[1] - blocks.shape[1])), constant_values=-1)
+        mask |= block_mask(blocks, k_blocks, positions, jnp.arange(k.shape[1]), self.sliding_window)
+      out = dot_product_attention(q, k, v, mask, self.config.attention.attn_logits_soft_cap, sinks)
     out = checkpoint_name(nn.with_logical_constraint(out, HEAD_AXES), "context")
-    return checkpoint_name(self.out(out), "out_proj"), cache
+    return checkpoint_name(self.out(out), "out_proj")
 
   def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [B, T, D] -> q [B, T, N, H] (normed, rotated, scaled), k [B, T, K, H] (normed, rotated), v [B, T, K, H]."""

@@ -77,17 +77,22 @@ class DecoderLayer(nnx.Module):
   ) -> tuple[jax.Array, Any]:
     """x [B, T, D], positions/segment_ids [B, T] -> (x [B, T, D], cache). `rng`: dropout (None: off);
     `cache`: the attention's decode cache, returned updated (None in training, and then returned None)."""
+    return self.around(x, rng, lambda h: self.self_attention(h, positions, segment_ids, None, cache))
+
+  def around(self, x: jax.Array, rng: jax.Array | None, attention: Callable[..., tuple]) -> tuple:
+    """The layer around `attention` (the normed x -> (out, *extras): the cache, and Gemma 4's shared keys and
+    values) -> (x, *extras)."""
     attn_rng, mlp_rng = (None, None) if rng is None else jax.random.split(rng)
-    h, cache = self.self_attention(self.pre_self_attention_layer_norm(x), positions, segment_ids, None, cache)
+    h, *extras = attention(self.pre_self_attention_layer_norm(x))
     if self.post_self_attention_norm is not None:
       h = self.post_self_attention_norm(h)
-    x = x + dropout(h, self.dropout_rate, attn_rng)
-    x = nn.with_logical_constraint(x, ACTIVATION_AXES)
+    x = nn.with_logical_constraint(x + dropout(h, self.dropout_rate, attn_rng), ACTIVATION_AXES)
+    return x + dropout(self.feed_forward(x), self.dropout_rate, mlp_rng), *extras
+
+  def feed_forward(self, x: jax.Array) -> jax.Array:
+    """The feed-forward sublayer's output (before the residual): norm -> MLP or MoE -> (norm)."""
     h = self.mlp(self.post_self_attention_layer_norm(x))
-    if self.post_ffw_norm is not None:
-      h = self.post_ffw_norm(h)
-    x = x + dropout(h, self.dropout_rate, mlp_rng)
-    return x, cache
+    return h if self.post_ffw_norm is None else self.post_ffw_norm(h)
 
   def init_cache(self, batch: int, length: int) -> Any:
     return self.self_attention.init_cache(batch, length)

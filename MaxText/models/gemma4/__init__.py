@@ -22,11 +22,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText.layers import kv_cache
-from MaxText.layers.attention import Attention, attend, dot_product_attention
-from MaxText.layers.axes import ACTIVATION_AXES, HEAD_AXES, KV_HEAD_AXES
+from MaxText.layers.attention import Attention
+from MaxText.layers.axes import HEAD_AXES, KV_HEAD_AXES
 from MaxText.layers.decoder import Family, LayerBlock, Stack, alternating_stacks
-from MaxText.layers.decoder_layer import DecoderLayer, dropout
+from MaxText.layers.decoder_layer import DecoderLayer
 from MaxText.layers.embeddings import Embed, apply_rope
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.mlp import ACTIVATIONS, MlpBlock
@@ -75,12 +74,6 @@ class Gemma4Attention(Attention):
     q = nn.with_logical_constraint(checkpoint_name(self.query(x), "query_proj"), HEAD_AXES)
     return self.rope(self.query_norm(q), positions)
 
-  def __call__(
-    self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, rng: jax.Array | None = None, cache: Any = None
-  ) -> tuple[jax.Array, Any]:
-    out, cache, _ = self.attend_sharing(x, positions, segment_ids, cache)
-    return out, cache
-
   def attend_sharing(
     self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, cache: Any = None,
     shared: tuple[jax.Array, jax.Array] | None = None, decoding: bool = False,
@@ -89,19 +82,10 @@ class Gemma4Attention(Attention):
     cache's [B, S, K, H] when decoding). `shared`: an earlier layer's keys and values, attended in place of
     this layer's own (kv-sharing; `decoding`: they are a cache's)."""
     if shared is None:
-      q, k, v = self.project(x, positions)
-      if cache is not None:
-        cache = kv_cache.update(cache, k, v, positions)
-        k, v = kv_cache.read(cache, v.dtype)
+      q, k, v, cache = self.queries_keys_values(x, positions, cache)
     else:
       q, (k, v) = self.project_query(x, positions), shared
-    if cache is None and not decoding:
-      out = attend(self.plan, q, k, v, segment_ids, self.sliding_window)
-    else:
-      mask = kv_cache.mask(positions, k.shape[1], self.sliding_window)
-      out = dot_product_attention(q, k, v, mask, self.config.attention.attn_logits_soft_cap)
-    out = checkpoint_name(nn.with_logical_constraint(out, HEAD_AXES), "context")
-    return checkpoint_name(self.out(out), "out_proj"), cache, (k, v)
+    return self.attend(q, k, v, positions, segment_ids, decoding or cache is not None), cache, (k, v)
 
   def rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
     if self.rope_type != "proportional":
@@ -188,13 +172,8 @@ class Gemma4Layer(DecoderLayer):
   ) -> tuple[jax.Array, Any, tuple[jax.Array, jax.Array]]:  # fmt: skip
     """The layer, also returning the keys and values its attention attended (Gemma4Attention.attend_sharing);
     `layer_inputs` [B, T, P]: its per-layer embedding input (PerLayerInputs)."""
-    attn_rng, mlp_rng = (None, None) if rng is None else jax.random.split(rng)
-    h = self.pre_self_attention_layer_norm(x)
-    h, cache, kv = self.self_attention.attend_sharing(h, positions, segment_ids, cache, shared, decoding)
-    if self.post_self_attention_norm is not None:
-      h = self.post_self_attention_norm(h)
-    x = nn.with_logical_constraint(x + dropout(h, self.dropout_rate, attn_rng), ACTIVATION_AXES)
-    x = x + dropout(self.feed_forward(x), self.dropout_rate, mlp_rng)
+    attend = functools.partial(self.self_attention.attend_sharing, shared=shared, decoding=decoding)
+    x, cache, kv = self.around(x, rng, lambda h: attend(h, positions, segment_ids, cache))
     if self.per_layer_input_gate is not None:  # no layer_inputs: LoRA's tracing call (lora.add_adapters)
       own = jnp.zeros((*x.shape[:-1], self.per_layer_input_gate.out_features[0]), x.dtype)
       own = own if layer_inputs is None else layer_inputs.astype(x.dtype)

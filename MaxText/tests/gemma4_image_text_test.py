@@ -12,7 +12,7 @@ import pytest
 from MaxText import config
 from MaxText.convert import hf_to_maxtext, mappings
 from MaxText.errors import ConfigError
-from MaxText.tests.helpers import TOKENS, T, hf_model, maxtext_logits
+from MaxText.tests.helpers import TOKENS, assert_live_model_converts, hf_model, maxtext_logits
 
 # A few tensors of each tower, named as transformers 5.23 saves them (shapes do not matter: they are skipped).
 TOWER_TENSORS = (
@@ -102,15 +102,4 @@ def test_live_image_text_model_converts_to_its_text_logits(tmp_path):
   audio = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
   cfg = transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=audio)
   torch.manual_seed(0)
-  model = transformers.Gemma4ForConditionalGeneration(cfg).float().eval()
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if "norm" in name:
-        p.copy_(torch.randn_like(p) * 0.5 + 1.0)
-  hf_path, out = str(tmp_path / "hf"), str(tmp_path / "mt")
-  model.save_pretrained(hf_path)
-  tokens = np.random.default_rng(0).integers(0, 64, (2, T))
-  with torch.no_grad():
-    want = model(input_ids=torch.tensor(tokens)).logits.numpy()
-  hf_to_maxtext.convert(hf_path, out)
-  np.testing.assert_allclose(maxtext_logits(out, tokens), want, rtol=1e-5, atol=1e-5)
+  assert_live_model_converts(transformers.Gemma4ForConditionalGeneration(cfg).float().eval(), tmp_path)

@@ -237,6 +237,26 @@ def maxtext_logits(out_dir, tokens, *overrides):
   return np.asarray(model(jnp.asarray(tokens), jnp.broadcast_to(jnp.arange(t), (b, t)), jnp.ones((b, t), jnp.int32)))
 
 
+def assert_live_model_converts(model, tmp_path) -> None:
+  """A live transformers model (an image-text one included), its norms randomised about 1, saved and converted:
+  our logits on random text tokens [2, T] equal its own (torch tier)."""
+  import torch
+
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "norm" in name:
+        p.copy_(torch.randn_like(p) * 0.5 + 1.0)
+  hf_path, out = str(tmp_path / "hf"), str(tmp_path / "mt")
+  model.save_pretrained(hf_path)
+  tokens = np.random.default_rng(0).integers(0, 64, (2, T))
+  with torch.no_grad():
+    want = model(input_ids=torch.tensor(tokens)).logits.numpy()
+  from MaxText.convert import hf_to_maxtext
+
+  hf_to_maxtext.convert(hf_path, out)
+  np.testing.assert_allclose(maxtext_logits(out, tokens), want, rtol=1e-5, atol=1e-5)
+
+
 def assert_export_is_exact(c: config.Config, hf_path: str, back: str) -> None:
   """Export the model `c` loads to Hugging Face at `back`: every tensor equals hf_path's original, bit for bit."""
   from safetensors import numpy as safetensors_numpy

@@ -28,7 +28,7 @@ from MaxText.tests.helpers import (
   QWEN35_DENSE,
   SMALL,
   TOKENS,
-  T,
+  assert_live_model_converts,
   hf_config,
   hf_keys,
   hf_model,
@@ -95,18 +95,7 @@ def test_image_text_checkpoint_imports_its_text_model(tmp_path, moe):
   vision |= {"num_position_embeddings": 16}
   cfg = getattr(transformers, f"{prefix}Config")(text_config=text, vision_config=vision)
   torch.manual_seed(0)
-  model = getattr(transformers, f"{prefix}ForConditionalGeneration")(cfg).float().eval()
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if "norm" in name:
-        p.copy_(torch.randn_like(p) * 0.5 + 1.0)
-  hf_path, out = os.path.join(tmp_path, "hf"), os.path.join(tmp_path, "mt")
-  model.save_pretrained(hf_path)
-  tokens = np.random.default_rng(0).integers(0, 64, (2, T))
-  with torch.no_grad():
-    ref = model(input_ids=torch.tensor(tokens)).logits.numpy()
-  hf_to_maxtext.convert(hf_path, out)
-  np.testing.assert_allclose(maxtext_logits(out, tokens), ref, rtol=1e-5, atol=1e-5)
+  assert_live_model_converts(getattr(transformers, f"{prefix}ForConditionalGeneration")(cfg).float().eval(), tmp_path)
 
 
 @pytest.mark.slow  # two engine compiles and three forward compiles on the 2 shared cores

@@ -145,6 +145,8 @@ def test_errors_name_the_tensor(tmp_path):
     hf_to_maxtext.convert(save(state, {**cfg, "num_hidden_layers": 1}), os.path.join(tmp_path, "o3"))
   with pytest.raises(ConfigError, match="Unsupported architecture model_type='bert'"):
     hf_to_maxtext.convert(save(state, {**cfg, "model_type": "bert"}), os.path.join(tmp_path, "o4"))
+  with pytest.raises(ConfigError, match="model_type='deepseek_v4': DeepSeek V4 is not supported yet"):
+    hf_to_maxtext.convert(save(state, {**cfg, "model_type": "deepseek_v4"}), os.path.join(tmp_path, "o6"))
   with pytest.raises(ConfigError, match="attention_bias=true is not supported for mistral"):
     hf_to_maxtext.convert(save(state, {**cfg, "model_type": "mistral", "attention_bias": True}), str(tmp_path / "o5"))
 

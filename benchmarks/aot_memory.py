@@ -109,6 +109,11 @@ CASES = (
     "gemma4-31b v5p-64",
     "model_name=gemma4-31b", "compile_topology=v5p-64", "per_device_batch_size=2", "max_target_length=4096",
   ),
+  # Gemma 4 26B-A4B: the dense MLP beside 128 experts (top 8) in each of its 30 layers.
+  case(
+    "gemma4-26b-a4b v5p-64",
+    "model_name=gemma4-26b-a4b", "compile_topology=v5p-64", "per_device_batch_size=1", "max_target_length=4096",
+  ),
   # Qwen3.5-35B-A3B: 30 gated DeltaNet (separate projections) + 10 gated attention layers, 256 experts per layer.
   case(
     "qwen3.5-35b-a3b v5p-64",

@@ -15,8 +15,23 @@ import sys
 import tempfile
 import uuid
 
+# The tests' programs are tiny: XLA:CPU's compile, not their run, is most of the suite's time. These two flags
+# skip LLVM's costly optimisation passes (about a quarter less CPU time; benchmarks/README.md, "Test suite").
+# XLA's own passes run as before, so what a test checks (shardings, fusions, memory, equal losses across
+# layouts) is unchanged; a float may differ in its last bit from a run without them (FMA contraction), which
+# is why end_to_end/cpu/loss_fingerprint.py, which compares bit for bit, does not use them.
+# MAXTEXT_TEST_FAST_COMPILE=0 runs the tests with XLA's default optimisation.
+FAST_COMPILE = os.environ.get("MAXTEXT_TEST_FAST_COMPILE", "1") != "0"
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def cpu_xla_flags(devices: int) -> str:
+  """XLA_FLAGS for a test's CPU subprocess: `devices` fake CPU devices, compiled as the tests compile."""
+  return f"--xla_force_host_platform_device_count={devices}" + (f" {FAST_COMPILE_FLAGS}" if FAST_COMPILE else "")
+
+
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):  # subprocesses set their own
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + cpu_xla_flags(8)).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Scripts the tests run (end_to_end/*.sh, download_dataset.sh) call `python3`: the interpreter running
 # the tests, also where pytest was started without activating its venv (.venv/bin/python -m pytest).

@@ -17,7 +17,7 @@ from MaxText import config, planner, sharding, state, train
 from MaxText.errors import ConfigError
 from MaxText.objectives import lm
 from MaxText.parallel import plan as plan_lib
-from MaxText.tests.conftest import cfg, free_port, losses
+from MaxText.tests.conftest import cfg, cpu_xla_flags, free_port, losses
 
 BASE = os.path.join(config.CONFIG_DIR, "base.yml")
 TINY = [
@@ -276,7 +276,7 @@ def test_jaxpp_fork_lines_train_on_cpu(tmp_path, name, pp):
   words += ["base_emb_dim=32", "base_mlp_dim=64", "vocab_size=128", "steps=2", "hardware=cpu"]
   words += [f"base_output_directory={tmp_path}", "run_name=jaxpp"]
   env = {
-    "XLA_FLAGS": f"--xla_force_host_platform_device_count={pp}", "XLA_RECIPE": "none", "JAX_PLATFORMS": "cpu",
+    "XLA_FLAGS": cpu_xla_flags(pp), "XLA_RECIPE": "none", "JAX_PLATFORMS": "cpu",
     "JAX_COORDINATOR_PORT": str(free_port()), "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
   }  # fmt: skip
   out = run_jaxpp_line(words, env, timeout=300)

@@ -53,8 +53,9 @@ class Restored(NamedTuple):
 
 
 class _NoSpaceTracebacks(logging.Filter):
-  """orbax logs a full traceback from each background save thread that hits ENOSPC; CheckpointError says
-  it in one line, so those records keep their one-line message and lose the traceback."""
+  """orbax logs a full traceback from each background save thread that hits ENOSPC (asyncio too, for a task
+  whose failure nobody awaited); CheckpointError says it in one line, so those records keep their one-line
+  message and lose the traceback."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     if record.exc_info and record.exc_info[1] is not None and _no_space(record.exc_info[1]):
@@ -102,7 +103,10 @@ def _quiet_closed_loop_errors(hook=sys.unraisablehook):
 def create_manager(config: Config) -> ocp.CheckpointManager | None:
   if not config.enable_checkpointing:
     return None
-  logging.getLogger("absl").addFilter(_NO_SPACE_FILTER)  # orbax logs through absl; adding twice is a no-op
+  # orbax logs through absl; a save task that fails after its caller stopped waiting is reported by asyncio's
+  # "Task exception was never retrieved" (seen on a loaded host). Adding a filter twice is a no-op.
+  for logger in ("absl", "asyncio"):
+    logging.getLogger(logger).addFilter(_NO_SPACE_FILTER)
   if not getattr(sys.unraisablehook, "quiets_closed_loops", False):
     sys.unraisablehook = _quiet_closed_loop_errors()
   options = ocp.CheckpointManagerOptions(

@@ -224,7 +224,7 @@ def test_disk_full_on_a_real_small_filesystem(trained, tmp_path):
     result = subprocess.run([sys.executable, "MaxText/train.py", *args], cwd=ROOT, capture_output=True, text=True)
     last = result.stderr.strip().splitlines()[-1]
     assert result.returncode == 1 and last.startswith("CheckpointError: no space left on "), result.stderr[-2000:]
-    assert "Traceback" not in result.stderr  # orbax's background-thread errors keep one line each
+    assert "Traceback" not in result.stderr, result.stderr[-6000:]  # orbax's thread errors keep one line each
     assert sorted(os.listdir(os.path.join(mount, "d", "checkpoints"))) == ["2"]  # the partial save is gone
   finally:
     subprocess.run(["umount", mount], check=False)

@@ -6,15 +6,16 @@ parent commit (`python3 end_to_end/cpu/loss_fingerprint.py --out end_to_end/cpu/
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
 from MaxText.tests.conftest import ROOT
-from MaxText.tests.helpers import end_to_end_script
 
 RECORDED = os.path.join(ROOT, "end_to_end", "cpu", "loss_fingerprint.json")
 IN_PROCESS = ["family/llama2", "family/deepseek3", "layout/pp2", "layout/lora", "layout/vocab-tiling"]
-OBJECTIVES = ["resume", "dpo", "grpo"]
+OBJECTIVES = ["objective/resume", "objective/dpo", "objective/grpo"]
 
 
 @pytest.fixture(scope="module")
@@ -23,19 +24,21 @@ def recorded():
     return json.load(f)
 
 
-@pytest.mark.slow  # five tiny trainings in this process
-@pytest.mark.parametrize("name", IN_PROCESS)
-def test_training_losses_are_unchanged(recorded, tmp_path, name):
-  fingerprint = end_to_end_script("loss_fingerprint")
-  assert fingerprint.run_case(name, fingerprint.CASES[name], str(tmp_path)) == recorded[name]
-
-
-@pytest.mark.slow  # the users' command lines in subprocesses, on tiny converted models made once (numpy)
-def test_objective_losses_are_unchanged(recorded, tmp_path):
-  """One test for all three, so that one process makes the fixtures: at the script's own --fixtures default,
+@pytest.fixture(scope="module")
+def fingerprint(tmp_path_factory):
+  """The script run once on all eight cases, as it recorded them: XLA's default optimisation and 8 CPU devices
+  (the tests' own fast-compile flags, conftest.py, may change a loss's last bit). The objective cases run the
+  users' command lines in subprocesses on tiny numpy-made models, at the script's own --fixtures default,
   since the data split of the DPO case hashes the data's path."""
-  fingerprint = end_to_end_script("loss_fingerprint")
-  fixtures = fingerprint.DEFAULT_FIXTURES
-  fingerprint.make_fixtures(fixtures)
-  for name in OBJECTIVES:
-    assert fingerprint.run_objective(name, fixtures, str(tmp_path)) == recorded[f"objective/{name}"], name
+  out = tmp_path_factory.mktemp("fingerprint") / "losses.json"
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  command = [sys.executable, "end_to_end/cpu/loss_fingerprint.py", "--cases", ",".join(IN_PROCESS + OBJECTIVES)]
+  result = subprocess.run([*command, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  return json.loads(out.read_text())
+
+
+@pytest.mark.slow  # eight tiny trainings, five in one process and three through the command lines
+@pytest.mark.parametrize("name", IN_PROCESS + OBJECTIVES)
+def test_losses_are_unchanged(recorded, fingerprint, name):
+  assert fingerprint[name] == recorded[name]

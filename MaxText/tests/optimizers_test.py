@@ -54,8 +54,13 @@ def one_update(tmp_path, *overrides):
   )
   tx = optimizers.build(c).tx
   params = jax.tree.map(lambda p: p + 1.0, state.init_params(c, state.param_spec(c)))  # no zeros (biases)
-  updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
-  return optax.apply_updates(params, updates), params
+
+  @jax.jit  # one compile; op by op, each of the update's many small ops compiled alone (~30 s a case)
+  def update(params):
+    updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    return optax.apply_updates(params, updates)
+
+  return update(params), params
 
 
 def moved(after, before):

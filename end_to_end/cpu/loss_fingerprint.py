@@ -171,6 +171,7 @@ def main(argv):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--out", help="write {case: [loss reprs]} here")
   p.add_argument("--only", default="", help="comma-separated case-name prefixes")
+  p.add_argument("--cases", default="", help="comma-separated case names, each exactly (with --only: either)")
   p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
   p.add_argument("--fixtures", default=DEFAULT_FIXTURES, help="the objective cases' tiny models")
   args = p.parse_args(argv[1:])
@@ -183,18 +184,22 @@ def main(argv):
     note = f" ({unrun} of BEFORE not run)" if unrun else ""
     print(f"{len(after) - len(bad)}/{len(after)} cases bit-identical{note}")
     sys.exit(1 if bad else 0)
-  prefixes = [s for s in args.only.split(",") if s]
+  prefixes, exact = [s for s in args.only.split(",") if s], {s for s in args.cases.split(",") if s}
+
+  def chosen(name):
+    return not (prefixes or exact) or name in exact or any(name.startswith(s) for s in prefixes)
+
   results = {}
   with tempfile.TemporaryDirectory() as tmp:
     for name, overrides in CASES.items():
-      if prefixes and not any(name.startswith(s) for s in prefixes):
+      if not chosen(name):
         continue
       try:
         results[name] = run_case(name, overrides, tmp)
       except Exception as e:  # a case that fails is recorded as such (and must fail the same way after)
         results[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
       print(name, results[name], flush=True)
-    wanted = [k for k in OBJECTIVES if not prefixes or any(f"objective/{k}".startswith(s) for s in prefixes)]
+    wanted = [k for k in OBJECTIVES if chosen(f"objective/{k}")]
     if wanted:
       make_fixtures(args.fixtures)
     for name in wanted:

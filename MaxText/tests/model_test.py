@@ -24,6 +24,11 @@ def forward(model, tokens, segments=None, positions=None):
   b, t = tokens.shape
   segments = jnp.ones((b, t), jnp.int32) if segments is None else segments
   positions = jnp.broadcast_to(jnp.arange(t), (b, t)) if positions is None else positions
+  return _call(model, tokens, positions, segments)
+
+
+@nnx.jit  # one compile per model; op by op, each of its small ops outside the layer scan compiles alone
+def _call(model, tokens, positions, segments):
   return model(tokens, positions, segments)
 
 

@@ -43,7 +43,8 @@ def flash(q, k, v, segment_ids, sliding_window=0, logits_soft_cap=0.0, chunk_win
 def value_and_grads(fn, q, k, v, segment_ids, cotangent, **options):
   """Output, and d<out, cotangent>/d(q, k, v): one random direction checks the whole vjp."""
   loss = lambda q, k, v: jnp.sum(fn(q, k, v, segment_ids, **options) * cotangent)  # noqa: E731
-  return fn(q, k, v, segment_ids, **options), jax.grad(loss, (0, 1, 2))(q, k, v)
+  both = lambda q, k, v: (fn(q, k, v, segment_ids, **options), jax.grad(loss, (0, 1, 2))(q, k, v))  # noqa: E731
+  return jax.jit(both)(q, k, v)  # one compile; op by op, each small op compiles alone
 
 
 def assert_close(got, want, tol=1e-4):

@@ -111,6 +111,7 @@ TORCH_SKIP += " bash unit_test_and_lint.sh or -m torch"
 HAS_TORCH = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers", "torchvision"))
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads xdist_group into the node ids
 def pytest_collection_modifyitems(config, items):
   for item in items:
     if not HAS_TORCH and item.get_closest_marker("torch"):

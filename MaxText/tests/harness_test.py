@@ -15,6 +15,8 @@ def built_once():
 def test_a_test_that_needs_its_module_s_fixture_shares_the_module_s_worker(request, built_once):
   assert uses_own_module_fixture(request.node)
   assert request.node.get_closest_marker("xdist_group").args == ("MaxText/tests/harness_test.py",)
+  if request.config.getoption("loadgroup", default=False):  # under `-n N --dist loadgroup`: xdist read the mark
+    assert request.node.nodeid.endswith("@MaxText/tests/harness_test.py"), request.node.nodeid
 
 
 def test_a_test_with_only_shared_fixtures_goes_to_any_worker(request, tmp_path, corpus):

@@ -141,7 +141,7 @@ def test_dropless_per_shard_dispatch_equals_unsharded_values_and_gradients():
   def loss(graphdef):
     return lambda p, x: jnp.sum(jnp.sin(nnx.merge(graphdef, p)(x)))
 
-  expected, expected_grads = jax.value_and_grad(loss(graphdef))(params, x)
+  expected, expected_grads = jax.jit(jax.value_and_grad(loss(graphdef)))(params, x)
   with sharding.activate(c, mesh):
     shardings = sharding.logical_to_mesh(nnx.get_partition_spec(params), mesh, sharding.axis_rules(c))
     step = jax.jit(jax.value_and_grad(loss(sharded)))

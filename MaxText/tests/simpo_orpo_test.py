@@ -62,7 +62,7 @@ def test_orpo_stays_finite_when_a_reply_is_certain():
   c = config.load([BASE, *TINY], {})
   logps = jnp.array([[[0.0, -3.0]]], jnp.float32)
   tokens = jnp.array([[[2.0, 2.0]]], jnp.float32)
-  grad = jax.grad(lambda x: orpo.loss_sums(c, dpo.PairLogps(x, tokens))[0])(logps)
+  grad = jax.jit(jax.grad(lambda x: orpo.loss_sums(c, dpo.PairLogps(x, tokens))[0]))(logps)  # one compile
   assert np.isfinite(float(orpo.loss_sums(c, dpo.PairLogps(logps, tokens))[0])) and np.isfinite(grad).all()
   np.testing.assert_allclose(orpo.log1m_exp(jnp.array([-1e-3, -0.5, -5.0])), np.log1p(-np.exp([-1e-3, -0.5, -5.0])))
 

@@ -185,6 +185,9 @@ def main(argv):
     print(f"{len(after) - len(bad)}/{len(after)} cases bit-identical{note}")
     sys.exit(1 if bad else 0)
   prefixes, exact = [s for s in args.only.split(",") if s], {s for s in args.cases.split(",") if s}
+  unknown = sorted(exact - set(CASES) - {f"objective/{k}" for k in OBJECTIVES})
+  if unknown:
+    p.error(f"--cases: no case named {', '.join(unknown)}")
 
   def chosen(name):
     return not (prefixes or exact) or name in exact or any(name.startswith(s) for s in prefixes)

@@ -2,6 +2,8 @@
 
 import json
 
+import datasets
+import huggingface_hub
 import pytest
 
 from MaxText.data import make_iterators
@@ -20,6 +22,10 @@ from MaxText.tests.conftest import (
 def _offline(monkeypatch, tmp_path):
   monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
   monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+  # Both libraries read those variables once, at import (conftest imports them first): without these the
+  # Hub client spent about 23 s retrying a host this machine cannot resolve, for `hf_path=no_such/dataset`.
+  monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+  monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
 
 
 def _hf_config(tmp_path, corpus, *overrides):

@@ -247,12 +247,11 @@ def _start(config: Config, tx: optax.GradientTransformation, spec: StateSpec, sa
     return Restored(with_reference(spec, state, lambda: state.params), None, "load_full_state_path")
   if spec.partition.freezes:
     return _init_lora(config, tx, spec)
-  fresh = state_lib.init_state(config, tx, spec)  # dpo, grpo: its reference copies the init params
   if config.load_parameters_path:
     params = load_params(config.load_parameters_path, spec.abstract.params, config)
-    state = with_reference(spec, fresh.replace(params=params), lambda: params)
+    state = with_reference(spec, state_lib.state_around(tx, spec, params), lambda: params)
     return Restored(state, None, "load_parameters_path")
-  return Restored(fresh, None, "init")
+  return Restored(state_lib.init_state(config, tx, spec), None, "init")  # dpo, grpo: its reference copies the init
 
 
 def _starting_params(config: Config, tx: optax.GradientTransformation, spec: StateSpec, saved: TrainState):

@@ -186,6 +186,18 @@ def _jit_init(init, shardings):
   return jax.jit(init, out_shardings=shardings, compiler_options=INIT_COMPILER_OPTIONS.get(platform))
 
 
+def state_around(tx: optax.GradientTransformation, spec: StateSpec, params: nnx.State) -> TrainState:
+  """A first TrainState around parameters read from a checkpoint (load_parameters_path): step 0 and the
+  optimizer's initial state. No random parameters are made only to be replaced: init_state's program, whose
+  compile is mostly the random-number kernels, its run, and a second copy of the parameters at the peak. The
+  reference, for an objective that keeps one, is the caller's (checkpointing.with_reference)."""
+  shardings = (spec.shardings.step, spec.shardings.opt_state)
+  step, opt_state = _jit_init(lambda p: (jnp.zeros((), jnp.int32), tx.init(spec.partition.trainable(p))), shardings)(
+    params
+  )
+  return TrainState(step=step, params=params, opt_state=opt_state, reference=None)
+
+
 def init_params(config: Config, spec: ParamSpec) -> nnx.State:
   """Random parameters (init_weights_seed) initialised straight into spec.shardings."""
   return _jit_init(lambda: _model_params(config, config.init_weights_seed, spec.plan), spec.shardings)()

@@ -300,12 +300,13 @@ def _with_base(config: Config, tx: optax.GradientTransformation, spec: StateSpec
 
 def _init_lora(config: Config, tx: optax.GradientTransformation, spec: StateSpec) -> Restored:
   """A fresh LoRA state: the base, adapters from lora_weights_path or fresh (B = 0: the base's outputs)."""
-  fresh = state_lib.init_state(config, tx, spec)
-  adapters, base = spec.partition.split(fresh.params)
   abstract = spec.partition.split(spec.abstract.params)
-  source = "init"
-  if config.load_parameters_path:
-    base, source = load_params(config.load_parameters_path, abstract.frozen, config), "load_parameters_path"
+  if config.load_parameters_path:  # no random base made only to be replaced (state.lora_state_around)
+    base = load_params(config.load_parameters_path, abstract.frozen, config)
+    fresh, source = state_lib.lora_state_around(config, tx, spec, base), "load_parameters_path"
+  else:
+    fresh, source = state_lib.init_state(config, tx, spec), "init"
+  adapters, base = spec.partition.split(fresh.params)
   if config.lora_weights_path:
     adapters = load_params(config.lora_weights_path, abstract.trainable)
     source += " + lora_weights_path"

@@ -186,6 +186,20 @@ def _jit_init(init, shardings):
   return jax.jit(init, out_shardings=shardings, compiler_options=INIT_COMPILER_OPTIONS.get(platform))
 
 
+def lora_state_around(config: Config, tx: optax.GradientTransformation, spec: StateSpec, base: nnx.State) -> TrainState:
+  """A first LoRA TrainState on a base read from a checkpoint: fresh adapters (init_weights_seed, the values
+  init_state draws for them) and their optimizer state. The program builds the whole model but returns the
+  adapters alone, so XLA drops the base's random init: no second copy of the base at the start's peak."""
+  adapters = jax.tree.map(lambda a: a.sharding, spec.partition.trainable(spec.abstract.params))
+
+  def init():
+    trainable = spec.partition.trainable(_model_params(config, config.init_weights_seed, spec.plan))
+    return jnp.zeros((), jnp.int32), trainable, tx.init(trainable)
+
+  step, trainable, opt_state = _jit_init(init, (spec.shardings.step, adapters, spec.shardings.opt_state))()
+  return TrainState(step=step, params=spec.partition.combine(trainable, base), opt_state=opt_state, reference=None)
+
+
 def state_around(tx: optax.GradientTransformation, spec: StateSpec, params: nnx.State) -> TrainState:
   """A first TrainState around parameters read from a checkpoint (load_parameters_path): step 0 and the
   optimizer's initial state. No random parameters are made only to be replaced: init_state's program, whose

@@ -89,11 +89,18 @@ def test_checkpoint_holds_adapters_only_and_resumes_onto_the_loaded_base(tmp_pat
   common = [*LORA, f"load_parameters_path={base_path}", "enable_checkpointing=true", "async_checkpointing=false"]
   c = cfg(tmp_path, "lora", *common)
   mesh, optimizer, spec = _setup(c)
-  with sharding.activate(c, mesh):
+  with sharding.activate(c, mesh), pytest.MonkeyPatch.context() as patch:  # no random base made to be replaced
+    patch.setattr(state_lib, "init_state", lambda *_: pytest.fail("random init under load_parameters_path"))
     restored = checkpointing.restore_or_init(c, optimizer.tx, spec, None)
   assert restored.source == "load_parameters_path"
   frozen = spec.partition.split(restored.state.params).frozen
   assert all(leaves_equal(host_tree(frozen), host_tree(base)))
+  with sharding.activate(c, mesh):
+    drawn = state_lib.init_state(c, optimizer.tx, spec)  # the adapters and optimizer state a random start has
+  adapters = [host_tree(spec.partition.trainable(s.params)) for s in (restored.state, drawn)]
+  assert all(leaves_equal(*adapters)) and all(
+    leaves_equal(host_tree(restored.state.opt_state), host_tree(drawn.opt_state))
+  )
   state, _ = _train(c, mesh, optimizer, spec, restored.state, 2)
   manager = checkpointing.create_manager(c)
   checkpointing.save(manager, 2, spec.partition.checkpointed(state), {})

@@ -157,10 +157,11 @@ def upstream_params(path: str, tree: Any, abstract_params: Any, config: Any) -> 
 
 
 def restore_upstream_state(
-  path: str, tree: dict, abstract: TrainState, fresh: Callable[[], TrainState], config: Any
+  path: str, tree: dict, abstract: TrainState, fresh: Callable[[Any], Any], config: Any
 ) -> TrainState:
   """An upstream MaxText train state (its Linen tree) as ours: params, step, and its AdamW moments and counts
-  into our optimizer state (the rest of ours, e.g. skip_spikes' history, starts fresh)."""
+  into our optimizer state (the rest of ours, e.g. skip_spikes' history, starts as fresh(params) has it: the
+  optimizer's initial state around the restored params)."""
   key = "load_full_state_path"
   fam = upstream.family(config)
   if upstream.layout(tree) != "linen" or "opt_state" not in tree:
@@ -176,7 +177,7 @@ def restore_upstream_state(
   params = with_routing_biases(path, tree, saved["params"]["params"])
   params = placed(path, key, upstream.to_ours(params, fam), abstract.params)
   fit = lambda moment, like: placed(path, key, upstream.to_ours(moment.get("params", moment), fam.for_moments()), like)  # noqa: E731
-  opt_state = upstream.with_adam(fresh().opt_state, count, mu, nu, fit)
+  opt_state = upstream.with_adam(fresh(params), count, mu, nu, fit)
   if opt_state is None:
     raise ConfigError(f"{key} {path!r}: this run's optimizer has no AdamW state to take the checkpoint's moments")
   opt_state = jax.device_put(opt_state, jax.tree.map(lambda a: a.sharding, abstract.opt_state))

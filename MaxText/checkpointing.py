@@ -242,7 +242,8 @@ def restore_or_init(
 def _start(config: Config, tx: optax.GradientTransformation, spec: StateSpec, saved: TrainState) -> Restored:
   """A run's first state: load_full_state_path > load_parameters_path > init (LoRA: _init_lora)."""
   if config.load_full_state_path:
-    fresh = lambda: state_lib.init_state(config, tx, spec)  # noqa: E731 (what an upstream state does not hold)
+    # The optimizer's initial state around the restored params: what an upstream state does not hold.
+    fresh = lambda params: state_lib.state_around(tx, spec, params).opt_state  # noqa: E731
     state = _with_base(config, tx, spec, _restore_tree(config.load_full_state_path, saved, fresh, config))
     return Restored(with_reference(spec, state, lambda: state.params), None, "load_full_state_path")
   if spec.partition.freezes:
@@ -412,7 +413,7 @@ def _check_not_step_dir(key: str, path: str) -> None:
 
 
 @_loading_item()
-def _restore_tree(path: str, abstract: Any, fresh: Callable[[], TrainState], config: Config) -> Any:
+def _restore_tree(path: str, abstract: Any, fresh: Callable[[nnx.State], Any], config: Config) -> Any:
   path = paths.absolute(path)
   if not paths.with_timeout(lambda: paths.isdir(path), f"load_full_state_path={path!r}"):
     raise ConfigError(f"Checkpoint {path!r} does not exist")

@@ -64,7 +64,9 @@ def full_state(tmp_path, name: str, *overrides: str) -> checkpointing.Restored:
   c = load(tmp_path, name, f"load_full_state_path={fixture(name)}", *overrides)
   tx = optimizers.build(c).tx
   spec = state_lib.state_spec(c, tx, sharding.create_mesh(c))
-  return checkpointing.restore_or_init(c, tx, spec, None)
+  with pytest.MonkeyPatch.context() as patch:  # the restored params are not first made at random
+    patch.setattr(state_lib, "init_state", lambda *_: pytest.fail("random init under load_full_state_path"))
+    return checkpointing.restore_or_init(c, tx, spec, None)
 
 
 def adam(opt_state) -> optax.ScaleByAdamState:

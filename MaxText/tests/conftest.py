@@ -174,6 +174,20 @@ def document(i: int) -> str:
 DOCS = [document(i) for i in range(12)]
 
 
+def hf_offline(monkeypatch, offline: bool = True) -> None:
+  """The Hugging Face libraries offline (local files only: never the network) or, offline=False, allowed out (a
+  local GCS emulator looks remote to them). Both read HF_HUB_OFFLINE and HF_DATASETS_OFFLINE once, at import, so
+  the variables alone come too late in a test: offline, the Hub client spent 23 s retrying a host this machine
+  cannot resolve; online after a file that imported them offline, datasets refused the bucket."""
+  import datasets  # noqa: PLC0415
+  import huggingface_hub.constants  # noqa: PLC0415
+
+  for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+    monkeypatch.setenv(name, "1" if offline else "0")
+    monkeypatch.setattr(datasets.config, name, offline)
+  monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", offline)
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
   """(docs glob, tokenizer path) shared by the tests, so each trains no tokenizer of its own."""

@@ -17,7 +17,7 @@ from MaxText.data import chat, preferences, sft
 from MaxText.data import make_iterators as make_data
 from MaxText.errors import ConfigError, DataError
 from MaxText.objectives import dpo
-from MaxText.tests.conftest import BASE, TINY, as_numpy, mesh_of
+from MaxText.tests.conftest import BASE, TINY, as_numpy, hf_offline, mesh_of
 from MaxText.tests.helpers import make_tokenizer, write_jsonl
 
 LN2 = math.log(2.0)
@@ -167,7 +167,7 @@ def test_lora_dpo_holds_no_reference_copy(tmp_path, tok):
 
 @pytest.mark.slow
 def test_a_tiny_model_learns_to_prefer_correct_sums_on_held_out_pairs(tmp_path, tok, monkeypatch):
-  monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # local files only
+  hf_offline(monkeypatch)  # local files only
   # a, b in 0..2 (sums 0..4) against every wrong digit: 81 pairs. Held out: the 22 whose wrong digit is 5..9 and
   # a + b + wrong is even; each such prompt and each such digit still appears in training, never together.
   pairs = sums(range(1, 10), range(3))

@@ -16,7 +16,17 @@ from MaxText import paths
 from MaxText.data import make_iterators
 from MaxText.data.convert_to_arrayrecord import write_arrayrecord
 from MaxText.errors import ConfigError
-from MaxText.tests.conftest import BASE, DOCS, TINY, assert_same_batches, data_config, losses, mesh_of, take_batches
+from MaxText.tests.conftest import (
+  BASE,
+  DOCS,
+  TINY,
+  assert_same_batches,
+  data_config,
+  hf_offline,
+  losses,
+  mesh_of,
+  take_batches,
+)
 
 
 def upload(local_dir, remote_dir):
@@ -67,14 +77,7 @@ def test_tfds_data_dir_on_a_bucket(tmp_path, corpus, tfds_data_dir, bucket):
 
 
 def test_hf_parquet_and_json_files_on_a_bucket(tmp_path, corpus, bucket, monkeypatch):
-  import datasets  # noqa: PLC0415
-  import huggingface_hub.constants  # noqa: PLC0415
-
-  # datasets fixes its offline switch at import: another test file that imported it under HF_HUB_OFFLINE=1
-  # (local data only) would make it refuse the bucket (the emulator is local, but datasets cannot tell).
-  for module, name in ((datasets.config, "HF_HUB_OFFLINE"), (datasets.config, "HF_DATASETS_OFFLINE")):
-    monkeypatch.setattr(module, name, False)
-  monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+  hf_offline(monkeypatch, offline=False)  # the emulator is local, but datasets cannot tell
   os.makedirs(tmp_path / "hf")
   pq.write_table(pa.table({"text": DOCS}), tmp_path / "hf" / "train.parquet")
   (tmp_path / "hf" / "train.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))

@@ -2,8 +2,6 @@
 
 import json
 
-import datasets
-import huggingface_hub
 import pytest
 
 from MaxText.data import make_iterators
@@ -13,6 +11,7 @@ from MaxText.tests.conftest import (
   check_batch,
   data_config,
   decoded_segments,
+  hf_offline,
   mesh_of,
   take_batches,
 )
@@ -20,12 +19,7 @@ from MaxText.tests.conftest import (
 
 @pytest.fixture(autouse=True)
 def _offline(monkeypatch, tmp_path):
-  monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-  # Both libraries read those variables once, at import (conftest imports them first): without these the
-  # Hub client spent about 23 s retrying a host this machine cannot resolve, for `hf_path=no_such/dataset`.
-  monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-  monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+  hf_offline(monkeypatch)
 
 
 def _hf_config(tmp_path, corpus, *overrides):

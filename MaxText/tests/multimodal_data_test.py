@@ -18,7 +18,7 @@ from MaxText import train_step as steps
 from MaxText.data import chat, image_records, sft
 from MaxText.errors import ConfigError, DataError
 from MaxText.layers import lora
-from MaxText.tests.conftest import cfg
+from MaxText.tests.conftest import cfg, hf_offline
 from MaxText.tests.helpers import (
   LORA,
   host_tree,
@@ -48,8 +48,7 @@ def tok(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def offline(monkeypatch):
-  monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # local files only: never the network
-  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+  hf_offline(monkeypatch)
 
 
 def _messages(i):

@@ -8,6 +8,7 @@ checkpointing: all of them need the same model structure and the same parameter 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -186,6 +187,12 @@ def _jit_init(init, shardings):
   return jax.jit(init, out_shardings=shardings, compiler_options=INIT_COMPILER_OPTIONS.get(platform))
 
 
+def _optimizer_start(tx: optax.GradientTransformation, spec: StateSpec, params: nnx.State) -> tuple:
+  """(step 0, the optimizer's initial state of params' trainable part): a first state's part that no checkpoint
+  of params holds; traced inside the caller's init program."""
+  return jnp.zeros((), jnp.int32), tx.init(spec.partition.trainable(params))
+
+
 def lora_state_around(config: Config, tx: optax.GradientTransformation, spec: StateSpec, base: nnx.State) -> TrainState:
   """A first LoRA TrainState on a base read from a checkpoint: fresh adapters (init_weights_seed, the values
   init_state draws for them) and their optimizer state. The program builds the whole model but returns the
@@ -193,10 +200,10 @@ def lora_state_around(config: Config, tx: optax.GradientTransformation, spec: St
   adapters = jax.tree.map(lambda a: a.sharding, spec.partition.trainable(spec.abstract.params))
 
   def init():
-    trainable = spec.partition.trainable(_model_params(config, config.init_weights_seed, spec.plan))
-    return jnp.zeros((), jnp.int32), trainable, tx.init(trainable)
+    params = _model_params(config, config.init_weights_seed, spec.plan)
+    return spec.partition.trainable(params), *_optimizer_start(tx, spec, params)
 
-  step, trainable, opt_state = _jit_init(init, (spec.shardings.step, adapters, spec.shardings.opt_state))()
+  trainable, step, opt_state = _jit_init(init, (adapters, spec.shardings.step, spec.shardings.opt_state))()
   return TrainState(step=step, params=spec.partition.combine(trainable, base), opt_state=opt_state, reference=None)
 
 
@@ -205,10 +212,8 @@ def state_around(tx: optax.GradientTransformation, spec: StateSpec, params: nnx.
   optimizer's initial state. No random parameters are made only to be replaced: init_state's program, whose
   compile is mostly the random-number kernels, its run, and a second copy of the parameters at the peak. The
   reference, for an objective that keeps one, is the caller's (checkpointing.with_reference)."""
-  shardings = (spec.shardings.step, spec.shardings.opt_state)
-  step, opt_state = _jit_init(lambda p: (jnp.zeros((), jnp.int32), tx.init(spec.partition.trainable(p))), shardings)(
-    params
-  )
+  start = functools.partial(_optimizer_start, tx, spec)
+  step, opt_state = _jit_init(start, (spec.shardings.step, spec.shardings.opt_state))(params)
   return TrainState(step=step, params=params, opt_state=opt_state, reference=None)
 
 
@@ -248,8 +253,8 @@ def init_state(config: Config, tx: optax.GradientTransformation, spec: StateSpec
 
   def init() -> TrainState:
     params = _model_params(config, config.init_weights_seed, spec.plan)
-    opt_state = tx.init(spec.partition.trainable(params))
+    step, opt_state = _optimizer_start(tx, spec, params)
     reference = jax.tree.map(jnp.copy, params) if copy else None
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, reference=reference)
+    return TrainState(step=step, params=params, opt_state=opt_state, reference=reference)
 
   return _jit_init(init, spec.shardings if spec.teacher is None else spec.shardings.replace(reference=None))()

@@ -37,7 +37,9 @@ def reference(tmp_path_factory):
 
 
 def test_sharding_is_exact(tmp_path, reference):
-  """Same global batch (16) on four meshes: per-step float32 losses equal within 1e-5 relative."""
+  """Same global batch (16) on four meshes: per-step float32 losses equal within 5e-5 relative. Tensor parallelism
+  sums its partial products in another order: by step 5 the loss moves by up to 1e-5 relative on AVX2 hosts, and
+  by 1.9e-5 on an AVX-512 AMD EPYC, whose XLA:CPU kernels round differently (2026-11-28); the rest stay under 1e-6."""
   ref = reference  # fsdp 8
   others = {
     "fsdp4_tp2": run_losses(
@@ -50,7 +52,7 @@ def test_sharding_is_exact(tmp_path, reference):
   }
   assert len(ref) == 5
   for name, got in others.items():
-    np.testing.assert_allclose(got, ref, rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(got, ref, rtol=5e-5, err_msg=name)
 
 
 @pytest.mark.slow  # over 40 s on 2 busy cores (2026-11-27)
@@ -68,7 +70,8 @@ def test_scan_remat_and_accumulation_do_not_change_losses(tmp_path, reference):
   ref = reference  # remat_policy=full, scan_layers=true
   for i, variant in enumerate(variants):
     got = run_losses(tmp_path, f"variant{i}", "per_device_batch_size=2", *variant)
-    np.testing.assert_allclose(got, ref, rtol=1e-5, err_msg=str(variant))
+    # gradient accumulation sums the microbatches' gradients in another order: 2.2e-5 by step 5 on an AVX-512 host
+    np.testing.assert_allclose(got, ref, rtol=5e-5, err_msg=str(variant))
 
 
 @pytest.mark.slow  # over 40 s on 2 busy cores (2026-11-27)

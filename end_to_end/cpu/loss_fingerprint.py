@@ -9,11 +9,18 @@ Each case trains 3 steps on synthetic data on 8 CPU devices (XLA's forced host d
 bfloat16 cases both. The `objective/*` cases run the user's command lines in subprocesses (SFT, DPO, DPO under
 LoRA, GRPO through `python3 -m MaxText.rl`, multimodal SFT, a resumed run) on tiny converted Hugging Face models
 that `--fixtures DIR` holds (made there once by make_tiny_*_model.py; pass the same DIR before and after, so
-that both runs start from the same files); `--only objective/` runs just those."""
+that both runs start from the same files); `--only objective/` runs just those.
+
+XLA:CPU's kernels follow the host's vector units, so a loss's last bits depend on the kind of CPU. loss_fingerprint.json
+is the record of this project's first 2-core x86 hosts (CI's among them); loss_fingerprint_hosts.json holds, per
+`--host` signature (vendor and vector features), the test's cases as another kind of host computes them (an AVX-512
+AMD EPYC's differ in 6 of 8). To add a kind of host, run those cases there at a commit whose losses equal
+loss_fingerprint.json's on a recorded host, then `--record-host` the file (loss_fingerprint_test.py says how)."""
 
 import argparse
 import json
 import os
+import platform
 import sys
 import tempfile
 
@@ -132,6 +139,34 @@ def make_fixtures(fx):
         f.write(json.dumps({"prompt": f"<|im_start|>user\n{a}+{b}=<|im_end|>\n<|im_start|>assistant\n"}) + "\n")
 
 
+HOSTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "loss_fingerprint_hosts.json")
+# The CPU features that change which kernels XLA:CPU runs (its own codegen and the library kernels it calls).
+VECTOR_FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "sve", "sve2")
+
+
+def host_signature() -> str:
+  """This host's CPU vendor and vector features, e.g. 'AuthenticAMD avx2 avx512_bf16 avx512_vnni avx512f fma'."""
+  vendor, flags = platform.machine(), set()
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        key, _, value = line.partition(":")
+        if key.strip() in ("vendor_id", "CPU implementer") and vendor == platform.machine():
+          vendor = value.strip()
+        elif key.strip() in ("flags", "Features"):
+          flags = set(value.split())
+          break
+  except OSError:
+    pass
+  return " ".join([vendor, *sorted(flags & set(VECTOR_FEATURES))])
+
+
+def recorded_for_this_host(default: dict) -> dict:
+  """loss_fingerprint.json's cases, with this kind of host's own record (loss_fingerprint_hosts.json) over them."""
+  with open(HOSTS) as f:
+    return {**default, **json.load(f).get(host_signature(), {})}
+
+
 def run_objective(name, fx, out_dir):
   """The recorded metrics of each metrics.jsonl line of one objective case, as reprs."""
   import subprocess
@@ -174,7 +209,22 @@ def main(argv):
   p.add_argument("--cases", default="", help="comma-separated case names, each exactly (with --only: either)")
   p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
   p.add_argument("--fixtures", default=DEFAULT_FIXTURES, help="the objective cases' tiny models")
+  p.add_argument("--host", action="store_true", help="print this host's signature (the key of its own record)")
+  p.add_argument("--record-host", metavar="LOSSES", help="store an --out file as this kind of host's record")
   args = p.parse_args(argv[1:])
+  if args.host:
+    print(host_signature())
+    return
+  if args.record_host:
+    with open(args.record_host) as f:
+      losses = json.load(f)
+    hosts = json.load(open(HOSTS)) if os.path.exists(HOSTS) else {}
+    hosts[host_signature()] = {**hosts.get(host_signature(), {}), **losses}
+    with open(HOSTS, "w") as f:
+      json.dump(hosts, f, indent=1)
+      f.write("\n")
+    print(f"{len(losses)} cases recorded for '{host_signature()}' in {HOSTS}")
+    return
   if args.compare:
     before, after = (json.load(open(f)) for f in args.compare)
     bad = [k for k in sorted(after) if before.get(k) != after.get(k)]  # an --only run compares its own cases

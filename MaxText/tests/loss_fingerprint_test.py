@@ -7,7 +7,6 @@ end_to_end/cpu/loss_fingerprint_hosts.json, under its signature (`python3 end_to
   python3 end_to_end/cpu/loss_fingerprint.py --cases <the eight below, comma-separated> --out /tmp/host.json
   python3 end_to_end/cpu/loss_fingerprint.py --record-host /tmp/host.json"""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,30 +15,24 @@ import sys
 import pytest
 
 from MaxText.tests.conftest import ROOT
+from MaxText.tests.helpers import end_to_end_script
 
 RECORDED = os.path.join(ROOT, "end_to_end", "cpu", "loss_fingerprint.json")
 IN_PROCESS = ["family/llama2", "family/deepseek3", "layout/pp2", "layout/lora", "layout/vocab-tiling"]
 OBJECTIVES = ["objective/resume", "objective/dpo", "objective/grpo"]
 
 
-def script():
-  spec = importlib.util.spec_from_file_location("loss_fingerprint", RECORDED.replace(".json", ".py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 @pytest.fixture(scope="module")
 def recorded():
   """The record, with this kind of host's own record over it where it has one (the script's docstring)."""
   with open(RECORDED) as f:
-    return script().recorded_for_this_host(json.load(f))
+    return end_to_end_script("loss_fingerprint").recorded_for_this_host(json.load(f))
 
 
 def test_each_kind_of_host_records_every_case_of_this_test(monkeypatch):
   """A host's own record holds all eight cases (so none falls back to another CPU's bits), and is what a host
   with that signature reads; any other host reads loss_fingerprint.json as it is."""
-  fingerprint = script()
+  fingerprint = end_to_end_script("loss_fingerprint")
   assert fingerprint.host_signature().split()  # this host's: its vendor, then the vector features it has
   with open(fingerprint.HOSTS) as f:
     hosts = json.load(f)

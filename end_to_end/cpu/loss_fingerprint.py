@@ -146,18 +146,18 @@ VECTOR_FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_
 
 def host_signature() -> str:
   """This host's CPU vendor and vector features, e.g. 'AuthenticAMD avx2 avx512_bf16 avx512_vnni avx512f fma'."""
-  vendor, flags = platform.machine(), set()
+  fields = {}
   try:
     with open("/proc/cpuinfo") as f:
       for line in f:
-        key, _, value = line.partition(":")
-        if key.strip() in ("vendor_id", "CPU implementer") and vendor == platform.machine():
-          vendor = value.strip()
-        elif key.strip() in ("flags", "Features"):
-          flags = set(value.split())
+        if not line.strip():  # the first processor's block holds them all
           break
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
   except OSError:
     pass
+  vendor = fields.get("vendor_id") or fields.get("CPU implementer") or platform.machine()  # x86, or arm
+  flags = set((fields.get("flags") or fields.get("Features") or "").split())
   return " ".join([vendor, *sorted(flags & set(VECTOR_FEATURES))])
 
 
@@ -218,12 +218,12 @@ def main(argv):
   if args.record_host:
     with open(args.record_host) as f:
       losses = json.load(f)
-    hosts = json.load(open(HOSTS)) if os.path.exists(HOSTS) else {}
-    hosts[host_signature()] = {**hosts.get(host_signature(), {}), **losses}
+    hosts, signature = json.load(open(HOSTS)) if os.path.exists(HOSTS) else {}, host_signature()
+    hosts[signature] = {**hosts.get(signature, {}), **losses}
     with open(HOSTS, "w") as f:
       json.dump(hosts, f, indent=1)
       f.write("\n")
-    print(f"{len(losses)} cases recorded for '{host_signature()}' in {HOSTS}")
+    print(f"{len(losses)} cases recorded for '{signature}' in {HOSTS}")
     return
   if args.compare:
     before, after = (json.load(open(f)) for f in args.compare)

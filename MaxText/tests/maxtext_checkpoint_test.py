@@ -30,6 +30,32 @@ NAMES = sorted(INDEX["fixtures"])
 FULL = [n for n in NAMES if INDEX["fixtures"][n]["kind"] == "full"]  # upstream train states
 PARAMS = [n for n in NAMES if INDEX["fixtures"][n]["kind"] == "params"]  # upstream params-only checkpoints
 LLAMA = "llama2_scanned_full"  # the one the single-fixture tests use
+# The per-fixture matrices run these models' fixtures in the fast tier (dense, tied with a scaled embedding,
+# local/global cycles with a remainder, MoE, MLA MoE) and every fixture in the slow tier.
+FAST_MODELS = {"llama2", "gemma", "gemma3", "mixtral", "deepseek3"}
+
+
+def layout_cases(relation: str) -> list[tuple[str, bool]]:
+  """(fixture, our scan_layers) pairs. A family with fixtures in both of upstream's layouts loads each into our
+  other layout (`relation="cross"`: scanned -> unrolled and unrolled -> scanned) or our same one ("same"), so
+  each of our layouts is checked once per family; a family with one fixture loads it into both of ours."""
+  layouts = {}
+  for name in NAMES:
+    layouts.setdefault(INDEX["fixtures"][name]["model"], set()).add(INDEX["fixtures"][name]["scan_layers"])
+  cases = []
+  for name in NAMES:
+    scanned = INDEX["fixtures"][name]["scan_layers"]
+    both = len(layouts[INDEX["fixtures"][name]["model"]]) == 2
+    ours = [scanned != (relation == "cross")] if both else [True, False]
+    marks = [] if INDEX["fixtures"][name]["model"] in FAST_MODELS else [pytest.mark.slow]
+    cases += [pytest.param(name, scan, id=f"{name}-{'scan' if scan else 'unrolled'}", marks=marks) for scan in ours]
+  return cases
+
+
+def fixture_tiers(names, slow=()) -> list:
+  """The fixtures `names` as parametrize values: FAST_MODELS' in the fast tier (unless in `slow`), the rest slow."""
+  fast = lambda n: INDEX["fixtures"][n]["model"] in FAST_MODELS and n not in slow  # noqa: E731
+  return [pytest.param(n, marks=[] if fast(n) else [pytest.mark.slow]) for n in names]
 
 
 def fixture(name: str) -> str:
@@ -97,10 +123,11 @@ def logits_as_upstream(c: config_lib.Config, tokens: np.ndarray) -> tuple[np.nda
   return ours, np.asarray(model.logits(hidden)[0]), bound
 
 
-@pytest.mark.parametrize("scan", [True, False])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name,scan", layout_cases("cross"))
 def test_logits_match_upstream(tmp_path, name, scan):
-  """Either layer layout of ours from either of upstream's: upstream's own logits up to float32 noise. From a
+  """Each layer layout of ours, from the other of upstream's where the family has both (test_export_round_trips
+  checks the same-layout loads: their export gives back upstream's own arrays): upstream's own logits up to
+  float32 noise. From a
   tied family's float32 train state, upstream's head rounds the table to bf16: ours, with the table so rounded,
   gives its logits to float32 noise, and our own logits are within that rounding's bound of them."""
   c = load(tmp_path, name, f"load_parameters_path={fixture(name)}", f"scan_layers={str(scan).lower()}")
@@ -115,7 +142,7 @@ def test_logits_match_upstream(tmp_path, name, scan):
 
 
 @pytest.mark.parametrize("scan", [True, False])
-@pytest.mark.parametrize("name", FULL)
+@pytest.mark.parametrize("name", fixture_tiers(FULL))
 def test_full_state_brings_step_and_adam_moments(tmp_path, name, scan):
   raw = saved_arrays(fixture(name))
   restored = full_state(tmp_path, name, f"scan_layers={str(scan).lower()}")
@@ -147,7 +174,7 @@ def test_full_state_brings_step_and_adam_moments(tmp_path, name, scan):
 SLOW_TO_TRAIN = {"gemma3_unrolled_full", "llama4_scanned_full", "gpt-oss_scanned_full"}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_TO_TRAIN else n for n in FULL])
+@pytest.mark.parametrize("name", fixture_tiers(FULL, slow=SLOW_TO_TRAIN))
 def test_training_continues_from_an_upstream_full_state(tmp_path, name):
   start = INDEX["fixtures"][name]["step"] + 1  # optimizer steps upstream took
   c = load(
@@ -191,12 +218,12 @@ def test_upstream_step_directory_names_its_items(tmp_path):
     check_logits.model_logits(c)
 
 
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("scan", [True, False])
+@pytest.mark.parametrize("name,scan", layout_cases("same"))
 def test_export_round_trips(tmp_path, name, scan):
   """Ours -> upstream's Linen params tree (in the fixture's dtype): reads back here to the same parameters,
   and equals upstream's own arrays where upstream wrote the same layer layout (bf16 exactly; float32 up
-  to the query kernels' rescaling)."""
+  to the query kernels' rescaling): each family's fixtures in their own layout, a family with one fixture in
+  both of ours."""
   theirs = upstream.unwrap(upstream.params_of(saved_arrays(fixture(name)), upstream.layout(saved_tree(name))))
   dtype = str(theirs["token_embedder"]["embedding"].dtype)
   c = load(tmp_path, name, f"load_parameters_path={fixture(name)}", f"scan_layers={str(scan).lower()}")

@@ -120,6 +120,20 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
+@pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")  # after -m and -k have deselected
+def pytest_collection_modifyitems_heaviest_first(items) -> None:
+  """Order the modules by their expected time, longest first; each module's tests stay together and in their
+  order, so a module-scoped fixture is still built once. A slow test counts 20 (the slow tier averages about 20
+  worker-seconds a test, the rest about 1.5; benchmarks/README.md). pytest-xdist hands tests out in this order:
+  the minutes-long compiles start early and the run ends on short tests, not on one worker finishing a long test
+  while the other waits."""
+  module = lambda item: item.nodeid.split("::")[0]
+  weight = {}
+  for item in items:
+    weight[module(item)] = weight.get(module(item), 0) + (20 if item.get_closest_marker("slow") else 1)
+  items.sort(key=lambda item: -weight[module(item)])
+
+
 def uses_own_module_fixture(item) -> bool:
   """Whether the test needs a module-scoped fixture its own module defines (a converted model, a reference run).
   Under `pytest -n N --dist loadgroup` (unit_test_and_lint.sh) such tests share one worker (an xdist_group per
@@ -130,9 +144,15 @@ def uses_own_module_fixture(item) -> bool:
   return any(d[-1].scope == "module" and d[-1].baseid == module for d in defs if d)
 
 
-def quick_for(values, chosen):
-  """Parametrize's values with `chosen` in the quick tier (pytest -m quick runs that case of the set)."""
-  return [pytest.param(v, marks=pytest.mark.quick) if v == chosen else v for v in values]
+def family_tiers(values, fast, quick=None):
+  """Parametrize's values for a per-family matrix, where each case runs the same code on another family: those in
+  `fast` run in the fast tier (`quick` in the quick one too), the others in the slow tier only. The fast ones are
+  chosen to reach each distinct code path the matrix covers (dense, MoE, MLA, local/global cycles, another cache);
+  the whole suite runs every family."""
+  values = list(values)
+  assert set(fast) <= set(values) and (quick is None or quick in fast), (fast, quick, values)
+  marks = lambda v: [pytest.mark.quick] * (v == quick) + [pytest.mark.slow] * (v not in fast)  # noqa: E731
+  return [pytest.param(v, marks=marks(v)) for v in values]
 
 
 def sized_config(tmp_path, *overrides):

@@ -12,6 +12,7 @@ import pytest
 from MaxText import config
 from MaxText.convert import hf_to_maxtext
 from MaxText.inference import Engine
+from MaxText.tests.conftest import family_tiers
 from MaxText.tests.helpers import HF_DECODE, PARITY_NEW, PROMPTS, hf_model
 
 # One per attention/layer variant: GQA, projection biases, sliding window, MoE, q/k norms, gemma norms,
@@ -30,7 +31,8 @@ FAMILIES += ["gemma4", "gemma4-ple"]
 FAMILIES += ["gemma4-moe"]  # the MoE block beside each dense MLP
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# The fast tier: GQA, MoE, 5:1 local/global and multi-head latent attention; the slow tier every family.
+@pytest.mark.parametrize("family", family_tiers(FAMILIES, ("llama2", "mixtral", "gemma3", "deepseek3")))
 def test_greedy_tokens_equal_hugging_face_generate(family, tmp_path):
   reference, hf_path = hf_model(family, tmp_path)
   if family in HF_DECODE:  # the settings the reference's greedy tokens were made with (helpers.HF_DECODE)

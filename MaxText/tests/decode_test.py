@@ -15,7 +15,7 @@ from flax import nnx
 from MaxText import checkpointing, config, decode
 from MaxText.errors import ConfigError
 from MaxText.inference import Engine, engine, sampling
-from MaxText.tests.conftest import BASE, ROOT, quick_for, run_processes
+from MaxText.tests.conftest import BASE, ROOT, family_tiers, run_processes
 from MaxText.tests.helpers import DECODE_FAMILIES, DECODE_TINY, assert_cache_equals_forward
 
 
@@ -23,7 +23,12 @@ def load(*overrides):
   return config.load([BASE, *DECODE_TINY, *overrides], {})
 
 
-@pytest.mark.parametrize("family", quick_for(sorted(DECODE_FAMILIES), "llama2"))
+# The fast tier: a KV cache (llama2, also quick), latent (deepseek), sliding-window (gemma3) and recurrent (qwen3_5)
+# ones, and MoE; the slow tier every family.
+DECODE_FAST = ("llama2", "deepseek", "gemma3", "qwen3_5", "mixtral")
+
+
+@pytest.mark.parametrize("family", family_tiers(sorted(DECODE_FAMILIES), DECODE_FAST, quick="llama2"))
 def test_forward_equals_prefill_equals_step_by_step(family):
   assert_cache_equals_forward(*DECODE_FAMILIES[family])
 

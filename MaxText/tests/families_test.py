@@ -19,7 +19,7 @@ from MaxText.convert import hf_to_maxtext, maxtext_to_hf
 from MaxText.errors import ConfigError
 from MaxText.layers import attention_mla, embeddings
 from MaxText.layers.model_config import ModelConfig
-from MaxText.tests.conftest import quick_for
+from MaxText.tests.conftest import family_tiers
 from MaxText.tests.helpers import (
   FAMILIES,
   TOKENS,
@@ -40,7 +40,12 @@ PUBLISHED = {
 LOADS_AS = {"kimi_k2": "deepseek_v3"}  # Kimi K2's model_type names a remote-code copy of transformers' DeepSeek V3
 
 
-@pytest.mark.parametrize("family", quick_for(sorted(FAMILIES), "llama3.1"))  # quick: RoPE scaling
+# The fast tier: llama3.1 (RoPE scaling; also quick), deepseek3 (MLA and routed MoE), gemma3 (local/global cycles
+# with a remainder), mixtral (MoE with GQA); the slow tier every family.
+LOGITS_FAST = ("llama3.1", "deepseek3", "gemma3", "mixtral")
+
+
+@pytest.mark.parametrize("family", family_tiers(sorted(FAMILIES), LOGITS_FAST, quick="llama3.1"))
 def test_logits_match_hugging_face_and_round_trip_is_exact(family, tmp_path):
   reference, hf_path = hf_model(family, tmp_path)
   tokens, ref = TOKENS, reference.logits
@@ -93,14 +98,12 @@ TRAINED += ("gemma4-moe",)
 # The train step's compile grows with the distinct layers in it (a scanned cycle's layers are all compiled):
 # gemma3's 7 (a 6-layer cycle and a remainder) and gemma4-ple's 6 (a cycle, then the 4-layer kv-sharing block)
 # take ~90 and ~120 CPU-s against ~6 for llama2, ~15 for gemma2, ~40 for gemma4-moe (2026-11-27; gemma3 on one
-# device instead of 8: the same, remat_policy=none or scan_layers=false: a fifth less). They are in the slow
-# tier; gemma4-moe (a 2-layer cycle) trains the gemma4 block in the fast one.
-SLOW_TO_TRAIN = ("gemma3", "gemma4-ple")
+# device instead of 8: the same, remat_policy=none or scan_layers=false: a fifth less). They run in the slow
+# tier with the other families; the fast tier trains a dense model, GQA MoE, MLA MoE and a local/global cycle.
+TRAIN_FAST = ("llama2", "mixtral", "deepseek3", "gemma2")
 
 
-@pytest.mark.parametrize(
-  "family", [pytest.param(f, marks=pytest.mark.slow) if f in SLOW_TO_TRAIN else f for f in TRAINED]
-)
+@pytest.mark.parametrize("family", family_tiers(TRAINED, TRAIN_FAST))
 def test_converted_model_trains(family, tmp_path):
   """Every family (one model per decoder_block and MoE router) trains from its converted checkpoint."""
   _, hf_path = hf_model(family, tmp_path)

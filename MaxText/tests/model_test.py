@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from MaxText import config, models, planner
-from MaxText.tests.conftest import BASE, TINY
+from MaxText.tests.conftest import BASE, TINY, family_tiers
 
 TINY = [*TINY, "vocab_size=128", "max_target_length=16"]  # the shared tiny model, smaller vocabulary and length
 
@@ -139,7 +139,11 @@ def test_every_family_has_a_preset_here():
   assert set(FAMILY_PRESETS) == set(models.REGISTRY)
 
 
-@pytest.mark.parametrize("block", sorted(FAMILY_PRESETS))
+# The fast tier: untied (default), tied with a scaled embedding (gemma), local/global (gemma3), MoE (mixtral) and MLA
+# MoE (deepseek); the slow tier every family.
+@pytest.mark.parametrize(
+  "block", family_tiers(sorted(FAMILY_PRESETS), ("default", "gemma", "gemma3", "mixtral", "deepseek"))
+)
 def test_fresh_model_starts_near_uniform_loss(block):
   """Random tokens through a freshly initialised model: the loss is within 1 of ln(vocab) (uniform
   predictions), so tied and untied logits, scaled embeddings and MoE start from unit-variance logits."""

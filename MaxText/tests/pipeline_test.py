@@ -17,7 +17,7 @@ from MaxText import config, planner, sharding, state, train
 from MaxText.errors import ConfigError
 from MaxText.objectives import lm
 from MaxText.parallel import plan as plan_lib
-from MaxText.tests.conftest import cfg, cpu_xla_flags, free_port, losses
+from MaxText.tests.conftest import cfg, cpu_xla_flags, family_tiers, free_port, losses
 
 BASE = os.path.join(config.CONFIG_DIR, "base.yml")
 TINY = [
@@ -208,7 +208,8 @@ FAMILIES = {
 }
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# The fast tier: whole units with a remainder after them (gemma2_partial) and two stacks (deepseek); the slow tier all.
+@pytest.mark.parametrize("family", family_tiers(sorted(FAMILIES), ("deepseek", "gemma2_partial")))
 def test_family_stacks_pipeline(family):
   layers, extra = FAMILIES[family]
   extra = [*extra, *MLA] if "deepseek" in family else extra

@@ -22,6 +22,9 @@ STUDENT=(base_emb_dim=64 base_num_query_heads=2 base_num_kv_heads=1 base_mlp_dim
 python3 MaxText/train.py MaxText/configs/base.yml run_name=teacher "${COMMON[@]}" "${TEACHER[@]}" steps=300 \
   eval_interval=300 checkpoint_period=300
 TOKENIZER=(tokenizer_path="$OUT/teacher/tokenizer/tokenizer.model")
+# A run caches the tokenized corpus beside its tokenizer, in <run dir>/tokenizer; each later run reads the teacher's
+# (same tokenizer, same files), so the corpus is tokenized once rather than five times.
+for run in online topk offline scratch; do mkdir -p "$OUT/$run" && ln -sfn ../teacher/tokenizer "$OUT/$run/tokenizer"; done
 # 2. The student distilled online: the teacher's config is its run's config.yml, its params the last checkpoint.
 ONLINE=(objective=distill teacher_config="$OUT/teacher/config.yml"
   teacher_load_parameters_path="$OUT/teacher/checkpoints/300/state")

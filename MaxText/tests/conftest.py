@@ -120,20 +120,6 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
-@pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")  # after -m and -k have deselected
-def pytest_collection_modifyitems_heaviest_first(items) -> None:
-  """Order the modules by their expected time, longest first; each module's tests stay together and in their
-  order, so a module-scoped fixture is still built once. A slow test counts 20 (the slow tier averages about 20
-  worker-seconds a test, the rest about 1.5; benchmarks/README.md). pytest-xdist hands tests out in this order:
-  the minutes-long compiles start early and the run ends on short tests, not on one worker finishing a long test
-  while the other waits."""
-  module = lambda item: item.nodeid.split("::")[0]
-  weight = {}
-  for item in items:
-    weight[module(item)] = weight.get(module(item), 0) + (20 if item.get_closest_marker("slow") else 1)
-  items.sort(key=lambda item: -weight[module(item)])
-
-
 def uses_own_module_fixture(item) -> bool:
   """Whether the test needs a module-scoped fixture its own module defines (a converted model, a reference run).
   Under `pytest -n N --dist loadgroup` (unit_test_and_lint.sh) such tests share one worker (an xdist_group per

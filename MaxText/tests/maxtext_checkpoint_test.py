@@ -21,7 +21,7 @@ from MaxText import config as config_lib
 from MaxText import state as state_lib
 from MaxText.convert import to_upstream, upstream
 from MaxText.errors import ConfigError
-from MaxText.tests.conftest import BASE, losses
+from MaxText.tests.conftest import BASE, family_tiers, losses
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "maxtext")
 with open(os.path.join(FIXTURES, "fixtures.json")) as f:
@@ -52,10 +52,9 @@ def layout_cases(relation: str) -> list[tuple[str, bool]]:
   return cases
 
 
-def fixture_tiers(names, slow=()) -> list:
-  """The fixtures `names` as parametrize values: FAST_MODELS' in the fast tier (unless in `slow`), the rest slow."""
-  fast = lambda n: INDEX["fixtures"][n]["model"] in FAST_MODELS and n not in slow  # noqa: E731
-  return [pytest.param(n, marks=[] if fast(n) else [pytest.mark.slow]) for n in names]
+def fast_fixtures(names, slow=()) -> list[str]:
+  """Those of the fixtures `names` that run in the fast tier (FAST_MODELS', unless in `slow`): family_tiers' `fast`."""
+  return [n for n in names if INDEX["fixtures"][n]["model"] in FAST_MODELS and n not in slow]
 
 
 def fixture(name: str) -> str:
@@ -127,9 +126,9 @@ def logits_as_upstream(c: config_lib.Config, tokens: np.ndarray) -> tuple[np.nda
 def test_logits_match_upstream(tmp_path, name, scan):
   """Each layer layout of ours, from the other of upstream's where the family has both (test_export_round_trips
   checks the same-layout loads: their export gives back upstream's own arrays): upstream's own logits up to
-  float32 noise. From a
-  tied family's float32 train state, upstream's head rounds the table to bf16: ours, with the table so rounded,
-  gives its logits to float32 noise, and our own logits are within that rounding's bound of them."""
+  float32 noise. From a tied family's float32 train state, upstream's head rounds the table to bf16: ours, with
+  the table so rounded, gives its logits to float32 noise, and our own logits are within that rounding's bound of
+  them."""
   c = load(tmp_path, name, f"load_parameters_path={fixture(name)}", f"scan_layers={str(scan).lower()}")
   golden = np.load(fixture(name) + ".logits.npy")
   if INDEX["fixtures"][name]["kind"] != "full" or not c.logits_via_embedding:  # the table as upstream's head uses it
@@ -142,7 +141,7 @@ def test_logits_match_upstream(tmp_path, name, scan):
 
 
 @pytest.mark.parametrize("scan", [True, False])
-@pytest.mark.parametrize("name", fixture_tiers(FULL))
+@pytest.mark.parametrize("name", family_tiers(FULL, fast_fixtures(FULL)))
 def test_full_state_brings_step_and_adam_moments(tmp_path, name, scan):
   raw = saved_arrays(fixture(name))
   restored = full_state(tmp_path, name, f"scan_layers={str(scan).lower()}")
@@ -174,7 +173,7 @@ def test_full_state_brings_step_and_adam_moments(tmp_path, name, scan):
 SLOW_TO_TRAIN = {"gemma3_unrolled_full", "llama4_scanned_full", "gpt-oss_scanned_full"}
 
 
-@pytest.mark.parametrize("name", fixture_tiers(FULL, slow=SLOW_TO_TRAIN))
+@pytest.mark.parametrize("name", family_tiers(FULL, fast_fixtures(FULL, slow=SLOW_TO_TRAIN)))
 def test_training_continues_from_an_upstream_full_state(tmp_path, name):
   start = INDEX["fixtures"][name]["step"] + 1  # optimizer steps upstream took
   c = load(

@@ -53,20 +53,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # devices and the jax/jaxlib versions, so a hit is the same executable. Subprocesses get it only through
 # COMPILE_CACHE_ENV: a compile for a TPU or GPU topology writes entries it cannot read back, and warns.
 # XLA writes no dump on a hit (no_compile_cache). MAXTEXT_TEST_JAX_CACHE=DIR keeps it in DIR; =off: none.
+# Only compiles of at least CACHE_MIN_COMPILE_SECONDS are written: with a size limit, jax's every write lists the
+# whole directory under the lock (lru_cache.py: _evict_if_needed), so the suite's ~3,000 eager one-op compiles
+# (20 ms each to redo) made each write scan thousands of entries (78 ms at 3,000) while the other worker waited.
 COMPILE_CACHE = os.environ.get("MAXTEXT_TEST_JAX_CACHE", "")
 if not COMPILE_CACHE:
   COMPILE_CACHE = os.environ["MAXTEXT_TEST_JAX_CACHE"] = tempfile.mkdtemp(prefix="maxtext-test-jax-cache-")
   atexit.register(shutil.rmtree, COMPILE_CACHE, ignore_errors=True)
+CACHE_MIN_COMPILE_SECONDS = 0.5
 COMPILE_CACHE_ENV = {}
 if COMPILE_CACHE != "off":
   # A size limit turns on jax's file lock: parallel processes never read an entry half written.
   COMPILE_CACHE_ENV = {
     "JAX_COMPILATION_CACHE_DIR": COMPILE_CACHE,
-    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": str(CACHE_MIN_COMPILE_SECONDS),
     "JAX_COMPILATION_CACHE_MAX_SIZE": str(8 << 30),
   }
   jax.config.update("jax_compilation_cache_dir", COMPILE_CACHE)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_SECONDS)
   jax.config.update("jax_compilation_cache_max_size", 8 << 30)
 
 BASE = os.path.join(ROOT, "MaxText", "configs", "base.yml")

@@ -56,12 +56,14 @@ def model_logits(c: Config):
   else:
     spec = state_lib.param_spec(scored)
     params = checkpointing.load_params(c.load_parameters_path, spec.abstract, c)
-  model = nnx.merge(spec.graphdef, params)
+
+  @jax.jit  # one program per prompt length (called eagerly, each of the model's ops was compiled on its own)
+  def forward(params, tokens):  # tokens [1, T]
+    t = tokens.shape[1]
+    return nnx.merge(spec.graphdef, params)(tokens, jnp.arange(t)[None], jnp.ones((1, t), jnp.int32))[0]
 
   def run(tokens: np.ndarray) -> np.ndarray:
-    t = len(tokens)
-    out = model(jnp.asarray(tokens)[None], jnp.arange(t)[None], jnp.ones((1, t), jnp.int32))
-    return np.asarray(out[0], np.float32)
+    return np.asarray(forward(params, jnp.asarray(tokens)[None]), np.float32)
 
   return run
 

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import config, models, planner, sharding
+from MaxText import config, planner, sharding
 from MaxText.errors import ConfigError
 from MaxText.layers import context_parallel
 from MaxText.objectives import lm
+from MaxText.tests.helpers import built
 
 BASE = os.path.join(config.CONFIG_DIR, "base.yml")
 # Tiny, float32; GQA (4 query heads over 2 kv heads); 64 tokens so 4 shards x 2 chunks x 8 tokens.
@@ -48,7 +49,7 @@ def loss_and_grads(*overrides, rows: int = 8):
   """(loss per token, gradients) of one packed batch under the mesh the overrides give."""
   c = load(*overrides)
   mesh = sharding.create_mesh(c)
-  graphdef, params = nnx.split(models.build(c, nnx.Rngs(params=0), planner.build(c, mesh)), nnx.Param)
+  graphdef, params = nnx.split(built(c, planner.build(c, mesh)), nnx.Param)
   batch = packed_batch(rows, c.max_target_length)
   with sharding.activate(c, mesh):
     placed = jax.device_put(

@@ -5,6 +5,7 @@ conftest.py, never from each other (structure_test checks it). The tiny Hugging 
 are committed under hf_references/ (hf_model reads them, no torch needed); torch and transformers are imported
 where used, in `torch`-marked tests only."""
 
+import functools
 import json
 import os
 import queue
@@ -232,9 +233,15 @@ def hf_model(family, tmp_path, vocab_size=None):
 
 def maxtext_logits(out_dir, tokens, *overrides):
   """Float32 logits [B, T, V] of the converted model in out_dir on tokens [B, T]."""
-  model = load_converted(out_dir, *overrides)
+  graphdef, params = nnx.split(load_converted(out_dir, *overrides))
+  return np.asarray(_forward(graphdef, params, jnp.asarray(tokens)))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, params, tokens):
+  """The model's logits in one program (eagerly, each op of the forward was a compile of its own)."""
   b, t = tokens.shape
-  return np.asarray(model(jnp.asarray(tokens), jnp.broadcast_to(jnp.arange(t), (b, t)), jnp.ones((b, t), jnp.int32)))
+  return nnx.merge(graphdef, params)(tokens, jnp.broadcast_to(jnp.arange(t), (b, t)), jnp.ones((b, t), jnp.int32))
 
 
 def assert_live_model_converts(model, tmp_path) -> None:
@@ -293,6 +300,12 @@ L4V_VISION |= dict(
   patch_size=4, pixel_shuffle_ratio=0.5, projector_input_dim=24, projector_output_dim=24, vision_output_dim=24
 )
 L4V_IMAGE_TOKEN = 63
+
+
+def built(c: config.Config, plan, seed: int = 0) -> nnx.Module:
+  """models.build(c, nnx.Rngs(params=seed), plan) as one compiled program, bit for bit the same parameters: eagerly,
+  each parameter's initializer compiled on its own (a tiny DeepSeek's build took 14 s, not 5)."""
+  return nnx.jit(lambda: models.build(c, nnx.Rngs(params=seed), plan))()
 
 
 def load_converted(out_dir, *overrides):
@@ -1023,7 +1036,7 @@ def layout_loss_and_grads(tiny, *overrides, devices: int = 1):
   positions, segments = jnp.broadcast_to(jnp.arange(16), (8, 16)), jnp.ones((8, 16), jnp.int32)
   c = config.load([*tiny, "max_target_length=16", "ici_fsdp_parallelism=1", "ici_data_parallelism=1", *overrides], {})
   mesh = sharding.create_mesh(c, jax.devices()[:devices])
-  graphdef, params = nnx.split(models.build(c, nnx.Rngs(params=0), planner.build(c, mesh)), nnx.Param)
+  graphdef, params = nnx.split(built(c, planner.build(c, mesh)), nnx.Param)
 
   def loss(p):
     logits = nnx.merge(graphdef, p)(tokens[:, :-1], positions, segments).astype(jnp.float32)

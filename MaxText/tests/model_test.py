@@ -11,13 +11,14 @@ from flax import nnx
 
 from MaxText import config, models, planner
 from MaxText.tests.conftest import BASE, TINY, family_tiers
+from MaxText.tests.helpers import built
 
 TINY = [*TINY, "vocab_size=128", "max_target_length=16"]  # the shared tiny model, smaller vocabulary and length
 
 
 def build(*overrides):
   c = config.load([BASE, "run_name=t", *TINY, *overrides], {})
-  return c, models.build(c, nnx.Rngs(params=0), planner.build(c))
+  return c, built(c, planner.build(c))
 
 
 def forward(model, tokens, segments=None, positions=None):
@@ -151,7 +152,7 @@ def test_fresh_model_starts_near_uniform_loss(block):
   rest = [o for o in FAMILY_PRESETS[block] if not o.startswith("model_name=")]
   c = config.load([BASE, "run_name=t", *preset, *FAMILY_TINY, *rest], {})
   assert c.decoder_block == block
-  model = models.build(c, nnx.Rngs(params=0), planner.build(c))
+  model = built(c, planner.build(c))
   ids = jnp.asarray(np.random.default_rng(0).integers(0, c.vocab_size, (4, 17)), jnp.int32)
   logits = forward(model, ids[:, :-1])
   loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, ids[:, 1:, None], -1)[..., 0])

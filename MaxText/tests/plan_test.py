@@ -15,6 +15,7 @@ from MaxText.errors import ConfigError
 from MaxText.objectives import lm
 from MaxText.parallel.plan import AttentionPlan, LossPlan
 from MaxText.tests.conftest import TINY, cfg
+from MaxText.tests.helpers import built
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = os.path.join(config.CONFIG_DIR, "base.yml")
@@ -172,7 +173,7 @@ def test_pieces_take_auto_or_a_positive_count(key):
 
 
 def build(c):
-  return models.build(c, nnx.Rngs(params=0), planner.build(c))
+  return built(c, planner.build(c))
 
 
 def loss_and_grads(c, graphdef, params):

@@ -29,6 +29,7 @@ from MaxText.tests.helpers import (
   SMALL,
   TOKENS,
   assert_live_model_converts,
+  built,
   hf_config,
   hf_keys,
   hf_model,
@@ -180,7 +181,7 @@ def loss35(graphdef, params):
 def unsharded35():
   """(TINY35's parameters (seed 0), their loss on one device): one build and compile for all layouts."""
   c = config.load([BASE, *TINY35], {})
-  graphdef, params = nnx.split(models.build(c, nnx.Rngs(params=0), planner.build(c)), nnx.Param)
+  graphdef, params = nnx.split(built(c, planner.build(c)), nnx.Param)
   return params, float(jax.jit(functools.partial(loss35, graphdef))(params))
 
 

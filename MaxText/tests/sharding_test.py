@@ -8,6 +8,7 @@ from jax.sharding import PartitionSpec
 
 from MaxText import config, planner, sharding
 from MaxText.errors import ConfigError
+from MaxText.tests.helpers import built
 
 pytestmark = pytest.mark.quick  # the whole module is in the quick tier
 
@@ -90,19 +91,18 @@ def test_forward_is_sharding_invariant(mesh_args):
   import numpy as np
   from flax import nnx
 
-  from MaxText import models
-
   tiny = ["base_emb_dim=32", "base_num_query_heads=4", "base_num_kv_heads=2", "base_mlp_dim=48", "head_dim=8"]
   tiny += ["base_num_decoder_layers=1", "vocab_size=320", "dtype=float32"]
   c = load(*tiny, *mesh_args)
   mesh = sharding.create_mesh(c)
-  graphdef, params = nnx.split(models.build(c, nnx.Rngs(params=0), planner.build(c, mesh)), nnx.Param)
+  graphdef, params = nnx.split(built(c, planner.build(c, mesh)), nnx.Param)
   tokens = jnp.asarray(np.random.default_rng(0).integers(1, 300, (4, 16)), jnp.int32)
   positions = jnp.broadcast_to(jnp.arange(16), (4, 16))
   segments = jnp.ones((4, 16), jnp.int32)
-  expected = nnx.merge(graphdef, params)(tokens, positions, segments)
+  forward = lambda p, t, q, s: nnx.merge(graphdef, p)(t, q, s)  # noqa: E731
+  expected = jax.jit(forward)(params, tokens, positions, segments)  # on one device
   with sharding.activate(c, mesh):
     shardings = sharding.logical_to_mesh(nnx.get_partition_spec(params), mesh, sharding.axis_rules(c))
     placed = jax.device_put(params, shardings)
-    got = jax.jit(lambda p, t, q, s: nnx.merge(graphdef, p)(t, q, s))(placed, tokens, positions, segments)
+    got = jax.jit(forward)(placed, tokens, positions, segments)
   np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)

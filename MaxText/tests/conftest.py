@@ -305,7 +305,7 @@ def run_processes(command, cwd, log_dir, name, processes, devices_per_process, t
   for rank in range(processes):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "NNODES": str(processes), "NODE_RANK": str(rank)}
     env.update(JAX_COORDINATOR_ADDRESS="127.0.0.1", JAX_COORDINATOR_PORT=str(port))
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
+    env["XLA_FLAGS"] = cpu_xla_flags(devices_per_process)  # compiled as the in-process tests compile
     env.update(rank_env(rank) if rank_env else {})
     log = open(os.path.join(log_dir, f"{name}.{rank}.log"), "w+")
     procs.append((subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT), log))

@@ -5,7 +5,6 @@ conftest.py, never from each other (structure_test checks it). The tiny Hugging 
 are committed under hf_references/ (hf_model reads them, no torch needed); torch and transformers are imported
 where used, in `torch`-marked tests only."""
 
-import functools
 import json
 import os
 import queue
@@ -233,15 +232,20 @@ def hf_model(family, tmp_path, vocab_size=None):
 
 def maxtext_logits(out_dir, tokens, *overrides):
   """Float32 logits [B, T, V] of the converted model in out_dir on tokens [B, T]."""
-  graphdef, params = nnx.split(load_converted(out_dir, *overrides))
-  return np.asarray(_forward(graphdef, params, jnp.asarray(tokens)))
+  return np.asarray(forward(load_converted(out_dir, *overrides), jnp.asarray(tokens)))
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _forward(graphdef, params, tokens):
-  """The model's logits in one program (eagerly, each op of the forward was a compile of its own)."""
+def forward(model, tokens, segments=None, positions=None):
+  """model's logits on tokens [B, T] (one segment, positions 0..T-1 unless given), as one compiled program."""
   b, t = tokens.shape
-  return nnx.merge(graphdef, params)(tokens, jnp.broadcast_to(jnp.arange(t), (b, t)), jnp.ones((b, t), jnp.int32))
+  segments = jnp.ones((b, t), jnp.int32) if segments is None else segments
+  positions = jnp.broadcast_to(jnp.arange(t), (b, t)) if positions is None else positions
+  return _call(model, tokens, positions, segments)
+
+
+@nnx.jit  # one compile per model; op by op, each of its small ops outside the layer scan compiles alone
+def _call(model, tokens, positions, segments):
+  return model(tokens, positions, segments)
 
 
 def assert_live_model_converts(model, tmp_path) -> None:

@@ -11,7 +11,7 @@ from flax import nnx
 
 from MaxText import config, models, planner
 from MaxText.tests.conftest import BASE, TINY, family_tiers
-from MaxText.tests.helpers import built
+from MaxText.tests.helpers import built, forward
 
 TINY = [*TINY, "vocab_size=128", "max_target_length=16"]  # the shared tiny model, smaller vocabulary and length
 
@@ -19,18 +19,6 @@ TINY = [*TINY, "vocab_size=128", "max_target_length=16"]  # the shared tiny mode
 def build(*overrides):
   c = config.load([BASE, "run_name=t", *TINY, *overrides], {})
   return c, built(c, planner.build(c))
-
-
-def forward(model, tokens, segments=None, positions=None):
-  b, t = tokens.shape
-  segments = jnp.ones((b, t), jnp.int32) if segments is None else segments
-  positions = jnp.broadcast_to(jnp.arange(t), (b, t)) if positions is None else positions
-  return _call(model, tokens, positions, segments)
-
-
-@nnx.jit  # one compile per model; op by op, each of its small ops outside the layer scan compiles alone
-def _call(model, tokens, positions, segments):
-  return model(tokens, positions, segments)
 
 
 def tokens(b=2, t=16, seed=0):

@@ -122,6 +122,9 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(pytest.mark.skip(reason=TORCH_SKIP))
     if uses_own_module_fixture(item):
       item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+  # The minute-long tests first (stable: the rest keep their order). pytest-xdist hands out tests in this order as
+  # workers free up, so a long test that came last ran alone while the other worker had nothing left to take.
+  items.sort(key=lambda item: item.get_closest_marker("long") is None)
 
 
 def uses_own_module_fixture(item) -> bool:

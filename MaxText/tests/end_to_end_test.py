@@ -35,6 +35,7 @@ def test_sft_script(tmp_path):
   assert "export: the 21 tensors of" in result.stdout  # checked without torch; transformers generates where installed
 
 
+@pytest.mark.long
 @pytest.mark.slow  # ~55 CPU-seconds on 2 cores (2026-11-28): convert, SFT, DPO, GRPO, decode, export, each compiling
 def test_post_train_script(tmp_path):
   result = run_script("post_train.sh", tmp_path, 900)
@@ -42,6 +43,7 @@ def test_post_train_script(tmp_path):
   assert "OK post_train:" in result.stdout and "100 prompts from" in result.stdout
 
 
+@pytest.mark.long
 @pytest.mark.slow  # ~55 CPU-seconds on 2 cores (2026-11-28): convert, fine-tune with images, three decodes, export
 def test_multimodal_script(tmp_path):
   result = run_script("multimodal.sh", tmp_path, 900)
@@ -51,6 +53,7 @@ def test_multimodal_script(tmp_path):
     assert f"output: '{colour}.'" in result.stdout.lower()
 
 
+@pytest.mark.long
 @pytest.mark.slow  # ~3 CPU-minutes (2026-11-28; teacher, online, top-k generation, offline, scratch runs)
 def test_distillation_script(tmp_path):
   result = run_script("distillation.sh", tmp_path, 2400)  # the script sets its own XLA_FLAGS (one device)

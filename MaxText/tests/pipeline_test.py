@@ -301,6 +301,7 @@ def test_stacked_layers_live_only_on_their_stage_devices():
     assert named.spec[0] == "stage", jax.tree_util.keystr(path)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_llama2_70b_pipelined_over_two_v5e_256_slices_compiles_and_fits():
   """AOT for TPUs on the CPU (docs/pipeline_parallelism.md): 12.21 GiB per device when recorded."""

@@ -39,6 +39,7 @@ def reported_gib(stdout: str, what: str) -> float:
 CEILING_GIB = {"7b_total": 4.05, "7b_b16_total": 11.6, "16b_total": 5.90, "kimi_total": 85.0}  # kimi-k2-1t: 84.44
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_16b_on_two_v5e_256_slices_fits_under_its_recorded_ceiling():
   result = compile_command(
@@ -52,6 +53,7 @@ def test_16b_on_two_v5e_256_slices_fits_under_its_recorded_ceiling():
   assert reported_gib(result.stdout, "total") <= CEILING_GIB["16b_total"]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_kimi_k2_fits_on_v5p_1024_under_its_recorded_ceiling():
   """The 1.03T preset whole, on its smallest v5p slice with fsdp alone: 384 chips (v5p-768) divide neither
@@ -70,6 +72,7 @@ def test_kimi_k2_fits_on_v5p_1024_under_its_recorded_ceiling():
   assert reported_gib(result.stdout, "total") <= CEILING_GIB["kimi_total"]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_llama2_7b_on_one_v5e_256_slice_uses_flash_and_fits_under_its_ceiling(tmp_path):
   result = compile_command(
@@ -83,6 +86,7 @@ def test_llama2_7b_on_one_v5e_256_slice_uses_flash_and_fits_under_its_ceiling(tm
   assert "tpu_custom_call" in optimized.read_text()  # attention=autoselected chose the Pallas splash kernel
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_llama2_7b_at_batch_16_fits_in_0_9x_of_maxtext_s_memory():
   """The issue's batch-16 target: at most 11.6 GiB per chip (MaxText 0.2.5: 12.87), so that batch 20 fits

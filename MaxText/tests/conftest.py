@@ -302,11 +302,12 @@ def free_port() -> int:
 def run_processes(command, cwd, log_dir, name, processes, devices_per_process, timeout=300, rank_env=None):
   """Run `command` as `processes` processes of one jax.distributed job (coordinator on 127.0.0.1, CPU
   devices, gloo collectives); returns [(returncode, combined output)] in rank order. rank_env(rank): extra
-  environment variables of that process (e.g. its own TMPDIR, as on a host with its own disk)."""
+  environment variables of that process (e.g. its own TMPDIR, as on a host with its own disk). The processes share
+  the session's compilation cache: a program another test compiled for the same devices loads from it."""
   port = free_port()
   procs = []
   for rank in range(processes):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "NNODES": str(processes), "NODE_RANK": str(rank)}
+    env = {**os.environ, **COMPILE_CACHE_ENV, "JAX_PLATFORMS": "cpu", "NNODES": str(processes), "NODE_RANK": str(rank)}
     env.update(JAX_COORDINATOR_ADDRESS="127.0.0.1", JAX_COORDINATOR_PORT=str(port))
     env["XLA_FLAGS"] = cpu_xla_flags(devices_per_process)  # compiled as the in-process tests compile
     env.update(rank_env(rank) if rank_env else {})

@@ -46,7 +46,7 @@ def test_sigterm_during_async_saves_checkpoints_that_step_and_resumes(tmp_path):
 
 @pytest.mark.slow
 def test_sigint_during_compile_checkpoints_step_one(tmp_path):
-  run = start(tmp_path, "int", "checkpoint_period=100")
+  run = start(tmp_path, "int", "checkpoint_period=100", compile_cache=False)  # a real compile to interrupt
   run.wait_for("  outputs  ")  # the header's last line, printed just before the first step compiles
   run.proc.send_signal(signal.SIGINT)
   rc, output = run.finish()
@@ -58,7 +58,7 @@ def test_sigint_during_compile_checkpoints_step_one(tmp_path):
 
 @pytest.mark.slow
 def test_second_signal_exits_at_once(tmp_path):
-  run = start(tmp_path, "twice", "checkpoint_period=100")
+  run = start(tmp_path, "twice", "checkpoint_period=100", compile_cache=False)  # signals mid-compile
   run.wait_for("  outputs  ")
   run.proc.send_signal(signal.SIGTERM)
   run.wait_for("SIGTERM received: stopping at the next step boundary")  # the listener thread: even mid-compile

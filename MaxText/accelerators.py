@@ -12,9 +12,14 @@ lite" before "tpu v5", "gh200" before "h200", "l40s" before "l4").
 
 from __future__ import annotations
 
+import datetime
 import functools
+import json
 import math
 import os
+import platform as host_platform
+import socket
+import tempfile
 import time
 from typing import Any, NamedTuple
 
@@ -95,7 +100,8 @@ def peak(device: Any | None = None, dtype: str | None = None) -> Peak:
   From DEVICE_SPECS when the device kind is listed (the table's bf16 figure whatever `dtype` is, as
   MaxText reports MFU). Otherwise (CPU, an unlisted kind) there is no published figure: the peak is a
   square matmul in `dtype` (the run's config.dtype; default float32 on CPU, bfloat16 elsewhere),
-  measured once per process and cached, so MFU is relative to what this host achieves on that dtype.
+  measured once per host and kept a week in the user's cache (`cache_dir`; see `_host_peak_flops`), so MFU is
+  relative to what this host achieves on that dtype.
   The CPU devices of one process (e.g. --xla_force_host_platform_device_count=8) share the host's
   cores, so each gets an equal share of the host's measured peak.
   """
@@ -105,8 +111,8 @@ def peak(device: Any | None = None, dtype: str | None = None) -> Peak:
     return Peak(spec.peak_flops, f"{spec.name} table, bf16")
   platform = device.platform
   dtype = jnp.dtype(dtype or ("float32" if platform == "cpu" else "bfloat16")).name
-  measured = _measured_peak_flops(platform, dtype)
-  source = f"measured {dtype} matmul, {platform}"
+  measured, when = _host_peak_flops(platform, dtype)
+  source = f"measured {dtype} matmul, {platform}" + (f", on {when}" if when else "")
   if platform == "cpu":
     share = max(1, len(jax.local_devices(backend="cpu")))
     return Peak(measured / share, source + (f", 1/{share} of the host" if share > 1 else ""))
@@ -128,6 +134,83 @@ def hbm_bytes_per_device(device: Any | None = None) -> int | None:
 # never past MAX_TIMED_S (one slow run on a loaded host may exceed it alone). Best of several runs:
 # other processes on a shared host only ever slow a run down, so the fastest is the least disturbed.
 MIN_RUNS, MIN_TIMED_S, MAX_TIMED_S = 5, 0.5, 1.0
+
+
+# A measured peak is kept per host in the user's cache (MAXTEXT_CACHE_DIR, else $XDG_CACHE_HOME/maxtext, else
+# ~/.cache/maxtext) for PEAK_CACHE_DAYS, so each later run on this host starts without the ~1 s of matmuls. The key
+# names the host, its processor and core count, the device kind and jax's version: another machine, or a host
+# whose hardware or jax changed, measures again. MAXTEXT_CACHE_DIR=off measures in every process.
+PEAK_CACHE_FILE, PEAK_CACHE_DAYS = "measured_peaks.json", 7
+
+
+def cache_dir() -> str | None:
+  """Where MaxText keeps small per-host facts (the measured peak); None when MAXTEXT_CACHE_DIR=off."""
+  chosen = os.environ.get("MAXTEXT_CACHE_DIR", "")
+  if chosen == "off":
+    return None
+  if chosen:
+    return chosen
+  return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "maxtext")
+
+
+def _host_key(platform: str, dtype: str) -> str:
+  kind = jax.local_devices(backend=platform)[0].device_kind
+  cpu = f"{host_platform.processor() or host_platform.machine()} x{os.cpu_count()}"
+  return f"{socket.gethostname()} | {cpu} | {platform}: {kind} | {dtype} | jax {jax.__version__}"
+
+
+@functools.cache
+def _host_peak_flops(platform: str, dtype: str) -> tuple[float, str]:
+  """(FLOP/s of the host's `platform` device in `dtype`, the date it was measured if read from the cache, else "").
+
+  Read from the per-host cache when it holds a recent entry for this host; otherwise measured (about 1 s) and
+  written there. A cache that cannot be read or written is ignored: the peak is then measured in each process.
+  """
+  directory, key = cache_dir(), _host_key(platform, dtype)
+  path = os.path.join(directory, PEAK_CACHE_FILE) if directory else None
+  entries = _read_cache(path)
+  if _recent(entries.get(key)):
+    return float(entries[key]["flops"]), entries[key]["date"]
+  flops = _measured_peak_flops(platform, dtype)
+  if path:
+    _write_cache(path, {**entries, key: {"flops": flops, "date": datetime.date.today().isoformat()}})
+  return flops, ""
+
+
+def _recent(entry: Any) -> bool:
+  try:
+    age = datetime.date.today() - datetime.date.fromisoformat(entry["date"])
+    return float(entry["flops"]) > 0 and 0 <= age.days < PEAK_CACHE_DAYS
+  except (KeyError, TypeError, ValueError):
+    return False  # none, or malformed: measured again and replaced
+
+
+def _read_cache(path: str | None) -> dict[str, Any]:
+  if not path:
+    return {}
+  try:
+    with open(path) as f:
+      entries = json.load(f)
+  except (OSError, ValueError):
+    return {}
+  return entries if isinstance(entries, dict) else {}
+
+
+def _write_cache(path: str, entries: dict[str, Any]) -> None:
+  """Write whole and atomically (a temporary file renamed over it): a reader never sees half a file. A cache that
+  cannot be written (a read-only home, a full disk) is left as it was: the next process measures again."""
+  directory = os.path.dirname(path)
+  try:
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".peaks-")
+  except OSError:
+    return
+  try:
+    with os.fdopen(fd, "w") as f:
+      json.dump(entries, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+  except OSError:
+    os.remove(tmp)
 
 
 @functools.cache

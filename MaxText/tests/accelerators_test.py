@@ -1,5 +1,9 @@
 """Peak FLOP/s table lookup and the measured CPU peak."""
 
+import datetime
+import json
+import os
+import socket
 import time
 import types
 
@@ -59,8 +63,40 @@ def test_cpu_peak_is_measured_once_and_shared_by_local_devices():
   start = time.perf_counter()
   assert accelerators.peak_flops_per_device(cpu) == first
   assert time.perf_counter() - start < 0.01  # cached, not measured again
-  host = accelerators._measured_peak_flops("cpu", "float32")
+  host, _ = accelerators._host_peak_flops("cpu", "float32")
   assert first == pytest.approx(host / len(jax.local_devices(backend="cpu")))
+
+
+def test_measured_peak_is_kept_per_host_for_a_week(tmp_path, monkeypatch):
+  """One process measures; the next on this host reads the cache (MAXTEXT_CACHE_DIR) and says when it was measured.
+  A stale or malformed entry, or another host, is measured again; an unwritable cache or =off only measures."""
+  measured = []
+  monkeypatch.setattr(accelerators, "_measured_peak_flops", lambda *key: measured.append(key) or 1e12 * len(measured))
+  monkeypatch.setenv("MAXTEXT_CACHE_DIR", str(tmp_path))
+  host_peak = accelerators._host_peak_flops.__wrapped__  # as a new process: no in-process cache
+  assert host_peak("cpu", "float32") == (1e12, "") and len(measured) == 1
+  today = datetime.date.today().isoformat()
+  assert host_peak("cpu", "float32") == (1e12, today) and len(measured) == 1  # read, not measured
+  assert host_peak("cpu", "bfloat16") == (2e12, "") and len(measured) == 2  # another dtype, another entry
+  cache = tmp_path / accelerators.PEAK_CACHE_FILE
+  entries = json.loads(cache.read_text())
+  assert len(entries) == 2 and all(socket.gethostname() in key and "jax " in key for key in entries)
+
+  key = accelerators._host_key("cpu", "float32")
+  week_ago = (datetime.date.today() - datetime.timedelta(days=accelerators.PEAK_CACHE_DAYS)).isoformat()
+  cache.write_text(json.dumps({**entries, key: {"flops": 5e12, "date": week_ago}}))
+  assert host_peak("cpu", "float32") == (3e12, "")  # stale: measured again, and replaced
+  assert json.loads(cache.read_text())[key] == {"flops": 3e12, "date": today}
+  cache.write_text("{not json")
+  assert host_peak("cpu", "float32") == (4e12, "") and len(json.loads(cache.read_text())) == 1
+  monkeypatch.setattr(accelerators.socket, "gethostname", lambda: "another-host")
+  assert host_peak("cpu", "float32") == (5e12, "") and len(json.loads(cache.read_text())) == 2
+
+  monkeypatch.setenv("MAXTEXT_CACHE_DIR", str(cache / "not-a-directory"))
+  assert host_peak("cpu", "float32") == (6e12, "")  # cannot write: measured, no error
+  monkeypatch.setenv("MAXTEXT_CACHE_DIR", "off")
+  assert host_peak("cpu", "float32") == (7e12, "") and host_peak("cpu", "float32") == (8e12, "")
+  assert sorted(os.listdir(tmp_path)) == [accelerators.PEAK_CACHE_FILE]  # no temporary file left behind
 
 
 def test_cpu_peak_matches_the_run_dtype_within_the_time_budget():

@@ -73,6 +73,12 @@ if COMPILE_CACHE != "off":
   jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_SECONDS)
   jax.config.update("jax_compilation_cache_max_size", 8 << 30)
 
+# The per-host cache (accelerators.cache_dir: the measured CPU peak) lives in the session's own directory, shared by
+# the workers and every train.py they start, not in the user's ~/.cache: the first process measures, the rest read.
+if not os.environ.get("MAXTEXT_CACHE_DIR"):
+  os.environ["MAXTEXT_CACHE_DIR"] = tempfile.mkdtemp(prefix="maxtext-test-cache-")
+  atexit.register(shutil.rmtree, os.environ["MAXTEXT_CACHE_DIR"], ignore_errors=True)
+
 BASE = os.path.join(ROOT, "MaxText", "configs", "base.yml")
 # The tiny model's sizes: D=64, N=4, K=2, H=16, F=128, L=2, V=256, T=32 (the FLOP tests count them by hand).
 SIZES = [

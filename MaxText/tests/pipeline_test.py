@@ -52,9 +52,10 @@ def batch(rows: int, length: int, vocab: int, seed: int = 0) -> dict:
   return out
 
 
-def loss_and_grads(c, params, data):
-  """Summed loss and its gradients under c's mesh, with params placed in c's shardings."""
-  mesh = sharding.create_mesh(c)
+def loss_and_grads(c, params, data, devices=None):
+  """Summed loss and its gradients under c's mesh (over the first `devices` devices; default all), with params
+  placed in c's shardings."""
+  mesh = sharding.create_mesh(c, jax.devices()[:devices])
   spec = state.param_spec(c, mesh)
   with sharding.activate(c, mesh):
     placed = jax.device_put(params, spec.shardings)
@@ -63,23 +64,25 @@ def loss_and_grads(c, params, data):
 
 
 @functools.cache
-def unpipelined(reference: tuple, rows: int, layers: int, extra: tuple):
+def unpipelined(reference: tuple, rows: int, layers: int, extra: tuple, devices: int | None = None):
   """The reference config's parameters (on the host), batch, loss and gradients; computed once per module for
   the cases that share them (several schedules pipeline the same 4- and 8-layer stacks)."""
   base = load(f"base_num_decoder_layers={layers}", *extra, *reference)
-  params = jax.device_get(state.init_params(base, state.param_spec(base, sharding.create_mesh(base))))
+  mesh = sharding.create_mesh(base, jax.devices()[:devices])
+  params = jax.device_get(state.init_params(base, state.param_spec(base, mesh)))
   data = batch(rows, base.max_target_length, base.vocab_size)
-  want_loss, want_grads = loss_and_grads(base, params, data)
+  want_loss, want_grads = loss_and_grads(base, params, data, devices)
   return params, data, float(want_loss), jax.device_get(want_grads)
 
 
-def check_same(reference, *overrides, rows=8, layers=4, extra=(), keep=True):
+def check_same(reference, *overrides, rows=8, layers=4, extra=(), keep=True, devices=(None, None)):
   """The loss and gradients of the pipelined config (overrides) equal the unpipelined one's. keep=False: not
-  cached for later cases (a large model's host copies would stay in the worker's memory to its end)."""
+  cached for later cases (a large model's host copies would stay in the worker's memory to its end). devices:
+  how many devices the reference and the pipelined meshes take (None: all 8)."""
   compute = unpipelined if keep else unpipelined.__wrapped__
-  params, data, want_loss, want_grads = compute(tuple(reference), rows, layers, tuple(extra))
+  params, data, want_loss, want_grads = compute(tuple(reference), rows, layers, tuple(extra), devices[0])
   piped = load(f"base_num_decoder_layers={layers}", *extra, *overrides)
-  got_loss, got_grads = loss_and_grads(piped, params, data)
+  got_loss, got_grads = loss_and_grads(piped, params, data, devices[1])
   np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
   for got, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
     # Summed (not averaged) gradients: float32 noise from another reduction order scales with their size.
@@ -180,8 +183,11 @@ def test_checkpoints_move_between_pipelined_and_unpipelined_runs(tmp_path):
 
 # The issue's reference tiny configs (vocabulary cut to 1024 and sequences to 16 tokens: neither plays a part in
 # pipelining; at 64 tokens a pipelined step of the llama2 one ran 7 s on 2 CPU cores), with a second layer where
-# they have one, so that two stages hold a layer each. Their loss and gradients over 2 stages equal fsdp's, as in
-# check_same; the real train loop pipelined (optimizer, remat, accumulation) is test_train_losses_with_remat_...'s.
+# they have one, so that two stages hold a layer each. Their loss and gradients over 2 stages (2 devices) equal one
+# device's, as in check_same. Not over all 8: on fake CPU devices fsdp's all-gathers and reduce-scatters of their
+# 78M parameters are copies of the whole model per device, and were most of these tests' time (11 CPU-s per loss
+# and gradients over fsdp 8, 3 on one device). Sharding inside stages and the real train loop pipelined
+# (optimizer, remat, accumulation) are test_train_losses_with_remat_accumulation_and_sharding_inside_stages's.
 REFERENCE = {
   "llama2": ["decoder_block=llama2", "base_emb_dim=1024", "base_num_query_heads=8", "base_num_kv_heads=8"]
   + ["base_mlp_dim=11008", "base_num_decoder_layers=2", "head_dim=128"],
@@ -195,9 +201,10 @@ REFERENCE = {
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(REFERENCE))
 def test_reference_tiny_configs_pipelined(name):
-  # Through the train loop (2 steps, fsdp then pipelined) the three took 131 CPU-s; this way 70 (alone, 2026-11-28).
+  # Through the train loop (2 steps, fsdp then pipelined) the three took 131 CPU-s; over fsdp 8 70 (alone, 2026-11-28).
   extra = [*REFERENCE[name], "vocab_size=1024"]
-  check_same(["ici_fsdp_parallelism=8"], *PP2, rows=8, layers=2, extra=extra, keep=False)
+  stages = ["ici_pipeline_parallelism=2", "ici_fsdp_parallelism=1"]
+  check_same(["ici_fsdp_parallelism=1"], *stages, rows=8, layers=2, extra=extra, keep=False, devices=(1, 2))
 
 
 MLA = ["q_lora_rank=0", "kv_lora_rank=16", "qk_nope_head_dim=8", "qk_rope_head_dim=8", "v_head_dim=8"]

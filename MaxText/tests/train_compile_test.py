@@ -34,9 +34,9 @@ def reported_gib(stdout: str, what: str) -> float:
 
 # Recorded ceilings (benchmarks/README.md, "Memory at scale"): a change that needs more memory per chip
 # for these steps fails here. Measured 2026-11-24 with jax 0.12.0.1 + libtpu 0.0.52 (requirements*.txt):
-# 3.98 and 5.83 GiB total (16B: 6.26 before the activation pieces); upstream MaxText 0.2.5 as its users
-# install it (the same compiler) needs 4.29 and 7.49 GiB. llama2-7b at batch 16: 11.50 (MaxText 12.87).
-CEILING_GIB = {"7b_total": 4.05, "7b_b16_total": 11.6, "16b_total": 5.90, "kimi_total": 85.0}  # kimi-k2-1t: 84.44
+# llama2-7b at batch 16 11.50 GiB total (MaxText 12.87), 16B 5.83 (6.26 before the activation pieces; MaxText
+# 7.49), upstream MaxText 0.2.5 as its users install it (the same compiler). llama2-7b at batch 4: 3.98 (4.29).
+CEILING_GIB = {"7b_b16_total": 11.6, "16b_total": 5.90, "kimi_total": 85.0}  # kimi-k2-1t: 84.44
 
 
 @pytest.mark.long
@@ -74,27 +74,21 @@ def test_kimi_k2_fits_on_v5p_1024_under_its_recorded_ceiling():
 
 @pytest.mark.long
 @pytest.mark.slow
-def test_llama2_7b_on_one_v5e_256_slice_uses_flash_and_fits_under_its_ceiling(tmp_path):
+def test_llama2_7b_on_a_v5e_256_slice_uses_flash_and_at_batch_16_fits_in_0_9x_of_maxtext_s_memory(tmp_path):
+  """The issue's batch-16 target: at most 11.6 GiB per chip (MaxText 0.2.5: 12.87), so that batch 20 fits
+  in v5e's 16 GiB. The activation pieces (flash 4, MLP 16; planner.py) take it from 12.99 to 11.50. One compile
+  (about 80 CPU-seconds) checks both this and the flash kernel's choice; batch 4 (3.98 GiB, MaxText 4.29) is the
+  same program on a quarter of the rows, recorded in benchmarks/README.md, not compiled again here."""
   result = compile_command(
-    "model_name=llama2-7b", "compile_topology=v5e-256", "per_device_batch_size=4",
+    "model_name=llama2-7b", "compile_topology=v5e-256", "per_device_batch_size=16",
     env={"XLA_FLAGS": f"--xla_dump_to={tmp_path}"},
   )  # fmt: skip
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
   assert "compiled for 256 x TPU v5 lite" in result.stdout and "'fsdp': 256" in result.stdout
-  assert reported_gib(result.stdout, "total") <= CEILING_GIB["7b_total"]
-  (optimized,) = tmp_path.glob("*jit_train_step*after_optimizations.txt")
-  assert "tpu_custom_call" in optimized.read_text()  # attention=autoselected chose the Pallas splash kernel
-
-
-@pytest.mark.long
-@pytest.mark.slow
-def test_llama2_7b_at_batch_16_fits_in_0_9x_of_maxtext_s_memory():
-  """The issue's batch-16 target: at most 11.6 GiB per chip (MaxText 0.2.5: 12.87), so that batch 20 fits
-  in v5e's 16 GiB. The activation pieces (flash 4, MLP 16; planner.py) take it from 12.99 to 11.50."""
-  result = compile_command("model_name=llama2-7b", "compile_topology=v5e-256", "per_device_batch_size=16")
-  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
   assert "pieces: flash call in 4 batch parts, dense MLP in 16 sequence parts" in result.stdout
   assert reported_gib(result.stdout, "total") <= CEILING_GIB["7b_b16_total"]
+  (optimized,) = tmp_path.glob("*jit_train_step*after_optimizations.txt")
+  assert "tpu_custom_call" in optimized.read_text()  # attention=autoselected chose the Pallas splash kernel
 
 
 def test_tpu_gradients_keep_a_small_fsdp_shard_dim_off_the_lanes(tmp_path):

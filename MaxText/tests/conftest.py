@@ -73,6 +73,16 @@ if COMPILE_CACHE != "off":
   jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_SECONDS)
   jax.config.update("jax_compilation_cache_max_size", 8 << 30)
 
+
+def cpu_subprocess_env(devices: int, compile_cache: bool = True, base=None) -> dict[str, str]:
+  """The environment of a test's CPU subprocess (train.py, a script, a process of a multi-process job): `base`
+  (default this process's environment) on `devices` fake CPU devices, compiled as the in-process tests compile and
+  sharing the session's compilation cache. compile_cache=False for a test that needs a compile to take its real
+  time (a signal sent during it)."""
+  env = {**(os.environ if base is None else base), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(devices)}
+  return {**env, **COMPILE_CACHE_ENV} if compile_cache else env
+
+
 # The per-host cache (accelerators.cache_dir: the measured CPU peak) lives in the session's own directory, shared by
 # the workers and every train.py they start, not in the user's ~/.cache: the first process measures, the rest read.
 if not os.environ.get("MAXTEXT_CACHE_DIR"):
@@ -313,9 +323,8 @@ def run_processes(command, cwd, log_dir, name, processes, devices_per_process, t
   port = free_port()
   procs = []
   for rank in range(processes):
-    env = {**os.environ, **COMPILE_CACHE_ENV, "JAX_PLATFORMS": "cpu", "NNODES": str(processes), "NODE_RANK": str(rank)}
+    env = {**cpu_subprocess_env(devices_per_process), "NNODES": str(processes), "NODE_RANK": str(rank)}
     env.update(JAX_COORDINATOR_ADDRESS="127.0.0.1", JAX_COORDINATOR_PORT=str(port))
-    env["XLA_FLAGS"] = cpu_xla_flags(devices_per_process)  # compiled as the in-process tests compile
     env.update(rank_env(rank) if rank_env else {})
     log = open(os.path.join(log_dir, f"{name}.{rank}.log"), "w+")
     procs.append((subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT), log))

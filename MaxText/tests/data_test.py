@@ -19,7 +19,7 @@ from MaxText.tests.conftest import (
   as_numpy,
   assert_same_batches,
   check_batch,
-  cpu_xla_flags,
+  cpu_subprocess_env,
   data_argv,
   data_config,
   decoded_segments,
@@ -239,7 +239,7 @@ def test_two_processes_build_the_single_process_batches(tmp_path, corpus):
   write_arrayrecord(DOCS, str(tmp_path / "records"), num_shards=3)
   # The tokenizer is trained (by process 0 only) in the processes' shared run directory.
   argv = data_argv(tmp_path, f"dataset_path={corpus[0]}")
-  env = {**os.environ, "XLA_FLAGS": cpu_xla_flags(4), "JAX_PLATFORMS": "cpu"}
+  env = cpu_subprocess_env(4)
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
   code = "import sys; from MaxText.tests.helpers import data_process_main as m; m(int(sys.argv[1]), *sys.argv[2:])"

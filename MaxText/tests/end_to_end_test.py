@@ -1,20 +1,20 @@
 """Runs the end_to_end scripts that fit the CPU suite (the quick start itself is too long: run
 end_to_end/cpu/quickstart.sh by hand or in a nightly job)."""
 
-import os
 import subprocess
 
 import pytest
 
-from MaxText.tests.conftest import COMPILE_CACHE_ENV, ROOT, cpu_xla_flags
+from MaxText.tests.conftest import ROOT, cpu_subprocess_env
 
 
 def run_script(name, tmp_path, timeout, fast_compile=True):
   """end_to_end/cpu/<name> on tmp_path, on one CPU device as a user runs it (jax's default on CPU; the docs quote
   its losses), not the suite's 8; its entry points share the session's compilation cache (CPU only).
   fast_compile=False compiles as users do too, for a script whose steps, not its compiles, take the time."""
-  xla_flags = cpu_xla_flags(1) if fast_compile else "--xla_force_host_platform_device_count=1"
-  env = {**os.environ, **COMPILE_CACHE_ENV, "XLA_FLAGS": xla_flags}
+  env = cpu_subprocess_env(1)
+  if not fast_compile:
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
   command = ["bash", f"end_to_end/cpu/{name}", str(tmp_path)]
   return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 

@@ -15,7 +15,7 @@ import pytest
 from MaxText import config as config_lib
 from MaxText import gcs_auth, launch, paths, plot_metrics, train
 from MaxText.errors import StorageError
-from MaxText.tests.conftest import BASE, DOCS, ROOT, TINY, cpu_xla_flags, free_port, run_processes
+from MaxText.tests.conftest import BASE, DOCS, ROOT, TINY, cpu_subprocess_env, free_port, run_processes
 
 
 def gcfg(base, name, *overrides):
@@ -56,7 +56,7 @@ def test_missing_bucket_is_one_line_within_seconds(gcs, tmp_path):
 
 def test_missing_bucket_exits_with_one_line(gcs):
   argv = [sys.executable, "MaxText/train.py", BASE, "run_name=r", "base_output_directory=gs://no-such-bucket/x", *TINY]
-  env = {**os.environ, **gcs, "XLA_FLAGS": cpu_xla_flags(1)}
+  env = {**cpu_subprocess_env(1), **gcs}
   result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
   assert result.returncode == 1
   last = result.stderr.strip().splitlines()[-1]
@@ -74,7 +74,7 @@ def no_credentials_env(tmp_path, **extra):
   os.makedirs(tmp_path / "gcloud", exist_ok=True)
   env.update(CLOUDSDK_CONFIG=str(tmp_path / "gcloud"), NO_GCE_CHECK="true", GCE_METADATA_TIMEOUT="1")
   env.update(GCE_METADATA_HOST=f"127.0.0.1:{free_port()}", GCE_METADATA_IP=f"127.0.0.1:{free_port()}")
-  return {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(1), **extra}
+  return {**cpu_subprocess_env(1, base=env), **extra}
 
 
 PROBE = """

@@ -26,7 +26,7 @@ from MaxText.convert import hf_to_maxtext, mappings, maxtext_to_hf
 from MaxText.data import make_iterators
 from MaxText.data import tokenizer as tokenizers
 from MaxText.inference import engine
-from MaxText.tests.conftest import BASE, COMPILE_CACHE_ENV, ROOT, TINY, cpu_xla_flags
+from MaxText.tests.conftest import BASE, ROOT, TINY, cpu_subprocess_env
 
 # Hugging Face parity: tiny random models of each family (families_test, decode_parity_test, ...).
 SMALL = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -555,8 +555,7 @@ def start(tmp_path, name, *overrides, devices=2, rank=None, port=None, compile_c
   """train.py with the tests' tiny config in a subprocess. It shares the session's compilation cache (conftest.py),
   so that after the first such run the step loads in a fraction of a second; compile_cache=False for a test that
   needs the compile to take its real time (a signal sent during it)."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(devices)}
-  env.update(COMPILE_CACHE_ENV if compile_cache else {})
+  env = cpu_subprocess_env(devices, compile_cache)
   if rank is not None:
     env.update(JAX_COORDINATOR_ADDRESS="127.0.0.1", JAX_COORDINATOR_PORT=str(port), NNODES="2", NODE_RANK=str(rank))
   return Process(train_command(tmp_path, name, *overrides), env)

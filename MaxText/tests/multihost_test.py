@@ -13,7 +13,7 @@ import pytest
 
 from MaxText import distributed, train
 from MaxText.errors import ConfigError, DistributedInitError
-from MaxText.tests.conftest import BASE, ROOT, TINY, cfg, cpu_xla_flags, free_port, run_processes
+from MaxText.tests.conftest import BASE, ROOT, TINY, cfg, cpu_subprocess_env, free_port, run_processes
 
 COMMON = ["steps=10", "per_device_batch_size=2", "hardware=cpu", "enable_checkpointing=true"]
 COMMON += ["checkpoint_period=5", "async_checkpointing=false"]
@@ -72,7 +72,7 @@ def test_processes_started_with_different_nnodes_both_stop_with_one_line(tmp_pat
   # Process 0 says 2 processes, process 1 says 3: JAX would admit process 1 into a 2-process job.
   port, procs = free_port(), []
   for rank, nodes in ((0, 2), (1, 3)):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(1)}
+    env = cpu_subprocess_env(1)
     env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", NNODES=str(nodes), NODE_RANK=str(rank))
     command = [sys.executable, "MaxText/train.py", BASE, *TINY, "hardware=cpu", f"base_output_directory={tmp_path}"]
     procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True))

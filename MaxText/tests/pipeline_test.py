@@ -17,7 +17,7 @@ from MaxText import config, planner, sharding, state, train
 from MaxText.errors import ConfigError
 from MaxText.objectives import lm
 from MaxText.parallel import plan as plan_lib
-from MaxText.tests.conftest import cfg, cpu_xla_flags, family_tiers, free_port, losses
+from MaxText.tests.conftest import cfg, cpu_subprocess_env, family_tiers, free_port, losses
 
 BASE = os.path.join(config.CONFIG_DIR, "base.yml")
 TINY = [
@@ -286,10 +286,8 @@ def test_jaxpp_fork_lines_train_on_cpu(tmp_path, name, pp):
   words = [*JAXPP_FLAGS.split(), *JAXPP_LINES[name].split(), f"--pp={pp}", f"--num_pipeline_microbatches={pp}"]
   words += ["base_emb_dim=32", "base_mlp_dim=64", "vocab_size=128", "steps=2", "hardware=cpu"]
   words += [f"base_output_directory={tmp_path}", "run_name=jaxpp"]
-  env = {
-    "XLA_FLAGS": cpu_xla_flags(pp), "XLA_RECIPE": "none", "JAX_PLATFORMS": "cpu",
-    "JAX_COORDINATOR_PORT": str(free_port()), "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
-  }  # fmt: skip
+  path = {"PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+  env = {**cpu_subprocess_env(pp, base=path), "XLA_RECIPE": "none", "JAX_COORDINATOR_PORT": str(free_port())}
   out = run_jaxpp_line(words, env, timeout=300)
   assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
   lines = (tmp_path / "jaxpp" / "metrics.jsonl").read_text().splitlines()

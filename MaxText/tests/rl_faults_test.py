@@ -3,7 +3,6 @@ step it is at and exits 75 with one line; a restart continues as the uninterrupt
 docs/failures.md)."""
 
 import json
-import os
 import sys
 
 import jax
@@ -11,7 +10,7 @@ import numpy as np
 import pytest
 
 from MaxText import checkpointing, train
-from MaxText.tests.conftest import cpu_xla_flags
+from MaxText.tests.conftest import cpu_subprocess_env
 from MaxText.tests.helpers import Process, records, rl_args, rl_config, terminate_after
 
 RUN = ["per_device_batch_size=4", "enable_checkpointing=true", "checkpoint_period=1000"]  # 2 devices: 2 prompts x 4
@@ -19,7 +18,7 @@ RUN = ["per_device_batch_size=4", "enable_checkpointing=true", "checkpoint_perio
 
 @pytest.mark.slow  # a subprocess and two in-process runs, each compiling the sampler and the update
 def test_sigterm_checkpoints_the_current_step_exits_75_and_resumes_exactly(tmp_path):
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(2)}
+  env = cpu_subprocess_env(2)  # the signal comes after step 2, not during the compile: the cache may serve it
   run = Process([sys.executable, "-u", "-m", "MaxText.rl", *rl_args(tmp_path, "term", *RUN, "steps=1000")], env)
   step = terminate_after(run, "step 2/1000")
   resumed = rl_config(tmp_path, "term", *RUN, f"steps={step + 1}")

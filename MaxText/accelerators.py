@@ -155,8 +155,18 @@ def cache_dir() -> str | None:
 
 def _host_key(platform: str, dtype: str) -> str:
   kind = jax.local_devices(backend=platform)[0].device_kind
-  cpu = f"{host_platform.processor() or host_platform.machine()} x{os.cpu_count()}"
-  return f"{socket.gethostname()} | {cpu} | {platform}: {kind} | {dtype} | jax {jax.__version__}"
+  host = f"{socket.gethostname()} | {_cpu_model()} x{os.cpu_count()}"
+  return f"{host} | {platform}: {kind} | {dtype} | jax {jax.__version__}"
+
+
+def _cpu_model() -> str:
+  """The processor's name (Linux: /proc/cpuinfo's "model name"), else the machine type (x86_64, arm64)."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+  except OSError:
+    names = []
+  return names[0] if names else host_platform.machine()
 
 
 @functools.cache

@@ -18,7 +18,7 @@ import pytest
 from MaxText import checkpointing, objectives, optimizers, sharding, train
 from MaxText import state as state_lib
 from MaxText.errors import CheckpointError, ConfigError, DataError
-from MaxText.tests.conftest import BASE, ROOT, TINY, cfg
+from MaxText.tests.conftest import BASE, ROOT, TINY, cfg, cpu_subprocess_env
 
 COMMON = ["per_device_batch_size=1", "enable_checkpointing=true", "checkpoint_period=2", "steps=4"]
 
@@ -221,7 +221,8 @@ def test_disk_full_on_a_real_small_filesystem(trained, tmp_path):
   _mount_tmpfs(mount, int(1.5 * one) + 64 * 1024)  # room for the first checkpoint and the metrics, not a second
   try:
     args = [BASE, "run_name=d", f"base_output_directory={mount}", *TINY, *COMMON, "async_checkpointing=true"]
-    result = subprocess.run([sys.executable, "MaxText/train.py", *args], cwd=ROOT, capture_output=True, text=True)
+    command = [sys.executable, "MaxText/train.py", *args]
+    result = subprocess.run(command, cwd=ROOT, env=cpu_subprocess_env(8), capture_output=True, text=True)
     last = result.stderr.strip().splitlines()[-1]
     assert result.returncode == 1 and last.startswith("CheckpointError: no space left on "), result.stderr[-2000:]
     assert "Traceback" not in result.stderr, result.stderr[-6000:]  # orbax's thread errors keep one line each
@@ -236,7 +237,8 @@ def test_kill_after_an_async_save_loses_at_most_period_plus_lag(tmp_path):
   args = [BASE, "run_name=k", f"base_output_directory={tmp_path}", *TINY, "per_device_batch_size=1", "steps=2000"]
   args += ["enable_checkpointing=true", f"checkpoint_period={period}", f"async_checkpoint_max_lag_steps={lag}"]
   metrics_file = os.path.join(tmp_path, "k", "metrics.jsonl")
-  proc = subprocess.Popen([sys.executable, "MaxText/train.py", *args], cwd=ROOT, stdout=subprocess.DEVNULL)
+  env = cpu_subprocess_env(8)
+  proc = subprocess.Popen([sys.executable, "MaxText/train.py", *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
   logged, deadline = -1, time.time() + 240
   while logged < 3 * period + lag and time.time() < deadline and proc.poll() is None:
     if os.path.exists(metrics_file):

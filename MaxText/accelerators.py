@@ -19,12 +19,13 @@ import math
 import os
 import platform as host_platform
 import socket
-import tempfile
 import time
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from MaxText import paths
 
 GiB = 2**30
 
@@ -207,20 +208,13 @@ def _read_cache(path: str | None) -> dict[str, Any]:
 
 
 def _write_cache(path: str, entries: dict[str, Any]) -> None:
-  """Write whole and atomically (a temporary file renamed over it): a reader never sees half a file. A cache that
-  cannot be written (a read-only home, a full disk) is left as it was: the next process measures again."""
-  directory = os.path.dirname(path)
+  """Write the whole cache atomically (paths.write_atomic). A cache that cannot be written (a read-only home, a full
+  disk) is left as it was: the next process measures again."""
   try:
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".peaks-")
+    paths.makedirs(os.path.dirname(path))
+    paths.write_atomic(path, json.dumps(entries, indent=1, sort_keys=True))
   except OSError:
-    return
-  try:
-    with os.fdopen(fd, "w") as f:
-      json.dump(entries, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
-  except OSError:
-    os.remove(tmp)
+    pass
 
 
 @functools.cache

@@ -93,9 +93,14 @@ def write_atomic(path: str, text: str) -> None:
     Path(path).write_text(text)
     return
   tmp = f"{path}.{os.getpid()}.tmp"
-  with open(tmp, "w") as f:
-    f.write(text)
-  os.replace(tmp, path)
+  try:
+    with open(tmp, "w") as f:
+      f.write(text)
+    os.replace(tmp, path)
+  except BaseException:  # a full disk, an interrupt: no half-written temporary file is left beside `path`
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+    raise
 
 
 def listdir(path: str) -> list[str]:

@@ -129,3 +129,18 @@ def test_publish_and_wait_published_on_a_local_directory(tmp_path):
   assert sorted(os.listdir(local)) == ["m", "other"] and (tmp_path / "tok" / "other").read_text() == "y"
   assert paths.wait_published(os.path.join(directory, "m"), 1000.0, "The file")
   assert not paths.wait_published(os.path.join(directory, "none"), 1000.0, "The file")
+
+
+def test_write_atomic_replaces_whole_and_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
+  target = tmp_path / "f.json"
+  paths.write_atomic(str(target), "old")
+  paths.write_atomic(str(target), "new")
+  assert target.read_text() == "new" and os.listdir(tmp_path) == ["f.json"]
+
+  def full_disk(*_):
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(paths.os, "replace", full_disk)
+  with pytest.raises(OSError, match="No space left"):
+    paths.write_atomic(str(target), "lost")
+  assert target.read_text() == "new" and os.listdir(tmp_path) == ["f.json"]

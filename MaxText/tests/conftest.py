@@ -164,6 +164,26 @@ def family_tiers(values, fast, quick=None):
   return [pytest.param(v, marks=marks(v)) for v in values]
 
 
+# The `fullsize` tier: full-size ahead-of-time compiles for TPU topologies beyond the one the whole suite keeps
+# (llama2-7b on v5e-256, train_compile_test). Each is minutes of libtpu compile on this 2-core host (kimi-k2 about
+# 260 CPU-seconds); the whole suite compiles each one's reduced form instead (reduced_tpu_model), and the full-size
+# figures are in benchmarks/README.md ("Memory at scale"). Opt-in: TIER=fullsize bash unit_test_and_lint.sh.
+FULLSIZE = [pytest.mark.fullsize, pytest.mark.long, pytest.mark.slow]
+
+
+def reduced_tpu_model(emb_dim: int = 256, layers: int = 1) -> tuple[str, ...]:
+  """Overrides that keep what a preset or recipe chose for the step (its block, batch per chip, remat, attention,
+  parallelism, dtypes) and shrink the model and the sequence, for a TPU topology's ahead-of-time compile in seconds:
+  XLA:TPU's compile time grows with the per-chip shapes (its backend's code generation), not with the chips or the
+  (scanned) layers. emb_dim must divide by the fsdp axis (256 on a v5e-256, 512 on a v5p-1024); 128 tokens is the
+  shortest the splash kernel takes (a multiple of 128: attention_kernels.py), so flash stays on where it was."""
+  return (
+    "override_model_config=true", "global_parameter_scale=1", f"base_num_decoder_layers={layers}",
+    f"base_emb_dim={emb_dim}", f"base_mlp_dim={2 * emb_dim}", "base_num_query_heads=4", "base_num_kv_heads=4",
+    "head_dim=128", f"vocab_size={max(512, emb_dim)}", "max_target_length=128",
+  )  # fmt: skip
+
+
 def sized_config(tmp_path, *overrides):
   """base.yml with the tiny model's SIZES only (every other key at its default), outputs under tmp_path."""
   return config.load([BASE, "run_name=t", f"base_output_directory={tmp_path}", *SIZES, *overrides], {})

@@ -9,6 +9,7 @@ import pytest
 
 from MaxText import config, sharding, train_compile
 from MaxText.errors import ConfigError
+from MaxText.tests.conftest import reduced_tpu_model
 
 # recipe -> (compile_topology, compile_topology_num_slices) it is published for
 TPU_RECIPES = {
@@ -19,17 +20,10 @@ TPU_RECIPES = {
   "v6e/llama2-7b": ("v6e-256", 1),
 }
 OTHER_RECIPES = ("quickstart", "cpu/smoke", "gpu/a3mega-llama2-7b")
-# Keeps what the recipe chose for the step (batch per chip, remat, attention, parallelism, dtypes) and shrinks the
-# model and the sequence: XLA:TPU's compile time grows with the per-chip shapes (its backend's code generation), not
-# with the chips or the (scanned) layers. D=256 is the narrowest the recipes' fsdp 256 divides; 128 tokens the
-# shortest the splash kernel takes (a multiple of 128: attention_kernels.py), so flash stays on, the recipe's own or
-# autoselected. The five compiles took 234 CPU-seconds at D=512 and 1024 tokens, 57 now (2-core AMD EPYC), a third
-# of it v6e/llama2-7b's (12 rows per chip).
-REDUCED = (
-  "override_model_config=true", "global_parameter_scale=1", "base_num_decoder_layers=1", "base_emb_dim=256",
-  "base_mlp_dim=512", "base_num_query_heads=4", "base_num_kv_heads=4", "head_dim=128", "vocab_size=512",
-  "max_target_length=128",
-)  # fmt: skip
+# conftest.reduced_tpu_model: the recipe's own step (batch per chip, remat, attention, parallelism, dtypes) on a
+# one-layer D=256 model (the narrowest the recipes' fsdp 256 divides) over 128-token sequences. The five compiles took
+# 234 CPU-seconds at D=512 and 1024 tokens, 57 now (2-core AMD EPYC), a third of it v6e/llama2-7b's (12 rows per chip).
+REDUCED = reduced_tpu_model(256)
 
 
 def load(name, tmp_path, *overrides):
@@ -94,6 +88,7 @@ def test_tpu_recipes_compile_ahead_of_time_in_reduced_form(tmp_path, name):
   devices = train_compile.topology_devices(c)
   _, report, mesh = train_compile.compile_train_step(c, devices)
   assert mesh.devices.size == len(devices)
+  assert slices == 1 or mesh.shape["data"] == slices  # data parallel over the slices (DCN), fsdp within each
   assert any(line.startswith("attention: flash") for line in report.plan), report.plan  # kept at 128 tokens
   train_compile.check_fits(c, report, devices[0].platform)  # raises OutOfMemoryError when it does not fit
 

@@ -57,8 +57,8 @@ def test_16b_on_two_v5e_256_slices_fits_under_its_recorded_ceiling():
 
 
 # Kimi K2's layers (MLA, 384 routed experts top-8 and a shared one, the first layer dense) at reduced sizes: D=512,
-# the narrowest fsdp 512 divides, narrower MLA ranks and experts, 128 tokens. The same program's structure (fsdp over
-# 512 chips, the experts' weights gathered whole per layer, the ragged dispatch) in 29 CPU-seconds instead of 260.
+# the narrowest fsdp 512 divides, narrower MLA ranks and expert MLPs, 128 tokens. The same program's structure (fsdp
+# over 512 chips, the experts' weights gathered whole per layer, the ragged dispatch) in 29 CPU-seconds, not 260.
 KIMI_REDUCED = (
   *reduced_tpu_model(512, layers=2), "base_moe_mlp_dim=256", "q_lora_rank=128", "kv_lora_rank=64",
 )  # fmt: skip

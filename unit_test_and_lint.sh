@@ -7,7 +7,7 @@
 #   TIER=fast   everything but the slow tier (-m "not slow"): target 10 minutes
 #   TIER=all    (default) the whole suite, slow tier included: target 25 minutes
 #   TIER=fullsize  the full-size AOT compiles for TPU topologies beyond llama2-7b's (pytest marker `fullsize`:
-#               kimi-k2, 16B and llama2-70b on two slices, about 10 minutes); the whole suite compiles their
+#               kimi-k2, 16B and llama2-70b on two slices, about 5 minutes); the whole suite compiles their
 #               reduced forms instead
 #   TIER=torch  the live Hugging Face comparisons (pytest marker `torch`), against torch and transformers:
 #               needs `TEST=1 TORCH=1 bash setup.sh`; the other tiers compare with committed reference files

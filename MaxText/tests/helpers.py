@@ -8,6 +8,7 @@ where used, in `torch`-marked tests only."""
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -559,6 +560,22 @@ def start(tmp_path, name, *overrides, devices=2, rank=None, port=None, compile_c
   if rank is not None:
     env.update(JAX_COORDINATOR_ADDRESS="127.0.0.1", JAX_COORDINATOR_PORT=str(port), NNODES="2", NODE_RANK=str(rank))
   return Process(train_command(tmp_path, name, *overrides), env)
+
+
+def compile_command(*overrides, env=None, timeout=900):
+  """train_compile.py in a subprocess, for a TPU topology (libtpu on this CPU) or a GPU one: base.yml, then
+  `overrides`; `env` adds to this process's environment less its fake CPU device count. It runs nothing."""
+  command = [sys.executable, "MaxText/train_compile.py", BASE, "log_config=false", *overrides]
+  base = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # no fake CPU device count here
+  env = {**base, "JAX_PLATFORMS": "cpu", **(env or {})}  # compile for TPUs; run nothing on one
+  return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def reported_gib(stdout: str, what: str) -> float:
+  """A per-device figure (arguments, temporaries, total) from train_compile's report, in GiB."""
+  match = re.search(rf"{what} ([0-9.]+) GiB", stdout)
+  assert match, stdout[-2000:]
+  return float(match.group(1))
 
 
 def checkpoints(tmp_path, name):

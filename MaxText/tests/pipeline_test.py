@@ -4,7 +4,6 @@ and gradients, with the same parameters, on 8 CPU devices; bad pipeline settings
 import functools
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -18,6 +17,7 @@ from MaxText.errors import ConfigError
 from MaxText.objectives import lm
 from MaxText.parallel import plan as plan_lib
 from MaxText.tests.conftest import FULLSIZE, cfg, cpu_subprocess_env, family_tiers, free_port, losses, reduced_tpu_model
+from MaxText.tests.helpers import compile_command, reported_gib
 
 BASE = os.path.join(config.CONFIG_DIR, "base.yml")
 TINY = [
@@ -312,17 +312,11 @@ def test_stacked_layers_live_only_on_their_stage_devices():
 def test_llama2_70b_pipelined_over_two_v5e_256_slices_compiles_and_fits(size):
   """AOT for TPUs on the CPU (docs/pipeline_parallelism.md): 12.21 GiB per device when recorded, 150 CPU-seconds of
   compile (the `fullsize` tier); the whole suite compiles the same schedule and mesh on 4 reduced layers in 9."""
-  root = os.path.dirname(os.path.dirname(config.CONFIG_DIR))
   overrides = ["model_name=llama2-70b", "compile_topology=v5e-256", "compile_topology_num_slices=2"]
   overrides += ["dcn_pipeline_parallelism=2", "dcn_data_parallelism=1", "per_device_batch_size=2"]
   overrides += [] if size == "full" else reduced_tpu_model(256, layers=4)
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # no fake CPU device count
-  result = subprocess.run(
-    [sys.executable, "MaxText/train_compile.py", BASE, "log_config=false", "num_pipeline_microbatches=4", *overrides],
-    cwd=root, env={**env, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=1200,
-  )  # fmt: skip
+  result = compile_command("num_pipeline_microbatches=4", *overrides, timeout=1200)
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
   assert "compiled for 512 x TPU v5 lite" in result.stdout
   assert "'stage': 2" in result.stdout and "'fsdp': 256" in result.stdout and "bubble 20.0%" in result.stdout
-  total = float(re.search(r"total ([0-9.]+) GiB", result.stdout).group(1))
-  assert total <= (12.5 if size == "full" else 0.05)
+  assert reported_gib(result.stdout, "total") <= (12.5 if size == "full" else 0.05)

@@ -5,8 +5,6 @@ meaning unchanged, bad values failing at load."""
 import glob
 import os
 import re
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -19,7 +17,8 @@ from MaxText import state as state_lib
 from MaxText import train_step as steps
 from MaxText.errors import ConfigError
 from MaxText.layers import quantization
-from MaxText.tests.conftest import BASE, ROOT, TINY, cfg, losses
+from MaxText.tests.conftest import TINY, cfg, losses
+from MaxText.tests.helpers import compile_command
 
 MOE = ("num_experts=4", "num_experts_per_tok=2", "shared_experts=1")
 
@@ -171,12 +170,10 @@ def test_int8_step_compiled_for_a_tpu_uses_int8_matmuls(tmp_path):
   """train_compile.py for a TPU topology (libtpu on this CPU): XLA:TPU's optimised program multiplies in
   int8 (s32 dots / convolutions)."""
   dump = tmp_path / "hlo"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$")
+  env = {"XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$"}
   overrides = [a for a in TINY if not a.startswith(("dataset_type", "log_config"))]
-  command = [sys.executable, "MaxText/train_compile.py", BASE, "log_config=false", *overrides]
-  command += ["compile_topology=v5e-8", "quantization=int8", f"base_output_directory={tmp_path}", "run_name=tpu"]
-  result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  overrides += ["compile_topology=v5e-8", "quantization=int8", f"base_output_directory={tmp_path}", "run_name=tpu"]
+  result = compile_command(*overrides, env=env, timeout=600)
   assert result.returncode == 0, result.stderr[-2000:]
   optimised = [p for p in glob.glob(str(dump / "*after_optimizations.txt")) if "train_step" in p]
   assert optimised, os.listdir(dump)

@@ -4,8 +4,6 @@ out-of-memory exit, and a compiled step saved on the local 8-device CPU topology
 import os
 import pickle
 import re
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -13,23 +11,10 @@ import pytest
 
 from MaxText import accelerators, compiled_step, sharding, train, train_compile
 from MaxText.errors import ConfigError
-from MaxText.tests.conftest import FULLSIZE, ROOT, TINY, cfg, losses, reduced_tpu_model
+from MaxText.tests.conftest import FULLSIZE, TINY, cfg, losses, reduced_tpu_model
+from MaxText.tests.helpers import compile_command, reported_gib
 
 BASE = os.path.join("MaxText", "configs", "base.yml")
-
-
-def compile_command(*overrides, env=None, timeout=900):
-  command = [sys.executable, "MaxText/train_compile.py", BASE, "log_config=false", *overrides]
-  base = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # no fake CPU device count here
-  env = {**base, "JAX_PLATFORMS": "cpu", **(env or {})}  # compile for TPUs; run nothing on one
-  return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def reported_gib(stdout: str, what: str) -> float:
-  """A per-device figure (arguments, temporaries, total) from train_compile's report, in GiB."""
-  match = re.search(rf"{what} ([0-9.]+) GiB", stdout)
-  assert match, stdout[-2000:]
-  return float(match.group(1))
 
 
 # Recorded ceilings (benchmarks/README.md, "Memory at scale"): a change that needs more memory per chip

@@ -6,9 +6,10 @@
 #   TIER=quick  every entry point once and the core maths (pytest marker `quick`): target 3 minutes
 #   TIER=fast   everything but the slow tier (-m "not slow"): target 10 minutes
 #   TIER=all    (default) the whole suite, slow tier included: target 25 minutes
-#   TIER=fullsize  the full-size AOT compiles for TPU topologies beyond llama2-7b's (pytest marker `fullsize`:
-#               kimi-k2, 16B and llama2-70b on two slices, about 5 minutes); the whole suite compiles their
-#               reduced forms instead
+#   TIER=nightly  what a scheduled job runs beside the whole suite (pytest marker `nightly`, about 13 minutes):
+#               the full-size AOT compiles for TPU topologies beyond llama2-7b's (the whole suite compiles their
+#               reduced forms), the per-family consistency matrices' other families, the distillation walk-through
+#               and the loss fingerprint's objective cases (MaxText/tests/conftest.py, NIGHTLY)
 #   TIER=torch  the live Hugging Face comparisons (pytest marker `torch`), against torch and transformers:
 #               needs `TEST=1 TORCH=1 bash setup.sh`; the other tiers compare with committed reference files
 # Tests share one persistent JAX compilation cache per session (MaxText/tests/conftest.py).
@@ -18,10 +19,10 @@ cd "$(dirname "$0")"
 case "${TIER:-all}" in
   quick) select="quick and not tpu and not gpu" ;;
   fast) select="not slow and not tpu and not gpu" ;;
-  all) select="not fullsize and not tpu and not gpu" ;;
-  fullsize) select="fullsize and not tpu and not gpu" ;;
+  all) select="not nightly and not tpu and not gpu" ;;
+  nightly) select="nightly and not tpu and not gpu" ;;
   torch) select="torch and not tpu and not gpu" ;;
-  *) echo "unit_test_and_lint.sh: TIER must be quick, fast, all, fullsize or torch (got '$TIER')" >&2; exit 2 ;;
+  *) echo "unit_test_and_lint.sh: TIER must be quick, fast, all, nightly or torch (got '$TIER')" >&2; exit 2 ;;
 esac
 if [ -z "${PYTHON:-}" ]; then
   if [ -x .venv/bin/python ]; then  # as if activated: subprocesses that run `python3` get the venv too

@@ -153,22 +153,30 @@ def uses_own_module_fixture(item) -> bool:
   return any(d[-1].scope == "module" and d[-1].baseid == module for d in defs if d)
 
 
-def family_tiers(values, fast, quick=None):
+def family_tiers(values, fast, quick=None, reference=True):
   """Parametrize's values for a per-family matrix, where each case runs the same code on another family: those in
-  `fast` run in the fast tier (`quick` in the quick one too), the others in the slow tier only. The fast ones are
-  chosen to reach each distinct code path the matrix covers (dense, MoE, MLA, local/global cycles, another cache);
-  the whole suite runs every family."""
+  `fast` run in the fast tier (`quick` in the quick one too). The fast ones are chosen to reach each distinct code
+  path the matrix covers (dense, MoE, MLA, local/global cycles, another cache). The others run in the slow tier
+  where the matrix compares each family with an independent reference (reference=True: Hugging Face's logits or
+  greedy tokens, upstream MaxText's logits), so that the whole suite checks every family against one; and in the
+  nightly tier where it checks our own consistency (reference=False: a converted model trains, a fresh model's loss,
+  forward = prefill = step, an upstream full state trains on, a family's stack pipelines)."""
   values = list(values)
   assert set(fast) <= set(values) and (quick is None or quick in fast), (fast, quick, values)
-  marks = lambda v: [pytest.mark.quick] * (v == quick) + [pytest.mark.slow] * (v not in fast)  # noqa: E731
+  rest = [pytest.mark.slow] if reference else NIGHTLY
+  marks = lambda v: [pytest.mark.quick] * (v == quick) + rest * (v not in fast)  # noqa: E731
   return [pytest.param(v, marks=marks(v)) for v in values]
 
 
-# The `fullsize` tier: full-size ahead-of-time compiles for TPU topologies beyond the one the whole suite keeps
-# (llama2-7b on v5e-256, train_compile_test). Each is minutes of libtpu compile on this 2-core host (kimi-k2 about
-# 260 CPU-seconds); the whole suite compiles each one's reduced form instead (reduced_tpu_model), and the full-size
-# figures are in benchmarks/README.md ("Memory at scale"). Opt-in: TIER=fullsize bash unit_test_and_lint.sh.
-FULLSIZE = [pytest.mark.fullsize, pytest.mark.long, pytest.mark.slow]
+# The `nightly` tier: what a scheduled job runs beside the whole suite, which must fit 25 minutes on CI's 2 cores.
+# Opt-in: TIER=nightly bash unit_test_and_lint.sh (pytest -m nightly; 13 minutes on 2 cores). It holds
+# - the full-size ahead-of-time compiles for TPU topologies beyond the one the whole suite keeps (llama2-7b on
+#   v5e-256, train_compile_test), minutes of libtpu compile each (kimi-k2 about 260 CPU-seconds): the whole suite
+#   compiles each one's reduced form (reduced_tpu_model); the full-size figures are in benchmarks/README.md;
+# - the per-family consistency matrices' other families (family_tiers, reference=False);
+# - the distillation walk-through (its claim needs its whole length) and the loss fingerprint's objective cases.
+NIGHTLY = [pytest.mark.nightly, pytest.mark.slow]
+FULLSIZE = [*NIGHTLY, pytest.mark.long]  # a full-size compile: minutes alone, started first
 
 
 def reduced_tpu_model(emb_dim: int = 256, layers: int = 1) -> tuple[str, ...]:

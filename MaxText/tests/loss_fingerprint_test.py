@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from MaxText.tests.conftest import ROOT
+from MaxText.tests.conftest import NIGHTLY, ROOT
 from MaxText.tests.helpers import end_to_end_script
 
 RECORDED = os.path.join(ROOT, "end_to_end", "cpu", "loss_fingerprint.json")
@@ -47,21 +47,37 @@ def test_each_kind_of_host_records_every_case_of_this_test(monkeypatch):
   assert fingerprint.recorded_for_this_host(default) == default
 
 
-@pytest.fixture(scope="module")
-def fingerprint(tmp_path_factory):
-  """The script run once on all eight cases, as it recorded them: XLA's default optimisation and 8 CPU devices
-  (the tests' own fast-compile flags, conftest.py, may change a loss's last bit). The objective cases run the
-  users' command lines in subprocesses on tiny numpy-made models, at the script's own --fixtures default,
-  since the data split of the DPO case hashes the data's path."""
-  out = tmp_path_factory.mktemp("fingerprint") / "losses.json"
+def run_fingerprint(out_dir, cases) -> dict:
+  """The script run once on `cases`, as it recorded them: XLA's default optimisation and 8 CPU devices (the tests'
+  own fast-compile flags, conftest.py, may change a loss's last bit). The objective cases run the users' command
+  lines in subprocesses on tiny numpy-made models, at the script's own --fixtures default, since the data split of
+  the DPO case hashes the data's path."""
+  out = out_dir / "losses.json"
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script sets its own, as it recorded
-  command = [sys.executable, "end_to_end/cpu/loss_fingerprint.py", "--cases", ",".join(IN_PROCESS + OBJECTIVES)]
+  command = [sys.executable, "end_to_end/cpu/loss_fingerprint.py", "--cases", ",".join(cases)]
   result = subprocess.run([*command, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   return json.loads(out.read_text())
 
 
-@pytest.mark.slow  # eight tiny trainings, five in one process and three through the command lines
-@pytest.mark.parametrize("name", IN_PROCESS + OBJECTIVES)
-def test_losses_are_unchanged(recorded, fingerprint, name):
+@pytest.fixture(scope="module")
+def in_process(tmp_path_factory):
+  return run_fingerprint(tmp_path_factory.mktemp("fingerprint"), IN_PROCESS)
+
+
+@pytest.fixture(scope="module")
+def objectives(tmp_path_factory):
+  return run_fingerprint(tmp_path_factory.mktemp("fingerprint_objectives"), OBJECTIVES)
+
+
+# The five in-process trainings (~50 CPU-seconds in one process) in the whole suite; the three through the command
+# lines (SFT, DPO and GRPO on converted models: as many again) in the nightly tier. dpo_test, rl_test and train_test
+# check those objectives' losses and resumes in the whole suite, to float tolerance rather than to the bit.
+CASES = [pytest.param(n, marks=pytest.mark.slow) for n in IN_PROCESS]
+CASES += [pytest.param(n, marks=NIGHTLY) for n in OBJECTIVES]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_losses_are_unchanged(recorded, request, name):
+  fingerprint = request.getfixturevalue("in_process" if name in IN_PROCESS else "objectives")
   assert fingerprint[name] == recorded[name]

@@ -153,14 +153,15 @@ PP2 = ["ici_pipeline_parallelism=2", "ici_fsdp_parallelism=-1"]
 @pytest.mark.slow
 def test_train_losses_with_remat_accumulation_and_sharding_inside_stages(tmp_path):
   """The real train loop, pipelined over 2 stages, against data/fsdp parallelism: per-step float32
-  losses equal within 1e-5 under remat policies, gradient accumulation and fsdp/tensor in a stage."""
+  losses equal within 1e-5 under remat policies, gradient accumulation and fsdp/tensor in a stage. Each remat
+  policy rides on a run that checks something else too (a run is a compile: ~6 CPU-seconds); unpipelined, each
+  policy has a run of its own (train_test)."""
   ref = run_losses(tmp_path, "ref", "ici_fsdp_parallelism=8")
   variants = {
-    "pp2": [*PP2, "num_pipeline_microbatches=4"],
-    "pp2_tp2": ["ici_pipeline_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"],
-    "pp2_accum": [*PP2, "gradient_accumulation_steps=2"],
-    "pp2_minimal": [*PP2, "remat_policy=minimal"],
-    "pp2_save_dot_except_mlp": [*PP2, "remat_policy=save_dot_except_mlp"],
+    "pp2_minimal": [*PP2, "num_pipeline_microbatches=4", "remat_policy=minimal"],
+    "pp2_tp2_save_dot_except_mlp": ["ici_pipeline_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"]
+    + ["remat_policy=save_dot_except_mlp"],
+    "pp2_accum": [*PP2, "gradient_accumulation_steps=2"],  # remat_policy=full, the default
     "pp2_offloaded": [*PP2, "remat_policy=minimal_offloaded"],
     "pp2_none": [*PP2, "remat_policy=none"],
   }
@@ -217,8 +218,9 @@ FAMILIES = {
 }
 
 
-# The fast tier: whole units with a remainder after them (gemma2_partial) and two stacks (deepseek); the slow tier all.
-@pytest.mark.parametrize("family", family_tiers(sorted(FAMILIES), ("deepseek", "gemma2_partial")))
+# The fast tier (and so the whole suite): whole units with a remainder after them (gemma2_partial) and two stacks
+# (deepseek); the nightly tier the others.
+@pytest.mark.parametrize("family", family_tiers(sorted(FAMILIES), ("deepseek", "gemma2_partial"), reference=False))
 def test_family_stacks_pipeline(family):
   layers, extra = FAMILIES[family]
   extra = [*extra, *MLA] if "deepseek" in family else extra
@@ -311,7 +313,7 @@ def test_stacked_layers_live_only_on_their_stage_devices():
 @pytest.mark.parametrize("size", [pytest.param("full", marks=FULLSIZE), "reduced"])
 def test_llama2_70b_pipelined_over_two_v5e_256_slices_compiles_and_fits(size):
   """AOT for TPUs on the CPU (docs/pipeline_parallelism.md): 12.21 GiB per device when recorded, 150 CPU-seconds of
-  compile (the `fullsize` tier); the whole suite compiles the same schedule and mesh on 4 reduced layers in 9."""
+  compile (the `nightly` tier); the whole suite compiles the same schedule and mesh on 4 reduced layers in 9."""
   overrides = ["model_name=llama2-70b", "compile_topology=v5e-256", "compile_topology_num_slices=2"]
   overrides += ["dcn_pipeline_parallelism=2", "dcn_data_parallelism=1", "per_device_batch_size=2"]
   overrides += [] if size == "full" else reduced_tpu_model(256, layers=4)

@@ -22,11 +22,11 @@ BASE = os.path.join("MaxText", "configs", "base.yml")
 # llama2-7b at batch 16 11.50 GiB total (MaxText 12.87), 16B 5.83 (6.26 before the activation pieces; MaxText
 # 7.49), upstream MaxText 0.2.5 as its users install it (the same compiler). llama2-7b at batch 4: 3.98 (4.29).
 # kimi-k2-1t 84.44, its reduced form (KIMI_REDUCED, in the whole suite) 0.44. The 16B and the whole kimi-k2 are the
-# `fullsize` tier's (conftest.FULLSIZE).
+# `nightly` tier's (conftest.FULLSIZE).
 CEILING_GIB = {"7b_b16_total": 11.6, "16b_total": 5.90, "kimi_total": 85.0, "kimi_reduced_total": 0.48}
 
 
-@pytest.mark.fullsize  # recipes_test compiles v5e/16b on two v5e-256 slices in reduced form in the whole suite
+@pytest.mark.nightly  # recipes_test compiles v5e/16b on two v5e-256 slices in reduced form in the whole suite
 @pytest.mark.long
 @pytest.mark.slow
 def test_16b_on_two_v5e_256_slices_fits_under_its_recorded_ceiling():
@@ -52,7 +52,7 @@ KIMI_REDUCED = (
 @pytest.mark.slow
 @pytest.mark.parametrize("size", [pytest.param("full", marks=FULLSIZE), "reduced"])
 def test_kimi_k2_fits_on_v5p_1024_under_its_recorded_ceiling(size):
-  """The 1.03T preset whole (`fullsize` tier), on its smallest v5p slice with fsdp alone: 384 chips (v5p-768) divide
+  """The 1.03T preset whole (`nightly` tier), on its smallest v5p slice with fsdp alone: 384 chips (v5p-768) divide
   neither D = 7168 nor V = 163840, and on 256 (v5p-512) the temporaries need 118 GiB. About 260 CPU-seconds of
   compile (benchmarks/README.md); a 2-layer cut takes as long (the 384 experts' per-chip shapes are the cost), so
   the whole suite compiles the reduced form, which keeps the experts and the layout."""

@@ -323,8 +323,8 @@ def test_lora_sft_on_the_converted_model_trains(family, tmp_path, monkeypatch):
 # Each layout with the bound on a gradient's difference, as a fraction of its leaf's largest gradient. Under data x
 # fsdp x tensor the per-layer inputs (RMS-normed over only P = 4 dims here) spread the summation-order differences
 # to ~5e-4 of a leaf (2e-4 without them: hidden_size_per_layer_input=0).
+# fsdp alone is in both (over 2 and 4 devices): a layout of its own over 8 would add a compile and check nothing new.
 LAYOUTS = [
-  (["ici_fsdp_parallelism=8"], 2e-4),
   (["ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"], 1e-3),
   (["ici_fsdp_parallelism=4", "ici_context_parallelism=2"], 2e-4),  # windows and shared keys across context shards
 ]
@@ -337,10 +337,10 @@ MOE_LAYOUTS = [
 ]
 
 
-@pytest.mark.slow  # compiles 4 (3 for gemma4-moe) layouts on 8 CPU devices
+@pytest.mark.slow  # compiles 3 layouts (one device and two over 8 CPU devices)
 @pytest.mark.parametrize("family, layouts", [("gemma4-kv-shared", LAYOUTS), ("gemma4-moe", MOE_LAYOUTS)])
 def test_layouts_give_the_single_device_loss_and_gradients(family, layouts):
-  """fsdp, data x fsdp x tensor and fsdp x context on 8 CPU devices: the loss and its gradients of a tiny Gemma 4
+  """data x fsdp x tensor and fsdp x context on 8 CPU devices: the loss and its gradients of a tiny Gemma 4
   with kv-sharing layers and per-layer embeddings equal one device's; with the MoE block, under expert
   parallelism too."""
   tiny = [os.path.join(config.CONFIG_DIR, "base.yml"), *DECODE_TINY, *DECODE_FAMILIES[family]]

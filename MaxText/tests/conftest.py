@@ -173,8 +173,12 @@ def family_tiers(values, fast, quick=None, reference=True):
 # - the full-size ahead-of-time compiles for TPU topologies beyond the one the whole suite keeps (llama2-7b on
 #   v5e-256, train_compile_test), minutes of libtpu compile each (kimi-k2 about 260 CPU-seconds): the whole suite
 #   compiles each one's reduced form (reduced_tpu_model); the full-size figures are in benchmarks/README.md;
-# - the per-family consistency matrices' other families (family_tiers, reference=False);
-# - the distillation walk-through (its claim needs its whole length) and the loss fingerprint's objective cases.
+# - the per-family consistency matrices' other families (family_tiers, reference=False), and the like in a family's
+#   own module (its converted checkpoint fine-tunes with LoRA SFT, its stack pipelines): the whole suite trains
+#   the fast tier's families (dense, GQA MoE, MLA MoE, a local/global cycle) from converted checkpoints, and checks
+#   every family's forward against Hugging Face's and its gradients across layouts;
+# - the post-training walk-throughs (end_to_end_test: each of their stages has tests of its own in the whole suite)
+#   and six of the loss fingerprint's eight cases.
 NIGHTLY = [pytest.mark.nightly, pytest.mark.slow]
 FULLSIZE = [*NIGHTLY, pytest.mark.long]  # a full-size compile: minutes alone, started first
 

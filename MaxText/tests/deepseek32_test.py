@@ -45,6 +45,7 @@ def test_layouts_give_the_single_device_loss_and_gradients(chunk):
       np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6, err_msg=str(layout))
 
 
+@pytest.mark.nightly  # a converted checkpoint trains: conftest.NIGHTLY
 @pytest.mark.slow
 def test_lora_sft_on_the_converted_model_trains(tmp_path):
   """A converted tiny DeepSeek V3.2 (vocab widened to the chat tokenizer's; the indexer keeps 4 of up to 32 keys)

@@ -100,9 +100,8 @@ TRAINED += ("gemma4-moe",)
 # take ~90 and ~120 CPU-s against ~6 for llama2, ~15 for gemma2, ~40 for gemma4-moe (2026-11-27; gemma3 on one
 # device instead of 8: the same, remat_policy=none or scan_layers=false: a fifth less). They run in the nightly
 # tier with the other families; the fast tier (and so the whole suite) trains a dense model, GQA MoE, MLA MoE and a
-# local/global cycle. Each family's forward is checked against Hugging Face in the whole suite (above), and the
-# families with a module of their own train their converted checkpoint there too (gemma4_test, glm4_moe_test,
-# deepseek32_test, minimax_m2_test, olmo3_test, qwen3_5_test: LoRA SFT).
+# local/global cycle. Each family's forward is checked against Hugging Face in the whole suite (above), and so are
+# the gradients of the families with a module of their own across layouts (equal to one device's).
 TRAIN_FAST = ("llama2", "mixtral", "deepseek3", "gemma2")
 
 

@@ -309,6 +309,7 @@ def test_moe_features_switched_off_leave_hugging_face(tmp_path, monkeypatch):
       assert np.abs(maxtext_logits(out, TOKENS) - reference.logits).max() > 1e-3, feature
 
 
+@pytest.mark.nightly  # a converted checkpoint trains: conftest.NIGHTLY
 @pytest.mark.slow  # LoRA SFT of a converted model: a minute or more on the 2 busy cores
 @pytest.mark.parametrize("family", ["gemma4-ple", "gemma4-moe"])
 def test_lora_sft_on_the_converted_model_trains(family, tmp_path, monkeypatch):

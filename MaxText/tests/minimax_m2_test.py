@@ -151,6 +151,7 @@ def test_preset_exports_the_published_config_and_reads_it_back():
     assert c[key] == value, key
 
 
+@pytest.mark.nightly  # a converted checkpoint trains: conftest.NIGHTLY
 @pytest.mark.slow  # about 60 s on 2 busy cores
 def test_converted_model_fine_tunes_with_lora_and_sft(tmp_path):
   """The converted model (vocabulary widened to the chat tokenizer's ids) trains under LoRA, then under SFT on
@@ -206,6 +207,7 @@ def test_flops_of_the_preset_count_eight_routed_experts_and_the_router():
   assert flops.training_flops_per_token(c).matmul == 6 * 62 * per_layer
 
 
+@pytest.mark.nightly  # a family's stack pipelines: conftest.NIGHTLY
 @pytest.mark.slow  # two short runs, about 125 s on 2 busy cores
 def test_pipeline_stages_give_fsdp_losses(tmp_path):
   """Four layers over 2 pipeline stages (the bias fixed: its load-driven update is refused under pipelining)."""

@@ -164,6 +164,7 @@ def test_presets_export_their_config_and_read_it_back(preset):
     assert embeddings.rope_attention_factor(mc, rope_type) == pytest.approx(factor, rel=1e-12)
 
 
+@pytest.mark.nightly  # a converted checkpoint trains: conftest.NIGHTLY
 @pytest.mark.slow  # 135 s on the 2 busy cores (2026-11-27)
 def test_lora_sft_on_the_converted_model_trains(tmp_path):
   """A converted tiny OLMo 3 (vocab widened to the chat tokenizer's) fine-tunes with LoRA on chat data: only the

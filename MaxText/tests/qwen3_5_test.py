@@ -138,6 +138,7 @@ def test_each_feature_switched_off_breaks_parity(converted, off):
 LORA_LR = {"qwen3.5-moe": 3e-2, "qwen3.5": 1e-2}  # the dense reference model's loss jumps about at 3e-2
 
 
+@pytest.mark.nightly  # a converted checkpoint trains: conftest.NIGHTLY
 @pytest.mark.slow  # one training compile
 @pytest.mark.parametrize("family", sorted(LORA_LR))
 def test_lora_sft_of_the_converted_model_trains(tmp_path, family):

@@ -154,16 +154,15 @@ PP2 = ["ici_pipeline_parallelism=2", "ici_fsdp_parallelism=-1"]
 def test_train_losses_with_remat_accumulation_and_sharding_inside_stages(tmp_path):
   """The real train loop, pipelined over 2 stages, against data/fsdp parallelism: per-step float32
   losses equal within 1e-5 under remat policies, gradient accumulation and fsdp/tensor in a stage. Each remat
-  policy rides on a run that checks something else too (a run is a compile: ~6 CPU-seconds); unpipelined, each
-  policy has a run of its own (train_test)."""
+  policy rides on a run that checks something else too (a run is a compile: ~6 CPU-seconds), as in train_test."""
   ref = run_losses(tmp_path, "ref", "ici_fsdp_parallelism=8")
   variants = {
     "pp2_minimal": [*PP2, "num_pipeline_microbatches=4", "remat_policy=minimal"],
     "pp2_tp2_save_dot_except_mlp": ["ici_pipeline_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"]
     + ["remat_policy=save_dot_except_mlp"],
-    "pp2_accum": [*PP2, "gradient_accumulation_steps=2"],  # remat_policy=full, the default
+    "pp2_accum_none": [*PP2, "gradient_accumulation_steps=2", "remat_policy=none"],
     "pp2_offloaded": [*PP2, "remat_policy=minimal_offloaded"],
-    "pp2_none": [*PP2, "remat_policy=none"],
+    # remat_policy=full (base.yml's) pipelined: test_checkpoints_move_between_pipelined_and_unpipelined_runs
   }
   for name, overrides in variants.items():
     np.testing.assert_allclose(run_losses(tmp_path, name, *overrides), ref, rtol=1e-5, err_msg=name)

@@ -6,10 +6,10 @@
 #   TIER=quick  every entry point once and the core maths (pytest marker `quick`): target 3 minutes
 #   TIER=fast   everything but the slow tier (-m "not slow"): target 10 minutes
 #   TIER=all    (default) the whole suite, slow tier included: target 25 minutes
-#   TIER=nightly  what a scheduled job runs beside the whole suite (pytest marker `nightly`, about 13 minutes):
+#   TIER=nightly  what a scheduled job runs beside the whole suite (pytest marker `nightly`, about 11 minutes):
 #               the full-size AOT compiles for TPU topologies beyond llama2-7b's (the whole suite compiles their
-#               reduced forms), the per-family consistency matrices' other families, the distillation walk-through
-#               and the loss fingerprint's objective cases (MaxText/tests/conftest.py, NIGHTLY)
+#               reduced forms), the per-family consistency checks' other families, the post-training
+#               walk-throughs and six of the loss fingerprint's cases (MaxText/tests/conftest.py, NIGHTLY)
 #   TIER=torch  the live Hugging Face comparisons (pytest marker `torch`), against torch and transformers:
 #               needs `TEST=1 TORCH=1 bash setup.sh`; the other tiers compare with committed reference files
 # Tests share one persistent JAX compilation cache per session (MaxText/tests/conftest.py).

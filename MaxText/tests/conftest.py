@@ -169,14 +169,15 @@ def family_tiers(values, fast, quick=None, reference=True):
 
 
 # The `nightly` tier: what a scheduled job runs beside the whole suite, which must fit 25 minutes on CI's 2 cores.
-# Opt-in: TIER=nightly bash unit_test_and_lint.sh (pytest -m nightly; 13 minutes on 2 cores). It holds
+# Opt-in: TIER=nightly bash unit_test_and_lint.sh (pytest -m nightly; about 11 minutes on 2 cores). It holds
 # - the full-size ahead-of-time compiles for TPU topologies beyond the one the whole suite keeps (llama2-7b on
 #   v5e-256, train_compile_test), minutes of libtpu compile each (kimi-k2 about 260 CPU-seconds): the whole suite
 #   compiles each one's reduced form (reduced_tpu_model); the full-size figures are in benchmarks/README.md;
 # - the per-family consistency matrices' other families (family_tiers, reference=False), and the like in a family's
-#   own module (its converted checkpoint fine-tunes with LoRA SFT, its stack pipelines): the whole suite trains
-#   the fast tier's families (dense, GQA MoE, MLA MoE, a local/global cycle) from converted checkpoints, and checks
-#   every family's forward against Hugging Face's and its gradients across layouts;
+#   own module (its converted checkpoint fine-tunes with LoRA SFT, a fresh model trains, its stack pipelines, the
+#   router-bias update on unrolled layers as on scanned ones). The whole suite trains the fast tier's families
+#   (dense, GQA MoE, MLA MoE, a local/global cycle) from converted checkpoints, checks every family's forward against
+#   Hugging Face's, and the gradients of each family with a module of its own across layouts;
 # - the post-training walk-throughs (end_to_end_test: each of their stages has tests of its own in the whole suite)
 #   and six of the loss fingerprint's eight cases.
 NIGHTLY = [pytest.mark.nightly, pytest.mark.slow]

@@ -17,7 +17,7 @@ from MaxText.tests.helpers import (
   layout_loss_and_grads,
 )
 
-# fsdp alone is in both (over 2 devices): a layout of its own over 8 would add a compile and check nothing new.
+# Both layouts shard over fsdp too (2 devices): plain fsdp over 8 would add a compile and check nothing new.
 LAYOUTS = [
   ["ici_fsdp_parallelism=2", "ici_expert_parallelism=4"],
   ["ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"],

@@ -1,8 +1,8 @@
 """Runs the end_to_end walk-throughs, as users run them: the smoke run in the whole suite, the post-training ones
-(SFT, post-training, multimodal, distillation) in the nightly tier (conftest.NIGHTLY): a minute or more each, five
-processes that each import and compile, and each of their stages has tests of its own in the whole suite (sft_test,
-dpo_test, rl_test, multimodal_test, distill_test, the conversions' round trips). The quick start itself is too long:
-run end_to_end/cpu/quickstart.sh by hand or in the nightly job."""
+(SFT, post-training, multimodal, distillation) in the nightly tier (conftest.NIGHTLY): from half a minute to three
+each, five or more processes that each import and compile, and each of their stages has tests of its own in the
+whole suite (sft_test, dpo_test, rl_test, multimodal_test, distill_test, the conversions' round trips). The quick
+start itself is too long: run end_to_end/cpu/quickstart.sh by hand or in the nightly job."""
 
 import subprocess
 

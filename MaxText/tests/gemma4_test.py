@@ -324,7 +324,7 @@ def test_lora_sft_on_the_converted_model_trains(family, tmp_path, monkeypatch):
 # Each layout with the bound on a gradient's difference, as a fraction of its leaf's largest gradient. Under data x
 # fsdp x tensor the per-layer inputs (RMS-normed over only P = 4 dims here) spread the summation-order differences
 # to ~5e-4 of a leaf (2e-4 without them: hidden_size_per_layer_input=0).
-# fsdp alone is in both (over 2 and 4 devices): a layout of its own over 8 would add a compile and check nothing new.
+# Both layouts shard over fsdp too (2 and 4 devices): plain fsdp over 8 would add a compile and check nothing new.
 LAYOUTS = [
   (["ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"], 1e-3),
   (["ici_fsdp_parallelism=4", "ici_context_parallelism=2"], 2e-4),  # windows and shared keys across context shards

@@ -175,7 +175,7 @@ def test_lora_sft_on_the_converted_model_trains(tmp_path):
   assert len(got) == 4 and all(np.isfinite(got)) and got[-1] < got[0], got
 
 
-# fsdp alone is in both (over 2 and 4 devices): a layout of its own over 8 would add a compile and check nothing new.
+# Both layouts shard over fsdp too (2 and 4 devices): plain fsdp over 8 would add a compile and check nothing new.
 LAYOUTS = [
   ["ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"],
   ["ici_fsdp_parallelism=4", "ici_context_parallelism=2"],  # sliding windows across context shards
